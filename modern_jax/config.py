@@ -1,0 +1,362 @@
+"""The model configuration: one frozen dataclass, validated at construction.
+
+Every architectural choice of SPEC section 1 is a field here with a closed set of
+values. `ModelConfig` knows nothing about training; the run configuration is a
+separate object (see `modern_jax.training`).
+
+Per-layer patterns are strings repeated cyclically over the depth:
+`attention_pattern` uses `G` (global) and `L` (local, `sliding_window` keys);
+`rope_pattern` uses `R` (RoPE) and `N` (no positions). Gemma 2 is `"LG"`,
+Gemma 3 `"LLLLLG"`, Mistral `"L"`, Llama 4 iRoPE `"RRRN"`. A pattern may also
+spell out every layer (its length is then `n_layers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+NORM_TYPES = ("rmsnorm", "gemma_rmsnorm", "layernorm")
+PLACEMENTS = ("post", "pre", "sandwich", "output", "parallel", "deepnorm")
+FFN_TYPES = ("mlp", "gated")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity")
+POSITIONS = ("none", "rope", "sinusoidal", "learned")
+ROPE_LAYOUTS = ("half", "interleaved")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+ATTENTION_TYPES = ("mha", "mla")
+QK_NORMS = ("none", "head", "full")
+INITS = ("normal", "xavier")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_out")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("reference",)
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"ModelConfig.{field_name}={value!r} is invalid: {allowed}")
+
+
+def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        _fail(field_name, value, f"expected one of {', '.join(map(str, choices))}")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Context-extension scaling of the RoPE frequencies (Hugging Face `rope_scaling`)."""
+
+    type: str = "none"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.type not in ROPE_SCALINGS:
+            _fail("rope_scaling.type", self.type, f"expected one of {', '.join(ROPE_SCALINGS)}")
+        if self.type != "none" and not self.factor >= 1.0:
+            _fail("rope_scaling.factor", self.factor, "a scaling factor must be >= 1")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            _fail(
+                "rope_scaling.high_freq_factor",
+                self.high_freq_factor,
+                f"must exceed low_freq_factor={self.low_freq_factor}",
+            )
+        if self.type in ("llama3", "yarn") and self.original_max_position_embeddings <= 0:
+            _fail(
+                "rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings,
+                "must be a positive context length",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """The rotary embedding one layer applies (derived from `ModelConfig`)."""
+
+    theta: float
+    rotary_dim: int
+    layout: str
+    scaling: RopeScaling
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What differs between layers without changing their parameters' shapes."""
+
+    window: int | None  # None: global attention
+    rope: RopeSpec | None  # None: no positions in this layer (NoPE)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One decoder-only transformer. Every field is a switch of SPEC section 1."""
+
+    # sizes
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; else GQA
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int | None = None  # None: 4d (mlp) or ceil(8d/3) rounded up to ffn_multiple_of (gated)
+    ffn_multiple_of: int = 1
+    max_position_embeddings: int = 2048
+
+    # normalisation and its placement
+    norm_type: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = False  # layernorm only
+    norm_placement: str = "pre"
+    parallel_shared_norm: bool = True  # parallel placement: one norm (GPT-J/PaLM) or two (GPT-NeoX)
+
+    # feed-forward
+    ffn_type: str = "gated"
+    activation: str = "silu"
+    fused_gate_up: bool = False
+    mlp_bias: bool = False
+
+    # positions
+    position_embedding: str = "rope"
+    rope_theta: float = 10000.0
+    rope_layout: str = "half"
+    rope_fraction: float = 1.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    rope_local_theta: float | None = None  # base of the local layers (Gemma 3); None: rope_theta
+    rope_pattern: str = "R"
+
+    # attention
+    attention_type: str = "mha"
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: str = "none"
+    attn_scale: float | None = None  # None: 1/sqrt(head_dim)
+    attn_softcap: float | None = None
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    attention_pattern: str = "G"
+    attention_impl: str = "reference"
+    # MLA (attention_type="mla")
+    mla_kv_rank: int = 0
+    mla_q_rank: int = 0  # 0: full-rank query projection
+    mla_rope_dim: int = 64
+    mla_nope_dim: int = 128
+    mla_v_dim: int = 128
+
+    # embeddings and head
+    tie_embeddings: bool = False
+    embed_scale: bool = False  # multiply embeddings by sqrt(d_model) (Gemma)
+    head_bias: bool = False
+    final_softcap: float | None = None
+
+    # initialisation, regularisation, numerics, depth
+    init: str = "normal"
+    init_std: float = 0.02
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat: str = "none"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(name, value, "expected a positive integer")
+        for name, choices in (
+            ("norm_type", NORM_TYPES),
+            ("norm_placement", PLACEMENTS),
+            ("ffn_type", FFN_TYPES),
+            ("activation", ACTIVATIONS),
+            ("position_embedding", POSITIONS),
+            ("rope_layout", ROPE_LAYOUTS),
+            ("attention_type", ATTENTION_TYPES),
+            ("qk_norm", QK_NORMS),
+            ("init", INITS),
+            ("remat", REMAT_POLICIES),
+            ("dtype", DTYPES),
+            ("param_dtype", DTYPES),
+            ("attention_impl", ATTENTION_IMPLS),
+        ):
+            _check_choice(name, getattr(self, name), choices)
+        if not isinstance(self.rope_scaling, RopeScaling):
+            _fail("rope_scaling", self.rope_scaling, "expected a RopeScaling (a mapping in YAML)")
+
+        n_kv = self.num_kv_heads
+        if n_kv <= 0 or self.n_heads % n_kv:
+            _fail("n_kv_heads", self.n_kv_heads, f"must be a positive divisor of n_heads={self.n_heads}")
+        if self.head_dim is None and self.attention_type == "mha" and self.d_model % self.n_heads:
+            _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model} unless head_dim is set")
+        if self.head_dim is not None and self.head_dim <= 0:
+            _fail("head_dim", self.head_dim, "expected a positive integer")
+        if self.d_ff is not None and self.d_ff <= 0:
+            _fail("d_ff", self.d_ff, "expected a positive integer or null (width rule)")
+        if self.ffn_multiple_of <= 0:
+            _fail("ffn_multiple_of", self.ffn_multiple_of, "expected a positive integer")
+        if self.norm_eps <= 0:
+            _fail("norm_eps", self.norm_eps, "expected a positive float")
+        if self.norm_bias and self.norm_type != "layernorm":
+            _fail("norm_bias", self.norm_bias, f"only layernorm has a bias, norm_type={self.norm_type!r}")
+        if self.ffn_type == "mlp" and self.activation in ("identity", "sigmoid"):
+            _fail("activation", self.activation, "a plain mlp needs relu, gelu, gelu_tanh or silu")
+        if self.fused_gate_up and self.ffn_type != "gated":
+            _fail("fused_gate_up", True, "only a gated FFN has gate and up projections")
+        if not self.parallel_shared_norm and self.norm_placement != "parallel":
+            _fail("parallel_shared_norm", False, "only applies to norm_placement='parallel'")
+
+        # positions
+        if not 0.0 < self.rope_fraction <= 1.0:
+            _fail("rope_fraction", self.rope_fraction, "expected a fraction in (0, 1]")
+        if self.rope_theta <= 0:
+            _fail("rope_theta", self.rope_theta, "expected a positive base")
+        uses_rope = self.position_embedding == "rope"
+        if uses_rope and self.rotary_dim % 2:
+            _fail(
+                "head_dim" if self.rope_fraction == 1.0 else "rope_fraction",
+                self.head_dim if self.rope_fraction == 1.0 else self.rope_fraction,
+                f"RoPE rotates pairs: the rotary dimension {self.rotary_dim} must be even",
+            )
+        if not uses_rope and self.rope_scaling.type != "none":
+            _fail("rope_scaling", self.rope_scaling.type, "rope_scaling needs position_embedding='rope'")
+        self._check_pattern("rope_pattern", "RN")
+        if "N" in self.rope_pattern and not uses_rope:
+            _fail("rope_pattern", self.rope_pattern, "NoPE layers ('N') need position_embedding='rope'")
+        if self.rope_local_theta is not None and "L" not in self.attention_pattern:
+            _fail("rope_local_theta", self.rope_local_theta, "applies to local layers; attention_pattern has no 'L'")
+
+        # attention
+        self._check_pattern("attention_pattern", "GL")
+        if "L" in self.attention_pattern:
+            if self.sliding_window is None or self.sliding_window <= 0:
+                _fail("sliding_window", self.sliding_window, "local layers ('L') need a positive window")
+        elif self.sliding_window is not None:
+            _fail("sliding_window", self.sliding_window, "set attention_pattern to 'L' (all local) or a mix like 'LG'")
+        for name in ("attn_softcap", "final_softcap", "attn_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                _fail(name, value, "expected a positive float or null")
+        for name in ("attn_dropout", "resid_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(name, getattr(self, name), "expected a rate in [0, 1)")
+        if self.init_std <= 0:
+            _fail("init_std", self.init_std, "expected a positive standard deviation")
+        if self.attention_type == "mla":
+            if self.mla_kv_rank <= 0:
+                _fail("mla_kv_rank", self.mla_kv_rank, "MLA needs a positive latent size d_c")
+            if self.mla_q_rank < 0:
+                _fail("mla_q_rank", self.mla_q_rank, "expected 0 (full-rank q) or a positive rank")
+            for name in ("mla_rope_dim", "mla_nope_dim", "mla_v_dim"):
+                if getattr(self, name) <= 0:
+                    _fail(name, getattr(self, name), "expected a positive integer")
+            if self.mla_rope_dim % 2:
+                _fail("mla_rope_dim", self.mla_rope_dim, "RoPE rotates pairs: must be even")
+            if not uses_rope:
+                _fail("position_embedding", self.position_embedding, "MLA's decoupled key needs 'rope'")
+            if self.n_kv_heads not in (None, self.n_heads):
+                _fail("n_kv_heads", self.n_kv_heads, "MLA shares one latent across heads; leave n_kv_heads unset")
+            if self.qk_norm != "none":
+                _fail("qk_norm", self.qk_norm, "MLA normalises its latents instead; use 'none'")
+        elif self.mla_kv_rank or self.mla_q_rank:
+            _fail("mla_kv_rank" if self.mla_kv_rank else "mla_q_rank", self.mla_kv_rank or self.mla_q_rank,
+                  "set attention_type='mla' to use a latent")
+        if self.position_embedding == "sinusoidal" and self.d_model % 2:
+            _fail("d_model", self.d_model, "sinusoidal positions need an even d_model")
+
+    def _check_pattern(self, name: str, letters: str) -> None:
+        pattern = getattr(self, name)
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set(letters):
+            _fail(name, pattern, f"expected a non-empty string of {', '.join(letters)}")
+        if len(pattern) > self.n_layers:
+            _fail(name, pattern, f"is longer than n_layers={self.n_layers}")
+
+    # ----- derived sizes -------------------------------------------------------
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        if self.attention_type == "mla":
+            return self.mla_rope_dim
+        return int(self.head_size * self.rope_fraction)
+
+    @property
+    def ffn_width(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.ffn_type == "mlp":
+            return 4 * self.d_model
+        return ffn_width_rule(self.d_model, self.ffn_multiple_of)
+
+    @property
+    def has_final_norm(self) -> bool:
+        return self.norm_placement not in ("post", "deepnorm")
+
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """The static per-layer choices (window, RoPE) the patterns spell out."""
+        specs = []
+        for i in range(self.n_layers):
+            local = self.attention_pattern[i % len(self.attention_pattern)] == "L"
+            rope = None
+            if self.position_embedding == "rope" and self.rope_pattern[i % len(self.rope_pattern)] == "R":
+                if local and self.rope_local_theta is not None:
+                    rope = RopeSpec(self.rope_local_theta, self.rotary_dim, self.rope_layout, RopeScaling())
+                else:
+                    rope = RopeSpec(self.rope_theta, self.rotary_dim, self.rope_layout, self.rope_scaling)
+            specs.append(LayerSpec(self.sliding_window if local else None, rope))
+        return tuple(specs)
+
+    # ----- (de)serialisation ---------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        values = dict(values)
+        check_keys("model", values, [f.name for f in dataclasses.fields(cls)])
+        if isinstance(values.get("rope_scaling"), dict):
+            scaling = values["rope_scaling"]
+            check_keys("model.rope_scaling", scaling, [f.name for f in dataclasses.fields(RopeScaling)])
+            values["rope_scaling"] = RopeScaling(**scaling)
+        elif values.get("rope_scaling") is None:
+            values.pop("rope_scaling", None)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = dataclasses.asdict(value) if isinstance(value, RopeScaling) else value
+        return out
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def ffn_width_rule(d_model: int, multiple_of: int) -> int:
+    """Llama's width: ceil(8d/3) rounded up to a multiple of `multiple_of`."""
+    width = math.ceil(8 * d_model / 3)
+    return multiple_of * math.ceil(width / multiple_of)
+
+
+def check_keys(section: str, values: dict, allowed: list[str]) -> None:
+    """Reject unknown keys with the closest allowed names."""
+    for key in values:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"unknown key {section}.{key}{hint} (allowed: {', '.join(allowed)})")

@@ -1,0 +1,191 @@
+"""Self-attention: MHA / GQA / MQA and DeepSeek's multi-head latent attention (MLA).
+
+Letters: B batch, T query length, S key length, D model, N query heads, K kv heads,
+G query heads per kv head (N = K * G), H head dim, C MLA latent (d_c), R rotary dim
+of MLA's decoupled key (d_R), V value head dim, Q MLA query rank.
+
+Decoding caches are dicts of arrays `[B, S, ...]` plus `pos[B, S]` (the position held
+by each slot, -1 when empty). Local layers keep a ring of `sliding_window` slots.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+from flax import nnx
+
+from modern_jax.config import LayerSpec, ModelConfig
+from modern_jax.kernels import AttentionSpec, attention
+from modern_jax.layers.linear import Proj, param
+from modern_jax.layers.norms import Norm
+from modern_jax.layers.positions import apply_rope, yarn_mscale
+from modern_jax.sharding import constrain
+
+
+
+
+def attend_with_cache(cache, new, pos_BT, window):
+    """Write `new` (dict of [B, T, ...]) into `cache`; return what the queries attend to.
+
+    Returns `(keys, k_pos_BS, updated_cache)`. A ring (local layer) that receives several
+    tokens at once attends over the old cache plus the new tokens, since writing first
+    could overwrite keys an earlier new query still sees.
+    """
+    B, T = pos_BT.shape
+    S = cache["pos"].shape[1]
+    tail = {name: value[:, -S:] for name, value in new.items()}
+    pos_tail_BT = pos_BT[:, -S:]
+    b_B1 = jnp.arange(B)[:, None]
+    slots_BT = pos_tail_BT % S
+    updated = {name: cache[name].at[b_B1, slots_BT].set(tail[name].astype(cache[name].dtype)) for name in new}
+    updated["pos"] = cache["pos"].at[b_B1, slots_BT].set(pos_tail_BT)
+    if window is None or T == 1:
+        keys = {name: updated[name] for name in new}
+        return keys, updated["pos"], updated
+    keys = {name: jnp.concatenate([cache[name], new[name].astype(cache[name].dtype)], axis=1) for name in new}
+    return keys, jnp.concatenate([cache["pos"], pos_BT], axis=1), updated
+
+
+def cache_slots(cfg: ModelConfig, spec: LayerSpec, max_len: int) -> int:
+    return max_len if spec.window is None else min(spec.window, max_len)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped K/V (MHA when K = N, MQA when K = 1)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs):
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.num_kv_heads, cfg.head_size
+        self.cfg, self.spec = cfg, spec
+        self.q_proj = Proj(cfg, (D, N, H), ("embed", "q_heads", "head_dim"), role="qk", bias=cfg.qkv_bias, rngs=rngs)
+        self.k_proj = Proj(cfg, (D, K, H), ("embed", "kv_heads", "head_dim"), role="qk", bias=cfg.qkv_bias, rngs=rngs)
+        self.v_proj = Proj(cfg, (D, K, H), ("embed", "kv_heads", "head_dim"), role="v", bias=cfg.qkv_bias, rngs=rngs)
+        self.o_proj = Proj(cfg, (N, H, D), ("q_heads", "head_dim", "embed"), role="out", in_dims=2,
+                           bias=cfg.out_bias, rngs=rngs)
+        if cfg.qk_norm == "head":  # one gamma over head_dim, shared by all heads
+            self.q_norm = Norm(cfg, (H,), ("head_dim",), rngs=rngs)
+            self.k_norm = Norm(cfg, (H,), ("head_dim",), rngs=rngs)
+        elif cfg.qk_norm == "full":  # over the whole projection (OLMo 2)
+            self.q_norm = Norm(cfg, (N, H), ("q_heads", "head_dim"), rngs=rngs)
+            self.k_norm = Norm(cfg, (K, H), ("kv_heads", "head_dim"), rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+        self.sinks = param(rngs, jax.nn.initializers.zeros, (N,), ("q_heads",), jnp.float32) if cfg.attention_sinks else None
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        S, K, H = cache_slots(self.cfg, self.spec, max_len), self.cfg.num_kv_heads, self.cfg.head_size
+        return {"k": jnp.zeros((batch, S, K, H), dtype), "v": jnp.zeros((batch, S, K, H), dtype),
+                "pos": jnp.full((batch, S), -1, jnp.int32)}
+
+    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None):
+        cfg, spec = self.cfg, self.spec
+        B, T, _ = x_BTD.shape
+        K, G, H = cfg.num_kv_heads, cfg.n_heads // cfg.num_kv_heads, cfg.head_size
+        q_BTNH = checkpoint_name(self.q_proj("BTD,DNH->BTNH", x_BTD), "query_proj")
+        k_BTKH = checkpoint_name(self.k_proj("BTD,DKH->BTKH", x_BTD), "key_proj")
+        v_BTKH = checkpoint_name(self.v_proj("BTD,DKH->BTKH", x_BTD), "value_proj")
+        if self.q_norm is not None:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        if spec.rope is not None:
+            q_BTNH, k_BTKH = apply_rope(q_BTNH, pos_BT, spec.rope), apply_rope(k_BTKH, pos_BT, spec.rope)
+        q_BTKGH = constrain(q_BTNH.reshape(B, T, K, G, H), ("activation_batch", "activation_length",
+                                                            "activation_kv_heads", None, None))
+        k_pos_BS, k_seg_BS = pos_BT, seg_BT
+        if cache is None:
+            k_BSKH, v_BSKH = k_BTKH, v_BTKH
+        else:
+            keys, k_pos_BS, cache = attend_with_cache(cache, {"k": k_BTKH, "v": v_BTKH}, pos_BT, spec.window)
+            k_BSKH, v_BSKH = keys["k"].astype(x_BTD.dtype), keys["v"].astype(x_BTD.dtype)
+        scale = cfg.attn_scale if cfg.attn_scale is not None else H**-0.5
+        sinks_KG = None if self.sinks is None else self.sinks[...].reshape(K, G)
+        o_BTKGH = attention(
+            q_BTKGH, k_BSKH, v_BSKH,
+            AttentionSpec(scale=scale, window=spec.window, softcap=cfg.attn_softcap, dropout_rate=cfg.attn_dropout),
+            q_pos_BT=pos_BT, k_pos_BS=k_pos_BS, q_seg_BT=seg_BT, k_seg_BS=k_seg_BS, sinks_KG=sinks_KG,
+            dropout_rng=rng, impl=cfg.attention_impl,
+        )
+        o_BTNH = checkpoint_name(o_BTKGH.reshape(B, T, K * G, H), "attention_out")
+        return self.o_proj("BTNH,NHD->BTD", o_BTNH), cache
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention: keys and values come from a shared latent c[C].
+
+    The cache holds only `c[C]` and the decoupled rotary key `k_pe[R]` per token. With a
+    cache the up-projections are absorbed: queries move into latent space
+    (`q_nope @ W_uk`), attention runs as MQA over `[c, k_pe]`, and `W_uv` maps back.
+    """
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs):
+        D, N, C, R = cfg.d_model, cfg.n_heads, cfg.mla_kv_rank, cfg.mla_rope_dim
+        Hn, V, Q = cfg.mla_nope_dim, cfg.mla_v_dim, cfg.mla_q_rank
+        self.cfg, self.spec = cfg, spec
+        if Q:
+            self.q_a_proj = Proj(cfg, (D, Q), ("embed", "q_lora"), role="in", rngs=rngs)
+            self.q_a_layernorm = Norm(cfg, (Q,), ("q_lora",), rngs=rngs)
+            self.q_b_proj = Proj(cfg, (Q, N, Hn + R), ("q_lora", "q_heads", "head_dim"), role="qk", rngs=rngs)
+        else:
+            self.q_proj = Proj(cfg, (D, N, Hn + R), ("embed", "q_heads", "head_dim"), role="qk", rngs=rngs)
+        self.kv_a_proj_with_mqa = Proj(cfg, (D, C + R), ("embed", "kv_lora"), role="in", rngs=rngs)
+        self.kv_a_layernorm = Norm(cfg, (C,), ("kv_lora",), rngs=rngs)
+        self.kv_b_proj = Proj(cfg, (C, N, Hn + V), ("kv_lora", "q_heads", "head_dim"), role="v", rngs=rngs)
+        self.o_proj = Proj(cfg, (N, V, D), ("q_heads", "head_dim", "embed"), role="out", in_dims=2, rngs=rngs)
+        self.sinks = param(rngs, jax.nn.initializers.zeros, (N,), ("q_heads",), jnp.float32) if cfg.attention_sinks else None
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        S = cache_slots(self.cfg, self.spec, max_len)
+        return {"c": jnp.zeros((batch, S, self.cfg.mla_kv_rank), dtype),
+                "k_pe": jnp.zeros((batch, S, self.cfg.mla_rope_dim), dtype),
+                "pos": jnp.full((batch, S), -1, jnp.int32)}
+
+    def scale(self) -> float:
+        cfg = self.cfg
+        scale = cfg.attn_scale if cfg.attn_scale is not None else (cfg.mla_nope_dim + cfg.mla_rope_dim) ** -0.5
+        s = self.spec.rope.scaling
+        if s.type == "yarn" and s.mscale_all_dim:  # DeepSeek: softmax scale times mscale^2
+            scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+        return scale
+
+    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, absorb=None):
+        cfg, spec = self.cfg, self.spec
+        B, T, _ = x_BTD.shape
+        N, C, Hn = cfg.n_heads, cfg.mla_kv_rank, cfg.mla_nope_dim
+        if cfg.mla_q_rank:
+            q_BTNH = self.q_b_proj("BTQ,QNH->BTNH", self.q_a_layernorm(self.q_a_proj("BTD,DQ->BTQ", x_BTD)))
+        else:
+            q_BTNH = self.q_proj("BTD,DNH->BTNH", x_BTD)
+        q_nope_BTNH, q_pe_BTNR = q_BTNH[..., :Hn], apply_rope(q_BTNH[..., Hn:], pos_BT, spec.rope)
+        ckv_BTX = self.kv_a_proj_with_mqa("BTD,DX->BTX", x_BTD)
+        c_BTC = checkpoint_name(self.kv_a_layernorm(ckv_BTX[..., :C]), "key_proj")
+        k_pe_BTR = apply_rope(ckv_BTX[:, :, None, C:], pos_BT, spec.rope)[:, :, 0]
+        k_pos_BS, k_seg_BS = pos_BT, seg_BT
+        if cache is None:
+            c_BSC, k_pe_BSR = c_BTC, k_pe_BTR
+        else:
+            keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTC, "k_pe": k_pe_BTR}, pos_BT, spec.window)
+            c_BSC, k_pe_BSR = keys["c"].astype(x_BTD.dtype), keys["k_pe"].astype(x_BTD.dtype)
+        absorb = cache is not None if absorb is None else absorb
+        w_CNX = self.kv_b_proj.kernel[...].astype(x_BTD.dtype)
+        w_uk_CNH, w_uv_CNV = w_CNX[..., :Hn], w_CNX[..., Hn:]
+        spec_ = AttentionSpec(scale=self.scale(), window=spec.window, softcap=cfg.attn_softcap,
+                              dropout_rate=cfg.attn_dropout)
+        kwargs = dict(q_pos_BT=pos_BT, k_pos_BS=k_pos_BS, q_seg_BT=seg_BT, k_seg_BS=k_seg_BS,
+                      dropout_rng=rng, impl=cfg.attention_impl)
+        if absorb:  # MQA over the latent: one shared "kv head" of width C + R, N queries per group
+            q_lat_BTNC = jnp.einsum("BTNH,CNH->BTNC", q_nope_BTNH, w_uk_CNH)
+            q_BT1NX = jnp.concatenate([q_lat_BTNC, q_pe_BTNR], axis=-1)[:, :, None]
+            k_BS1X = jnp.concatenate([c_BSC, k_pe_BSR], axis=-1)[:, :, None]
+            sinks_1N = None if self.sinks is None else self.sinks[...][None]
+            o_BT1NC = attention(q_BT1NX, k_BS1X, c_BSC[:, :, None], spec_, sinks_KG=sinks_1N, **kwargs)
+            o_BTNV = jnp.einsum("BTNC,CNV->BTNV", o_BT1NC[:, :, 0], w_uv_CNV)
+        else:  # expand the latent into per-head keys and values (training)
+            S = c_BSC.shape[1]
+            k_nope_BSNH = jnp.einsum("BSC,CNH->BSNH", c_BSC, w_uk_CNH)
+            v_BSNV = jnp.einsum("BSC,CNV->BSNV", c_BSC, w_uv_CNV)
+            k_BSNX = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_pe_BSR[:, :, None], (B, S, N, k_pe_BSR.shape[-1]))], -1)
+            q_BTN1X = jnp.concatenate([q_nope_BTNH, q_pe_BTNR], axis=-1)[:, :, :, None]
+            sinks_N1 = None if self.sinks is None else self.sinks[...][:, None]
+            o_BTN1V = attention(q_BTN1X, k_BSNX, v_BSNV, spec_, sinks_KG=sinks_N1, **kwargs)
+            o_BTNV = o_BTN1V[:, :, :, 0]
+        o_BTNV = checkpoint_name(o_BTNV, "attention_out")
+        return self.o_proj("BTNV,NVD->BTD", o_BTNV), cache

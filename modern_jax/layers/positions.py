@@ -1,0 +1,85 @@
+"""Positions: RoPE (both pair layouts, partial, linear / Llama-3 / YaRN scaling) and sinusoids.
+
+RoPE rotates pairs of query/key features by `position * inv_freq`; values are never
+rotated. `half` pairs feature i with i + R/2 (Llama, Hugging Face); `interleaved`
+pairs 2i with 2i + 1 (RoFormer, GPT-J). Only the first `rotary_dim` features rotate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from modern_jax.config import RopeSpec
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(spec: RopeSpec) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [R/2] and the attention factor applied to cos/sin."""
+    dim, base, s = spec.rotary_dim, spec.theta, spec.scaling
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if s.type == "linear":
+        return inv_freq / s.factor, 1.0
+    if s.type == "llama3":
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        mixed = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return np.where(medium, mixed, scaled).astype(np.float32), 1.0
+    if s.type == "yarn":
+        if s.attention_factor is not None:
+            attention_factor = s.attention_factor
+        elif s.mscale and s.mscale_all_dim:
+            attention_factor = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(s.factor)
+
+        def correction_dim(rotations):
+            return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = (inv_freq / s.factor) * (1 - extrapolation) + inv_freq * extrapolation
+        return inv_freq.astype(np.float32), attention_factor
+    return inv_freq, 1.0
+
+
+def apply_rope(x_BTNH, pos_BT, spec: RopeSpec):
+    """Rotate the first `spec.rotary_dim` features of every head of `x` by its position."""
+    inv_freq, attention_factor = rope_frequencies(spec)
+    angle_BTR = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)
+    cos_BT1R = (jnp.cos(angle_BTR) * attention_factor)[:, :, None, :]
+    sin_BT1R = (jnp.sin(angle_BTR) * attention_factor)[:, :, None, :]
+    rot, rest = x_BTNH[..., : spec.rotary_dim].astype(jnp.float32), x_BTNH[..., spec.rotary_dim :]
+    if spec.layout == "half":
+        x1, x2 = jnp.split(rot, 2, axis=-1)
+        rotated = jnp.concatenate([x1 * cos_BT1R - x2 * sin_BT1R, x2 * cos_BT1R + x1 * sin_BT1R], axis=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        pairs = jnp.stack([x1 * cos_BT1R - x2 * sin_BT1R, x2 * cos_BT1R + x1 * sin_BT1R], axis=-1)
+        rotated = pairs.reshape(rot.shape)
+    return jnp.concatenate([rotated.astype(x_BTNH.dtype), rest], axis=-1)
+
+
+def sinusoidal(pos_BT, d_model: int, dtype):
+    """Vaswani et al. 2017: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...)."""
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d_model, 2, dtype=np.float32) / d_model))
+    angle_BTF = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)
+    pe_BTD = jnp.stack([jnp.sin(angle_BTF), jnp.cos(angle_BTF)], axis=-1).reshape(*pos_BT.shape, d_model)
+    return pe_BTD.astype(dtype)

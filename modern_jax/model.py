@@ -1,0 +1,213 @@
+"""The decoder-only `Transformer`: every family of SPEC section 2 is a config of this class.
+
+Letters: B batch, T length, D model, V vocab, L layers.
+
+    h = embed(tokens) [* sqrt(D)] [+ positions]
+    for each block: h = Block(h)          (stacked and scanned over depth)
+    logits = softcap(head(FinalNorm(h)))
+
+Layers with identical parameter shapes and static choices (window, RoPE) are stacked
+along a `layers` axis and run by `jax.lax.scan`. A per-layer pattern (Gemma's local /
+global, Llama 4's NoPE layers) becomes a repeating unit of a few blocks, scanned as many
+times as it repeats, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from modern_jax.config import LayerSpec, ModelConfig
+from modern_jax.layers.block import Block
+from modern_jax.layers.linear import Proj, param
+from modern_jax.layers.norms import Norm
+from modern_jax.layers.positions import sinusoidal
+from modern_jax.sharding import constrain
+
+REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_qkv_out": jax.checkpoint_policies.save_only_these_names(
+        "query_proj", "key_proj", "value_proj", "attention_out"
+    ),
+}
+
+
+def plan_stages(specs: tuple[LayerSpec, ...]) -> list[tuple[tuple[LayerSpec, ...], int]]:
+    """Split the layers into stages `(unit, repeats)` that cover the most layers per scan."""
+    stages, i = [], 0
+    while i < len(specs):
+        best_period, best_repeats = 1, 1
+        for period in range(1, (len(specs) - i) // 2 + 1):
+            unit, repeats = specs[i : i + period], 1
+            while specs[i + repeats * period : i + (repeats + 1) * period] == unit:
+                repeats += 1
+            if repeats >= 2 and period * repeats > best_period * best_repeats:
+                best_period, best_repeats = period, repeats
+        if best_repeats == 1:  # period 1 may still repeat
+            while i + best_repeats < len(specs) and specs[i + best_repeats] == specs[i]:
+                best_repeats += 1
+        stages.append((specs[i : i + best_period], best_repeats))
+        i += best_period * best_repeats
+    return stages
+
+
+def stacked_block(cfg: ModelConfig, spec: LayerSpec, repeats: int, rngs: nnx.Rngs) -> Block:
+    """`repeats` blocks with parameters stacked on a leading `layers` axis."""
+
+    @nnx.split_rngs(splits=repeats)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Block(cfg, spec, rngs=rngs)
+
+    return make(rngs)
+
+
+class Stage(nnx.Module):
+    """A unit of `period` blocks repeated `repeats` times, layers `first .. first + period * repeats`."""
+
+    def __init__(self, cfg: ModelConfig, unit: tuple[LayerSpec, ...], repeats: int, first: int, *, rngs: nnx.Rngs):
+        self.cfg, self.unit, self.repeats, self.first = cfg, unit, repeats, first
+        self.blocks = nnx.List([stacked_block(cfg, spec, repeats, rngs) for spec in unit])
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        caches = []
+        for block in self.blocks:
+            layer = block.self_attn.init_cache(batch, max_len, dtype)
+            caches.append(jax.tree.map(lambda a: jnp.repeat(a[None], self.repeats, axis=0), layer))
+        return caches
+
+    def __call__(self, x_BTD, pos_BT, seg_BT, caches, rng):
+        cfg, period = self.cfg, len(self.unit)
+        graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
+        caches = [None] * period if caches is None else caches
+
+        def layer(j):
+            def apply(x_BTD, state, cache, rng):
+                return nnx.merge(graphdefs[j], state)(x_BTD, pos_BT, seg_BT, cache, rng)
+
+            if cfg.remat == "none":
+                return apply
+            return jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+
+        layers = [layer(j) for j in range(period)]
+
+        def unit(x_BTD, xs):
+            states_i, caches_i, i = xs
+            new_caches = []
+            for j in range(period):
+                rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
+                x_BTD, cache_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
+                x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+                new_caches.append(cache_j)
+            return x_BTD, new_caches
+
+        xs = (list(states), list(caches), jnp.arange(self.repeats))
+        if cfg.scan_layers:
+            return jax.lax.scan(unit, x_BTD, xs)
+        outs = []
+        for i in range(self.repeats):
+            x_BTD, out = unit(x_BTD, jax.tree.map(lambda a: a[i], xs))
+            outs.append(out)
+        return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+
+class Transformer(nnx.Module):
+    """`logits[B, T, V] = model(tokens[B, T])`; with `cache=`, returns `(logits, cache)`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, V, dtype = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.param_dtype)
+        self.embed_tokens = param(rngs, jax.nn.initializers.normal(cfg.init_std), (V, D), ("vocab", "embed"), dtype)
+        self.embed_positions = (
+            param(rngs, jax.nn.initializers.normal(cfg.init_std), (cfg.max_position_embeddings, D), (None, "embed"), dtype)
+            if cfg.position_embedding == "learned" else None
+        )
+        stages, first = [], 0
+        for unit, repeats in plan_stages(cfg.layer_specs()):
+            stages.append(Stage(cfg, unit, repeats, first, rngs=rngs))
+            first += len(unit) * repeats
+        self.stages = nnx.List(stages)
+        self.norm = Norm(cfg, rngs=rngs) if cfg.has_final_norm else None
+        self.lm_head = (
+            None if cfg.tie_embeddings
+            else Proj(cfg, (D, V), ("embed", "vocab"), role="in", bias=cfg.head_bias, rngs=rngs)
+        )
+
+    # ----- decoding cache ------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
+        """An empty cache for `batch` sequences of at most `max_len` tokens."""
+        dtype = jnp.dtype(dtype or self.cfg.dtype)
+        return {"index": jnp.zeros((batch,), jnp.int32),
+                "stages": [stage.init_cache(batch, max_len, dtype) for stage in self.stages]}
+
+    # ----- forward -------------------------------------------------------------
+
+    def hidden_states(self, tokens_BT, *, positions=None, segment_ids=None, cache=None, dropout_rng=None):
+        """The final hidden states [B, T, D] (after the final norm), and the updated cache."""
+        cfg = self.cfg
+        tokens_BT = _check_tokens(tokens_BT, cfg.vocab_size)
+        B, T = tokens_BT.shape
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids are for packed training sequences; decoding with a cache takes none")
+        if positions is None:
+            start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache["index"]
+            positions = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        elif positions.shape != (B, T):
+            raise ValueError(f"positions must have the tokens' shape {(B, T)}, got {positions.shape}")
+        pos_BT = positions.astype(jnp.int32)
+
+        x_BTD = self.embed_tokens[...].astype(cfg.dtype)[tokens_BT]
+        if cfg.embed_scale:
+            x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
+        if cfg.position_embedding == "learned":
+            x_BTD = x_BTD + self.embed_positions[...].astype(cfg.dtype)[pos_BT]
+        elif cfg.position_embedding == "sinusoidal":
+            x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
+        x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+
+        new_stage_caches = []
+        for s, stage in enumerate(self.stages):
+            x_BTD, stage_cache = stage(x_BTD, pos_BT, segment_ids, None if cache is None else cache["stages"][s],
+                                       dropout_rng)
+            new_stage_caches.append(stage_cache)
+        if self.norm is not None:
+            x_BTD = self.norm(x_BTD)
+        new_cache = None if cache is None else {"index": cache["index"] + T, "stages": new_stage_caches}
+        return x_BTD, new_cache
+
+    def logits(self, x_BTD):
+        """Output logits [B, T, V] in float32 from hidden states."""
+        cfg = self.cfg
+        if self.lm_head is None:
+            logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed_tokens[...].astype(x_BTD.dtype),
+                                    preferred_element_type=jnp.float32)
+        else:
+            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head.kernel[...].astype(x_BTD.dtype),
+                                    preferred_element_type=jnp.float32)
+            if self.lm_head.bias is not None:
+                logits_BTV = logits_BTV + self.lm_head.bias[...].astype(jnp.float32)
+        if cfg.final_softcap is not None:
+            logits_BTV = cfg.final_softcap * jnp.tanh(logits_BTV / cfg.final_softcap)
+        return constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))
+
+    def __call__(self, tokens_BT, *, positions=None, segment_ids=None, cache=None, dropout_rng=None):
+        x_BTD, new_cache = self.hidden_states(tokens_BT, positions=positions, segment_ids=segment_ids, cache=cache,
+                                              dropout_rng=dropout_rng)
+        logits_BTV = self.logits(x_BTD)
+        return logits_BTV if cache is None else (logits_BTV, new_cache)
+
+
+def _check_tokens(tokens_BT, vocab_size: int):
+    tokens_BT = jnp.asarray(tokens_BT)
+    if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers of shape [batch, length], got {tokens_BT.dtype}{list(tokens_BT.shape)}")
+    if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
+        low, high = int(np.min(tokens_BT)), int(np.max(tokens_BT))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got values in [{low}, {high}]")
+    return tokens_BT
