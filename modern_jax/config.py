@@ -221,7 +221,7 @@ class ModelConfig:
         if self.rope_theta <= 0:
             _fail("rope_theta", self.rope_theta, "expected a positive base")
         uses_rope = self.position_embedding == "rope"
-        if uses_rope and self.rotary_dim % 2:
+        if uses_rope and self.attention_type == "mha" and self.rotary_dim % 2:
             _fail(
                 "head_dim" if self.rope_fraction == 1.0 else "rope_fraction",
                 self.head_dim if self.rope_fraction == 1.0 else self.rope_fraction,
@@ -360,3 +360,51 @@ def check_keys(section: str, values: dict, allowed: list[str]) -> None:
             close = difflib.get_close_matches(key, allowed, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown key {section}.{key}{hint} (allowed: {', '.join(allowed)})")
+
+
+# ----- config files ------------------------------------------------------------
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply dotted `section.key=value` overrides (values parsed as YAML) to a config dict."""
+    import yaml
+
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or "." not in key:
+            raise ValueError(f"bad override {item!r}: expected section.key=value, e.g. model.n_layers=4")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"bad override {item!r}: the value is not valid YAML ({e})") from None
+        *path, leaf = key.split(".")
+        node = raw
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"bad override {item!r}: {part} is not a section")
+        node[leaf] = value
+    return raw
+
+
+def load_config_file(path, overrides: list[str] = ()) -> dict:
+    """Read a YAML config (sections such as `model:`), then apply dotted overrides."""
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of sections (model:, train:, ...)")
+    return apply_overrides(raw, list(overrides))
+
+
+def model_config_from_file(path, overrides: list[str] = ()) -> ModelConfig:
+    raw = load_config_file(path, overrides)
+    if "model" not in raw:
+        raise ValueError(f"{path}: no `model:` section")
+    return ModelConfig.from_dict(raw["model"])

@@ -1,0 +1,106 @@
+"""ModelConfig validation, YAML presets and dotted overrides."""
+
+import pathlib
+
+import pytest
+
+from modern_jax.config import ModelConfig, apply_overrides, ffn_width_rule, model_config_from_file
+
+CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+BAD = [
+    (dict(n_heads=6, n_kv_heads=4), "n_kv_heads"),
+    (dict(n_kv_heads=0), "n_kv_heads"),
+    (dict(d_model=130, n_heads=4), "n_heads"),
+    (dict(norm_type="batchnorm"), "norm_type"),
+    (dict(norm_placement="middle"), "norm_placement"),
+    (dict(activation="swish"), "activation"),
+    (dict(ffn_type="mlp", activation="identity"), "activation"),
+    (dict(position_embedding="alibi"), "position_embedding"),
+    (dict(head_dim=33), "head_dim"),  # odd rotary dimension
+    (dict(rope_fraction=1.5), "rope_fraction"),
+    (dict(rope_fraction=0.3), "rope_fraction"),  # 32 * 0.3 = 9 features: odd
+    (dict(sliding_window=0, attention_pattern="L"), "sliding_window"),
+    (dict(attention_pattern="L"), "sliding_window"),
+    (dict(sliding_window=64), "sliding_window"),
+    (dict(attention_pattern="LGX"), "attention_pattern"),
+    (dict(n_layers=2, attention_pattern="LLG", sliding_window=8), "attention_pattern"),
+    (dict(rope_pattern="RRN", n_layers=2), "rope_pattern"),
+    (dict(position_embedding="learned", rope_pattern="RN"), "rope_pattern"),
+    (dict(qk_norm="yes"), "qk_norm"),
+    (dict(norm_bias=True), "norm_bias"),
+    (dict(fused_gate_up=True, ffn_type="mlp", activation="gelu"), "fused_gate_up"),
+    (dict(attn_softcap=-1.0), "attn_softcap"),
+    (dict(attn_dropout=1.0), "attn_dropout"),
+    (dict(attention_type="mla"), "mla_kv_rank"),
+    (dict(attention_type="mla", mla_kv_rank=32, mla_rope_dim=15), "mla_rope_dim"),
+    (dict(attention_type="mla", mla_kv_rank=32, n_kv_heads=2), "n_kv_heads"),
+    (dict(mla_kv_rank=32), "mla_kv_rank"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(n_layers=2.5), "n_layers"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(remat="some"), "remat"),
+    (dict(rope_local_theta=10.0), "rope_local_theta"),
+    (dict(parallel_shared_norm=False), "parallel_shared_norm"),
+    (dict(d_ff=-1), "d_ff"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD, ids=[f for _, f in BAD])
+def test_bad_config_names_the_field(kwargs, field):
+    base = dict(vocab_size=64, d_model=128, n_layers=4, n_heads=4)
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}="):
+        ModelConfig(**{**base, **kwargs})
+
+
+def test_bad_rope_scaling_names_the_field():
+    with pytest.raises(ValueError, match=r"rope_scaling\.type"):
+        ModelConfig.from_dict({"rope_scaling": {"type": "ntk"}})
+    with pytest.raises(ValueError, match=r"rope_scaling\.high_freq_factor"):
+        ModelConfig.from_dict({"rope_scaling": {"type": "llama3", "factor": 8, "low_freq_factor": 4,
+                                                "high_freq_factor": 1}})
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ValueError, match=r"unknown key model\.n_layer; did you mean n_layers"):
+        ModelConfig.from_dict({"n_layer": 4})
+    with pytest.raises(ValueError, match=r"model\.rope_scaling\.factr"):
+        ModelConfig.from_dict({"rope_scaling": {"type": "linear", "factr": 2}})
+
+
+@pytest.mark.parametrize("d,multiple,expected", [(4096, 256, 11008), (4096, 64, 10944), (5120, 256, 13824),
+                                                 (2048, 64, 5504), (256, 1, 683)])
+def test_ffn_width_rule_oracles(d, multiple, expected):
+    assert ffn_width_rule(d, multiple) == expected
+    assert ModelConfig(d_model=d, n_heads=8, ffn_multiple_of=multiple).ffn_width == expected
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_preset_loads_and_round_trips(path):
+    cfg = model_config_from_file(path)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert path.read_text().startswith("#"), "each preset documents itself and its launch command"
+
+
+def test_dotted_overrides():
+    cfg = model_config_from_file(CONFIGS[0].parent / "tiny.yaml",
+                                 ["model.n_layers=2", "model.rope_scaling={type: linear, factor: 2.0}",
+                                  "model.attn_softcap=null"])
+    assert cfg.n_layers == 2 and cfg.rope_scaling.type == "linear" and cfg.rope_scaling.factor == 2.0
+    with pytest.raises(ValueError, match="expected section.key=value"):
+        apply_overrides({}, ["n_layers=2"])
+    with pytest.raises(ValueError, match="expected section.key=value"):
+        apply_overrides({}, ["model.n_layers"])
+    with pytest.raises(ValueError, match="unknown key model.n_layer"):
+        model_config_from_file(CONFIGS[0].parent / "tiny.yaml", ["model.n_layer=2"])
+    with pytest.raises(ValueError, match="does not exist"):
+        model_config_from_file("configs/nope.yaml")
+
+
+def test_layer_patterns_cycle_over_depth():
+    cfg = ModelConfig(n_layers=8, sliding_window=16, attention_pattern="LLG", rope_pattern="RRRN",
+                      rope_local_theta=100.0, rope_theta=1e6)
+    specs = cfg.layer_specs()
+    assert [s.window for s in specs] == [16, 16, None, 16, 16, None, 16, 16]
+    assert [s.rope is None for s in specs] == [False, False, False, True] * 2
+    assert specs[0].rope.theta == 100.0 and specs[2].rope.theta == 1e6
