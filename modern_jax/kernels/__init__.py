@@ -1,5 +1,25 @@
-"""Kernels behind one small dispatch: a pure-JAX reference always, Pallas where it pays."""
+"""Kernels behind one small dispatch: a pure-JAX reference always, Pallas where it pays.
 
-from modern_jax.kernels.attention import AttentionImpl, AttentionSpec, attention, attention_mask
+`attention(..., impl=)` and `norm(..., impl=)` pick an implementation per call; see
+`kernels/attention.py` and `kernels/norm.py` for the choices and the platform defaults,
+and `kernels/backend.py` for running the Pallas kernels in interpret mode on CPU.
+"""
 
-__all__ = ["AttentionImpl", "AttentionSpec", "attention", "attention_mask"]
+from modern_jax.kernels.attention import (
+    AttentionImpl,
+    AttentionSpec,
+    attention,
+    attention_mask,
+    attention_reference,
+)
+from modern_jax.kernels.backend import UnsupportedFeatureError, pallas_interpret
+
+__all__ = [
+    "AttentionImpl",
+    "AttentionSpec",
+    "UnsupportedFeatureError",
+    "attention",
+    "attention_mask",
+    "attention_reference",
+    "pallas_interpret",
+]

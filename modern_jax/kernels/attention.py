@@ -8,6 +8,24 @@ and `v[B, S, K, V]`, so grouped-query attention never materialises repeated K/V.
 Masks are defined by positions: a key is visible when it is valid (`k_pos >= 0`),
 not in the future (`k_pos <= q_pos`, if causal), inside the window
 (`q_pos - k_pos < window`) and in the same segment (packed sequences).
+
+Implementations (`AttentionImpl`), all with causal, GQA/MQA, window, soft-cap, sinks and
+segment ids unless said otherwise:
+
+| impl        | what                                                   | runs on            |
+|-------------|--------------------------------------------------------|--------------------|
+| reference   | plain einsum, fp32 softmax: the numerical oracle       | everywhere         |
+| chunked     | online softmax over blocks, O(T) memory (`chunked.py`) | everywhere         |
+| pallas_gpu  | flash attention kernels, Triton (`flash_gpu.py`)       | GPU, or interpret  |
+| pallas_tpu  | flash attention kernels, Mosaic (`flash_tpu.py`)       | TPU, or interpret  |
+| cudnn       | `jax.nn.dot_product_attention(implementation="cudnn")` | GPU; no sinks, no soft-cap, H == V, bf16/fp16 |
+
+`default` resolves by platform to the first implementation that can run the call:
+GPU `pallas_gpu`, TPU `pallas_tpu`, CPU `chunked`, then `chunked`, then `reference`.
+An explicit choice that cannot run the call raises `UnsupportedFeatureError` naming
+what is missing. Attention dropout exists only in `reference`. A single query (decoding
+one token against the cache) always runs `chunked` (or `reference` with dropout): a
+kernel tiled for long sequences has nothing to tile there.
 """
 
 from __future__ import annotations
@@ -18,9 +36,20 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from modern_jax.kernels.backend import UnsupportedFeatureError, can_run_pallas, interpret_target, platform
+from modern_jax.kernels.chunked import attention_chunked
+from modern_jax.kernels.flash_gpu import flash_attention_gpu
+from modern_jax.kernels.flash_tpu import flash_attention_tpu
+from modern_jax.kernels.masks import visible
+
 
 class AttentionImpl(enum.StrEnum):
+    DEFAULT = "default"
     REFERENCE = "reference"
+    CHUNKED = "chunked"
+    CUDNN = "cudnn"
+    PALLAS_GPU = "pallas_gpu"
+    PALLAS_TPU = "pallas_tpu"
 
 
 @dataclass(frozen=True)
@@ -36,16 +65,10 @@ class AttentionSpec:
 
 def attention_mask(q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, *, causal=True, window=None):
     """Boolean visibility mask [B, T, S] from positions and segment ids."""
-    q_BT1 = q_pos_BT[:, :, None]
-    k_B1S = k_pos_BS[:, None, :]
-    mask_BTS = jnp.broadcast_to(k_B1S >= 0, (q_pos_BT.shape[0], q_pos_BT.shape[1], k_pos_BS.shape[1]))
-    if causal:
-        mask_BTS &= k_B1S <= q_BT1
-    if window is not None:
-        mask_BTS &= q_BT1 - k_B1S < window
-    if q_seg_BT is not None:
-        mask_BTS &= q_seg_BT[:, :, None] == k_seg_BS[:, None, :]
-    return mask_BTS
+    mask_BTS = visible(q_pos_BT[:, :, None], k_pos_BS[:, None, :],
+                       None if q_seg_BT is None else q_seg_BT[:, :, None],
+                       None if k_seg_BS is None else k_seg_BS[:, None, :], causal=causal, window=window)
+    return jnp.broadcast_to(mask_BTS, (q_pos_BT.shape[0], q_pos_BT.shape[1], k_pos_BS.shape[1]))
 
 
 def softcap(x, cap):
@@ -76,6 +99,67 @@ def attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec: AttentionSpec, 
     return o_BTKGV
 
 
+DEFAULTS = {
+    "gpu": (AttentionImpl.PALLAS_GPU, AttentionImpl.CHUNKED, AttentionImpl.REFERENCE),
+    "tpu": (AttentionImpl.PALLAS_TPU, AttentionImpl.CHUNKED, AttentionImpl.REFERENCE),
+    "cpu": (AttentionImpl.CHUNKED, AttentionImpl.REFERENCE),
+}
+
+
+def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, sinks_KG, dropout) -> str | None:
+    """What `impl` lacks to run this call, or None if it can."""
+    if impl is AttentionImpl.REFERENCE:
+        return None
+    if dropout:
+        return "attention dropout (only 'reference' implements it)"
+    if impl is AttentionImpl.CHUNKED:
+        return None
+    if impl is AttentionImpl.PALLAS_GPU:
+        return can_run_pallas("gpu")
+    if impl is AttentionImpl.PALLAS_TPU:
+        return can_run_pallas("tpu")
+    if impl is AttentionImpl.CUDNN:
+        H, V = k_BSKH.shape[-1], v_BSKV.shape[-1]
+        if platform() != "gpu":
+            return f"an NVIDIA GPU with cuDNN (this backend is {platform()!r})"
+        if sinks_KG is not None:
+            return "attention sinks"
+        if spec.softcap is not None:
+            return "logit soft-cap"
+        if H != V:
+            return f"different key and value head dims (H={H}, V={V})"
+        if q_BTKGH.dtype not in (jnp.bfloat16, jnp.float16):
+            return f"{jnp.dtype(q_BTKGH.dtype).name} inputs (cuDNN flash attention takes bfloat16 or float16)"
+        if H % 8 or H > 256:
+            return f"head dim {H} (cuDNN needs a multiple of 8, at most 256)"
+        return None
+    raise AssertionError(impl)
+
+
+def resolve(impl: AttentionImpl | str, q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, sinks_KG=None,
+            dropout: bool = False) -> AttentionImpl:
+    """The implementation that runs this call (see the module docstring for the rules)."""
+    impl = AttentionImpl(impl)
+    features = (q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG, dropout)
+    if impl is AttentionImpl.DEFAULT or (q_BTKGH.shape[1] == 1 and impl is not AttentionImpl.REFERENCE):
+        candidates = DEFAULTS.get(platform(), DEFAULTS["cpu"]) if q_BTKGH.shape[1] > 1 else DEFAULTS["cpu"]
+        return next(c for c in candidates if missing_feature(c, *features) is None)
+    reason = missing_feature(impl, *features)
+    if reason is not None:
+        raise UnsupportedFeatureError(f"attention_impl={impl.value!r} cannot run this call: it needs {reason}")
+    return impl
+
+
+def attention_cudnn(q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, mask_BTS):
+    """cuDNN flash attention. Its causal and window masks count indices, not positions, so the
+    position mask is passed whole (`[B, 1, T, S]`): exact for any layout, but O(T S) memory."""
+    B, T, K, G, H = q_BTKGH.shape
+    o_BTNH = jax.nn.dot_product_attention(
+        q_BTKGH.reshape(B, T, K * G, H), k_BSKH, v_BSKV, mask=mask_BTS[:, None], scale=spec.scale,
+        implementation="cudnn")
+    return o_BTNH.reshape(B, T, K, G, H)
+
+
 def attention(
     q_BTKGH,
     k_BSKH,
@@ -90,7 +174,22 @@ def attention(
     dropout_rng=None,
     impl: AttentionImpl | str = AttentionImpl.REFERENCE,
 ):
-    """Scaled dot-product attention through the implementation `impl`."""
-    impl = AttentionImpl(impl)
+    """Scaled dot-product attention through the implementation `impl` (resolved by `resolve`)."""
+    dropout = spec.dropout_rate > 0.0 and dropout_rng is not None
+    impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG, dropout)
+    positions = dict(q_pos_BT=q_pos_BT, k_pos_BS=k_pos_BS, q_seg_BT=q_seg_BT, k_seg_BS=k_seg_BS)
+    match impl:
+        case AttentionImpl.CHUNKED:
+            return attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG=sinks_KG, **positions)
+        case AttentionImpl.PALLAS_GPU:
+            interpret = interpret_target() is not None
+            return flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG=sinks_KG, interpret=interpret,
+                                       **positions)
+        case AttentionImpl.PALLAS_TPU:
+            interpret = interpret_target() is not None
+            return flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG=sinks_KG, interpret=interpret,
+                                       **positions)
     mask_BTS = attention_mask(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, causal=spec.causal, window=spec.window)
+    if impl is AttentionImpl.CUDNN:
+        return attention_cudnn(q_BTKGH, k_BSKH, v_BSKV, spec, mask_BTS)
     return attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec, sinks_KG, dropout_rng)

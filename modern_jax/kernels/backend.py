@@ -1,0 +1,82 @@
+"""Where kernels run: the platform, Pallas interpret mode, and the error for a choice that cannot run.
+
+Pallas kernels lower for one platform (the Triton lowering for GPU, Mosaic for TPU).
+Interpret mode runs the same kernel bodies as plain JAX on any backend, slowly; the
+tests use it to check every kernel against the reference on CPU. Turn it on with
+
+    MODERN_JAX_PALLAS_INTERPRET=1        # or =gpu / =tpu, see below
+    with pallas_interpret():             # or pallas_interpret("tpu")
+        ...
+
+Both are read when a function is traced, not when a jitted function runs: enter the
+context before the first call of a jitted function (or clear its cache). The value names
+the platform whose kernels an implementation that has one per platform (`norm_impl=
+"pallas"`) interprets; `1` means `gpu`. Attention names its kernel (`pallas_gpu`,
+`pallas_tpu`), so any value lets both run. Interpret mode never changes what `default`
+resolves to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+import jax
+
+INTERPRET_ENV = "MODERN_JAX_PALLAS_INTERPRET"
+_INTERPRET: contextvars.ContextVar[str | None] = contextvars.ContextVar("modern_jax_pallas_interpret", default=None)
+_OFF = ("", "0", "false", "no", "off")
+
+
+class UnsupportedFeatureError(ValueError):
+    """An explicitly requested kernel implementation cannot run this call."""
+
+
+@contextlib.contextmanager
+def pallas_interpret(target: str | bool = "gpu"):
+    """Run Pallas kernels in interpret mode inside the block (`target`: gpu, tpu, or False to disable)."""
+    value = "" if target is False else ("gpu" if target is True else str(target))
+    if value not in ("", "gpu", "tpu"):
+        raise ValueError(f"pallas_interpret target must be 'gpu', 'tpu' or False, got {target!r}")
+    token = _INTERPRET.set(value)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def interpret_target() -> str | None:
+    """The platform interpret mode stands in for ('gpu' or 'tpu'), or None when it is off."""
+    value = _INTERPRET.get()
+    if value is None:
+        value = os.environ.get(INTERPRET_ENV, "").strip().lower()
+    if value in _OFF:
+        return None
+    if value in ("1", "true", "yes", "on", "gpu"):
+        return "gpu"
+    if value == "tpu":
+        return "tpu"
+    raise ValueError(f"{INTERPRET_ENV}={value!r}: expected 1, gpu, tpu or 0")
+
+
+def platform() -> str:
+    """The backend computations run on: 'cpu', 'gpu' or 'tpu'."""
+    name = jax.default_backend()
+    return "gpu" if name in ("cuda", "rocm") else name
+
+
+def pallas_platform() -> str | None:
+    """The platform whose Pallas kernels run here: the device's, or the interpreted one."""
+    target = interpret_target()
+    if target is not None:
+        return target
+    return platform() if platform() in ("gpu", "tpu") else None
+
+
+def can_run_pallas(kernel_platform: str) -> str | None:
+    """None if a kernel written for `kernel_platform` can run here, else what is missing."""
+    if interpret_target() is not None or platform() == kernel_platform:
+        return None
+    return (f"a {kernel_platform.upper()} (this backend is {platform()!r}; on CPU set "
+            f"{INTERPRET_ENV}=1 or use kernels.pallas_interpret() to run it in interpret mode)")

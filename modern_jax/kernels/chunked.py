@@ -1,0 +1,184 @@
+"""Blockwise attention in pure JAX: memory linear in the sequence length, on every backend.
+
+Letters: B batch, T query length, S key length, K kv heads, G queries per kv head,
+H key head dim, V value head dim; I query blocks of R rows, J key blocks of C keys.
+
+The same online softmax as the flash kernels (`kernels.flash`), written with `lax`
+loops: the forward maps over query blocks and scans over key blocks carrying the running
+max, denominator and output; the custom backward scans over key blocks (carrying dq)
+and, inside, over query blocks (carrying dk, dv), recomputing the probabilities from the
+saved log-sum-exp. Only `[B, K, G, R, C]` tiles ever exist, so memory grows linearly
+with T. Blocks that no query of a block can see (causal, window, segments; see
+`masks.block_visibility`) are skipped with `lax.cond`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from modern_jax.kernels import flash
+from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible
+
+
+@dataclass(frozen=True)
+class _Call:
+    scale: float
+    causal: bool
+    window: int | None
+    softcap: float | None
+    block_q: int
+    block_k: int
+
+
+def attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None,
+                      sinks_KG=None, block_q: int = 512, block_k: int = 512):
+    """Attention with an online softmax over key blocks; the contract of `kernels.attention`."""
+    B, T, K, G, H = q_BTKGH.shape
+    S = k_BSKH.shape[1]
+    R, C = min(block_q, round_up(T, 8)), min(block_k, round_up(S, 8))
+    Tp, Sp = round_up(T, R), round_up(S, C)
+    dtype = q_BTKGH.dtype
+    q = pad_axis(q_BTKGH, 1, Tp)
+    k, v = pad_axis(k_BSKH.astype(dtype), 1, Sp), pad_axis(v_BSKV.astype(dtype), 1, Sp)
+    positions = pad_positions(q_pos_BT.astype(jnp.int32), k_pos_BS.astype(jnp.int32),
+                              None if q_seg_BT is None else q_seg_BT.astype(jnp.int32),
+                              None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
+    sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
+    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, R, C)
+    return _chunked(call, q, k, v, sinks, *positions)[:, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+    return _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)[0]
+
+
+def _chunked_fwd(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+    o, lse = _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)
+    return o, (q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg, o, lse)
+
+
+def _chunked_bwd(call, residuals, do_BTKGV):
+    q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg, o, lse_BKGT = residuals
+    delta_BKGT = jnp.einsum("BTKGV,BTKGV->BKGT", do_BTKGV.astype(jnp.float32), o.astype(jnp.float32))
+    dq, dk, dv = _backward(call, q, k, v, do_BTKGV.astype(q.dtype), lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg)
+    dsinks_KG = None
+    if sinks_KG is not None:
+        p_sink_BKGT = jnp.exp(sinks_KG[None, :, :, None] - lse_BKGT)
+        dsinks_KG = -jnp.sum(p_sink_BKGT * delta_BKGT, axis=(0, 3))
+    return dq, dk, dv, dsinks_KG, None, None, None, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _blocks(x, size: int):
+    """`x[B, L, ...]` -> `[L / size, B, size, ...]`, blocks leading (for scan)."""
+    if x is None:
+        return None
+    B, L = x.shape[:2]
+    return jnp.moveaxis(x.reshape(B, L // size, size, *x.shape[2:]), 1, 0)
+
+
+def _unblock(x):
+    """Inverse of `_blocks`."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _tile_mask(call, q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC):
+    """Visibility `[B, 1, 1, R, C]` of one tile (broadcasts over K and G)."""
+    mask_BRC = visible(q_pos_BR[:, :, None], k_pos_BC[:, None, :],
+                       None if q_seg_BR is None else q_seg_BR[:, :, None],
+                       None if k_seg_BC is None else k_seg_BC[:, None, :], causal=call.causal, window=call.window)
+    return mask_BRC[:, None, None]
+
+
+def _scores(call, q_BRKGH, k_BCKH):
+    s_BKGRC = jnp.einsum("BRKGH,BCKH->BKGRC", q_BRKGH, k_BCKH, preferred_element_type=jnp.float32) * call.scale
+    return s_BKGRC if call.softcap is None else call.softcap * jnp.tanh(s_BKGRC / call.softcap)
+
+
+def _pv(p_BKGRC, v_BCKV):
+    return jnp.einsum("BKGRC,BCKV->BKGRV", p_BKGRC, v_BCKV, preferred_element_type=jnp.float32)
+
+
+def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+    B, Tp, K, G, H = q.shape
+    V = v.shape[-1]
+    R, C = call.block_q, call.block_k
+    vis_IJ = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window,
+                              block_q=R, block_k=C).any(0)
+    keys = (_blocks(k, C), _blocks(v, C), _blocks(k_pos, C), _blocks(k_seg, C))
+
+    def query_block(xs):
+        q_BRKGH, q_pos_BR, q_seg_BR, vis_J = xs
+
+        def key_block(state, ys):
+            k_BCKH, v_BCKV, k_pos_BC, k_seg_BC, vis = ys
+
+            def fold(state):
+                mask = _tile_mask(call, q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC)
+                return flash.forward_step(_scores(call, q_BRKGH, k_BCKH), mask, v_BCKV, *state, pv=_pv)
+
+            return jax.lax.cond(vis, fold, lambda state: state, state), None
+
+        init = (jnp.full((B, K, G, R, 1), flash.NEG, jnp.float32), jnp.zeros((B, K, G, R, 1), jnp.float32),
+                jnp.zeros((B, K, G, R, V), jnp.float32))
+        state, _ = jax.lax.scan(key_block, init, (*keys, vis_J))
+        sink = None if sinks_KG is None else sinks_KG[None, :, :, None, None]
+        o_BKGRV, lse_BKGR1 = flash.finish(*state, sink)
+        return o_BKGRV.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse_BKGR1[..., 0]
+
+    o_IBRKGV, lse_IBKGR = jax.lax.map(query_block, (_blocks(q, R), _blocks(q_pos, R), _blocks(q_seg, R), vis_IJ))
+    lse_BKGT = jnp.moveaxis(lse_IBKGR, 0, 3).reshape(B, K, G, Tp)
+    return _unblock(o_IBRKGV), lse_BKGT
+
+
+def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg):
+    B, Tp, K, G, H = q.shape
+    V = v.shape[-1]
+    R, C = call.block_q, call.block_k
+    I = Tp // R
+    vis_JI = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window,
+                              block_q=R, block_k=C).any(0).T
+    stats_IBKGR = tuple(jnp.moveaxis(x.reshape(B, K, G, I, R), 3, 0) for x in (lse_BKGT, delta_BKGT))
+    queries = (_blocks(q, R), _blocks(do, R), *stats_IBKGR, _blocks(q_pos, R), _blocks(q_seg, R))
+
+    def key_block(dq_IBRKGH, xs):
+        k_BCKH, v_BCKV, k_pos_BC, k_seg_BC, vis_I = xs
+
+        def query_block(dkv, ys):
+            q_BRKGH, do_BRKGV, lse_BKGR, delta_BKGR, q_pos_BR, q_seg_BR, vis = ys
+
+            def grads(_):
+                s_BKGRC = _scores(call, q_BRKGH, k_BCKH)
+                mask = _tile_mask(call, q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC)
+                p_BKGRC = jnp.where(mask, jnp.exp(s_BKGRC - lse_BKGR[..., None]), 0.0)
+                dv_BCKV = jnp.einsum("BKGRC,BRKGV->BCKV", p_BKGRC.astype(do.dtype), do_BRKGV,
+                                     preferred_element_type=jnp.float32)
+                dp_BKGRC = jnp.einsum("BRKGV,BCKV->BKGRC", do_BRKGV, v_BCKV, preferred_element_type=jnp.float32)
+                ds_BKGRC = flash.softcap_grad(p_BKGRC * (dp_BKGRC - delta_BKGR[..., None]), s_BKGRC, call.softcap)
+                ds_BKGRC = (ds_BKGRC * call.scale).astype(q.dtype)
+                dq_BRKGH = jnp.einsum("BKGRC,BCKH->BRKGH", ds_BKGRC, k_BCKH, preferred_element_type=jnp.float32)
+                dk_BCKH = jnp.einsum("BKGRC,BRKGH->BCKH", ds_BKGRC, q_BRKGH, preferred_element_type=jnp.float32)
+                return dq_BRKGH, dk_BCKH, dv_BCKV
+
+            def nothing(_):
+                return (jnp.zeros((B, R, K, G, H), jnp.float32), jnp.zeros((B, C, K, H), jnp.float32),
+                        jnp.zeros((B, C, K, V), jnp.float32))
+
+            dq_BRKGH, dk_BCKH, dv_BCKV = jax.lax.cond(vis, grads, nothing, None)
+            return (dkv[0] + dk_BCKH, dkv[1] + dv_BCKV), dq_BRKGH
+
+        init = (jnp.zeros((B, C, K, H), jnp.float32), jnp.zeros((B, C, K, V), jnp.float32))
+        (dk_BCKH, dv_BCKV), dq_part_IBRKGH = jax.lax.scan(query_block, init, (*queries, vis_I))
+        return dq_IBRKGH + dq_part_IBRKGH, (dk_BCKH.astype(k.dtype), dv_BCKV.astype(v.dtype))
+
+    keys = (_blocks(k, C), _blocks(v, C), _blocks(k_pos, C), _blocks(k_seg, C), vis_JI)
+    dq_IBRKGH, (dk_JBCKH, dv_JBCKV) = jax.lax.scan(key_block, jnp.zeros((I, B, R, K, G, H), jnp.float32), keys)
+    return _unblock(dq_IBRKGH).astype(q.dtype), _unblock(dk_JBCKH), _unblock(dv_JBCKV)

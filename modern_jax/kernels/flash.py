@@ -1,0 +1,101 @@
+"""Flash-attention tile math shared by the Pallas GPU and TPU kernels.
+
+Letters: R rows of a query tile, C columns (keys) of a key tile, H key head dim,
+V value head dim. Per-row statistics are columns `[R, 1]`; per-key ones rows `[1, C]`.
+
+Forward (FlashAttention-2): each query tile visits its key tiles keeping the running
+maximum `m`, the running denominator `l` and the unnormalised output `acc`; a sink
+joins the denominator once at the end. The log-sum-exp `lse = m + log(l)` is kept for
+the backward pass, which recomputes the probabilities `p = exp(s - lse)`:
+
+    dv = p^T do     dp = do v^T     ds = p * (dp - delta),  delta = rowsum(do * o)
+    dq = scale * ds' k     dk = scale * ds'^T q     with ds' = ds * (1 - tanh^2) under a soft-cap
+
+The key-side pass works on transposed tiles (`s^T = k q^T`, rows are keys) so every
+product is a plain or an `A B^T` matmul, which both Triton and Mosaic lower directly.
+A query that sees no key (and has no sink) returns zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG = float(jnp.finfo(jnp.float32).min)  # score of a masked entry; finite so no inf - inf
+
+_NN = (((1,), (0,)), ((), ()))
+_NT = (((1,), (1,)), ((), ()))
+
+
+def matmul(a, b):
+    """`a @ b` with an fp32 accumulator."""
+    return jax.lax.dot_general(a, b, _NN, preferred_element_type=jnp.float32)
+
+
+def matmul_nt(a, b):
+    """`a @ b^T` with an fp32 accumulator."""
+    return jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
+
+
+def scores(q_RH, k_CH, scale: float, softcap: float | None):
+    """`s = softcap(scale * q k^T)` in fp32."""
+    s_RC = matmul_nt(q_RH, k_CH) * scale
+    if softcap is not None:
+        s_RC = softcap * jnp.tanh(s_RC / softcap)
+    return s_RC
+
+
+def softcap_grad(ds_RC, s_RC, softcap: float | None):
+    """Chain `ds` through the soft-cap: d(c tanh(x / c))/dx = 1 - (s / c)^2."""
+    if softcap is None:
+        return ds_RC
+    return ds_RC * (1.0 - jnp.square(s_RC / softcap))
+
+
+def init_state(rows: int, v_dim: int):
+    return (jnp.full((rows, 1), NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, v_dim), jnp.float32))
+
+
+def forward_step(s_RC, mask_RC, v_CV, m_R1, l_R1, acc_RV, pv=matmul):
+    """Fold one key tile into the running (m, l, acc); keys on the last axis of `s`.
+
+    `pv(p, v)` is the probabilities-times-values product (leading axes may batch it).
+    """
+    m_new_R1 = jnp.maximum(m_R1, jnp.max(jnp.where(mask_RC, s_RC, NEG), axis=-1, keepdims=True))
+    p_RC = jnp.where(mask_RC, jnp.exp(s_RC - m_new_R1), 0.0)
+    alpha_R1 = jnp.exp(m_R1 - m_new_R1)
+    l_R1 = alpha_R1 * l_R1 + jnp.sum(p_RC, axis=-1, keepdims=True)
+    acc_RV = alpha_R1 * acc_RV + pv(p_RC.astype(v_CV.dtype), v_CV)
+    return m_new_R1, l_R1, acc_RV
+
+
+def finish(m_R1, l_R1, acc_RV, sink=None):
+    """Normalise: output `o[R, V]` (fp32) and `lse[R, 1]` (+inf for a row that saw nothing)."""
+    if sink is not None:
+        m_fin_R1 = jnp.maximum(m_R1, sink)
+        alpha_R1 = jnp.exp(m_R1 - m_fin_R1)
+        l_R1 = alpha_R1 * l_R1 + jnp.exp(sink - m_fin_R1)
+        acc_RV, m_R1 = alpha_R1 * acc_RV, m_fin_R1
+    seen_R1 = l_R1 > 0.0
+    o_RV = acc_RV / jnp.where(seen_R1, l_R1, 1.0)
+    lse_R1 = jnp.where(seen_R1, m_R1 + jnp.log(jnp.where(seen_R1, l_R1, 1.0)), jnp.inf)
+    return o_RV, lse_R1
+
+
+def dq_step(q_RH, k_CH, v_CV, do_RV, lse_R1, delta_R1, mask_RC, scale, softcap):
+    """This key tile's contribution to `dq[R, H]` (fp32)."""
+    s_RC = scores(q_RH, k_CH, scale, softcap)
+    p_RC = jnp.where(mask_RC, jnp.exp(s_RC - lse_R1), 0.0)
+    ds_RC = softcap_grad(p_RC * (matmul_nt(do_RV, v_CV) - delta_R1), s_RC, softcap)
+    return matmul(ds_RC.astype(k_CH.dtype), k_CH) * scale
+
+
+def dkdv_step(q_RH, k_CH, v_CV, do_RV, lse_1R, delta_1R, mask_CR, scale, softcap):
+    """This query tile's contribution to `dk[C, H]` and `dv[C, V]` (fp32), on transposed tiles."""
+    s_CR = scores(k_CH, q_RH, scale, softcap)
+    p_CR = jnp.where(mask_CR, jnp.exp(s_CR - lse_1R), 0.0)
+    dv_CV = matmul(p_CR.astype(do_RV.dtype), do_RV)
+    ds_CR = softcap_grad(p_CR * (matmul_nt(v_CV, do_RV) - delta_1R), s_CR, softcap)
+    dk_CH = matmul(ds_CR.astype(q_RH.dtype), q_RH) * scale
+    return dk_CH, dv_CV

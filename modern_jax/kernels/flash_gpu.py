@@ -1,0 +1,266 @@
+"""Flash attention for GPUs in Pallas (Triton lowering): forward and backward.
+
+Letters: B batch, T query length, S key length, K kv heads, G queries per kv head
+(N = K * G), H key head dim, V value head dim; R rows of a query tile, C keys of a key tile.
+
+The kernels read the attention contract's own layout (`q[B, T, K, G, H]`, `k[B, S, K, H]`)
+through their block specs, so nothing is transposed or repeated:
+
+- forward and dq: grid `(T / R, B, N)`, one program per query tile of one head; it loops
+  over the key tiles `[lo, hi)` that the positions make visible (`masks.block_visibility`),
+  so causal and sliding-window attention skip the tiles they never see;
+- dk / dv: grid `(S / C, B, K)`, one program per key tile of one kv head; it loops over
+  the G query heads of its group and their visible query tiles, accumulating in fp32.
+
+Triton needs power-of-two tiles: T and S are padded to whole tiles, H and V to a power of
+two (zeros, which change no score), and everything is sliced back. Sinks' gradient is
+`-sum_t exp(sink - lse_t) * delta_t` and is computed outside the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from modern_jax.kernels import flash
+from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible, visible_range
+
+
+@dataclass(frozen=True)
+class GpuBlocks:
+    """Tile sizes (powers of two, at least 16). Defaults follow FlashAttention-2 on A100/H100; untuned."""
+
+    block_q: int = 128
+    block_k: int = 64
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+    num_warps: int | None = None  # None: 4 for head dims up to 64, else 8
+    num_stages: int = 2
+
+    def fit(self, T: int, S: int) -> GpuBlocks:
+        """Shrink tiles that exceed the (padded) lengths."""
+        cap_q, cap_k = max(16, pl.next_power_of_2(T)), max(16, pl.next_power_of_2(S))
+        return GpuBlocks(min(self.block_q, cap_q), min(self.block_k, cap_k), min(self.block_q_bwd, cap_q),
+                         min(self.block_k_bwd, cap_k), self.num_warps, self.num_stages)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """The static part of one call (hashable: it keys the custom_vjp)."""
+
+    scale: float
+    causal: bool
+    window: int | None
+    softcap: float | None
+    blocks: GpuBlocks
+    interpret: bool
+
+
+def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None,
+                        sinks_KG=None, blocks: GpuBlocks | None = None, interpret: bool = False):
+    """Attention through the Pallas GPU kernels; the contract of `kernels.attention`."""
+    B, T, K, G, H = q_BTKGH.shape
+    S, V = k_BSKH.shape[1], v_BSKV.shape[-1]
+    blocks = (blocks or GpuBlocks()).fit(T, S)
+    Hp, Vp = max(16, pl.next_power_of_2(H)), max(16, pl.next_power_of_2(V))
+    Tp = round_up(T, max(blocks.block_q, blocks.block_q_bwd))
+    Sp = round_up(S, max(blocks.block_k, blocks.block_k_bwd))
+    dtype = q_BTKGH.dtype
+    q = pad_axis(pad_axis(q_BTKGH, 4, Hp), 1, Tp)
+    k = pad_axis(pad_axis(k_BSKH.astype(dtype), 3, Hp), 1, Sp)
+    v = pad_axis(pad_axis(v_BSKV.astype(dtype), 3, Vp), 1, Sp)
+    positions = pad_positions(q_pos_BT.astype(jnp.int32), k_pos_BS.astype(jnp.int32),
+                              None if q_seg_BT is None else q_seg_BT.astype(jnp.int32),
+                              None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
+    sinks_N = None if sinks_KG is None else sinks_KG.astype(jnp.float32).reshape(K * G)
+    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret)
+    o_BTKGV = _flash(call, q, k, v, sinks_N, *positions)
+    return o_BTKGV[:, :T, :, :, :V]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg):
+    return _forward(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg)[0]
+
+
+def _flash_fwd(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg):
+    o, lse_BKGT = _forward(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg)
+    return o, (q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg, o, lse_BKGT)
+
+
+def _flash_bwd(call, residuals, do_BTKGV):
+    q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg, o, lse_BKGT = residuals
+    B, T, K, G, _ = q.shape
+    delta_BKGT = jnp.einsum("BTKGV,BTKGV->BKGT", do_BTKGV.astype(jnp.float32), o.astype(jnp.float32))
+    dq, dk, dv = _backward(call, q, k, v, do_BTKGV.astype(q.dtype), lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg)
+    dsinks_N = None
+    if sinks_N is not None:
+        p_sink_BKGT = jnp.exp(sinks_N.reshape(1, K, G, 1) - lse_BKGT)
+        dsinks_N = -jnp.sum(p_sink_BKGT * delta_BKGT, axis=(0, 3)).reshape(K * G)
+    return dq, dk, dv, dsinks_N, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _compiler_params(call: _Call, head_dim: int):
+    num_warps = call.blocks.num_warps or (4 if head_dim <= 64 else 8)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=call.blocks.num_stages)
+
+
+def _split_refs(refs, has_seg: bool):
+    """(segment refs or Nones, the rest) from a kernel's trailing refs."""
+    if has_seg:
+        return refs[:2], refs[2:]
+    return (None, None), refs
+
+
+def _forward(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg):
+    B, Tp, K, G, H = q.shape
+    Sp, V = k.shape[1], v.shape[-1]
+    R, C = call.blocks.block_q, call.blocks.block_k
+    vis = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window, block_q=R, block_k=C)
+    lo_BI, hi_BI = visible_range(vis, axis=2)
+    has_seg, has_sink = q_seg is not None, sinks_N is not None
+
+    def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs):
+        (qseg_ref, kseg_ref), refs = _split_refs(refs, has_seg)
+        sink_ref, o_ref, lse_ref = refs if has_sink else (None, *refs)
+        q_RH = q_ref[...]
+        qpos_R1 = qpos_ref[...].reshape(R, 1)
+        qseg_R1 = qseg_ref[...].reshape(R, 1) if has_seg else None
+
+        def body(j, state):
+            cols = pl.ds(pl.multiple_of(j * C, C), C)
+            kseg_1C = kseg_ref[cols].reshape(1, C) if has_seg else None
+            mask_RC = visible(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C,
+                              causal=call.causal, window=call.window)
+            s_RC = flash.scores(q_RH, k_ref[cols, :], call.scale, call.softcap)
+            return flash.forward_step(s_RC, mask_RC, v_ref[cols, :], *state)
+
+        m_R1, l_R1, acc_RV = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, flash.init_state(R, V))
+        o_RV, lse_R1 = flash.finish(m_R1, l_R1, acc_RV, sink_ref[...] if has_sink else None)
+        o_ref[...] = o_RV.astype(o_ref.dtype)
+        lse_ref[...] = lse_R1.reshape(R)
+
+    scalar = pl.BlockSpec((None, None), lambda i, b, n: (b, i))
+    in_specs = [
+        scalar, scalar,
+        pl.BlockSpec((None, R, None, None, H), lambda i, b, n: (b, i, n // G, n % G, 0)),
+        pl.BlockSpec((None, Sp, None, H), lambda i, b, n: (b, 0, n // G, 0)),
+        pl.BlockSpec((None, Sp, None, V), lambda i, b, n: (b, 0, n // G, 0)),
+        pl.BlockSpec((None, R), lambda i, b, n: (b, i)),
+        pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0)),
+    ]
+    args = [lo_BI, hi_BI, q, k, v, q_pos, k_pos]
+    if has_seg:
+        in_specs += [pl.BlockSpec((None, R), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
+        args += [q_seg, k_seg]
+    if has_sink:
+        in_specs.append(pl.BlockSpec((None,), lambda i, b, n: (n,)))
+        args.append(sinks_N)
+    o, lse_BKGT = pl.pallas_call(
+        kernel,
+        grid=(Tp // R, B, K * G),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, R, None, None, V), lambda i, b, n: (b, i, n // G, n % G, 0)),
+                   pl.BlockSpec((None, None, None, R), lambda i, b, n: (b, n // G, n % G, i))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, K, G, V), q.dtype),
+                   jax.ShapeDtypeStruct((B, K, G, Tp), jnp.float32)],
+        compiler_params=_compiler_params(call, max(H, V)),
+        interpret=call.interpret,
+        name="flash_attention_gpu_fwd",
+    )(*args)
+    return o, lse_BKGT
+
+
+def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg):
+    B, Tp, K, G, H = q.shape
+    Sp, V = k.shape[1], v.shape[-1]
+    R, C = call.blocks.block_q_bwd, call.blocks.block_k_bwd
+    vis = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window, block_q=R, block_k=C)
+    k_lo_BI, k_hi_BI = visible_range(vis, axis=2)
+    q_lo_BJ, q_hi_BJ = visible_range(vis, axis=1)
+    has_seg = q_seg is not None
+    params = _compiler_params(call, max(H, V))
+    mask_kw = dict(causal=call.causal, window=call.window)
+
+    # ---- dq: one program per query tile of one head, looping over visible key tiles ----
+    def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
+        (qseg_ref, kseg_ref), (dq_ref,) = _split_refs(refs, has_seg)
+        q_RH, do_RV = q_ref[...], do_ref[...]
+        lse_R1, delta_R1 = lse_ref[...].reshape(R, 1), delta_ref[...].reshape(R, 1)
+        qpos_R1 = qpos_ref[...].reshape(R, 1)
+        qseg_R1 = qseg_ref[...].reshape(R, 1) if has_seg else None
+
+        def body(j, dq_RH):
+            cols = pl.ds(pl.multiple_of(j * C, C), C)
+            kseg_1C = kseg_ref[cols].reshape(1, C) if has_seg else None
+            mask_RC = visible(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C, **mask_kw)
+            return dq_RH + flash.dq_step(q_RH, k_ref[cols, :], v_ref[cols, :], do_RV, lse_R1, delta_R1, mask_RC,
+                                         call.scale, call.softcap)
+
+        dq_RH = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, jnp.zeros((R, H), jnp.float32))
+        dq_ref[...] = dq_RH.astype(dq_ref.dtype)
+
+    scalar = pl.BlockSpec((None, None), lambda i, b, n: (b, i))
+    q_tile = lambda D: pl.BlockSpec((None, R, None, None, D), lambda i, b, n: (b, i, n // G, n % G, 0))  # noqa: E731
+    kv_full = lambda D: pl.BlockSpec((None, Sp, None, D), lambda i, b, n: (b, 0, n // G, 0))  # noqa: E731
+    row_stat = pl.BlockSpec((None, None, None, R), lambda i, b, n: (b, n // G, n % G, i))
+    in_specs = [scalar, scalar, q_tile(H), kv_full(H), kv_full(V), q_tile(V), row_stat, row_stat,
+                pl.BlockSpec((None, R), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
+    args = [k_lo_BI, k_hi_BI, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos]
+    if has_seg:
+        in_specs += [pl.BlockSpec((None, R), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
+        args += [q_seg, k_seg]
+    dq = pl.pallas_call(
+        dq_kernel, grid=(Tp // R, B, K * G), in_specs=in_specs, out_specs=q_tile(H),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), compiler_params=params, interpret=call.interpret,
+        name="flash_attention_gpu_dq",
+    )(*args)
+
+    # ---- dk, dv: one program per key tile of one kv head, looping over its G heads' query tiles ----
+    def dkdv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
+        (qseg_ref, kseg_ref), (dk_ref, dv_ref) = _split_refs(refs, has_seg)
+        k_CH, v_CV = k_ref[...], v_ref[...]
+        kpos_C1 = kpos_ref[...].reshape(C, 1)
+        kseg_C1 = kseg_ref[...].reshape(C, 1) if has_seg else None
+        lo = lo_ref[...]
+        n_tiles = hi_ref[...] - lo
+
+        def body(step, grads):
+            g, i = step // n_tiles, lo + step % n_tiles
+            rows = pl.ds(pl.multiple_of(i * R, R), R)
+            qseg_1R = qseg_ref[rows].reshape(1, R) if has_seg else None
+            mask_CR = visible(qpos_ref[rows].reshape(1, R), kpos_C1, qseg_1R, kseg_C1, **mask_kw)
+            dk_CH, dv_CV = flash.dkdv_step(q_ref[rows, g, :], k_CH, v_CV, do_ref[rows, g, :],
+                                           lse_ref[g, rows].reshape(1, R), delta_ref[g, rows].reshape(1, R),
+                                           mask_CR, call.scale, call.softcap)
+            return grads[0] + dk_CH, grads[1] + dv_CV
+
+        init = (jnp.zeros((C, H), jnp.float32), jnp.zeros((C, V), jnp.float32))
+        dk_CH, dv_CV = jax.lax.fori_loop(0, G * n_tiles, body, init)
+        dk_ref[...] = dk_CH.astype(dk_ref.dtype)
+        dv_ref[...] = dv_CV.astype(dv_ref.dtype)
+
+    scalar = pl.BlockSpec((None, None), lambda j, b, h: (b, j))
+    q_full = lambda D: pl.BlockSpec((None, Tp, None, G, D), lambda j, b, h: (b, 0, h, 0, 0))  # noqa: E731
+    kv_tile = lambda D: pl.BlockSpec((None, C, None, D), lambda j, b, h: (b, j, h, 0))  # noqa: E731
+    stats = pl.BlockSpec((None, None, G, Tp), lambda j, b, h: (b, h, 0, 0))
+    in_specs = [scalar, scalar, q_full(H), kv_tile(H), kv_tile(V), q_full(V), stats, stats,
+                pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), pl.BlockSpec((None, C), lambda j, b, h: (b, j))]
+    args = [q_lo_BJ, q_hi_BJ, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos]
+    if has_seg:
+        in_specs += [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), pl.BlockSpec((None, C), lambda j, b, h: (b, j))]
+        args += [q_seg, k_seg]
+    dk, dv = pl.pallas_call(
+        dkdv_kernel, grid=(Sp // C, B, K), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(V)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params, interpret=call.interpret, name="flash_attention_gpu_dkdv",
+    )(*args)
+    return dq, dk, dv

@@ -1,0 +1,316 @@
+"""Flash attention for TPUs in Pallas (Mosaic lowering): forward and backward.
+
+Letters: B batch, T query length, S key length, K kv heads, G queries per kv head,
+H key head dim, V value head dim; I query tiles, J key tiles, R rows of a query tile,
+C keys of a key tile.
+
+Mosaic tiles the two minor dimensions of every block, so the wrapper moves heads in
+front of the sequence (`q[B, K, G, T, H]`, `k[B, K, S, H]`) and keeps per-row
+statistics as columns `[T, 1]` and per-key ones as rows `[1, S]` (a reshape of the same
+memory gives the other orientation). The grid runs the reduction axis last and keeps
+the running state in VMEM scratch:
+
+- forward and dq: grid `(B, K, G, I, J)`, J the reduction;
+- dk / dv: grid `(B, K, J, G, I)`, (G, I) the reduction, so the G query heads that share
+  a kv head accumulate into one dk / dv without repeating K/V.
+
+The visible tile range of every row of tiles (`masks.block_visibility`) is prefetched
+into SMEM: invisible tiles are skipped, and their index maps repeat the previous block
+so no copy is issued either. Sinks' gradient is computed outside the kernels.
+Tiles must be multiples of 128 on hardware (rows of `[1, R]` are lane-tiled); the
+default is 512 for the forward and 256 for the backward, shrunk to short sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from modern_jax.kernels import flash
+from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible, visible_range
+
+
+@dataclass(frozen=True)
+class TpuBlocks:
+    """Tile sizes (multiples of 128 on hardware; interpret mode takes any multiple of 8)."""
+
+    block_q: int = 512
+    block_k: int = 512
+    block_q_bwd: int = 256
+    block_k_bwd: int = 256
+    min_block: int = 128
+
+    def fit(self, T: int, S: int) -> TpuBlocks:
+        """Shrink tiles that exceed the lengths (rounded up to `min_block`)."""
+        cap_q, cap_k = round_up(T, self.min_block), round_up(S, self.min_block)
+        return TpuBlocks(min(self.block_q, cap_q), min(self.block_k, cap_k), min(self.block_q_bwd, cap_q),
+                         min(self.block_k_bwd, cap_k), self.min_block)
+
+
+@dataclass(frozen=True)
+class _Call:
+    scale: float
+    causal: bool
+    window: int | None
+    softcap: float | None
+    blocks: TpuBlocks
+    interpret: bool
+
+
+def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None,
+                        sinks_KG=None, blocks: TpuBlocks | None = None, interpret: bool = False):
+    """Attention through the Pallas TPU kernels; the contract of `kernels.attention`."""
+    B, T, K, G, H = q_BTKGH.shape
+    S = k_BSKH.shape[1]
+    blocks = (blocks or TpuBlocks()).fit(T, S)
+    Tp = round_up(T, math.lcm(blocks.block_q, blocks.block_q_bwd))
+    Sp = round_up(S, math.lcm(blocks.block_k, blocks.block_k_bwd))
+    dtype = q_BTKGH.dtype
+    q_BKGTH = pad_axis(q_BTKGH.transpose(0, 2, 3, 1, 4), 3, Tp)
+    k_BKSH = pad_axis(k_BSKH.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
+    v_BKSV = pad_axis(v_BSKV.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
+    positions = pad_positions(q_pos_BT.astype(jnp.int32), k_pos_BS.astype(jnp.int32),
+                              None if q_seg_BT is None else q_seg_BT.astype(jnp.int32),
+                              None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
+    sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
+    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret)
+    o_BKGTV = _flash(call, q_BKGTH, k_BKSH, v_BKSV, sinks, *positions)
+    return o_BKGTV[:, :, :, :T].transpose(0, 3, 1, 2, 4)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+    return _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)[0]
+
+
+def _flash_fwd(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+    o, lse = _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)
+    return o, (q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg, o, lse)
+
+
+def _flash_bwd(call, residuals, do_BKGTV):
+    q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg, o, lse_BKGT1 = residuals
+    delta_BKGT1 = jnp.sum(do_BKGTV.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+    dq, dk, dv = _backward(call, q, k, v, do_BKGTV.astype(q.dtype), lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_seg)
+    dsinks_KG = None
+    if sinks_KG is not None:
+        p_sink_BKGT1 = jnp.exp(sinks_KG[None, :, :, None, None] - lse_BKGT1)
+        dsinks_KG = -jnp.sum(p_sink_BKGT1 * delta_BKGT1, axis=(0, 3, 4))
+    return dq, dk, dv, dsinks_KG, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _column(x_BT):
+    return None if x_BT is None else x_BT[:, :, None]
+
+
+def _row(x_BT):
+    return None if x_BT is None else x_BT[:, None, :]
+
+
+def _clamp(n, lo, hi):
+    """Keep a skipped tile's block index on a visible one, so the pipeline copies nothing new."""
+    return jnp.maximum(jnp.minimum(n, hi - 1), lo)
+
+
+def _query_major_specs(I: int, R: int, C: int):
+    """Block specs for grid `(b, h, g, i, j)` with key tiles clamped to `[lo, hi)` of row `b * I + i`."""
+
+    def j_(b, i, j, lo, hi):
+        return _clamp(j, lo[b * I + i], hi[b * I + i])
+
+    def q_tile(D):
+        return pl.BlockSpec((None, None, None, R, D), lambda b, h, g, i, j, lo, hi: (b, h, g, i, 0))
+
+    def kv_tile(D):
+        return pl.BlockSpec((None, None, C, D), lambda b, h, g, i, j, lo, hi: (b, h, j_(b, i, j, lo, hi), 0))
+
+    q_stat = pl.BlockSpec((None, None, None, R, 1), lambda b, h, g, i, j, lo, hi: (b, h, g, i, 0))
+    q_col = pl.BlockSpec((None, R, 1), lambda b, h, g, i, j, lo, hi: (b, i, 0))
+    k_row = pl.BlockSpec((None, 1, C), lambda b, h, g, i, j, lo, hi: (b, 0, j_(b, i, j, lo, hi)))
+    return q_tile, q_stat, q_col, kv_tile, k_row
+
+
+def _key_major_specs(J: int, R: int, C: int):
+    """Block specs for grid `(b, h, j, g, i)` with query tiles clamped to `[lo, hi)` of column `b * J + j`."""
+
+    def i_(b, j, i, lo, hi):
+        return _clamp(i, lo[b * J + j], hi[b * J + j])
+
+    def q_tile(D):
+        return pl.BlockSpec((None, None, None, R, D), lambda b, h, j, g, i, lo, hi: (b, h, g, i_(b, j, i, lo, hi), 0))
+
+    def kv_tile(D):
+        return pl.BlockSpec((None, None, C, D), lambda b, h, j, g, i, lo, hi: (b, h, j, 0))
+
+    q_stat = pl.BlockSpec((None, None, None, 1, R), lambda b, h, j, g, i, lo, hi: (b, h, g, 0, i_(b, j, i, lo, hi)))
+    q_row = pl.BlockSpec((None, 1, R), lambda b, h, j, g, i, lo, hi: (b, 0, i_(b, j, i, lo, hi)))
+    k_col = pl.BlockSpec((None, C, 1), lambda b, h, j, g, i, lo, hi: (b, j, 0))
+    return q_tile, q_stat, q_row, kv_tile, k_col
+
+
+def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+    B, K, G, Tp, H = q.shape
+    Sp, V = k.shape[2], v.shape[-1]
+    R, C = call.blocks.block_q, call.blocks.block_k
+    I, J = Tp // R, Sp // C
+    vis = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window, block_q=R, block_k=C)
+    lo_BI, hi_BI = visible_range(vis, axis=2)
+    has_seg, has_sink = q_seg is not None, sinks_KG is not None
+
+    def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs):
+        refs = list(refs)
+        qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+        sinks_ref = refs.pop(0) if has_sink else None
+        o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
+        b, h, g, i, j = (pl.program_id(a) for a in range(5))
+
+        @pl.when(j == 0)
+        def _init():
+            m_scr[...], l_scr[...], acc_scr[...] = flash.init_state(R, V)
+
+        @pl.when((j >= lo_ref[b * I + i]) & (j < hi_ref[b * I + i]))
+        def _step():
+            mask_RC = visible(qpos_ref[...], kpos_ref[...], None if qseg_ref is None else qseg_ref[...],
+                              None if kseg_ref is None else kseg_ref[...], causal=call.causal, window=call.window)
+            s_RC = flash.scores(q_ref[...], k_ref[...], call.scale, call.softcap)
+            m_scr[...], l_scr[...], acc_scr[...] = flash.forward_step(
+                s_RC, mask_RC, v_ref[...], m_scr[...], l_scr[...], acc_scr[...])
+
+        @pl.when(j == J - 1)
+        def _finish():
+            sink = sinks_ref[h, g] if has_sink else None
+            o_RV, lse_R1 = flash.finish(m_scr[...], l_scr[...], acc_scr[...], sink)
+            o_ref[...] = o_RV.astype(o_ref.dtype)
+            lse_ref[...] = lse_R1
+
+    q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, R, C)
+    in_specs = [q_tile(H), kv_tile(H), kv_tile(V), q_col, k_row]
+    args = [q, k, v, _column(q_pos), _row(k_pos)]
+    if has_seg:
+        in_specs += [q_col, k_row]
+        args += [_column(q_seg), _row(k_seg)]
+    if has_sink:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(sinks_KG)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B, K, G, I, J),
+            in_specs=in_specs,
+            out_specs=[q_tile(V), q_stat],
+            scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
+                            pltpu.VMEM((R, V), jnp.float32)],
+        ),
+        out_shape=[jax.ShapeDtypeStruct((B, K, G, Tp, V), q.dtype),
+                   jax.ShapeDtypeStruct((B, K, G, Tp, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
+        interpret=call.interpret,
+        name="flash_attention_tpu_fwd",
+    )(lo_BI.reshape(-1), hi_BI.reshape(-1), *args)
+    return o, lse
+
+
+def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_seg):
+    B, K, G, Tp, H = q.shape
+    Sp, V = k.shape[2], v.shape[-1]
+    R, C = call.blocks.block_q_bwd, call.blocks.block_k_bwd
+    I, J = Tp // R, Sp // C
+    vis = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window, block_q=R, block_k=C)
+    k_lo_BI, k_hi_BI = visible_range(vis, axis=2)
+    q_lo_BJ, q_hi_BJ = visible_range(vis, axis=1)
+    has_seg = q_seg is not None
+    mask_kw = dict(causal=call.causal, window=call.window)
+
+    # ---- dq: grid (B, K, G, I, J), reducing over the visible key tiles ----
+    def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
+        refs = list(refs)
+        qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+        dq_ref, dq_scr = refs
+        b, i, j = pl.program_id(0), pl.program_id(3), pl.program_id(4)
+
+        @pl.when(j == 0)
+        def _init():
+            dq_scr[...] = jnp.zeros((R, H), jnp.float32)
+
+        @pl.when((j >= lo_ref[b * I + i]) & (j < hi_ref[b * I + i]))
+        def _step():
+            mask_RC = visible(qpos_ref[...], kpos_ref[...], None if qseg_ref is None else qseg_ref[...],
+                              None if kseg_ref is None else kseg_ref[...], **mask_kw)
+            dq_scr[...] += flash.dq_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
+                                         delta_ref[...], mask_RC, call.scale, call.softcap)
+
+        @pl.when(j == J - 1)
+        def _finish():
+            dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
+
+    q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, R, C)
+    in_specs = [q_tile(H), kv_tile(H), kv_tile(V), q_tile(V), q_stat, q_stat, q_col, k_row]
+    args = [q, k, v, do, lse_BKGT1, delta_BKGT1, _column(q_pos), _row(k_pos)]
+    if has_seg:
+        in_specs += [q_col, k_row]
+        args += [_column(q_seg), _row(k_seg)]
+    dq = pl.pallas_call(
+        dq_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, K, G, I, J), in_specs=in_specs, out_specs=q_tile(H),
+            scratch_shapes=[pltpu.VMEM((R, H), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
+        interpret=call.interpret,
+        name="flash_attention_tpu_dq",
+    )(k_lo_BI.reshape(-1), k_hi_BI.reshape(-1), *args)
+
+    # ---- dk, dv: grid (B, K, J, G, I), reducing over the G heads and their visible query tiles ----
+    def dkdv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
+        refs = list(refs)
+        qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+        dk_ref, dv_ref, dk_scr, dv_scr = refs
+        b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+        @pl.when((g == 0) & (i == 0))
+        def _init():
+            dk_scr[...] = jnp.zeros((C, H), jnp.float32)
+            dv_scr[...] = jnp.zeros((C, V), jnp.float32)
+
+        @pl.when((i >= lo_ref[b * J + j]) & (i < hi_ref[b * J + j]))
+        def _step():
+            mask_CR = visible(qpos_ref[...], kpos_ref[...], None if qseg_ref is None else qseg_ref[...],
+                              None if kseg_ref is None else kseg_ref[...], **mask_kw)
+            dk_CH, dv_CV = flash.dkdv_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
+                                           delta_ref[...], mask_CR, call.scale, call.softcap)
+            dk_scr[...] += dk_CH
+            dv_scr[...] += dv_CV
+
+        @pl.when((g == G - 1) & (i == I - 1))
+        def _finish():
+            dk_ref[...] = dk_scr[...].astype(dk_ref.dtype)
+            dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+    q_tile, q_stat, q_row, kv_tile, k_col = _key_major_specs(J, R, C)
+    in_specs = [q_tile(H), kv_tile(H), kv_tile(V), q_tile(V), q_stat, q_stat, q_row, k_col]
+    lse_BKG1T, delta_BKG1T = (x.reshape(B, K, G, 1, Tp) for x in (lse_BKGT1, delta_BKGT1))
+    args = [q, k, v, do, lse_BKG1T, delta_BKG1T, _row(q_pos), _column(k_pos)]
+    if has_seg:
+        in_specs += [q_row, k_col]
+        args += [_row(q_seg), _column(k_seg)]
+    dk, dv = pl.pallas_call(
+        dkdv_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, K, J, G, I), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(V)],
+            scratch_shapes=[pltpu.VMEM((C, H), jnp.float32), pltpu.VMEM((C, V), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",) * 2),
+        interpret=call.interpret,
+        name="flash_attention_tpu_dkdv",
+    )(q_lo_BJ.reshape(-1), q_hi_BJ.reshape(-1), *args)
+    return dq, dk, dv
