@@ -31,7 +31,8 @@ QK_NORMS = ("none", "head", "full")
 INITS = ("normal", "xavier")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_out")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("reference",)
+ATTENTION_IMPLS = ("default", "reference", "chunked", "cudnn", "pallas_gpu", "pallas_tpu")
+NORM_IMPLS = ("default", "reference", "pallas")
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:
@@ -146,6 +147,7 @@ class ModelConfig:
     sliding_window: int | None = None
     attention_pattern: str = "G"
     attention_impl: str = "reference"
+    norm_impl: str = "reference"
     # MLA (attention_type="mla")
     mla_kv_rank: int = 0
     mla_q_rank: int = 0  # 0: full-rank query projection
@@ -188,6 +190,7 @@ class ModelConfig:
             ("dtype", DTYPES),
             ("param_dtype", DTYPES),
             ("attention_impl", ATTENTION_IMPLS),
+            ("norm_impl", NORM_IMPLS),
         ):
             _check_choice(name, getattr(self, name), choices)
         if not isinstance(self.rope_scaling, RopeScaling):

@@ -13,13 +13,18 @@ from modern_jax.kernels.attention import (
     attention_reference,
 )
 from modern_jax.kernels.backend import UnsupportedFeatureError, pallas_interpret
+from modern_jax.kernels.norm import NormImpl, add_norm, norm, norm_reference
 
 __all__ = [
     "AttentionImpl",
     "AttentionSpec",
+    "NormImpl",
     "UnsupportedFeatureError",
+    "add_norm",
     "attention",
     "attention_mask",
     "attention_reference",
+    "norm",
+    "norm_reference",
     "pallas_interpret",
 ]
