@@ -203,11 +203,13 @@ class Transformer(nnx.Module):
 
 
 def _check_tokens(tokens_BT, vocab_size: int):
+    """Shape and dtype always; the id range wherever the values are known (not under jit)."""
     tokens_BT = jnp.asarray(tokens_BT)
     if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers of shape [batch, length], got {tokens_BT.dtype}{list(tokens_BT.shape)}")
     if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
-        low, high = int(np.min(tokens_BT)), int(np.max(tokens_BT))
+        host = np.asarray(jax.device_get(tokens_BT))
+        low, high = int(host.min()), int(host.max())
         if low < 0 or high >= vocab_size:
             raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got values in [{low}, {high}]")
     return tokens_BT
