@@ -7,6 +7,7 @@ Runs in its own Python 3.11 environment (torch is never a dependency of modern_j
     .hfvenv/bin/python scripts/make_hf_fixtures.py            # everything
     .hfvenv/bin/python scripts/make_hf_fixtures.py counts     # param_counts.json only
     .hfvenv/bin/python scripts/make_hf_fixtures.py checkpoints [--out DIR] [--only NAME ...]
+    .hfvenv/bin/python scripts/make_hf_fixtures.py reference DIR ...   # for the live test
 
 Writes under tests/fixtures/hf/:
 - `param_counts.json`: for each config (tiny ones and the published sizes of the presets),
@@ -17,7 +18,9 @@ Writes under tests/fixtures/hf/:
   logits of a forward pass over them, and 32 greedily generated tokens (KV cache).
 
 The tests read only these files, so the default test run needs neither torch nor
-transformers. `tests/test_convert_live.py` runs the same comparisons live when both import.
+transformers. `tests/test_convert_live.py` runs the same comparisons live, through this
+script, when torch and transformers import (or MODERN_JAX_HF_PYTHON names an interpreter
+that has them, e.g. .hfvenv/bin/python).
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ TINY = {
     "gemma2": dict(model_type="gemma2", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    query_pre_attn_scalar=12, sliding_window=8, attn_logit_softcapping=4.0,
-                   final_logit_softcapping=5.0, max_position_embeddings=128),
+                   final_logit_softcapping=10.0, max_position_embeddings=128),
     "gemma3": dict(model_type="gemma3_text", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
                    query_pre_attn_scalar=8, sliding_window=8, sliding_window_pattern=3,
@@ -243,15 +246,15 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
 def greedy(model, tokens: torch.Tensor, steps: int) -> tuple[np.ndarray, float]:
     """Greedy continuation with transformers' KV cache; also the smallest top-1 / top-2 logit gap."""
     out = model(tokens, use_cache=True)
-    cache, logits = out.past_key_values, out.logits[:, -1]
+    cache, logits = out.cache, out.logits[:, -1]  # a DynamicCache, sliding layers included
     generated, margin = [], float("inf")
     for _ in range(steps):
         top2 = torch.topk(logits.float(), 2, dim=-1).values
         margin = min(margin, float((top2[:, 0] - top2[:, 1]).min()))
         nxt = logits.argmax(-1, keepdim=True)
         generated.append(nxt)
-        out = model(nxt, past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        out = model(nxt, cache=cache, use_cache=True)
+        cache, logits = out.cache, out.logits[:, -1]
     return torch.cat(generated, dim=1).numpy(), margin
 
 
@@ -263,7 +266,8 @@ def make_checkpoint(name: str, config: dict, out: Path, seed: int, dtype=torch.f
     shutil.rmtree(directory, ignore_errors=True)
     model.to(dtype).save_pretrained(directory, max_shard_size="40KB" if name in SHARDED else "1GB")
     (directory / "generation_config.json").unlink(missing_ok=True)
-    model = model.float()
+    # the reference: transformers loading what it saved, computing in float32
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
     tokens = torch.randint(0, config["vocab_size"], (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         logits = model(tokens).logits.float().numpy()
@@ -289,14 +293,30 @@ def make_checkpoints(out: Path, only: list[str] | None) -> None:
     manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
+def run_reference(directories: list[Path]) -> None:
+    """transformers' fp32 logits and greedy tokens for the prompt DIR/tokens.npy on each checkpoint
+    directory, written to DIR/transformers.npz: the live test's view of what to_hf wrote."""
+    for directory in directories:
+        tokens = torch.from_numpy(np.load(directory / "tokens.npy").astype(np.int64))
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+        logits = model(tokens).logits.float().numpy()
+        generated, _ = greedy(model, tokens, NEW_TOKENS)
+        np.savez(directory / "transformers.npz", logits=logits, greedy=generated.astype(np.int32))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=("all", "counts", "checkpoints"), default="all")
+    parser.add_argument("what", nargs="?", choices=("all", "counts", "checkpoints", "reference"), default="all")
+    parser.add_argument("directories", nargs="*", type=Path, help="reference: checkpoint directories")
     parser.add_argument("--out", type=Path, default=FIXTURES)
     parser.add_argument("--only", nargs="*", help="checkpoint names to (re)make")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     torch.set_grad_enabled(False)
+    if args.what == "reference":
+        run_reference(args.directories)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.what in ("all", "counts"):
         make_counts(args.out)
     if args.what in ("all", "checkpoints"):

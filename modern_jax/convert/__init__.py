@@ -1,5 +1,16 @@
-"""Checkpoint interop with Hugging Face: config translation and weight conversion."""
+"""Checkpoint interop with Hugging Face: config translation and streaming weight conversion.
 
+    cfg, model = from_hf("hf_dir", dtype="bfloat16")     # safetensors -> Transformer
+    to_hf(model, "out_dir", model_type="llama")           # Transformer -> safetensors
+    convert_from_hf("hf_dir", "ckpt")                     # -> config.yaml + params/ (Orbax)
+    convert_to_hf("ckpt", "hf_out")                       # and back
+"""
+
+from modern_jax.convert.checkpoint import convert_from_hf, convert_to_hf, load_checkpoint, save_checkpoint
+from modern_jax.convert.hf_checkpoint import CheckpointError, from_hf, to_hf
 from modern_jax.convert.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "CheckpointError", "config_from_hf", "config_to_hf", "convert_from_hf",
+    "convert_to_hf", "from_hf", "load_checkpoint", "save_checkpoint", "to_hf",
+]

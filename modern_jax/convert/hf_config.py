@@ -205,14 +205,15 @@ def expand_pattern(pattern: str, n_layers: int) -> str:
     return "".join(pattern[i % len(pattern)] for i in range(n_layers))
 
 
-def _sizes(r: _Reader, d="hidden_size", layers="num_hidden_layers", heads="num_attention_heads") -> dict:
-    D, N = r(d), r(heads)
-    head_dim = r("head_dim") or D // N
+def _sizes(r: _Reader, *, gqa: bool = True, head_dim: bool = True) -> dict:
+    """Sizes of families keyed like Llama; `gqa` / `head_dim`: whether the family reads those keys."""
+    D, N = r("hidden_size"), r("num_attention_heads")
+    K = r("num_key_value_heads") if gqa else None
+    H = (r("head_dim") if head_dim else None) or D // N
     return dict(
-        vocab_size=r("vocab_size"), d_model=D, n_layers=r(layers), n_heads=N,
-        n_kv_heads=r("num_key_value_heads") if r("num_key_value_heads") not in (None, N) else None,
-        head_dim=head_dim if head_dim != D // N or D % N else None,
-        max_position_embeddings=r("max_position_embeddings") or r("n_positions"),
+        vocab_size=r("vocab_size"), d_model=D, n_layers=r("num_hidden_layers"), n_heads=N,
+        n_kv_heads=K if K not in (None, N) else None, head_dim=H if H != D // N or D % N else None,
+        max_position_embeddings=r("max_position_embeddings"),
     )
 
 
@@ -343,7 +344,7 @@ def _gpt_neox(r: _Reader) -> dict:
     # pre_feedforward_layernorm); otherwise an ordinary pre-norm block with the same two norms
     parallel, bias = bool(r("use_parallel_residual")), bool(r("attention_bias"))
     return dict(
-        **_sizes(r), d_ff=r("intermediate_size"), norm_type="layernorm", norm_bias=True,
+        **_sizes(r, gqa=False, head_dim=False), d_ff=r("intermediate_size"), norm_type="layernorm", norm_bias=True,
         norm_eps=float(r("layer_norm_eps")), norm_placement="parallel" if parallel else "pre",
         parallel_shared_norm=not parallel, ffn_type="mlp", activation=r.activation("hidden_act"), mlp_bias=True,
         qkv_bias=bias, out_bias=bias, tie_embeddings=bool(r("tie_word_embeddings")),

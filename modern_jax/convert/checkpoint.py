@@ -1,0 +1,100 @@
+"""Our checkpoint layout, and the conversions behind `modern-jax convert`.
+
+A converted checkpoint directory holds:
+
+    config.yaml      the ModelConfig (`yaml.safe_dump(cfg.to_dict())`)
+    params/          nnx.state(model, nnx.Param), saved by Orbax's StandardCheckpointer
+    hf/              when converted from Hugging Face: its config.json and tokenizer files,
+                     so that converting back writes the same family, token ids and tokenizer
+
+The trainer can resume or fine-tune from it: build the abstract model from config.yaml
+and restore params/ into it (`load_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+
+from modern_jax.config import ModelConfig
+from modern_jax.convert.hf_checkpoint import from_hf, read_config, to_hf
+from modern_jax.convert.hf_config import model_type_of
+from modern_jax.model import Transformer
+
+CONFIG, PARAMS, HF = "config.yaml", "params", "hf"
+# files of a Hugging Face model directory that are not weights, kept for the way back
+HF_ASSETS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+             "chat_template.jinja", "chat_template.json")
+CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept in config.json, not in ModelConfig
+
+
+def save_checkpoint(model: Transformer, out: str | os.PathLike) -> Path:
+    """Save `model` as config.yaml + params/ (Orbax) under `out`."""
+    out = Path(out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(yaml.safe_dump(model.cfg.to_dict(), sort_keys=False))
+    if (out / PARAMS).exists():
+        shutil.rmtree(out / PARAMS)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(out / PARAMS, nnx.state(model, nnx.Param))
+    checkpointer.wait_until_finished()
+    return out
+
+
+def load_checkpoint(ckpt: str | os.PathLike, **overrides: Any) -> tuple[ModelConfig, Transformer]:
+    """`(config, model)` from a directory written by `save_checkpoint` (params restored in their saved dtype)."""
+    ckpt = Path(ckpt).absolute()
+    if not (ckpt / CONFIG).is_file() or not (ckpt / PARAMS).is_dir():
+        raise FileNotFoundError(f"{ckpt}: expected {CONFIG} and {PARAMS}/ (a modern_jax checkpoint)")
+    cfg = ModelConfig.from_dict({**yaml.safe_load((ckpt / CONFIG).read_text()), **overrides})
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    params = ocp.StandardCheckpointer().restore(ckpt / PARAMS, params)
+    return cfg, nnx.merge(graphdef, params, rest)
+
+
+def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32") -> Path:
+    """Hugging Face model directory `src` -> our checkpoint `out` (config.yaml + params/ + hf/)."""
+    src = Path(src)
+    _, model = from_hf(src, dtype=dtype)
+    out = save_checkpoint(model, out)
+    (out / HF).mkdir(exist_ok=True)
+    for name in HF_ASSETS:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / HF / name)
+    return out
+
+
+def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: str | None = None,
+                  dtype: str | None = None) -> list[str]:
+    """Our checkpoint `ckpt` -> a Hugging Face model directory `out` that transformers loads.
+
+    `model_type` defaults to the family the checkpoint was converted from (hf/config.json);
+    a model trained here needs it named. Token ids and tokenizer files come along when known.
+    """
+    ckpt = Path(ckpt)
+    source = read_config(ckpt / HF) if (ckpt / HF / "config.json").is_file() else None
+    if model_type is None:
+        if source is None:
+            raise ValueError(f"{ckpt} was not converted from Hugging Face: name the model_type to write")
+        model_type = model_type_of(source)
+        model_type = "gemma3_text" if model_type == "gemma3" else model_type
+    extra = {}
+    if source is not None:
+        text = source.get("text_config") or {}
+        extra = {k: source.get(k, text.get(k)) for k in CARRIED_KEYS if k in source or k in text}
+    _, model = load_checkpoint(ckpt)
+    files = to_hf(model, out, model_type=model_type, dtype=dtype, extra_config=extra)
+    for name in HF_ASSETS:
+        if name != "config.json" and (ckpt / HF / name).is_file():
+            shutil.copy2(ckpt / HF / name, Path(out) / name)
+            files.append(name)
+    return files

@@ -1,0 +1,280 @@
+"""Hugging Face safetensors checkpoints <-> the model, one tensor at a time.
+
+    cfg, model = from_hf("path/to/hf_dir", dtype="bfloat16")
+    to_hf(model, "path/to/out_dir", model_type="llama")
+
+Loading builds the model abstractly (no random initialisation), checks the checkpoint
+against it before reading any data (every expected tensor present, no tensor left over,
+every shape right; errors name the tensors and both shapes), then streams the tensors
+from the (possibly sharded) safetensors files into one preallocated array per stacked
+parameter. A parameter is handed to JAX as soon as its last layer is filled, so the
+host holds about one copy of the model, never two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from modern_jax.config import ModelConfig
+from modern_jax.convert.hf_config import config_from_hf, config_to_hf, model_type_of
+from modern_jax.convert.hf_weights import TABLES, Rule, WeightTable
+from modern_jax.model import Transformer
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MAX_SHARD_BYTES = 5 * 2**30
+LISTED = 8  # names shown per kind of error
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model its config describes."""
+
+
+@dataclass
+class _Target:
+    """One of our parameters (a stacked one: all its layers), filled slot by slot."""
+
+    path: tuple
+    variable: Any  # the nnx.Param in the model's state
+    layers: tuple[int, ...] | None  # stacked: the layer index of each slot; None: not per layer
+    buffer: np.ndarray | None = None
+    filled: set = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return ".".join(map(str, self.path))
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.variable.shape)
+        return shape[1:] if self.layers is not None else shape
+
+
+@dataclass(frozen=True)
+class _Source:
+    target: _Target
+    slot: int | None  # None: the whole (unstacked) parameter
+    rule: Rule
+
+
+def plan(model: Transformer, state, table: WeightTable, model_type: str) -> dict[str, list[_Source]]:
+    """Every Hugging Face tensor name the model needs, with the parameters (and layers) it fills."""
+    sources: dict[str, list[_Source]] = {}
+    for path, variable in nnx.to_flat_state(state):
+        if path[0] == "stages":
+            _, s, _, j, *rest = path
+            stage = model.stages[s]
+            layers = tuple(stage.first + i * len(stage.unit) + j for i in range(stage.repeats))
+            target, rules, key = _Target(path, variable, layers), table.layer, ".".join(rest)
+        else:
+            target, rules, key = _Target(path, variable, None), table.top, ".".join(map(str, path))
+        if key not in rules:
+            raise CheckpointError(f"{model_type}: the model's parameter {'.'.join(map(str, path))} has no "
+                                  f"Hugging Face counterpart (the config maps to a model this family does not have)")
+        rule = rules[key]
+        for slot, layer in enumerate(target.layers or [None]):
+            name = rule.hf.format(i=layer)
+            sources.setdefault(name, []).append(_Source(target, None if layer is None else slot, rule))
+    return sources
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    return json.loads(config.read_text())
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those of the index if there is one, else all of them."""
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        hint = f" (found {', '.join(other)}: re-save with transformers' save_pretrained, which writes safetensors)" \
+            if other else ""
+        raise CheckpointError(f"{path}: no safetensors files{hint}")
+    return files
+
+
+def _listed(names) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more
+
+
+def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None,
+            **overrides: Any) -> tuple[ModelConfig, Transformer]:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) as `(config, model)`.
+
+    `dtype` is the compute dtype and, unless `param_dtype` is given, the parameters' dtype;
+    tensors are cast as they stream in. `overrides` set other non-architecture fields
+    (remat, scan_layers, attention_impl, ...).
+    """
+    path = Path(path)
+    hf = read_config(path)
+    model_type = model_type_of(hf)
+    cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
+    table = TABLES[model_type]
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    sources = plan(abstract, state, table, model_type)
+    tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
+
+    # 1. names and shapes, from the headers only
+    found: dict[str, tuple[Path, str]] = {}
+    unused, wrong = [], []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="np") as f:
+            for name in f.keys():
+                canonical = table.canonical(name)
+                if canonical not in sources:
+                    if not (table.ignored(name) or table.ignored(canonical) or canonical == tied_head):
+                        unused.append(name)
+                    continue
+                if canonical in found:
+                    wrong.append(f"{name}: stored twice ({found[canonical][0].name} and {file.name})")
+                    continue
+                found[canonical] = (file, name)
+                shape = tuple(f.get_slice(name).get_shape())
+                src = sources[canonical][0]
+                want = src.rule.hf_shape(src.target.slot_shape)
+                if shape != want:
+                    wrong.append(f"{name}: the checkpoint has {list(shape)}, the model expects {list(want)} "
+                                 f"(for {src.target.name} {list(src.target.slot_shape)})")
+    missing = [n for n in sources if n not in found]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) missing: {_listed(missing)}")
+    if unused:
+        problems.append(f"{len(unused)} tensor(s) the {model_type} model has no place for: {_listed(unused)}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensor(s) with the wrong shape or stored twice: " + "; ".join(wrong[:LISTED]))
+    if problems:
+        raise CheckpointError(f"{path} does not fit the {model_type} model of its config.json: " + ". ".join(problems))
+
+    # 2. stream the data, file by file, into one preallocated buffer per parameter
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for canonical, (file, name) in found.items():
+        by_file.setdefault(file, []).append((canonical, name))
+    for file, names in by_file.items():
+        with safe_open(file, framework="np") as f:
+            for canonical, name in names:
+                x = f.get_tensor(name)
+                for src in sources[canonical]:
+                    _write(src, x)
+                del x
+    incomplete = [t.name for t in {id(s.target): s.target for ss in sources.values() for s in ss}.values()
+                  if t.buffer is not None]
+    assert not incomplete, incomplete
+    return cfg, nnx.merge(graphdef, state)
+
+
+def _write(src: _Source, x: np.ndarray) -> None:
+    """Put one tensor into its parameter; hand the parameter to JAX once every slot is filled."""
+    target = src.target
+    value = src.rule.to_ours(x, target.slot_shape)
+    dtype = np.dtype(target.variable.dtype)
+    if target.layers is None:
+        target.variable.set_value(jnp.asarray(value.astype(dtype)))
+        return
+    if target.buffer is None:
+        target.buffer = np.empty(target.variable.shape, dtype)
+    target.buffer[src.slot] = value
+    target.filled.add(src.slot)
+    if len(target.filled) == len(target.layers):
+        target.variable.set_value(jnp.asarray(target.buffer))
+        target.buffer = None
+
+
+# ----- writing ---------------------------------------------------------------------------
+
+class _ShardWriter:
+    """Writes tensors into safetensors shards of at most `max_bytes` (one tensor may exceed it)."""
+
+    def __init__(self, path: Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes, self.shards, self.total = 0, [], 0
+
+    def add(self, name: str, x: np.ndarray) -> None:
+        if self.pending and self.pending_bytes + x.nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = np.ascontiguousarray(x)
+        self.pending_bytes += x.nbytes
+        self.total += x.nbytes
+
+    def flush(self) -> None:
+        file = self.path / f".shard-{len(self.shards)}.safetensors"
+        save_file(self.pending, str(file), metadata={"format": "pt"})
+        self.shards.append((file, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        if self.pending or not self.shards:
+            self.flush()
+        n = len(self.shards)
+        if n == 1:
+            self.shards[0][0].rename(self.path / SINGLE)
+            return [SINGLE]
+        weight_map = {}
+        for k, (file, names) in enumerate(self.shards):
+            final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            file.rename(self.path / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return [INDEX, *sorted(set(weight_map.values()))]
+
+
+def to_hf(model: Transformer, path: str | os.PathLike, model_type: str, *, dtype: str | None = None,
+          max_shard_bytes: int = MAX_SHARD_BYTES, extra_config: dict[str, Any] | None = None) -> list[str]:
+    """Write `model` as a Hugging Face checkpoint of `model_type` (config.json + safetensors).
+
+    `dtype` casts the tensors (default: the parameters' dtype). `extra_config` adds keys
+    that do not change the network (token ids, ...) to config.json. Returns the files written.
+    Raises ValueError if `model_type` cannot express the model.
+    """
+    cfg = model.cfg
+    hf = config_to_hf(cfg, model_type)  # refuses a model the family cannot express
+    dtype = dtype or cfg.param_dtype
+    hf.update(extra_config or {})
+    hf["torch_dtype"] = dtype
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in [path / SINGLE, path / INDEX, *path.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    sources = plan(model, nnx.state(model, nnx.Param), TABLES[model_type], model_type)
+
+    def order(name: str):
+        src = sources[name][0]
+        layer = src.target.layers[src.slot] if src.slot is not None else (-1 if "embed" in src.target.name else 1 << 30)
+        return layer, name
+
+    writer, host = _ShardWriter(path, max_shard_bytes), {}
+    for name in sorted(sources, key=order):
+        parts = sorted(sources[name], key=lambda s: s.rule.part or 0)
+        arrays = []
+        for src in parts:
+            key = src.target.path
+            if key not in host:
+                if len(host) >= 4:  # keep a few stacked parameters on the host, not the whole model
+                    host.pop(next(iter(host)))
+                host[key] = np.asarray(src.target.variable[...])
+            arrays.append(host[key] if src.slot is None else host[key][src.slot])
+        writer.add(name, parts[0].rule.to_hf(arrays).astype(np.dtype(jnp.dtype(dtype))))
+    files = writer.close()
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return ["config.json", *files]

@@ -1,0 +1,352 @@
+"""Hugging Face checkpoints: parity with transformers on golden fixtures, round trips, bad checkpoints.
+
+The fixtures under tests/fixtures/hf/<name>/ are tiny random checkpoints saved by
+transformers with its fp32 logits and 32 greedy tokens (scripts/make_hf_fixtures.py);
+no torch is needed here. tests/test_convert_live.py repeats the parity checks live.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from modern_jax.convert import (CheckpointError, config_from_hf, convert_from_hf, convert_to_hf, from_hf,
+                                load_checkpoint, to_hf)
+from modern_jax.convert.hf_config import architecture
+from modern_jax.convert.hf_weights import TABLES
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
+NAMES = sorted(MANIFEST["checkpoints"])
+FP32 = [n for n in NAMES if MANIFEST["checkpoints"][n]["dtype"] == "float32"]
+LOGIT_TOL = 1e-4
+
+
+def reference(name: str) -> dict[str, np.ndarray]:
+    with np.load(FIXTURES / name / "reference.npz") as z:
+        return dict(z)
+
+
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+@nnx.jit
+def _decode(model, tokens, cache):
+    return model(tokens, cache=cache)
+
+
+def greedy(model, tokens, steps: int) -> np.ndarray:
+    """Greedy continuation with the KV cache: prefill, then one token at a time."""
+    B, T = tokens.shape
+    cache = model.init_cache(B, T + steps)
+    logits, cache = _decode(model, jnp.asarray(tokens), cache)
+    out = []
+    for _ in range(steps):
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        out.append(nxt)
+        logits, cache = _decode(model, nxt[:, None], cache)
+    return np.asarray(jnp.stack(out, axis=1))
+
+
+def hf_tensors(directory: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, framework="np") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    cache = {}
+
+    def load(name, dtype="float32"):
+        if (name, dtype) not in cache:
+            cache[name, dtype] = from_hf(FIXTURES / name, dtype=dtype)
+        return cache[name, dtype]
+
+    return load
+
+
+# ----- parity with transformers ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(name, loaded):
+    ref = reference(name)
+    _, model = loaded(name)
+    logits = np.asarray(_forward(model, jnp.asarray(ref["tokens"])))
+    diff = float(np.max(np.abs(logits - ref["logits"])))
+    print(f"{name}: max|logit diff| = {diff:.2e}")
+    assert diff <= LOGIT_TOL, diff
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_matches_transformers(name, loaded):
+    ref = reference(name)
+    _, model = loaded(name)
+    np.testing.assert_array_equal(greedy(model, ref["tokens"], ref["greedy"].shape[1]), ref["greedy"])
+
+
+def test_the_fixtures_cover_every_family():
+    types = {json.loads((FIXTURES / n / "config.json").read_text())["model_type"] for n in NAMES}
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "gpt2", "gpt_neox", "gptj",
+            "phi"} <= types
+    assert (FIXTURES / "qwen2" / "model.safetensors.index.json").exists()  # a sharded checkpoint
+
+
+# ----- dtypes -------------------------------------------------------------------------------
+
+def test_bf16_checkpoint_loads_exactly_in_both_dtypes(loaded):
+    tensors = hf_tensors(FIXTURES / "llama_bf16")
+    cfg16, model16 = loaded("llama_bf16", "bfloat16")
+    _, model32 = loaded("llama_bf16", "float32")
+    assert (cfg16.dtype, cfg16.param_dtype) == ("bfloat16", "bfloat16")
+    embed = tensors["model.embed_tokens.weight"]
+    assert embed.dtype == jnp.bfloat16
+    assert model16.embed_tokens[...].dtype == jnp.bfloat16 and model32.embed_tokens[...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(model16.embed_tokens[...]), embed)
+    np.testing.assert_array_equal(np.asarray(model32.embed_tokens[...]), embed.astype(np.float32))
+    ref = reference("llama_bf16")
+    logits16 = np.asarray(_forward(model16, jnp.asarray(ref["tokens"])))
+    assert logits16.dtype == np.float32
+    scale = np.max(np.abs(ref["logits"]))
+    assert np.max(np.abs(logits16 - ref["logits"])) < 0.1 * scale  # bf16 compute: close, not exact
+
+
+def test_fp32_checkpoint_loads_as_bf16(loaded):
+    _, model = loaded("qwen3", "bfloat16")
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16)}
+    q = hf_tensors(FIXTURES / "qwen3")["model.layers.1.self_attn.q_proj.weight"]  # [N*H, D]
+    ours = np.asarray(model.stages[0].blocks[0].self_attn.q_proj.kernel[1])  # [D, N, H], layer 1
+    np.testing.assert_array_equal(ours.reshape(ours.shape[0], -1).T, q.astype(jnp.bfloat16))
+
+
+# ----- round trips -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_to_hf_writes_the_original_tensors(name, loaded, tmp_path):
+    src = FIXTURES / name
+    hf = json.loads((src / "config.json").read_text())
+    cfg, model = loaded(name, MANIFEST["checkpoints"][name]["dtype"])
+    files = to_hf(model, tmp_path, model_type=hf["model_type"])
+    assert "config.json" in files
+    original, written = hf_tensors(src), hf_tensors(tmp_path)
+    assert sorted(written) == sorted(original)
+    for key, value in original.items():
+        assert written[key].dtype == value.dtype, key
+        np.testing.assert_array_equal(written[key], value, err_msg=key)
+    back = json.loads((tmp_path / "config.json").read_text())
+    assert architecture(config_from_hf(back)) == architecture(cfg)
+
+
+def test_to_hf_shards_and_reloads(loaded, tmp_path):
+    _, model = loaded("gemma2")
+    files = to_hf(model, tmp_path, model_type="gemma2", max_shard_bytes=20_000)
+    assert "model.safetensors.index.json" in files and len(files) > 3
+    _, again = from_hf(tmp_path)
+    ref = reference("gemma2")
+    np.testing.assert_array_equal(np.asarray(_forward(again, jnp.asarray(ref["tokens"]))),
+                                  np.asarray(_forward(model, jnp.asarray(ref["tokens"]))))
+
+
+def test_to_hf_refuses_a_family_that_cannot_express_the_model(loaded, tmp_path):
+    _, model = loaded("qwen3")  # QK-norm: llama has none
+    with pytest.raises(ValueError, match=r"llama cannot express this model: qk_norm='head'"):
+        to_hf(model, tmp_path, model_type="llama")
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_orbax_checkpoint_round_trip(tmp_path):
+    src = FIXTURES / "gpt_neox"
+    convert_from_hf(src, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "config.yaml").is_file() and (tmp_path / "ckpt" / "params").is_dir()
+    cfg, model = load_checkpoint(tmp_path / "ckpt")
+    assert cfg == config_from_hf(json.loads((src / "config.json").read_text()))
+    ref = reference("gpt_neox")
+    logits = np.asarray(_forward(model, jnp.asarray(ref["tokens"])))
+    assert np.max(np.abs(logits - ref["logits"])) <= LOGIT_TOL
+    convert_to_hf(tmp_path / "ckpt", tmp_path / "hf")  # model_type remembered from the source
+    original, written = hf_tensors(src), hf_tensors(tmp_path / "hf")
+    assert sorted(written) == sorted(original)
+    for key in original:
+        np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "gpt_neox" and config["eos_token_id"] == 2  # carried through
+
+
+# ----- bad checkpoints -------------------------------------------------------------------
+
+def copy_fixture(name: str, dst: Path) -> Path:
+    shutil.copytree(FIXTURES / name, dst / name)
+    return dst / name
+
+
+def rewrite(directory: Path, change) -> None:
+    file = directory / "model.safetensors"
+    tensors = hf_tensors(directory)
+    change(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    directory = copy_fixture("llama", tmp_path)
+    rewrite(directory, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) missing: model\.layers\.1\.mlp\.up_proj\.weight"):
+        from_hf(directory)
+
+
+def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
+    directory = copy_fixture("llama", tmp_path)
+
+    def change(t):
+        t["model.layers.2.self_attn.k_proj.weight"] = np.zeros((24, 32), np.float32)
+
+    rewrite(directory, change)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight: the checkpoint has "
+                                              r"\[24, 32\], the model expects \[16, 32\]"):
+        from_hf(directory)
+
+
+def test_unused_tensor_is_named(tmp_path):
+    directory = copy_fixture("gpt2", tmp_path)
+
+    def change(t):
+        t["transformer.h.0.attn.q_attn.weight"] = np.zeros((32, 32), np.float32)
+        t["transformer.h.0.attn.bias"] = np.zeros((1, 1, 64, 64), np.float32)  # an old mask buffer: ignored
+
+    rewrite(directory, change)
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) the gpt2 model has no place for: "
+                                              r"transformer\.h\.0\.attn\.q_attn\.weight$"):
+        from_hf(directory)
+
+
+def test_unknown_family_lists_the_supported_ones(tmp_path):
+    directory = copy_fixture("llama", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, model_type="mixtral")))
+    with pytest.raises(ValueError, match=r"model_type 'mixtral' is not supported; supported: llama, mistral, "
+                                         r"qwen2, qwen3, gemma2"):
+        from_hf(directory)
+
+
+def test_unsupported_setting_is_named(tmp_path):
+    directory = copy_fixture("llama", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"rope_type='longrope' is not supported"):
+        from_hf(directory)
+
+
+def test_no_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text((FIXTURES / "llama" / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"no safetensors files \(found pytorch_model\.bin"):
+        from_hf(tmp_path)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        from_hf(tmp_path / "nowhere")
+
+
+def test_tied_head_saved_anyway_is_accepted(tmp_path):
+    directory = copy_fixture("qwen3", tmp_path)  # tied
+    rewrite(directory, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"]))
+    _, model = from_hf(directory)
+    assert model.lm_head is None
+
+
+def test_multimodal_gemma3_prefixes(tmp_path, loaded):
+    """A gemma3 (multimodal) checkpoint: the text model under language_model, a vision tower to skip."""
+    directory = copy_fixture("gemma3", tmp_path)
+    text = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+
+    def change(t):
+        for key in list(t):
+            t["language_model." + key] = t.pop(key)
+        t["vision_tower.vision_model.post_layernorm.weight"] = np.ones(4, np.float32)
+        t["multi_modal_projector.mm_soft_emb_norm.weight"] = np.ones(4, np.float32)
+
+    rewrite(directory, change)
+    _, model = from_hf(directory)
+    ref = reference("gemma3")
+    assert np.max(np.abs(np.asarray(_forward(model, jnp.asarray(ref["tokens"]))) - ref["logits"])) <= LOGIT_TOL
+
+
+def test_every_table_entry_is_well_formed():
+    for model_type, table in TABLES.items():
+        for rules in (table.top, table.layer):
+            for key, rule in rules.items():
+                groups, ours = rule.axes()
+                flat = [a for g in groups for a in g if not a.isdigit()]
+                assert sorted(flat) == sorted(ours), (model_type, key)
+
+
+# ----- streaming --------------------------------------------------------------------------
+
+def test_each_tensor_is_read_once_and_only_after_the_checks(tmp_path, monkeypatch):
+    from modern_jax.convert import hf_checkpoint
+
+    reads = []
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.inner = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, name):
+            return self.f.get_slice(name)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.f.get_tensor(name)
+
+    monkeypatch.setattr(hf_checkpoint, "safe_open", Counting)
+    from_hf(FIXTURES / "qwen2")  # sharded
+    assert sorted(reads) == sorted(set(reads)) == sorted(hf_tensors(FIXTURES / "qwen2"))
+    reads.clear()
+    directory = copy_fixture("qwen2", tmp_path)
+    (directory / "model-00003-of-00003.safetensors").unlink()
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "00003" not in v}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="missing"):
+        from_hf(directory)
+    assert reads == []  # nothing was read before the checkpoint was known to fit
+
+
+def test_loading_holds_about_one_copy_of_the_model_on_the_host(tmp_path):
+    """Host (numpy) memory while loading stays near one model size, not two."""
+    import tracemalloc
+
+    from modern_jax.model import Transformer
+
+    cfg = config_from_hf(dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=4, num_attention_heads=4, tie_word_embeddings=False))
+    to_hf(Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path, model_type="llama")
+    model_bytes = sum(v.nbytes for v in hf_tensors(tmp_path).values())
+    tracemalloc.start()
+    from_hf(tmp_path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1.3 * model_bytes, (peak, model_bytes)

@@ -1,0 +1,76 @@
+"""Live parity with transformers (PyTorch, CPU): fresh tiny checkpoints, every family.
+
+Runs when torch and transformers import here, or when MODERN_JAX_HF_PYTHON names an
+interpreter that has them (e.g. `MODERN_JAX_HF_PYTHON=.hfvenv/bin/python`, see CONVERT.md);
+skipped otherwise (the golden-fixture tests in test_convert_hf.py always run). The torch
+side runs through scripts/make_hf_fixtures.py in that interpreter:
+1. transformers makes and saves each tiny model with its logits and greedy tokens;
+2. from_hf loads it: fp32 logits within 1e-4, the same 32 greedy tokens (KV cache);
+3. to_hf writes it back; transformers loads that and gives identical logits and tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from modern_jax.convert import from_hf, to_hf
+from test_convert_hf import LOGIT_TOL, _forward, greedy
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "make_hf_fixtures.py"
+
+
+def hf_python() -> str | None:
+    if all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "safetensors")):
+        return sys.executable
+    return os.environ.get("MODERN_JAX_HF_PYTHON")
+
+
+pytestmark = pytest.mark.skipif(hf_python() is None, reason="needs torch + transformers (or MODERN_JAX_HF_PYTHON)")
+
+
+def run_script(*args: str) -> None:
+    done = subprocess.run([hf_python(), str(SCRIPT), *args], capture_output=True, text=True)
+    assert done.returncode == 0, f"{SCRIPT.name} {' '.join(args[:2])} failed:\n{done.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    run_script("checkpoints", "--out", str(out))
+    return out
+
+
+def test_live_parity_and_round_trip(fresh, tmp_path):
+    manifest = json.loads((fresh / "manifest.json").read_text())
+    names = sorted(manifest["checkpoints"])
+    report, written = {}, []
+    for name in names:
+        with np.load(fresh / name / "reference.npz") as z:
+            ref = dict(z)
+        _, model = from_hf(fresh / name)
+        logits = np.asarray(_forward(model, jnp.asarray(ref["tokens"])))
+        report[name] = float(np.max(np.abs(logits - ref["logits"])))
+        np.testing.assert_array_equal(greedy(model, ref["tokens"], ref["greedy"].shape[1]), ref["greedy"],
+                                      err_msg=name)
+        model_type = json.loads((fresh / name / "config.json").read_text())["model_type"]
+        dtype = manifest["checkpoints"][name]["dtype"]
+        to_hf(model, tmp_path / name, model_type=model_type, dtype=dtype)
+        np.save(tmp_path / name / "tokens.npy", ref["tokens"])
+        written.append(name)
+    print("max|logit diff| vs transformers:", json.dumps(report, indent=1))
+    assert max(report.values()) <= LOGIT_TOL, report
+
+    run_script("reference", *(str(tmp_path / name) for name in written))
+    for name in written:  # transformers on what to_hf wrote: the original model, exactly
+        with np.load(fresh / name / "reference.npz") as z, np.load(tmp_path / name / "transformers.npz") as back:
+            np.testing.assert_array_equal(back["logits"], z["logits"], err_msg=name)
+            np.testing.assert_array_equal(back["greedy"], z["greedy"], err_msg=name)
