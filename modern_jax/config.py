@@ -105,6 +105,7 @@ class ModelConfig:
 
     # sizes
     vocab_size: int = 256
+    vocab_pad_to: int = 1  # embedding/head rows padded to a multiple (tensor parallelism); pad logits masked
     d_model: int = 128
     n_layers: int = 2
     n_heads: int = 4
@@ -172,7 +173,7 @@ class ModelConfig:
     remat: str = "none"
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_position_embeddings"):
+        for name in ("vocab_size", "vocab_pad_to", "d_model", "n_layers", "n_heads", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(name, value, "expected a positive integer")
@@ -288,6 +289,10 @@ class ModelConfig:
     @property
     def num_kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_pad_to * math.ceil(self.vocab_size / self.vocab_pad_to)
 
     @property
     def head_size(self) -> int:

@@ -116,11 +116,15 @@ class Stage(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """`logits[B, T, V] = model(tokens[B, T])`; with `cache=`, returns `(logits, cache)`."""
+    """`logits[B, T, V] = model(tokens[B, T])`; with `cache=`, returns `(logits, cache)`.
+
+    V is `cfg.padded_vocab_size` (= vocab_size unless `vocab_pad_to` pads it for tensor
+    parallelism; padded entries hold the lowest float32 and are never predicted).
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        D, V, dtype = cfg.d_model, cfg.vocab_size, jnp.dtype(cfg.param_dtype)
+        D, V, dtype = cfg.d_model, cfg.padded_vocab_size, jnp.dtype(cfg.param_dtype)
         self.embed_tokens = param(rngs, jax.nn.initializers.normal(cfg.init_std), (V, D), ("vocab", "embed"), dtype)
         self.embed_positions = (
             param(rngs, jax.nn.initializers.normal(cfg.init_std), (cfg.max_position_embeddings, D), (None, "embed"), dtype)
@@ -193,6 +197,9 @@ class Transformer(nnx.Module):
                 logits_BTV = logits_BTV + self.lm_head.bias[...].astype(jnp.float32)
         if cfg.final_softcap is not None:
             logits_BTV = cfg.final_softcap * jnp.tanh(logits_BTV / cfg.final_softcap)
+        if cfg.padded_vocab_size != cfg.vocab_size:  # padding rows are never predicted
+            real_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
+            logits_BTV = jnp.where(real_V, logits_BTV, jnp.finfo(jnp.float32).min)
         return constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))
 
     def __call__(self, tokens_BT, *, positions=None, segment_ids=None, cache=None, dropout_rng=None):

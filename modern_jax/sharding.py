@@ -1,24 +1,53 @@
-"""Logical axis names on activations.
+"""Logical axis names -> mesh axes: one rules table for parameters and activations.
 
-Model code names logical axes only (`activation_batch`, `activation_embed`, ...);
-`constrain` turns them into a sharding constraint when a mesh and a rules table
-are active (`with logical_rules(mesh, rules):`), and does nothing otherwise, so
-the same model runs on one CPU and on a pod slice.
+Parameters carry logical names in their `out_sharding` metadata (`embed`, `vocab`,
+`q_heads`, `kv_heads`, `head_dim`, `mlp`, `norm`, `layers`, `q_lora`, `kv_lora`);
+key activations are constrained to `activation_*` names. Model code names no mesh
+axis: `RULES` maps logical names to mesh axes, a mesh axis is used at most once per
+array, and `constrain` does nothing unless `with logical_rules(mesh, rules):` is active,
+so the same model runs on one CPU and on a pod slice.
+
+Megatron layout by default: q/k/v/gate/up column-parallel and o/down row-parallel over
+`tensor`, embedding and head vocab-parallel over `tensor`, weights sharded over `fsdp`
+on their `embed` dimension, the batch over `data` x `fsdp`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
+
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_kv_heads", "tensor"),
+    ("activation_vocab", "tensor"),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("q_lora", None),
+    ("kv_lora", None),
+)
+
+# logical axes that are replicated, rather than rejected, when the mesh does not divide
+# them: GQA with fewer KV heads than the tensor axis keeps whole KV heads on every device
+REPLICABLE = ("kv_heads", "activation_kv_heads", "activation_batch")
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("modern_jax_logical_rules", default=None)
 
 
 @contextlib.contextmanager
-def logical_rules(mesh, rules):
+def logical_rules(mesh, rules=RULES):
     """Activate `rules` (a sequence of (logical name, mesh axes or None)) on `mesh`."""
     token = _ACTIVE.set((mesh, tuple(rules)))
     try:
@@ -27,17 +56,37 @@ def logical_rules(mesh, rules):
         _ACTIVE.reset(token)
 
 
-def logical_to_spec(axes, rules) -> PartitionSpec:
-    """Map logical axis names to a PartitionSpec; a mesh axis is used at most once."""
-    table = dict(rules)
+def active():
+    """The active `(mesh, rules)`, or None."""
+    return _ACTIVE.get()
+
+
+def mesh_axes(name, rules) -> tuple[str, ...]:
+    """The mesh axes a logical name maps to (empty: replicated)."""
+    axes = dict(rules).get(name) if name is not None else None
+    return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+
+
+def logical_to_spec(axes, rules, mesh=None, shape=None, where: str = "") -> PartitionSpec:
+    """Map logical axis names to a PartitionSpec; a mesh axis is used at most once.
+
+    With `mesh` and `shape`, a dimension the mesh axes do not divide is replicated if its
+    name is in REPLICABLE and rejected with a ValueError otherwise.
+    """
     used, out = set(), []
-    for name in axes:
-        mesh_axes = table.get(name) if name is not None else None
-        if mesh_axes is None:
-            out.append(None)
-            continue
-        group = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-        group = tuple(a for a in group if a not in used)
+    for i, name in enumerate(axes):
+        group = tuple(a for a in mesh_axes(name, rules) if a not in used)
+        if mesh is not None and shape is not None:
+            group = tuple(a for a in group if mesh.shape[a] > 1)
+            size = math.prod(mesh.shape[a] for a in group)
+            if shape[i] % size:
+                if name in REPLICABLE:
+                    group = ()
+                else:
+                    raise ValueError(
+                        f"{where or 'array'}: dimension {i} ({name}) of size {shape[i]} is not divisible by mesh "
+                        f"axes {'x'.join(group)} = {size}; choose a mesh whose {'x'.join(group)} size divides "
+                        f"{shape[i]}" + (" or set model.vocab_pad_to to that size" if name == "vocab" else ""))
         used.update(group)
         out.append(group if len(group) > 1 else (group[0] if group else None))
     return PartitionSpec(*out)
@@ -45,8 +94,45 @@ def logical_to_spec(axes, rules) -> PartitionSpec:
 
 def constrain(x, axes):
     """Constrain the activation `x` to the logical `axes` under the active rules."""
-    active = _ACTIVE.get()
-    if active is None:
+    state = _ACTIVE.get()
+    if state is None:
         return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))
+    mesh, rules = state
+    spec = logical_to_spec(axes, rules, mesh, x.shape, where="activation")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def state_shardings(state, mesh, rules=RULES):
+    """NamedShardings for an `nnx.State` whose Variables carry logical axes (`out_sharding`).
+
+    Variables without axes (optimizer counts, RNG keys, scalars) are replicated.
+    """
+    from flax import nnx
+
+    def one(path, var):
+        axes = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+        shape = getattr(var, "shape", ())
+        if not axes or len(axes) != len(shape):
+            return NamedSharding(mesh, PartitionSpec())
+        where = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        return NamedSharding(mesh, logical_to_spec(axes, rules, mesh, shape, where=where))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def check_mesh(cfg, mesh, rules=RULES) -> None:
+    """Reject, before anything compiles, a model the mesh cannot split; name the field and the fix."""
+    def size(name):
+        return math.prod(mesh.shape[a] for a in mesh_axes(name, rules) if a in mesh.shape)
+
+    checks = [("n_heads", cfg.n_heads, "q_heads"), ("d_ff", cfg.ffn_width, "mlp"),
+              ("vocab_size", cfg.padded_vocab_size, "vocab"), ("d_model", cfg.d_model, "embed")]
+    for field, value, logical in checks:
+        n = size(logical)
+        if value % n:
+            axes = "x".join(mesh_axes(logical, rules))
+            fix = (f"set model.vocab_pad_to={n} (pads {(-value) % n} rows whose logits are masked)"
+                   if field == "vocab_size" else f"choose a mesh whose {axes} size divides {value}")
+            raise ValueError(f"model.{field}={value} is not divisible by the mesh's {axes}={n}: {fix}")
+    # n_heads divisible by the tensor axis is enough for any n_kv_heads: shard_map attention
+    # replicates each KV head tp / gcd(n_kv, tp) times, which always divides the query group

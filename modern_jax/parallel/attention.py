@@ -1,0 +1,83 @@
+"""Attention under `shard_map`: KV heads split across the tensor axis.
+
+Letters as in `modern_jax.kernels.attention`: B batch, T/S query/key length, K kv heads,
+G queries per kv head, H/V head dims.
+
+Each device owns `K / TP` KV heads and exactly their query groups, so no K/V is
+gathered. When the tensor axis has more devices than KV heads (2 KV heads on TP=8, MQA),
+each KV head is replicated the minimum number of times `r = TP / gcd(K, TP)` and its
+query group split in `r`, so every device still owns whole (smaller) query groups:
+`q[B,T,K,G,H] -> q[B,T,K*r,G/r,H]`, `k[B,S,K,H] -> k[B,S,K*r,H]`. The batch is split
+over the batch axes when it divides them. The kernel runs per device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from modern_jax import kernels
+from modern_jax.sharding import active, mesh_axes
+
+
+def _live(axes, mesh, size):
+    """The mesh axes (of size > 1) to split a dimension of `size` over, or () if they do not divide it."""
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def kv_replication(n_kv: int, group: int, tp: int) -> int:
+    """How many copies of each KV head the tensor axis needs (1 when it divides K)."""
+    r = tp // math.gcd(n_kv, tp)
+    if group % r:
+        raise ValueError(f"tensor axis {tp} cannot own whole query groups: {n_kv} KV heads x {group} queries each; "
+                         f"choose a tensor size dividing {n_kv * group} (the query heads) and a multiple or divisor "
+                         f"of {n_kv} (the KV heads)")
+    return r
+
+
+def attention(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, sinks_KG=None,
+              dropout_rng=None, impl="reference"):
+    """`kernels.attention`, run per device under shard_map when a mesh is active."""
+    kwargs = dict(sinks_KG=sinks_KG, dropout_rng=dropout_rng, impl=impl)
+    state = active()
+    if state is None:
+        return kernels.attention(q_BTKGH, k_BSKH, v_BSKV, spec, q_pos_BT=q_pos_BT, k_pos_BS=k_pos_BS,
+                                 q_seg_BT=q_seg_BT, k_seg_BS=k_seg_BS, **kwargs)
+    mesh, rules = state
+    B, T, K, G, H = q_BTKGH.shape
+    tp_axes = tuple(a for a in mesh_axes("activation_kv_heads", rules) if mesh.shape[a] > 1)
+    tp = math.prod(mesh.shape[a] for a in tp_axes)
+    r = kv_replication(K, G, tp) if tp > 1 else 1
+    if r > 1:  # split each query group in r and give each part its own copy of the KV head
+        q_BTKGH = q_BTKGH.reshape(B, T, K * r, G // r, H)
+        k_BSKH, v_BSKV = jnp.repeat(k_BSKH, r, axis=2), jnp.repeat(v_BSKV, r, axis=2)
+        if sinks_KG is not None:
+            sinks_KG = sinks_KG.reshape(K * r, G // r)
+    batch = _live(mesh_axes("activation_batch", rules), mesh, B) or None
+    heads = tp_axes or None
+    args = [q_BTKGH, k_BSKH, v_BSKV, q_pos_BT, k_pos_BS]
+    specs = [P(batch, None, heads, None, None), P(batch, None, heads, None), P(batch, None, heads, None),
+             P(batch, None), P(batch, None)]
+    optional = {"q_seg": (q_seg_BT, P(batch, None)), "k_seg": (k_seg_BS, P(batch, None)),
+                "sinks": (sinks_KG, P(heads, None)), "rng": (dropout_rng, P())}
+    names = [name for name, (value, _) in optional.items() if value is not None]
+    args += [optional[name][0] for name in names]
+    specs += [optional[name][1] for name in names]
+
+    def per_device(q, k, v, q_pos, k_pos, *rest):
+        extra = dict(zip(names, rest))
+        rng = extra.get("rng")
+        if rng is not None:  # distinct dropout masks per device
+            for axis in tuple(batch or ()) + tuple(heads or ()):
+                rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        return kernels.attention(q, k, v, spec, q_pos_BT=q_pos, k_pos_BS=k_pos, q_seg_BT=extra.get("q_seg"),
+                                 k_seg_BS=extra.get("k_seg"), sinks_KG=extra.get("sinks"), dropout_rng=rng,
+                                 impl=impl)
+
+    o_BTKGV = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
+                            out_specs=P(batch, None, heads, None, None), check_vma=False)(*args)
+    return o_BTKGV.reshape(B, T, K, G, o_BTKGV.shape[-1])

@@ -1,0 +1,72 @@
+"""The device mesh: named axes `data`, `fsdp`, `tensor`, one process or many.
+
+    mesh = make_mesh(data=-1, fsdp=1, tensor=4)   # -1 fills with the remaining devices
+
+Multi-host (TPU pod slices, multi-node GPU): call `initialize_distributed()` first, in
+every process, before any other JAX call; `make_mesh` then spans all processes' devices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "fsdp", "tensor")
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A `(data, fsdp, tensor)` mesh over `devices` (default: all); one size may be -1."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(f"mesh {name}={size!r}: expected a positive integer or -1 (fill)")
+    fill = [name for name, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ValueError(f"mesh: only one axis may be -1 (fill), got {', '.join(fill)}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if len(devices) % known:
+            raise ValueError(f"mesh: {len(devices)} devices cannot be split into {known} x {fill[0]}")
+        sizes[fill[0]] = len(devices) // known
+    total = math.prod(sizes.values())
+    if total != len(devices):
+        shape = " x ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"mesh {shape} needs {total} devices but {len(devices)} are available; "
+                         f"make the product equal {len(devices)} or use -1 for one axis")
+    shape = tuple(sizes[a] for a in AXES)
+    auto = (AxisType.Auto,) * len(AXES)  # GSPMD propagates shardings from the constraints
+    try:  # a topology-aware layout where JAX knows one (TPU, GPU)
+        return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+    except ValueError:  # devices the topology helper cannot lay out: keep their order
+        return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=auto)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`"data=2,fsdp=1,tensor=4"` -> `{"data": 2, "fsdp": 1, "tensor": 4}`."""
+    sizes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in AXES:
+            raise ValueError(f"bad mesh entry {item!r}: expected NAME=SIZE with NAME in {', '.join(AXES)}")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"bad mesh entry {item!r}: SIZE must be an integer (or -1)") from None
+    return sizes
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """Start multi-process JAX (`jax.distributed.initialize`).
+
+    On Cloud TPU pod slices and on SLURM / Open MPI GPU clusters every argument is
+    detected from the environment; elsewhere pass the coordinator `host:port`, the number
+    of processes and this process's id (e.g. from your launcher's environment).
+    """
+    kwargs = {k: v for k, v in dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                                     process_id=process_id).items() if v is not None}
+    jax.distributed.initialize(**kwargs)

@@ -1,0 +1,155 @@
+"""Sharded vs single-device on 8 host CPU devices: meshes, KV-head placement, HLO, resharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from modern_jax.config import ModelConfig
+from modern_jax.model import Transformer
+from modern_jax.parallel import create_sharded, make_mesh, parse_mesh
+from modern_jax.sharding import check_mesh, logical_rules, state_shardings
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 host devices (tests/conftest.py sets them)")
+
+CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=128, qk_norm="head",
+                  attention_sinks=True, sliding_window=6, attention_pattern="LG")
+MESHES = [(8, 1, 1), (1, 8, 1), (2, 1, 4), (1, 2, 4), (1, 1, 8)]
+
+
+def tokens(B=8, T=16, V=128):
+    return jnp.asarray(np.random.default_rng(0).integers(0, V, (B, T)), jnp.int32)
+
+
+def loss_fn(model, toks):
+    logits = model(toks[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], -1))
+
+
+def sharded(cfg, mesh_shape):
+    mesh = make_mesh(*mesh_shape)
+    return mesh, create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    toks = tokens()
+    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, toks)
+    return model(toks), loss, nnx.state(grads, nnx.Param)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=["x".join(map(str, m)) for m in MESHES])
+def test_logits_loss_and_gradients_match_single_device(mesh_shape, reference):
+    want_logits, want_loss, want_grads = reference
+    mesh, model = sharded(CFG, mesh_shape)
+    toks = jax.device_put(tokens(), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
+    with logical_rules(mesh):
+        logits = nnx.jit(lambda m, t: m(t))(model, toks)
+        loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, toks)
+    np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(grads, nnx.Param)), nnx.to_flat_state(want_grads)):
+        np.testing.assert_allclose(got[...], want[...], atol=1e-6, rtol=2e-4, err_msg=str(path))
+    # parameters really are sharded as the rules say
+    q = model.stages[0].blocks[0].self_attn.q_proj.kernel[...]
+    expected = state_shardings(nnx.state(model), mesh)["stages"][0]["blocks"][0]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.is_equivalent_to(expected, q.ndim)
+    if mesh_shape[2] > 1:
+        assert q.addressable_shards[0].data.shape[2] == 8 // mesh_shape[2]  # query heads split over tensor
+
+
+@pytest.mark.parametrize("n_kv", [8, 4, 2, 1])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_kv_head_placement(n_kv, tp):
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=8, n_kv_heads=n_kv, d_ff=64)
+    mesh, model = sharded(cfg, (8 // tp, 1, tp))
+    k_proj = model.stages[0].blocks[0].self_attn.k_proj.kernel[...]  # [layers, D, K, H]
+    tensor_index = {d: i for i, d in enumerate(mesh.devices.reshape(-1, tp).T.reshape(tp, -1)[:, 0])}
+    for shard in k_proj.addressable_shards:
+        heads = range(n_kv)[shard.index[2]]
+        if n_kv >= tp:  # each device owns n_kv / tp whole KV heads, in order along the tensor axis
+            t = next(i for d, i in tensor_index.items() if d == shard.device) if shard.device in tensor_index else None
+            assert len(heads) == n_kv // tp
+            if t is not None:
+                assert list(heads) == list(range(t * n_kv // tp, (t + 1) * n_kv // tp))
+        else:  # fewer KV heads than devices: every device keeps every (small) KV head
+            assert list(heads) == list(range(n_kv))
+    toks = tokens(B=8, T=8, V=64)
+    want = Transformer(cfg, rngs=nnx.Rngs(0))(toks)
+    with logical_rules(mesh):
+        got, cache = nnx.jit(lambda m, t: m(t, cache=m.init_cache(8, 8)))(model, toks)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    k_cache = cache["stages"][0][0]["k"]  # [layers, B, S, K, H]: sharded like the heads
+    expected = n_kv // tp if n_kv >= tp else n_kv
+    assert {s.data.shape[3] for s in k_cache.addressable_shards} == {expected}
+
+
+def test_no_kv_all_gather_in_attention_hlo():
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=8, n_kv_heads=4, d_ff=64)
+    mesh, model = sharded(cfg, (2, 1, 4))
+    attn = model.stages[0].blocks[0]
+    x = jax.device_put(jnp.ones((4, 16, 64)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    pos = jnp.tile(jnp.arange(16), (4, 1))
+
+    def layer(block, x):
+        state = nnx.state(block)
+        one = nnx.merge(nnx.graphdef(block), jax.tree.map(lambda a: a[0], state))
+        return one.self_attn(x, pos)[0]
+
+    with logical_rules(mesh):
+        hlo = nnx.jit(layer).lower(attn, x).compile().as_text()
+    assert "all-gather" not in hlo, "K/V must stay on the devices that own their heads"
+    assert "all-reduce" in hlo  # the row-parallel output projection sums over the tensor axis
+
+
+def test_checkpoint_restores_onto_another_mesh(tmp_path):
+    import orbax.checkpoint as ocp
+
+    mesh_a, model_a = sharded(CFG, (2, 1, 4))
+    toks = tokens()
+    with logical_rules(mesh_a):
+        want = nnx.jit(lambda m, t: m(t))(model_a, toks)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", nnx.to_pure_dict(nnx.state(model_a)))
+    checkpointer.wait_until_finished()
+    mesh_b = make_mesh(1, 8, 1)
+    abstract = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(1)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh_b)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(shardings))
+    nnx.replace_by_pure_dict(abstract_state, checkpointer.restore(tmp_path / "ckpt", target))
+    restored = nnx.merge(graphdef, abstract_state)
+    embed = restored.embed_tokens[...]
+    assert embed.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")  # resharded for mesh B
+    with logical_rules(mesh_b):
+        got = nnx.jit(lambda m, t: m(t))(restored, toks)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_meshes_are_named():
+    with pytest.raises(ValueError, match="needs 12 devices but 8 are available"):
+        make_mesh(2, 2, 3)
+    with pytest.raises(ValueError, match="only one axis may be -1"):
+        make_mesh(-1, -1, 2)
+    with pytest.raises(ValueError, match="bad mesh entry 'pipe=2'"):
+        parse_mesh("data=2,pipe=2")
+    assert parse_mesh("data=2, tensor=-1") == {"data": 2, "tensor": -1}
+    six_heads = ModelConfig(vocab_size=64, d_model=48, n_layers=1, n_heads=6, d_ff=64)
+    mesh = make_mesh(2, 1, 4)
+    with pytest.raises(ValueError, match=r"model.n_heads=6 is not divisible by the mesh's tensor=4"):
+        check_mesh(six_heads, mesh)
+    with pytest.raises(ValueError, match=r"self_attn/o_proj/kernel: dimension 1 \(q_heads\) of size 6 is not"):
+        sharded(six_heads, (2, 1, 4))  # the parameter-level check, should one slip through
+    odd_vocab = ModelConfig(vocab_size=50, d_model=64, n_layers=1, n_heads=8, d_ff=64)
+    with pytest.raises(ValueError, match=r"model.vocab_size=50 .* set model.vocab_pad_to=4 \(pads 2 rows"):
+        check_mesh(odd_vocab, mesh)
+    with pytest.raises(ValueError, match=r"embed_tokens: dimension 0 \(vocab\) of size 50 .* model.vocab_pad_to"):
+        sharded(odd_vocab, (2, 1, 4))
+    check_mesh(ModelConfig(vocab_size=64, d_model=48, n_heads=24, n_kv_heads=3, head_dim=8), make_mesh(1, 1, 8))
+    mesh, padded = sharded(odd_vocab.replace(vocab_pad_to=4), (2, 1, 4))
+    with logical_rules(mesh):
+        logits = nnx.jit(lambda m, t: m(t))(padded, tokens(V=50))
+    assert logits.shape[-1] == 52 and float(logits[..., 50:].max()) < -1e38  # pad logits are masked
