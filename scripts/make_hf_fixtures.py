@@ -15,7 +15,8 @@ Writes under tests/fixtures/hf/:
   device, tied weights counted once).
 - `<name>/`: a tiny randomly initialised checkpoint per family as transformers saves it
   (`config.json`, safetensors), and `reference.npz` with the prompt tokens, the fp32
-  logits of a forward pass over them, and 32 greedily generated tokens (KV cache).
+  logits of a forward pass over them, 32 greedily generated tokens (KV cache) and the
+  logits each was chosen from.
 
 The tests read only these files, so the default test run needs neither torch nor
 transformers. `tests/test_convert_live.py` runs the same comparisons live, through this
@@ -29,6 +30,7 @@ import argparse
 import json
 import shutil
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -154,12 +156,18 @@ TINY = {
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                               attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
                               rope_scaling={"type": "linear", "factor": 2.0}),
+    "llama_yarn": dict(model_type="llama", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
     "mistral": dict(model_type="mistral", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
                     max_position_embeddings=128),
     "qwen2": dict(model_type="qwen2", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0,
                   use_sliding_window=False, max_position_embeddings=128),
+    "qwen2_window": dict(model_type="qwen2", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, use_sliding_window=True,
+                         sliding_window=8, max_window_layers=1, max_position_embeddings=128),
     "qwen3": dict(model_type="qwen3", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=128),
@@ -228,55 +236,71 @@ PROMPT_LEN, NEW_TOKENS, BATCH = 12, 32, 2
 
 
 def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights of O(1) effect so logits are well separated: matrices ~ N(0, 1/fan_in), embeddings
-    ~ N(0, 1), vectors (norm scales, biases) perturbed by N(0, 0.1) around their init."""
+    """Weights of O(1) effect so logits are well separated: matrices ~ N(0, 1/fan_in), vectors
+    (norm scales, biases) perturbed by N(0, 0.1) around their init, embeddings ~ N(0, 1), or
+    N(0, 0.25) when the head is tied (else a token's own embedding dominates its logits and
+    greedy decoding only repeats it)."""
     g = torch.Generator().manual_seed(seed)
+    embed_std = 0.25 if model.config.get_text_config().tie_word_embeddings else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             if p.ndim == 1:
                 p.add_(0.1 * noise)
-            elif "emb" in name or name.endswith(("wte.weight", "wpe.weight", "embed_in.weight")):
-                p.copy_(noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5 if "c_" not in name else noise / p.shape[0] ** 0.5)
+            elif "emb" in name or name.endswith(("wte.weight", "wpe.weight")):
+                p.copy_(embed_std * noise)
+            else:  # torch Linear [out, in]; GPT-2's Conv1D (c_attn, c_fc, c_proj) [in, out]
+                p.copy_(noise / (p.shape[0] if ".c_" in name else p.shape[-1]) ** 0.5)
 
 
 @torch.no_grad()
-def greedy(model, tokens: torch.Tensor, steps: int) -> tuple[np.ndarray, float]:
-    """Greedy continuation with transformers' KV cache; also the smallest top-1 / top-2 logit gap."""
+def greedy(model, tokens: torch.Tensor, steps: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Greedy continuation with transformers' KV cache: the tokens [B, steps], the logits each
+    token was chosen from [B, steps, V], and the smallest top-1 / top-2 logit gap."""
     out = model(tokens, use_cache=True)
     cache, logits = out.cache, out.logits[:, -1]  # a DynamicCache, sliding layers included
-    generated, margin = [], float("inf")
+    generated, step_logits, margin = [], [], float("inf")
     for _ in range(steps):
         top2 = torch.topk(logits.float(), 2, dim=-1).values
         margin = min(margin, float((top2[:, 0] - top2[:, 1]).min()))
         nxt = logits.argmax(-1, keepdim=True)
         generated.append(nxt)
+        step_logits.append(logits.float())
         out = model(nxt, cache=cache, use_cache=True)
         cache, logits = out.cache, out.logits[:, -1]
-    return torch.cat(generated, dim=1).numpy(), margin
+    return torch.cat(generated, dim=1).numpy(), torch.stack(step_logits, dim=1).numpy(), margin
+
+
+MIN_MARGIN = 2e-3  # greedy tokens must not hinge on logit differences near float32 noise
 
 
 def make_checkpoint(name: str, config: dict, out: Path, seed: int, dtype=torch.float32) -> dict:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="eager").eval()
-    randomise(model, seed)
+    """Save a tiny random model of `config` with its reference outputs; the first seed from `seed`
+    whose greedy continuation never has its top two logits closer than MIN_MARGIN."""
     directory = out / name
-    shutil.rmtree(directory, ignore_errors=True)
-    model.to(dtype).save_pretrained(directory, max_shard_size="40KB" if name in SHARDED else "1GB")
-    (directory / "generation_config.json").unlink(missing_ok=True)
-    # the reference: transformers loading what it saved, computing in float32
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
-    tokens = torch.randint(0, config["vocab_size"], (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
+    for seed in range(seed, seed + 100):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="eager").eval()
+        randomise(model, seed)
+        shutil.rmtree(directory, ignore_errors=True)
+        model.to(dtype).save_pretrained(directory, max_shard_size="40KB" if name in SHARDED else "1GB")
+        (directory / "generation_config.json").unlink(missing_ok=True)
+        # the reference: transformers loading what it saved, computing in float32
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+        tokens = torch.randint(0, config["vocab_size"], (BATCH, PROMPT_LEN),
+                               generator=torch.Generator().manual_seed(seed))
         logits = model(tokens).logits.float().numpy()
-    generated, margin = greedy(model, tokens, NEW_TOKENS)
+        generated, step_logits, margin = greedy(model, tokens, NEW_TOKENS)
+        if margin >= MIN_MARGIN:
+            break
     np.savez_compressed(directory / "reference.npz", tokens=tokens.numpy().astype(np.int32),
-                        logits=logits.astype(np.float32), greedy=generated.astype(np.int32))
+                        logits=logits.astype(np.float32), greedy=generated.astype(np.int32),
+                        step_logits=step_logits.astype(np.float32))
     files = sorted(p.name for p in directory.iterdir())
-    print(f"{name:22s} greedy margin {margin:.4f}  {files}")
-    return {"name": name, "dtype": str(dtype).removeprefix("torch."), "greedy_margin": margin, "files": files}
+    print(f"{name:22s} seed {seed:10d}  greedy margin {margin:.4f}  {files}")
+    return {"name": name, "seed": seed, "dtype": str(dtype).removeprefix("torch."), "greedy_margin": margin,
+            "files": files}
 
 
 def make_checkpoints(out: Path, only: list[str] | None) -> None:
@@ -284,9 +308,10 @@ def make_checkpoints(out: Path, only: list[str] | None) -> None:
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"checkpoints": {}}
     jobs = [(name, config, torch.float32) for name, config in TINY.items()]
     jobs += [(name, TINY[base], torch.bfloat16) for name, base in BF16.items()]
-    for seed, (name, config, dtype) in enumerate(jobs):
+    for name, config, dtype in jobs:
         if only and name not in only:
             continue
+        seed = zlib.crc32(name.encode()) % 2**31  # stable per name, whatever else is in TINY
         manifest["checkpoints"][name] = make_checkpoint(name, config, out, seed, dtype)
     manifest.update(transformers=transformers.__version__, torch=torch.__version__,
                     prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, batch=BATCH)
@@ -301,8 +326,9 @@ def run_reference(directories: list[Path]) -> None:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
         logits = model(tokens).logits.float().numpy()
-        generated, _ = greedy(model, tokens, NEW_TOKENS)
-        np.savez(directory / "transformers.npz", logits=logits, greedy=generated.astype(np.int32))
+        generated, step_logits, _ = greedy(model, tokens, NEW_TOKENS)
+        np.savez(directory / "transformers.npz", logits=logits, greedy=generated.astype(np.int32),
+                 step_logits=step_logits)
 
 
 def main(argv=None) -> None:

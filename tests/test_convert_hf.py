@@ -46,17 +46,19 @@ def _decode(model, tokens, cache):
     return model(tokens, cache=cache)
 
 
-def greedy(model, tokens, steps: int) -> np.ndarray:
-    """Greedy continuation with the KV cache: prefill, then one token at a time."""
+def greedy(model, tokens, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy continuation with the KV cache (prefill, then one token at a time): the tokens
+    [B, steps] and the logits each was chosen from [B, steps, V]."""
     B, T = tokens.shape
     cache = model.init_cache(B, T + steps)
     logits, cache = _decode(model, jnp.asarray(tokens), cache)
-    out = []
+    out, step_logits = [], []
     for _ in range(steps):
+        step_logits.append(logits[:, -1])
         nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
         out.append(nxt)
         logits, cache = _decode(model, nxt[:, None], cache)
-    return np.asarray(jnp.stack(out, axis=1))
+    return np.asarray(jnp.stack(out, axis=1)), np.asarray(jnp.stack(step_logits, axis=1))
 
 
 def hf_tensors(directory: Path) -> dict[str, np.ndarray]:
@@ -95,7 +97,10 @@ def test_logits_match_transformers(name, loaded):
 def test_greedy_generation_matches_transformers(name, loaded):
     ref = reference(name)
     _, model = loaded(name)
-    np.testing.assert_array_equal(greedy(model, ref["tokens"], ref["greedy"].shape[1]), ref["greedy"])
+    tokens, step_logits = greedy(model, ref["tokens"], ref["greedy"].shape[1])
+    np.testing.assert_array_equal(tokens, ref["greedy"])
+    V = ref["step_logits"].shape[-1]
+    assert np.max(np.abs(step_logits[..., :V] - ref["step_logits"])) <= LOGIT_TOL
 
 
 def test_the_fixtures_cover_every_family():
@@ -350,3 +355,29 @@ def test_loading_holds_about_one_copy_of_the_model_on_the_host(tmp_path):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1.3 * model_bytes, (peak, model_bytes)
+
+
+def test_padded_vocabulary_loads_and_writes_back(tmp_path):
+    """With `vocab_pad_to` the embedding and head get zero rows past the vocabulary; to_hf drops them."""
+    from modern_jax.config import ModelConfig
+
+    if "vocab_pad_to" not in ModelConfig.__dataclass_fields__:
+        pytest.skip("ModelConfig has no vocab_pad_to")
+    ref = reference("gptj")  # untied head with a bias
+    cfg, model = from_hf(FIXTURES / "gptj", vocab_pad_to=48)
+    V = cfg.vocab_size
+    assert model.embed_tokens.shape[0] == cfg.padded_vocab_size > V
+    assert not np.any(np.asarray(model.embed_tokens[...])[V:]) and not np.any(np.asarray(model.lm_head.bias[...])[V:])
+    logits = np.asarray(_forward(model, jnp.asarray(ref["tokens"])))
+    assert np.max(np.abs(logits[..., :V] - ref["logits"])) <= LOGIT_TOL
+    to_hf(model, tmp_path, model_type="gptj")
+    original, written = hf_tensors(FIXTURES / "gptj"), hf_tensors(tmp_path)
+    for key in original:
+        np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+
+
+def test_index_naming_an_absent_shard(tmp_path):
+    directory = copy_fixture("qwen2", tmp_path)
+    (directory / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"lists files that are not there: model-00002-of-00003\.safetensors"):
+        from_hf(directory)

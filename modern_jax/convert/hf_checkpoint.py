@@ -99,7 +99,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those of the index if there is one, else all of them."""
     if (path / INDEX).is_file():
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        return [path / f for f in sorted(set(weight_map.values()))]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{path}: {INDEX} lists files that are not there: {_listed(absent)}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
@@ -135,7 +139,7 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
 
     # 1. names and shapes, from the headers only
     found: dict[str, tuple[Path, str]] = {}
-    unused, wrong = [], []
+    unused, twice, wrong = [], [], []
     for file in checkpoint_files(path):
         with safe_open(file, framework="np") as f:
             for name in f.keys():
@@ -145,12 +149,12 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
                         unused.append(name)
                     continue
                 if canonical in found:
-                    wrong.append(f"{name}: stored twice ({found[canonical][0].name} and {file.name})")
+                    twice.append(f"{name} ({found[canonical][0].name} and {file.name})")
                     continue
                 found[canonical] = (file, name)
                 shape = tuple(f.get_slice(name).get_shape())
                 src = sources[canonical][0]
-                want = src.rule.hf_shape(src.target.slot_shape)
+                want = src.rule.hf_shape(src.target.slot_shape, cfg.vocab_size)
                 if shape != want:
                     wrong.append(f"{name}: the checkpoint has {list(shape)}, the model expects {list(want)} "
                                  f"(for {src.target.name} {list(src.target.slot_shape)})")
@@ -160,8 +164,10 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
         problems.append(f"{len(missing)} tensor(s) missing: {_listed(missing)}")
     if unused:
         problems.append(f"{len(unused)} tensor(s) the {model_type} model has no place for: {_listed(unused)}")
+    if twice:
+        problems.append(f"{len(twice)} tensor(s) stored twice: {_listed(twice)}")
     if wrong:
-        problems.append(f"{len(wrong)} tensor(s) with the wrong shape or stored twice: " + "; ".join(wrong[:LISTED]))
+        problems.append(f"{len(wrong)} tensor(s) with the wrong shape: " + "; ".join(wrong[:LISTED]))
     if problems:
         raise CheckpointError(f"{path} does not fit the {model_type} model of its config.json: " + ". ".join(problems))
 
@@ -174,18 +180,17 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
             for canonical, name in names:
                 x = f.get_tensor(name)
                 for src in sources[canonical]:
-                    _write(src, x)
+                    _write(src, x, cfg.vocab_size)
                 del x
-    incomplete = [t.name for t in {id(s.target): s.target for ss in sources.values() for s in ss}.values()
-                  if t.buffer is not None]
-    assert not incomplete, incomplete
+    unfilled = {src.target.name for srcs in sources.values() for src in srcs if src.target.buffer is not None}
+    assert not unfilled, f"parameters left unfilled: {sorted(unfilled)}"
     return cfg, nnx.merge(graphdef, state)
 
 
-def _write(src: _Source, x: np.ndarray) -> None:
+def _write(src: _Source, x: np.ndarray, vocab: int) -> None:
     """Put one tensor into its parameter; hand the parameter to JAX once every slot is filled."""
     target = src.target
-    value = src.rule.to_ours(x, target.slot_shape)
+    value = src.rule.to_ours(x, target.slot_shape, vocab)
     dtype = np.dtype(target.variable.dtype)
     if target.layers is None:
         target.variable.set_value(jnp.asarray(value.astype(dtype)))
@@ -274,7 +279,7 @@ def to_hf(model: Transformer, path: str | os.PathLike, model_type: str, *, dtype
                     host.pop(next(iter(host)))
                 host[key] = np.asarray(src.target.variable[...])
             arrays.append(host[key] if src.slot is None else host[key][src.slot])
-        writer.add(name, parts[0].rule.to_hf(arrays).astype(np.dtype(jnp.dtype(dtype))))
+        writer.add(name, parts[0].rule.to_hf(arrays, cfg.vocab_size).astype(np.dtype(jnp.dtype(dtype))))
     files = writer.close()
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return ["config.json", *files]

@@ -409,13 +409,13 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
 # ----- ModelConfig -> config.json ---------------------------------------------------
 
 # fields that do not change the network: not compared when checking a round trip
-NON_ARCHITECTURE_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "init", "init_std",
-                           "attn_dropout", "resid_dropout", "ffn_multiple_of")
+NON_ARCHITECTURE_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "init", "init_std", "attn_dropout",
+                           "resid_dropout", "ffn_multiple_of", "vocab_pad_to")  # and every "*_impl"
 
 
 def architecture(cfg: ModelConfig) -> dict[str, Any]:
     """The fields that define the network, with derived sizes resolved and patterns spelled out per layer."""
-    out = {k: v for k, v in cfg.to_dict().items() if k not in NON_ARCHITECTURE_FIELDS}
+    out = {k: v for k, v in cfg.to_dict().items() if k not in NON_ARCHITECTURE_FIELDS and not k.endswith("_impl")}
     out.update(n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_size, d_ff=cfg.ffn_width,
                attention_pattern=expand_pattern(cfg.attention_pattern, cfg.n_layers),
                rope_pattern=expand_pattern(cfg.rope_pattern, cfg.n_layers))

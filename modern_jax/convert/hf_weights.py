@@ -32,32 +32,40 @@ class Rule:
         groups = [(inner or single).split() for inner, single in re.findall(r"\(([^)]*)\)|(\S+)", self.hf_layout)]
         return groups, self.layout.split()
 
-    def sizes(self, shape: tuple[int, ...]) -> dict[str, int]:
+    def sizes(self, shape: tuple[int, ...], vocab: int | None = None) -> dict[str, int]:
+        """Axis sizes on the Hugging Face side; `vocab`: the true vocabulary when ours is padded."""
         groups, ours = self.axes()
         if len(ours) != len(shape):
             raise ValueError(f"rule for {self.hf}: layout {self.layout!r} does not fit a parameter of shape {shape}")
         sizes = dict(zip(ours, shape))
         sizes.update({a: int(a) for g in groups for a in g if a.isdigit()})
+        if vocab is not None and "V" in sizes:
+            sizes["V"] = vocab
         return sizes
 
-    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def hf_shape(self, shape: tuple[int, ...], vocab: int | None = None) -> tuple[int, ...]:
         """The Hugging Face tensor's shape for our parameter (of one layer) of `shape`."""
         groups, _ = self.axes()
-        sizes = self.sizes(shape)
+        sizes = self.sizes(shape, vocab)
         return tuple(math.prod(sizes[a] for a in g) for g in groups)
 
-    def to_ours(self, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    def to_ours(self, x: np.ndarray, shape: tuple[int, ...], vocab: int | None = None) -> np.ndarray:
         groups, ours = self.axes()
-        sizes, flat = self.sizes(shape), [a for g in groups for a in g]
+        sizes, flat = self.sizes(shape, vocab), [a for g in groups for a in g]
         x = x.reshape([sizes[a] for a in flat])
         fused = [flat.index(a) for a in flat if a.isdigit()]
         x = x.transpose(fused + [flat.index(a) for a in ours])
-        return x[self.part] if self.part is not None else x
+        x = x[self.part] if self.part is not None else x
+        if x.shape != tuple(shape):  # our vocabulary rows are padded: zeros past the real ones
+            x = np.pad(x, [(0, want - have) for have, want in zip(x.shape, shape)])
+        return x
 
-    def to_hf(self, parts: list[np.ndarray]) -> np.ndarray:
+    def to_hf(self, parts: list[np.ndarray], vocab: int | None = None) -> np.ndarray:
         """The Hugging Face tensor from our parameter, or from the parts of a fused tensor in order."""
         groups, ours = self.axes()
         flat = [a for g in groups for a in g]
+        if vocab is not None and "V" in ours:  # drop the padding rows
+            parts = [p[(slice(None),) * ours.index("V") + (slice(0, vocab),)] for p in parts]
         x = np.stack(parts) if self.part is not None else parts[0]
         src = ([a for a in flat if a.isdigit()] if self.part is not None else []) + ours
         sizes = self.sizes(parts[0].shape)
