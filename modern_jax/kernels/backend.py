@@ -80,3 +80,33 @@ def can_run_pallas(kernel_platform: str) -> str | None:
         return None
     return (f"a {kernel_platform.upper()} (this backend is {platform()!r}; on CPU set "
             f"{INTERPRET_ENV}=1 or use kernels.pallas_interpret() to run it in interpret mode)")
+
+
+def varying_axes(*trees) -> tuple[str, ...]:
+    """The mesh axes any leaf of `trees` varies over inside `shard_map` (empty outside)."""
+    axes = set()
+    for leaf in jax.tree.leaves(trees):
+        manual = getattr(jax.typeof(leaf), "manual_axis_type", None)
+        axes |= set(getattr(manual, "varying", ()))
+    return tuple(sorted(axes))
+
+
+def vary_over(tree, axes: tuple[str, ...]):
+    """Type every leaf of `tree` as varying over `axes` (no-op when empty).
+
+    Kernels mix their inputs, so inside `shard_map` their outputs vary over the union of
+    the inputs' axes. Casting the inputs first gives a custom_vjp consistent types, and the
+    transpose of the cast sums the gradient of a replicated input (e.g. sinks shared by
+    the batch shards) over the devices that used it.
+    """
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree) if axes else tree
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A `pallas_call` output that varies over the mesh axes `like` varies over (inside shard_map)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from modern_jax.kernels import flash
+from modern_jax.kernels.backend import varying_axes, vary_over
 from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible
 
 
@@ -49,6 +50,7 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_se
                               None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
     call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, R, C)
+    q, k, v, sinks = vary_over((q, k, v, sinks), varying_axes(q, k, v, sinks, positions))
     return _chunked(call, q, k, v, sinks, *positions)[:, :T]
 
 
@@ -114,6 +116,7 @@ def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
     vis_IJ = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window,
                               block_q=R, block_k=C).any(0)
     keys = (_blocks(k, C), _blocks(v, C), _blocks(k_pos, C), _blocks(k_seg, C))
+    inputs = (q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)
 
     def query_block(xs):
         q_BRKGH, q_pos_BR, q_seg_BR, vis_J = xs
@@ -129,7 +132,7 @@ def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
 
         init = (jnp.full((B, K, G, R, 1), flash.NEG, jnp.float32), jnp.zeros((B, K, G, R, 1), jnp.float32),
                 jnp.zeros((B, K, G, R, V), jnp.float32))
-        state, _ = jax.lax.scan(key_block, init, (*keys, vis_J))
+        state, _ = jax.lax.scan(key_block, vary_over(init, varying_axes(inputs)), (*keys, vis_J))
         sink = None if sinks_KG is None else sinks_KG[None, :, :, None, None]
         o_BKGRV, lse_BKGR1 = flash.finish(*state, sink)
         return o_BKGRV.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse_BKGR1[..., 0]
@@ -147,6 +150,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_se
     vis_JI = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window,
                               block_q=R, block_k=C).any(0).T
     stats_IBKGR = tuple(jnp.moveaxis(x.reshape(B, K, G, I, R), 3, 0) for x in (lse_BKGT, delta_BKGT))
+    inputs = (q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg)
     queries = (_blocks(q, R), _blocks(do, R), *stats_IBKGR, _blocks(q_pos, R), _blocks(q_seg, R))
 
     def key_block(dq_IBRKGH, xs):
@@ -169,16 +173,19 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_se
                 return dq_BRKGH, dk_BCKH, dv_BCKV
 
             def nothing(_):
-                return (jnp.zeros((B, R, K, G, H), jnp.float32), jnp.zeros((B, C, K, H), jnp.float32),
-                        jnp.zeros((B, C, K, V), jnp.float32))
+                zeros = (jnp.zeros((B, R, K, G, H), jnp.float32), jnp.zeros((B, C, K, H), jnp.float32),
+                         jnp.zeros((B, C, K, V), jnp.float32))
+                return vary_over(zeros, varying_axes(inputs))
 
             dq_BRKGH, dk_BCKH, dv_BCKV = jax.lax.cond(vis, grads, nothing, None)
             return (dkv[0] + dk_BCKH, dkv[1] + dv_BCKV), dq_BRKGH
 
-        init = (jnp.zeros((B, C, K, H), jnp.float32), jnp.zeros((B, C, K, V), jnp.float32))
+        init = vary_over((jnp.zeros((B, C, K, H), jnp.float32), jnp.zeros((B, C, K, V), jnp.float32)),
+                         varying_axes(inputs))
         (dk_BCKH, dv_BCKV), dq_part_IBRKGH = jax.lax.scan(query_block, init, (*queries, vis_I))
         return dq_IBRKGH + dq_part_IBRKGH, (dk_BCKH.astype(k.dtype), dv_BCKV.astype(v.dtype))
 
     keys = (_blocks(k, C), _blocks(v, C), _blocks(k_pos, C), _blocks(k_seg, C), vis_JI)
-    dq_IBRKGH, (dk_JBCKH, dv_JBCKV) = jax.lax.scan(key_block, jnp.zeros((I, B, R, K, G, H), jnp.float32), keys)
+    dq_init = vary_over(jnp.zeros((I, B, R, K, G, H), jnp.float32), varying_axes(inputs))
+    dq_IBRKGH, (dk_JBCKH, dv_JBCKV) = jax.lax.scan(key_block, dq_init, keys)
     return _unblock(dq_IBRKGH).astype(q.dtype), _unblock(dk_JBCKH), _unblock(dv_JBCKV)

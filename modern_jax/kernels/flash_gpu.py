@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from modern_jax.kernels import flash
+from modern_jax.kernels.backend import out_struct, varying_axes, vary_over
 from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible, visible_range
 
 
@@ -79,6 +80,7 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_
                               None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
     sinks_N = None if sinks_KG is None else sinks_KG.astype(jnp.float32).reshape(K * G)
     call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret)
+    q, k, v, sinks_N = vary_over((q, k, v, sinks_N), varying_axes(q, k, v, sinks_N, positions))
     o_BTKGV = _flash(call, q, k, v, sinks_N, *positions)
     return o_BTKGV[:, :T, :, :, :V]
 
@@ -170,8 +172,8 @@ def _forward(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg):
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, R, None, None, V), lambda i, b, n: (b, i, n // G, n % G, 0)),
                    pl.BlockSpec((None, None, None, R), lambda i, b, n: (b, n // G, n % G, i))],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, K, G, V), q.dtype),
-                   jax.ShapeDtypeStruct((B, K, G, Tp), jnp.float32)],
+        out_shape=[out_struct((B, Tp, K, G, V), q.dtype, q),
+                   out_struct((B, K, G, Tp), jnp.float32, q)],
         compiler_params=_compiler_params(call, max(H, V)),
         interpret=call.interpret,
         name="flash_attention_gpu_fwd",
@@ -220,7 +222,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_se
         args += [q_seg, k_seg]
     dq = pl.pallas_call(
         dq_kernel, grid=(Tp // R, B, K * G), in_specs=in_specs, out_specs=q_tile(H),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), compiler_params=params, interpret=call.interpret,
+        out_shape=out_struct(q.shape, q.dtype, q), compiler_params=params, interpret=call.interpret,
         name="flash_attention_gpu_dq",
     )(*args)
 
@@ -260,7 +262,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_se
         args += [q_seg, k_seg]
     dk, dv = pl.pallas_call(
         dkdv_kernel, grid=(Sp // C, B, K), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(V)],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
         compiler_params=params, interpret=call.interpret, name="flash_attention_gpu_dkdv",
     )(*args)
     return dq, dk, dv

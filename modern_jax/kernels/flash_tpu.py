@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from modern_jax.kernels import flash
+from modern_jax.kernels.backend import out_struct, varying_axes, vary_over
 from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible, visible_range
 
 
@@ -80,6 +81,8 @@ def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_
                               None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
     call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret)
+    q_BKGTH, k_BKSH, v_BKSV, sinks = vary_over((q_BKGTH, k_BKSH, v_BKSV, sinks),
+                                               varying_axes(q_BKGTH, k_BKSH, v_BKSV, sinks, positions))
     o_BKGTV = _flash(call, q_BKGTH, k_BKSH, v_BKSV, sinks, *positions)
     return o_BKGTV[:, :, :, :T].transpose(0, 3, 1, 2, 4)
 
@@ -211,8 +214,8 @@ def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
             scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
                             pltpu.VMEM((R, V), jnp.float32)],
         ),
-        out_shape=[jax.ShapeDtypeStruct((B, K, G, Tp, V), q.dtype),
-                   jax.ShapeDtypeStruct((B, K, G, Tp, 1), jnp.float32)],
+        out_shape=[out_struct((B, K, G, Tp, V), q.dtype, q),
+                   out_struct((B, K, G, Tp, 1), jnp.float32, q)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
         interpret=call.interpret,
         name="flash_attention_tpu_fwd",
@@ -264,7 +267,7 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, K, G, I, J), in_specs=in_specs, out_specs=q_tile(H),
             scratch_shapes=[pltpu.VMEM((R, H), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_struct(q.shape, q.dtype, q),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
         interpret=call.interpret,
         name="flash_attention_tpu_dq",
@@ -308,7 +311,7 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, K, J, G, I), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(V)],
             scratch_shapes=[pltpu.VMEM((C, H), jnp.float32), pltpu.VMEM((C, V), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",) * 2),
         interpret=call.interpret,
         name="flash_attention_tpu_dkdv",

@@ -34,7 +34,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from modern_jax.kernels.backend import UnsupportedFeatureError, interpret_target, pallas_platform, platform
+from modern_jax.kernels.backend import (
+    UnsupportedFeatureError,
+    interpret_target,
+    out_struct,
+    pallas_platform,
+    platform,
+    varying_axes,
+    vary_over,
+)
 
 KINDS = ("rmsnorm", "gemma_rmsnorm", "layernorm")
 
@@ -93,7 +101,8 @@ def _dispatch(x, residual, weight, bias, kind, eps, impl):
         x, residual = x.astype(dtype), residual.astype(dtype)
     flat = lambda a: None if a is None else a.reshape(-1, D)  # noqa: E731
     call = _Call(kind, float(eps), pallas_platform(), interpret_target() is not None)
-    h_MD, y_MD = _fused(call, flat(x), flat(residual), weight.reshape(D), None if bias is None else bias.reshape(D))
+    args = (flat(x), flat(residual), weight.reshape(D), None if bias is None else bias.reshape(D))
+    h_MD, y_MD = _fused(call, *vary_over(args, varying_axes(args)))
     return h_MD.reshape(*lead, *weight.shape), y_MD.reshape(*lead, *weight.shape)
 
 
@@ -210,7 +219,7 @@ class _GPU:
         vec = pl.BlockSpec((D,), lambda i: (0,))
         args = [x_MD] + ([res_MD] if fused_add else []) + [w_D] + ([b_D] if has_bias else [])
         in_specs = [row] + ([row] if fused_add else []) + [vec] + ([vec] if has_bias else [])
-        out_shape = [jax.ShapeDtypeStruct((M, D), x_MD.dtype)] * (2 if fused_add else 1)
+        out_shape = [out_struct((M, D), x_MD.dtype, x_MD)] * (2 if fused_add else 1)
         outs = pl.pallas_call(
             kernel, grid=(M,), in_specs=in_specs, out_specs=[row] * len(out_shape), out_shape=out_shape,
             compiler_params=_GPU._params(Dp), interpret=call.interpret, name="norm_gpu_fwd",
@@ -257,8 +266,8 @@ class _GPU:
         in_specs = [full, full] + ([full] if fused_add else []) + [pl.BlockSpec((D,), lambda p: (0,))]
         dx_MD, dw_PD, db_PD = pl.pallas_call(
             kernel, grid=(P,), in_specs=in_specs, out_specs=[full, partial, partial],
-            out_shape=[jax.ShapeDtypeStruct((M, D), h_MD.dtype), jax.ShapeDtypeStruct((P, D), jnp.float32),
-                       jax.ShapeDtypeStruct((P, D), jnp.float32)],
+            out_shape=[out_struct((M, D), h_MD.dtype, h_MD), out_struct((P, D), jnp.float32, h_MD),
+                       out_struct((P, D), jnp.float32, h_MD)],
             compiler_params=_GPU._params(Dp), interpret=call.interpret, name="norm_gpu_bwd",
         )(*args)
         return dx_MD, dw_PD.sum(0), db_PD.sum(0) if has_bias else None
@@ -301,7 +310,7 @@ class _TPU:
         vec = pl.BlockSpec((1, D), lambda i: (0, 0))
         args = [x_MD] + ([res_MD] if fused_add else []) + [w_D[None]] + ([b_D[None]] if has_bias else [])
         in_specs = [block] + ([block] if fused_add else []) + [vec] + ([vec] if has_bias else [])
-        out_shape = [jax.ShapeDtypeStruct((M, D), x_MD.dtype)] * (2 if fused_add else 1)
+        out_shape = [out_struct((M, D), x_MD.dtype, x_MD)] * (2 if fused_add else 1)
         outs = pl.pallas_call(
             kernel, grid=(pl.cdiv(M, rows),), in_specs=in_specs, out_specs=[block] * len(out_shape),
             out_shape=out_shape, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
@@ -337,8 +346,8 @@ class _TPU:
         in_specs = [block, block] + ([block] if fused_add else []) + [pl.BlockSpec((1, D), lambda i: (0, 0))]
         dx_MD, dw_P1D, db_P1D = pl.pallas_call(
             kernel, grid=(P,), in_specs=in_specs, out_specs=[block, partial, partial],
-            out_shape=[jax.ShapeDtypeStruct((M, D), h_MD.dtype), jax.ShapeDtypeStruct((P, 1, D), jnp.float32),
-                       jax.ShapeDtypeStruct((P, 1, D), jnp.float32)],
+            out_shape=[out_struct((M, D), h_MD.dtype, h_MD), out_struct((P, 1, D), jnp.float32, h_MD),
+                       out_struct((P, 1, D), jnp.float32, h_MD)],
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
             interpret=call.interpret, name="norm_tpu_bwd",
         )(*args)
