@@ -1,0 +1,258 @@
+"""Attention implementations against the reference: outputs and gradients, dispatch, memory.
+
+The Pallas kernels run in interpret mode on CPU with small tiles, so every case spans
+several tiles in both directions and a ragged last tile. The grid is sparse on purpose
+(each case mixes several switches) to keep the whole module near a minute.
+
+Tolerances, as max |kernel - reference| / max |reference| per tensor: 2e-5 in float32,
+3e-2 in bfloat16 (the reference itself rounds p and the grads to bfloat16).
+"""
+
+import functools
+import importlib
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from modern_jax.kernels import AttentionImpl, AttentionSpec, UnsupportedFeatureError, attention, pallas_interpret
+from modern_jax.kernels.attention import attention_mask, attention_reference, resolve
+from modern_jax.kernels.chunked import attention_chunked
+from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
+from modern_jax.kernels.flash_tpu import TpuBlocks, flash_attention_tpu
+
+attention_module = importlib.import_module("modern_jax.kernels.attention")  # the package's `attention` is the function
+backend_module = importlib.import_module("modern_jax.kernels.backend")
+TOL = {"float32": 2e-5, "bfloat16": 3e-2}
+
+IMPLS = {
+    "chunked": lambda *a, **kw: attention_chunked(*a, **kw, block_q=16, block_k=8),
+    "pallas_gpu": lambda *a, **kw: flash_attention_gpu(*a, **kw, blocks=GpuBlocks(32, 16, 16, 32), interpret=True),
+    "pallas_tpu": lambda *a, **kw: flash_attention_tpu(*a, **kw, blocks=TpuBlocks(16, 32, 32, 16, min_block=8),
+                                                       interpret=True),
+}
+
+# name: (B, T, S, K, G, H, V, causal, window, softcap, sinks, segments, dtype, positions)
+CASES = {
+    "mha_causal": (2, 37, 37, 2, 1, 64, 64, True, None, None, False, False, "float32", "arange"),
+    "gqa2_window_segments_bf16": (1, 50, 50, 2, 2, 128, 128, True, 9, None, False, True, "bfloat16", "arange"),
+    "gqa4_softcap_sinks": (1, 33, 33, 2, 4, 64, 64, True, None, 5.0, True, False, "float32", "arange"),
+    "mqa_noncausal_sinks_segments_bf16": (2, 40, 40, 1, 4, 128, 128, False, None, None, True, True, "bfloat16",
+                                          "arange"),
+    "everything": (1, 45, 45, 2, 2, 64, 64, True, 16, 10.0, True, True, "float32", "arange"),
+    "mla_value_dim": (1, 24, 24, 1, 4, 96, 48, True, None, None, True, False, "float32", "arange"),
+    "ring_cache_positions": (2, 8, 32, 2, 2, 64, 64, True, 12, None, False, False, "float32", "ring"),
+    "noncausal_window_bf16": (1, 29, 29, 2, 1, 64, 64, False, 5, 20.0, False, False, "bfloat16", "arange"),
+}
+
+
+def make_inputs(B, T, S, K, G, H, V, causal, window, softcap, sinks, segments, dtype, positions):
+    rng = np.random.default_rng(T * 1000 + S)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)  # noqa: E731
+    q, k, v = normal(B, T, K, G, H), normal(B, S, K, H), normal(B, S, K, V)
+    if positions == "ring":  # queries 20..27 against a shuffled ring of keys with empty (-1) slots
+        q_pos = np.arange(20, 20 + T)[None].repeat(B, 0)
+        ring = rng.permutation(np.arange(-4, S - 4))
+        k_pos = np.where(ring < 0, -1, ring)[None].repeat(B, 0)
+    else:
+        q_pos, k_pos = np.arange(T)[None].repeat(B, 0), np.arange(S)[None].repeat(B, 0)
+    q_seg = k_seg = None
+    if segments:  # three documents per row, boundaries differing across the batch
+        cuts = np.array([[T // 3, 2 * T // 3], [T // 4, T // 2]])[:B]
+        q_seg = k_seg = jnp.asarray((np.arange(T)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
+    sinks_KG = jnp.asarray(rng.standard_normal((K, G), np.float32)) if sinks else None
+    spec = AttentionSpec(scale=H**-0.5, causal=causal, window=window, softcap=softcap)
+    positions = dict(q_pos_BT=jnp.asarray(q_pos, jnp.int32), k_pos_BS=jnp.asarray(k_pos, jnp.int32),
+                     q_seg_BT=q_seg, k_seg_BS=k_seg)
+    return (q, k, v, sinks_KG), spec, positions, normal(B, T, K, G, V)
+
+
+def compile_fast(fn, *args):
+    """jit with XLA's CPU backend at -O0: these small interpreted graphs compile about twice as fast."""
+    return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})
+
+
+def outputs_and_grads(fn, args, do):
+    def run(q, k, v, sinks_KG, do):
+        o, vjp = jax.vjp(fn, q, k, v, sinks_KG)
+        return o, vjp(do)
+
+    o, grads = compile_fast(run, *args, do)(*args, do)
+    return {"o": o, "dq": grads[0], "dk": grads[1], "dv": grads[2], "dsinks": grads[3]}
+
+
+@functools.cache
+def reference_results(case):
+    args, spec, pos, do = make_inputs(*CASES[case])
+
+    def fn(q, k, v, sinks_KG):
+        mask = attention_mask(pos["q_pos_BT"], pos["k_pos_BS"], pos["q_seg_BT"], pos["k_seg_BS"],
+                              causal=spec.causal, window=spec.window)
+        return attention_reference(q, k, v, mask, spec, sinks_KG)
+
+    return outputs_and_grads(fn, args, do)
+
+
+def assert_close(name, got, want, tol):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, name
+    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6)
+    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+# The Pallas kernels skip two cases whose switches the others already combine.
+PAIRS = [(case, impl) for case in CASES for impl in IMPLS
+         if impl == "chunked" or case not in ("mha_causal", "gqa4_softcap_sinks")]
+
+
+@pytest.mark.parametrize(("case", "impl"), PAIRS)
+def test_matches_reference(case, impl):
+    args, spec, pos, do = make_inputs(*CASES[case])
+    got = outputs_and_grads(lambda q, k, v, s: IMPLS[impl](q, k, v, spec, sinks_KG=s, **pos), args, do)
+    want = reference_results(case)
+    tol = TOL[CASES[case][12]]
+    for name in want:
+        if want[name] is None:
+            assert got[name] is None
+            continue
+        assert got[name].dtype == want[name].dtype, name
+        assert_close(name, got[name], want[name], tol)
+
+
+# ----- the kernels lower for their platforms (no device needed) ------------------------------
+
+
+def lower_grad(fn, platform):
+    B, T, K, G, H = 2, 300, 2, 4, 128
+    q = jax.ShapeDtypeStruct((B, T, K, G, H), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    sinks = jax.ShapeDtypeStruct((K, G), jnp.float32)
+    spec = AttentionSpec(scale=H**-0.5, window=64, softcap=30.0)
+
+    def loss(q, k, v, pos, seg, sinks):
+        o = fn(q, k, v, spec, q_pos_BT=pos, k_pos_BS=pos, q_seg_BT=seg, k_seg_BS=seg, sinks_KG=sinks)
+        return o.astype(jnp.float32).sum()
+
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 5))).trace(q, k, k, pos, pos, sinks)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_pallas_gpu_lowers_to_triton():
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)  # jax deprecates the Triton backend for Mosaic GPU
+        text = lower_grad(flash_attention_gpu, "cuda")
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
+
+
+def test_pallas_tpu_lowers_to_mosaic():
+    text = lower_grad(flash_attention_tpu, "tpu")
+    assert text.count("tpu_custom_call") == 3
+
+
+# ----- dispatch ---------------------------------------------------------------------------------
+
+
+def small_call(T=16, dtype=jnp.bfloat16, H=64, V=64, sinks=False, softcap=None):
+    q = jnp.zeros((1, T, 1, 2, H), dtype)
+    k, v = jnp.zeros((1, T, 1, H), dtype), jnp.zeros((1, T, 1, V), dtype)
+    return q, k, v, AttentionSpec(scale=0.1, softcap=softcap), jnp.zeros((1, 2)) if sinks else None
+
+
+def test_default_resolves_by_platform_and_falls_back():
+    q, k, v, spec, _ = small_call()
+    assert resolve("default", q, k, v, spec) is AttentionImpl.CHUNKED  # CPU
+    assert resolve("default", q, k, v, spec, dropout=True) is AttentionImpl.REFERENCE
+    q1 = q[:, :1]
+    with pallas_interpret(False):  # one query (decoding) runs chunked whatever was asked
+        assert resolve("pallas_tpu", q1, k, v, spec) is AttentionImpl.CHUNKED
+        assert resolve("cudnn", q1, k, v, spec) is AttentionImpl.CHUNKED
+
+
+@pytest.mark.parametrize(("impl", "kwargs", "missing"), [
+    ("pallas_tpu", {}, "TPU"),
+    ("pallas_gpu", {}, "GPU"),
+    ("cudnn", {}, "NVIDIA GPU"),
+    ("chunked", {"dropout": True}, "dropout"),
+])
+def test_explicit_choice_that_cannot_run_raises(impl, kwargs, missing):
+    q, k, v, spec, _ = small_call()
+    with pallas_interpret(False), pytest.raises(UnsupportedFeatureError, match=missing):
+        resolve(impl, q, k, v, spec, **kwargs)
+
+
+def on_gpu(monkeypatch):
+    """Make the dispatch believe it runs on a GPU (it only asks `platform()`)."""
+    monkeypatch.setattr(attention_module, "platform", lambda: "gpu")
+    monkeypatch.setattr(backend_module, "platform", lambda: "gpu")
+
+
+@pytest.mark.parametrize(("call", "missing"), [
+    (dict(sinks=True), "attention sinks"),
+    (dict(softcap=50.0), "soft-cap"),
+    (dict(V=32), "different key and value head dims"),
+    (dict(dtype=jnp.float32), "float32"),
+    (dict(H=72 * 4, V=72 * 4), "head dim"),
+])
+def test_cudnn_names_the_feature_it_lacks(monkeypatch, call, missing):
+    on_gpu(monkeypatch)
+    q, k, v, spec, sinks = small_call(**call)
+    with pytest.raises(UnsupportedFeatureError, match=missing):
+        resolve("cudnn", q, k, v, spec, sinks)
+    assert resolve("default", q, k, v, spec, sinks) is AttentionImpl.PALLAS_GPU
+
+
+def test_cudnn_accepted_when_features_allow(monkeypatch):
+    on_gpu(monkeypatch)
+    q, k, v, spec, _ = small_call()
+    assert resolve("cudnn", q, k, v, spec) is AttentionImpl.CUDNN
+
+
+def test_dispatch_runs_the_interpreted_kernels():
+    args, spec, pos, _ = make_inputs(1, 20, 20, 1, 2, 64, 64, True, 8, 10.0, True, False, "float32", "arange")
+
+    def run(impl):
+        fn = lambda q, k, v, s: attention(q, k, v, spec, sinks_KG=s, impl=impl, **pos)  # noqa: E731
+        return compile_fast(fn, *args)(*args)
+
+    want = run("reference")
+    with pallas_interpret():
+        for impl in ("pallas_gpu", "pallas_tpu"):
+            assert_close(impl, run(impl), want, TOL["float32"])
+
+
+# ----- chunked memory is linear in T -------------------------------------------------------------
+
+
+def attention_temp_bytes(impl, T, B=1, K=1, G=2, H=64):
+    """Temporary bytes XLA allocates for forward + backward attention (compiled, not run)."""
+    q = jax.ShapeDtypeStruct((B, T, K, G, H), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def loss(q, k, v, pos):
+        return attention(q, k, v, AttentionSpec(scale=H**-0.5), q_pos_BT=pos, k_pos_BS=pos,
+                         impl=impl).astype(jnp.float32).sum()
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, pos)
+    return compiled.compile({"xla_backend_optimization_level": 0}).memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_memory_is_linear_in_length():
+    lengths = (2048, 4096, 8192, 16384)
+    chunked = [attention_temp_bytes("chunked", T) for T in lengths]
+    reference = attention_temp_bytes("reference", 8192)
+    assert reference >= 8 * chunked[2], (reference, chunked)
+    for small, large in zip(chunked, chunked[1:], strict=False):
+        assert large <= 2.1 * small, chunked  # doubling T at most doubles the memory (quadratic would be 4x)
+
+
+def test_tile_sizes_fit_short_sequences():
+    assert GpuBlocks().fit(37, 1).block_q == 64 and GpuBlocks().fit(37, 1).block_k == 16
+    assert TpuBlocks().fit(1000, 100).block_k == 128 and TpuBlocks().fit(1000, 100).block_q == 512
+    assert math.log2(GpuBlocks().fit(300, 300).block_q).is_integer()
