@@ -1,0 +1,41 @@
+"""Tables and plots for the experiment scripts: Markdown + CSV, and a PNG when matplotlib is there."""
+
+from __future__ import annotations
+
+import csv
+import pathlib
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if (value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e5)) else f"{value:.4f}"
+    return str(value)
+
+
+def write_table(rows: list[dict], directory, name: str, title: str = "") -> pathlib.Path:
+    """Write `rows` (dicts with the same keys) as `name.md` and `name.csv`; return the .md path."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = list(rows[0])
+    with open(directory / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ([f"### {title}", ""] if title else []) + ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(row[k]) for k in keys) + " |" for row in rows]
+    path = directory / f"{name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot with a headless backend, or None (install the `plot` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (uv run --extra plot ... to get one)")
+        return None
+    return plt
