@@ -381,3 +381,29 @@ def test_index_naming_an_absent_shard(tmp_path):
     (directory / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"lists files that are not there: model-00002-of-00003\.safetensors"):
         from_hf(directory)
+
+
+def test_loads_sharded_onto_a_mesh():
+    """With a mesh, each parameter lands sharded by the logical-axis rules; the logits do not change."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from modern_jax.sharding import logical_rules
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (host) devices")
+
+    def mesh(*shape):
+        return jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+
+    mesh_124 = mesh(1, 2, 4)
+    _, model = from_hf(FIXTURES / "llama", mesh=mesh_124)
+    q = model.stages[0].blocks[0].self_attn.q_proj.kernel[...]  # [layers, D, N, H]
+    assert q.sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)
+    assert model.embed_tokens[...].sharding.spec == PartitionSpec("tensor", "fsdp")
+    ref = reference("llama")
+    tokens = jax.device_put(jnp.asarray(ref["tokens"]), NamedSharding(mesh_124, PartitionSpec(("data", "fsdp"))))
+    with logical_rules(mesh_124):
+        logits = np.asarray(_forward(model, tokens))
+    assert np.max(np.abs(logits - ref["logits"])) <= LOGIT_TOL
+    with pytest.raises(ValueError, match="not divisible"):  # 4 query heads over 8 tensor devices
+        from_hf(FIXTURES / "llama", mesh=mesh(1, 1, 8))

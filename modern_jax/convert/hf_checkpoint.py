@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -49,6 +50,7 @@ class _Target:
     layers: tuple[int, ...] | None  # stacked: the layer index of each slot; None: not per layer
     buffer: np.ndarray | None = None
     filled: set = field(default_factory=set)
+    sharding: Any = None  # where the finished parameter goes (None: the default device)
 
     @property
     def name(self) -> str:
@@ -119,13 +121,14 @@ def _listed(names) -> str:
     return ", ".join(names[:LISTED]) + more
 
 
-def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None,
-            **overrides: Any) -> tuple[ModelConfig, Transformer]:
+def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None, *,
+            mesh: jax.sharding.Mesh | None = None, rules=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as `(config, model)`.
 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameters' dtype;
-    tensors are cast as they stream in. `overrides` set other non-architecture fields
-    (remat, scan_layers, attention_impl, ...).
+    tensors are cast as they stream in. With a `mesh`, each parameter is placed sharded by
+    the logical-axis `rules` (default `sharding.RULES`) as soon as it is complete.
+    `overrides` set other non-architecture fields (remat, scan_layers, vocab_pad_to, ...).
     """
     path = Path(path)
     hf = read_config(path)
@@ -133,8 +136,18 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
     table = TABLES[model_type]
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise CheckpointError(f"the model holds state other than parameters, which a checkpoint does not fill: "
+                              f"{_listed('.'.join(map(str, p)) for p, _ in nnx.to_flat_state(rest))}")
     sources = plan(abstract, state, table, model_type)
+    if mesh is not None:  # shardings first: a mesh that cannot split the model fails before any reading
+        from modern_jax.sharding import RULES, state_shardings
+
+        shardings = dict(nnx.to_flat_state(state_shardings(state, mesh, rules or RULES)))
+        for srcs in sources.values():
+            for src in srcs:
+                src.target.sharding = shardings[src.target.path]
     tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
 
     # 1. names and shapes, from the headers only
@@ -184,7 +197,7 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
                 del x
     unfilled = {src.target.name for srcs in sources.values() for src in srcs if src.target.buffer is not None}
     assert not unfilled, f"parameters left unfilled: {sorted(unfilled)}"
-    return cfg, nnx.merge(graphdef, state)
+    return cfg, nnx.merge(graphdef, state, rest)
 
 
 def _write(src: _Source, x: np.ndarray, vocab: int) -> None:
@@ -193,14 +206,15 @@ def _write(src: _Source, x: np.ndarray, vocab: int) -> None:
     value = src.rule.to_ours(x, target.slot_shape, vocab)
     dtype = np.dtype(target.variable.dtype)
     if target.layers is None:
-        target.variable.set_value(jnp.asarray(value.astype(dtype)))
-        return
-    if target.buffer is None:
-        target.buffer = np.empty(target.variable.shape, dtype)
-    target.buffer[src.slot] = value
-    target.filled.add(src.slot)
-    if len(target.filled) == len(target.layers):
-        target.variable.set_value(jnp.asarray(target.buffer))
+        target.buffer, target.filled = value.astype(dtype), {None}
+    else:
+        if target.buffer is None:
+            target.buffer = np.empty(target.variable.shape, dtype)
+        target.buffer[src.slot] = value
+        target.filled.add(src.slot)
+    if len(target.filled) == len(target.layers or [None]):
+        put = jnp.asarray if target.sharding is None else (lambda a: jax.device_put(a, target.sharding))
+        target.variable.set_value(put(target.buffer))
         target.buffer = None
 
 
