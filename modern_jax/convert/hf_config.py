@@ -427,6 +427,9 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
         out.update(rope_theta=cfg.rope_local_theta, rope_local_theta=None, rope_scaling=dataclasses.asdict(RopeScaling()))
     if cfg.position_embedding != "learned":
         out["max_position_embeddings"] = None
+    if cfg.position_embedding != "rope":  # no rotary layer: its settings are moot
+        for k in ("rope_theta", "rope_layout", "rope_scaling", "rope_local_theta", "rope_pattern"):
+            out.pop(k)
     if cfg.attention_type != "mla":
         for k in ("mla_rope_dim", "mla_nope_dim", "mla_v_dim"):
             out.pop(k)
@@ -563,7 +566,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"config_to_hf: {model_type} cannot express this model: {e}") from e
     want, got = architecture(cfg), architecture(back)
-    diff = [f"{k}={want[k]!r} (a {model_type} config gives {got[k]!r})" for k in want if want[k] != got[k]]
+    keys = list(want) + [k for k in got if k not in want]
+    diff = [f"{k}={want.get(k, 'n/a')!r} (a {model_type} config gives {got.get(k, 'n/a')!r})"
+            for k in keys if want.get(k, "n/a") != got.get(k, "n/a")]
     if diff:
         raise ValueError(f"config_to_hf: {model_type} cannot express this model: " + "; ".join(diff))
     return hf
