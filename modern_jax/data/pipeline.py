@@ -1,0 +1,119 @@
+"""The grain input pipeline: packed windows with segment ids, sharded per host, checkpointable.
+
+A batch is a dict of `[A, R, T]` arrays (A gradient-accumulation steps, R rows this host
+feeds, T tokens):
+
+    inputs, targets       int32   targets[t] = the token after inputs[t]
+    positions             int32   restart at 0 at each document start (and window start)
+    segment_ids           int32   1, 2, ... per document inside the row; 0 on padding
+    weights               float32 1 where the target is in the same document as the input
+
+Packing: a window is `T + 1` consecutive tokens of the stream of documents
+(`<bos> doc <eos> <bos> doc ...`). Documents that share a row get different segment ids,
+so attention never crosses a boundary, and the target that would cross one (a document's
+last token predicting the next one's first) has weight 0.
+
+Training batch `i` is a pure function of `(seed, i)`: `A * B` window starts drawn
+uniformly from the stream by `numpy.random.default_rng([seed, i])` (the classic random
+window sampling of char-LM training). Host `h` of `H` takes rows `[h R, (h + 1) R)` of every
+accumulation step (`R = B / H`), so hosts see disjoint rows that together make the global
+batch. The grain iterator's state is its next batch index: saving it with the checkpoint
+and restoring it makes a resumed run see exactly the batches the uninterrupted run sees.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from modern_jax.data.corpora import TokenStream
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
+UNBOUNDED = 2**62
+
+
+def pack_windows(stream: TokenStream, starts: np.ndarray, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """The windows `stream[start : start + T + 1]` as a packed batch of `[N, T]` arrays.
+
+    Tokens past the end of the stream are padding: segment 0, weight 0.
+    """
+    idx_NW = np.asarray(starts, np.int64)[:, None] + np.arange(seq_len + 1)  # W = T + 1
+    valid_NW = idx_NW < len(stream)
+    idx_NW = np.minimum(idx_NW, len(stream) - 1)
+    tokens_NW = np.where(valid_NW, stream.tokens[idx_NW].astype(np.int32), pad_id)
+    doc_NW = np.searchsorted(stream.doc_starts, idx_NW, side="right") - 1
+    doc_start_NW = np.maximum(stream.doc_starts[doc_NW], idx_NW[:, :1])  # a window starts a sequence
+    segment_NW = np.where(valid_NW, doc_NW - doc_NW[:, :1] + 1, 0)
+    positions_NW = np.where(valid_NW, idx_NW - doc_start_NW, 0)
+    same_doc_NT = (doc_NW[:, :-1] == doc_NW[:, 1:]) & valid_NW[:, 1:]
+    return {
+        "inputs": tokens_NW[:, :-1],
+        "targets": tokens_NW[:, 1:],
+        "positions": positions_NW[:, :-1].astype(np.int32),
+        "segment_ids": segment_NW[:, :-1].astype(np.int32),
+        "weights": same_doc_NT.astype(np.float32),
+    }
+
+
+def host_rows(n_rows: int, host_index: int, host_count: int) -> slice:
+    if n_rows % host_count:
+        raise ValueError(f"a batch of {n_rows} rows does not split over {host_count} hosts")
+    per_host = n_rows // host_count
+    return slice(host_index * per_host, (host_index + 1) * per_host)
+
+
+class TrainBatches:
+    """Random-access grain source: record `i` is this host's share of global batch `i`."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, batch_size: int, grad_accum: int = 1, seed: int = 0,
+                 host_index: int = 0, host_count: int = 1):
+        if batch_size % grad_accum:
+            raise ValueError(f"batch_size={batch_size} is not a multiple of grad_accum={grad_accum}")
+        self.stream, self.seq_len, self.seed = stream, seq_len, seed
+        self.shape = (grad_accum, batch_size // grad_accum)
+        self.rows = host_rows(self.shape[1], host_index, host_count)
+        self.high = max(1, len(stream) - seq_len)  # windows of T + 1 tokens fit below this start
+
+    def __len__(self) -> int:
+        return UNBOUNDED
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        starts_AB = np.random.default_rng([self.seed, int(i)]).integers(0, self.high, size=self.shape)
+        starts_AR = starts_AB[:, self.rows]
+        batch = pack_windows(self.stream, starts_AR.reshape(-1), self.seq_len)
+        return {k: v.reshape(*starts_AR.shape, self.seq_len) for k, v in batch.items()}
+
+
+def train_iterator(stream: TokenStream, *, seq_len: int, batch_size: int, grad_accum: int = 1, seed: int = 0,
+                   host_index: int = 0, host_count: int = 1, num_threads: int = 1, prefetch: int = 4,
+                   state: dict | None = None):
+    """A grain iterator of training batches; `state` (from `.get_state()`) resumes it exactly."""
+    source = TrainBatches(stream, seq_len, batch_size, grad_accum, seed, host_index, host_count)
+    dataset = grain.MapDataset.source(source).to_iter_dataset(
+        grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch))
+    iterator = iter(dataset)
+    if state is not None:
+        iterator.set_state(state)
+    return iterator
+
+
+def eval_windows(stream: TokenStream, seq_len: int, max_windows: int | None = None) -> np.ndarray:
+    """Starts of the non-overlapping windows that cover the stream (every target once), or
+    `max_windows` of them spread evenly over it."""
+    starts = np.arange(0, max(len(stream) - 1, 1), seq_len, dtype=np.int64)
+    if max_windows is not None and max_windows < len(starts):
+        starts = starts[np.linspace(0, len(starts) - 1, max_windows).round().astype(np.int64)]
+    return starts
+
+
+def eval_batches(stream: TokenStream, *, seq_len: int, batch_size: int, max_windows: int | None = None,
+                 host_index: int = 0, host_count: int = 1):
+    """Batches `[1, R, T]` of evaluation windows; the last is filled up with padding rows."""
+    starts = eval_windows(stream, seq_len, max_windows)
+    n_batches = -(-len(starts) // batch_size)
+    padded = np.full(n_batches * batch_size, len(stream), np.int64)  # a start past the end: all padding
+    padded[: len(starts)] = starts
+    rows = host_rows(batch_size, host_index, host_count)
+    for b in range(n_batches):
+        batch = pack_windows(stream, padded[b * batch_size : (b + 1) * batch_size][rows], seq_len)
+        yield {k: v[None] for k, v in batch.items()}
