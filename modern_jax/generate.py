@@ -1,0 +1,103 @@
+"""Sampling with the KV cache: greedy, temperature, top-k and top-p (nucleus).
+
+    tokens = generate(graphdef, params, prompt_BT, max_new_tokens=100, rng=jax.random.key(0),
+                      temperature=0.8, top_k=50, top_p=0.95, eos_id=tok.eos_id)
+
+The prompt is prefilled in one call, then one token per step inside a `lax.scan`, all in
+one jit. After a sequence emits `eos_id` it keeps emitting it (callers cut there).
+Letters: B batch, T prompt length, V vocab, N new tokens.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def filter_logits(logits_BV, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """Temperature-scaled logits with everything outside the top-k / top-p set at -inf."""
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    if top_k is not None and top_k < logits_BV.shape[-1]:
+        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    if top_p is not None and top_p < 1.0:
+        sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass of the tokens ranked above
+        kept_BV = before_BV < top_p  # the smallest set whose mass reaches top_p (never empty)
+        threshold_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        logits_BV = jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
+    return logits_BV
+
+
+def sample_token(logits_BV, rng, *, temperature: float, top_k: int | None, top_p: float | None):
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    filtered_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jax.random.categorical(rng, filtered_BV, axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"))
+def _generate(graphdef, params, prompt_BT, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id):
+    model = nnx.merge(graphdef, params)
+    B, T = prompt_BT.shape
+    sample = partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
+    cache = model.init_cache(B, T + max_new_tokens)
+    logits_BTV, cache = model(prompt_BT, cache=cache)
+    first_B = sample(logits_BTV[:, -1], jax.random.fold_in(rng, 0))
+    done_B = jnp.zeros((B,), bool) if eos_id is None else first_B == eos_id
+
+    def step(carry, i):
+        token_B, done_B, cache = carry
+        logits_B1V, cache = model(token_B[:, None], cache=cache)
+        next_B = sample(logits_B1V[:, 0], jax.random.fold_in(rng, i))
+        if eos_id is not None:
+            next_B = jnp.where(done_B, eos_id, next_B)
+            done_B = done_B | (next_B == eos_id)
+        return (next_B, done_B, cache), next_B
+
+    _, rest_NB = jax.lax.scan(step, (first_B, done_B, cache), jnp.arange(1, max_new_tokens))
+    return jnp.concatenate([first_B[:, None], rest_NB.T], axis=1)
+
+
+def generate(graphdef, params, prompt_BT, *, max_new_tokens: int, rng=None, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None) -> np.ndarray:
+    """`max_new_tokens` new tokens `[B, N]` after each prompt row (rows share one length)."""
+    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+    if prompt_BT.ndim != 2 or prompt_BT.shape[1] == 0:
+        raise ValueError(f"prompts must be [batch, length >= 1] token ids, got shape {tuple(prompt_BT.shape)}")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    rng = jax.random.key(0) if rng is None else rng
+    out = _generate(graphdef, params, prompt_BT, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
+                    top_k=top_k, top_p=top_p, eos_id=eos_id)
+    return np.asarray(out)
+
+
+def cut_at_eos(tokens_N, eos_id: int | None) -> np.ndarray:
+    tokens_N = np.asarray(tokens_N)
+    if eos_id is None:
+        return tokens_N
+    hits = np.flatnonzero(tokens_N == eos_id)
+    return tokens_N[: hits[0]] if len(hits) else tokens_N
+
+
+def sample_texts(graphdef, params, tokenizer, prompt: str = "", *, n: int = 3, max_new_tokens: int = 200,
+                 seed: int = 0, temperature: float = 0.8, top_k: int | None = None,
+                 top_p: float | None = None) -> list[str]:
+    """`n` continuations of `prompt` (from `<bos>` when the prompt is empty), decoded to text."""
+    ids = list(tokenizer.encode(prompt)) if prompt else []
+    if tokenizer.bos_id is not None:
+        ids = [tokenizer.bos_id] + ids
+    if not ids:
+        raise ValueError("this tokenizer has no <bos>: give a prompt")
+    prompt_BT = np.tile(np.asarray(ids, np.int32)[None], (n, 1))
+    out_BN = generate(graphdef, params, prompt_BT, max_new_tokens=max_new_tokens, rng=jax.random.key(seed),
+                      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id)
+    return [prompt + tokenizer.decode(cut_at_eos(row, tokenizer.eos_id)) for row in out_BN]
