@@ -1,5 +1,8 @@
 """The `modern-jax` command.
 
+    modern-jax train [--config configs/tiny.yaml] [--data PATH] [train.steps=500 model.n_layers=2 ...]
+    modern-jax evaluate --checkpoint runs/tiny [--split val | --data FILE]
+    modern-jax generate --checkpoint runs/tiny --prompt "def " [--temperature 0.8 --top-k 50 --top-p 0.95]
     modern-jax info --config configs/llama3_8b.yaml [model.n_layers=4 ...] [--context 8192]
     modern-jax info --hf-config path/to/config.json
 """
@@ -8,7 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import pathlib
 import sys
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
 def _size(n: float) -> str:
@@ -60,6 +67,94 @@ def cmd_info(args) -> None:
           f"(6N = {flops['weights']:.4e}, attention = {flops['attention']:.4e})")
 
 
+def cmd_train(args) -> int:
+    from modern_jax.training import TrainingDiverged, load_run_config, train
+
+    overrides = list(args.overrides)
+    if args.data is not None:
+        overrides.append(f"data.path={json.dumps(args.data)}")
+    if args.output_dir is not None:
+        overrides.append(f"train.output_dir={json.dumps(args.output_dir)}")
+    config = args.config or DEFAULT_CONFIG
+    run = load_run_config(config, overrides)
+    print(f"training {config} -> {run.train.output_dir}", flush=True)
+    try:
+        result = train(run)
+    except TrainingDiverged as e:
+        print(f"modern-jax train: {e}", file=sys.stderr)
+        return 3
+    if result.interrupted:
+        return 130
+    for i, text in enumerate(result.samples):
+        print(f"--- sample {i} ---\n{text}")
+    print(f"steps: {result.step}")
+    print(f"wall_s: {result.wall_s:.1f}")
+    print(f"compile_s: {result.compile_s:.1f}")
+    print(f"val_bpb: {result.val_bpb:.4f}")
+    print(f"val_loss: {result.val_loss:.4f}")
+    print(f"tokens_per_s: {result.tokens_per_s:.0f}")
+    return 0
+
+
+def _checkpoint_data(args, raw: dict, run_dir):
+    """The tokenizer and the token stream to evaluate: a split of the run's data, or a file."""
+    from modern_jax.data.config import DataConfig
+    from modern_jax.data.corpora import TokenStream, load_splits, text_documents
+    from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+
+    saved = run_dir / TOKENIZER_FILE
+    tokenizer = load_tokenizer(saved) if saved.exists() else ByteTokenizer()
+    if args.data:
+        docs = [tokenizer.encode(text) for _, text in text_documents(args.data)]
+        return tokenizer, TokenStream.from_documents(docs, tokenizer.bos_id, tokenizer.eos_id)
+    data_cfg = DataConfig.from_dict(raw.get("data"))
+    _, train_stream, val_stream = load_splits(data_cfg, tokenizer)
+    return tokenizer, {"train": train_stream, "val": val_stream}[args.split]
+
+
+def cmd_evaluate(args) -> int:
+    import jax
+
+    from modern_jax.data.pipeline import eval_batches
+    from modern_jax.training import TrainConfig, Trainer, evaluate_batches, make_mesh
+    from modern_jax.training.checkpoint import load_params
+
+    cfg, params, raw, run_dir = load_params(args.checkpoint)
+    tokenizer, stream = _checkpoint_data(args, raw, run_dir)
+    seq_len = args.seq_len or (raw.get("train") or {}).get("seq_len") or min(1024, cfg.max_position_embeddings)
+    tc = TrainConfig(seq_len=seq_len, eval_batch_size=args.batch_size, warmup_steps=0)
+    trainer = Trainer(cfg, tc, make_mesh(jax.devices()[:1]))
+    batches = eval_batches(stream, seq_len=seq_len, batch_size=args.batch_size, max_windows=args.max_windows)
+    values = evaluate_batches(trainer, params, batches, jax.numpy.asarray(tokenizer.token_bytes()))
+    print(f"split: {'file ' + args.data if args.data else args.split}")
+    print(f"tokens: {values['tokens']}")
+    print(f"loss: {values['loss']:.4f}")
+    print(f"perplexity: {math.exp(min(values['loss'], 700)):.4f}")
+    print(f"bits_per_byte: {values['bpb']:.4f}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+    from modern_jax.generate import sample_texts
+    from modern_jax.training.checkpoint import load_params
+    from modern_jax.training.step import abstract_model
+
+    cfg, params, raw, run_dir = load_params(args.checkpoint)
+    saved = run_dir / TOKENIZER_FILE
+    tokenizer = load_tokenizer(saved) if saved.exists() else ByteTokenizer()
+    graphdef, _ = abstract_model(cfg)
+    temperature = 0.0 if args.greedy else args.temperature
+    texts = sample_texts(graphdef, params, tokenizer, args.prompt, n=args.num_samples,
+                         max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=temperature,
+                         top_k=args.top_k, top_p=args.top_p)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i} ---")
+        print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modern-jax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,17 +166,44 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     info.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=4")
     info.set_defaults(func=cmd_info)
+
+    tr = sub.add_parser("train", help="train a model (default: configs/tiny.yaml on the embedded corpus)")
+    tr.add_argument("--config", help=f"a run config with model:, train:, data: sections (default: {DEFAULT_CONFIG.name})")
+    tr.add_argument("--data", help="text file, directory of text files, token .bin or ArrayRecord (sets data.path)")
+    tr.add_argument("--output-dir", help="run directory: checkpoints, metrics, samples (sets train.output_dir)")
+    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.n_layers=2")
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("evaluate", help="loss, perplexity and bits per byte of a checkpoint")
+    ev.add_argument("--checkpoint", required=True, help="a run directory, a step directory, or params/ + config.yaml")
+    ev.add_argument("--split", default="val", choices=("val", "train"), help="a split of the run's data")
+    ev.add_argument("--data", help="evaluate on this text file (or directory) instead")
+    ev.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
+    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--max-windows", type=int, help="evaluate this many windows spread over the split")
+    ev.set_defaults(func=cmd_evaluate)
+
+    ge = sub.add_parser("generate", help="sample text from a checkpoint with the KV cache")
+    ge.add_argument("--checkpoint", required=True, help="a run directory, a step directory, or params/ + config.yaml")
+    ge.add_argument("--prompt", default="", help="text to continue (default: start from <bos>)")
+    ge.add_argument("--max-new-tokens", type=int, default=200)
+    ge.add_argument("--num-samples", type=int, default=1)
+    ge.add_argument("--temperature", type=float, default=0.8)
+    ge.add_argument("--top-k", type=int)
+    ge.add_argument("--top-p", type=float)
+    ge.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
+    ge.add_argument("--seed", type=int, default=0)
+    ge.set_defaults(func=cmd_generate)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except ValueError as e:
         print(f"modern-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

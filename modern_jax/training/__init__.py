@@ -1,0 +1,20 @@
+"""Training: the run config, loss, optimiser, jitted steps on a mesh, Orbax checkpoints and the loop."""
+
+from modern_jax.training.config import RunConfig, TrainConfig, load_run_config, run_config_from_dict
+from modern_jax.training.loop import TrainingDiverged, TrainResult, evaluate_batches, train
+from modern_jax.training.step import LOGICAL_RULES, Trainer, make_mesh, param_shardings
+
+__all__ = [
+    "LOGICAL_RULES",
+    "RunConfig",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "TrainingDiverged",
+    "evaluate_batches",
+    "load_run_config",
+    "make_mesh",
+    "param_shardings",
+    "run_config_from_dict",
+    "train",
+]

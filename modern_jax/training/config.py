@@ -1,0 +1,220 @@
+"""The run configuration: `TrainConfig` (the `train:` section), and the whole run file.
+
+A run file has three sections, each validated by its own frozen dataclass:
+
+    model:  ModelConfig   (modern_jax.config)
+    train:  TrainConfig   (this module)
+    data:   DataConfig    (modern_jax.data.config)
+
+`model.vocab_size: auto` takes the tokenizer's vocabulary size (the char tokenizer builds
+its vocabulary from the data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from modern_jax.config import ModelConfig, check_keys, load_config_file
+from modern_jax.data.config import DataConfig
+
+SCHEDULES = ("cosine", "wsd", "constant")
+NO_DECAY_GROUPS = ("embedding", "norm", "bias")
+SECTIONS = ("model", "train", "data")
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"TrainConfig.{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """How to train: steps, batch, optimiser, loss, logging, evaluation, checkpoints."""
+
+    output_dir: str = "runs/default"
+    seed: int = 0
+    steps: int = 1000
+    batch_size: int = 16  # sequences per optimiser step, all hosts together
+    seq_len: int = 128
+    grad_accum: int = 1  # micro-batches per step (batch_size / grad_accum sequences each)
+
+    # AdamW with warmup + cosine / WSD / constant schedule
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    no_decay: tuple[str, ...] = NO_DECAY_GROUPS  # parameter groups without weight decay
+    clip_norm: float | None = 1.0  # global-norm clipping; null: none
+
+    # loss
+    z_loss_weight: float = 1e-4
+    moe_aux_weight: float = 0.0  # weight of sown `moe_aux_loss` values, if the model sows any
+    loss_vocab_chunk: int = 8192  # vocabulary chunk of the loss; the whole batch's logits never exist at once
+
+    # logging, evaluation, sampling
+    log_every: int = 50
+    eval_every: int = 500  # 0: only at the end
+    eval_windows: int | None = 256  # windows per periodic evaluation (None: the whole split)
+    eval_batch_size: int = 64
+    final_eval_windows: int | None = None  # the closing evaluation; None: the whole validation split
+    diagnostics: bool = True  # max |attention logit| at log steps (one extra forward pass)
+    peak_flops: float | None = None  # per-device peak FLOP/s for the MFU estimate; null: no MFU
+    progress: bool = True
+    tensorboard: bool = True  # when tensorboardX is installed
+    plot: bool = True  # loss-curve PNG at the end
+    samples: int = 3
+    sample_tokens: int = 200
+    sample_prompt: str = ""
+    sample_temperature: float = 0.8
+    sample_top_k: int | None = None
+    sample_top_p: float | None = 0.95
+
+    # checkpoints and robustness
+    checkpoint_every: int = 500  # 0: only at the end
+    keep_checkpoints: int = 3
+    async_checkpoints: bool = True
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir
+    max_nonfinite_steps: int = 5  # stop after this many non-finite steps in a row
+
+    def __post_init__(self):
+        if isinstance(self.no_decay, list):
+            object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batch_size",
+                     "keep_checkpoints", "max_nonfinite_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(name, value, "expected a positive integer")
+        for name in ("seed", "warmup_steps", "eval_every", "checkpoint_every", "samples", "sample_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                _fail(name, value, "expected a non-negative integer")
+        for name in ("eval_windows", "final_eval_windows", "sample_top_k"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                _fail(name, value, "expected a positive integer or null")
+        if self.batch_size % self.grad_accum:
+            _fail("grad_accum", self.grad_accum, f"must divide batch_size={self.batch_size}")
+        if self.schedule not in SCHEDULES:
+            _fail("schedule", self.schedule, f"expected one of {', '.join(SCHEDULES)}")
+        if not self.lr > 0:
+            _fail("lr", self.lr, "expected a positive learning rate")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            _fail("decay_fraction", self.decay_fraction, "expected a fraction in (0, 1]")
+        if self.warmup_steps >= self.steps and self.schedule != "constant":
+            _fail("warmup_steps", self.warmup_steps, f"must be below steps={self.steps}")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(name, getattr(self, name), "expected a decay rate in [0, 1)")
+        for name in ("eps", "weight_decay", "z_loss_weight", "moe_aux_weight"):
+            if not getattr(self, name) >= 0:
+                _fail(name, getattr(self, name), "expected a non-negative float")
+        unknown = set(self.no_decay) - set(NO_DECAY_GROUPS)
+        if unknown:
+            _fail("no_decay", list(self.no_decay), f"groups are {', '.join(NO_DECAY_GROUPS)}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            _fail("clip_norm", self.clip_norm, "expected a positive norm or null")
+        if self.loss_vocab_chunk <= 0:
+            _fail("loss_vocab_chunk", self.loss_vocab_chunk, "expected a positive integer")
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            _fail("peak_flops", self.peak_flops, "expected a positive FLOP/s figure or null")
+        if not self.sample_temperature >= 0:
+            _fail("sample_temperature", self.sample_temperature, "expected >= 0 (0: greedy)")
+        if self.sample_top_p is not None and not 0.0 < self.sample_top_p <= 1.0:
+            _fail("sample_top_p", self.sample_top_p, "expected a probability in (0, 1] or null")
+        if not self.output_dir:
+            _fail("output_dir", self.output_dir, "expected a directory")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> TrainConfig:
+        values = dict(values or {})
+        check_keys("train", values, [f.name for f in dataclasses.fields(cls)])
+        return cls(**_floats_from_strings(cls, values))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["no_decay"] = list(self.no_decay)
+        return out
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _floats_from_strings(cls, values: dict) -> dict:
+    """YAML 1.1 reads `1e-3` (no dot) as a string: take such values of float fields as floats."""
+    out = dict(values)
+    for f in dataclasses.fields(cls):
+        value = out.get(f.name)
+        if isinstance(value, str) and "float" in str(f.type):
+            try:
+                out[f.name] = float(value)
+            except ValueError:
+                raise ValueError(f"{cls.__name__}.{f.name}={value!r} is invalid: expected a number") from None
+    return out
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run: the model, how to train it, and its data. `model_dict` may hold
+    `vocab_size: auto` until the tokenizer is known (`with_vocab`)."""
+
+    model_dict: dict
+    train: TrainConfig
+    data: DataConfig
+
+    @property
+    def model(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.model_dict)
+
+    @property
+    def vocab_size(self) -> int | None:
+        value = self.model_dict.get("vocab_size", ModelConfig.vocab_size)
+        return None if value == "auto" else value
+
+    def with_vocab(self, vocab_size: int) -> RunConfig:
+        if self.vocab_size is not None:
+            return self
+        return dataclasses.replace(self, model_dict={**self.model_dict, "vocab_size": vocab_size})
+
+    def to_dict(self) -> dict:
+        model = self.model.to_dict() if self.vocab_size is not None else dict(self.model_dict)
+        return {"model": model, "train": self.train.to_dict(), "data": self.data.to_dict()}
+
+
+def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
+    """Validate every section; `model.vocab_size: auto` is checked once the tokenizer exists."""
+    _check_sections(raw, where)
+    model = dict(raw.get("model") or {})
+    if "model" not in raw:
+        raise ValueError(f"{where}: no `model:` section")
+    train = TrainConfig.from_dict(raw.get("train"))
+    data = DataConfig.from_dict(raw.get("data"))
+    if model.get("vocab_size") != "auto":
+        ModelConfig.from_dict(model)  # validate now
+    else:
+        ModelConfig.from_dict({**model, "vocab_size": 1})
+    return RunConfig(model, train, data)
+
+
+def _check_sections(raw: dict, where: str) -> None:
+    for key, value in raw.items():
+        if key not in SECTIONS:
+            import difflib
+
+            close = difflib.get_close_matches(str(key), SECTIONS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ValueError(f"{where}: unknown section {key!r}{hint} (sections: {', '.join(SECTIONS)})")
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{where}: section {key!r} must be a mapping, got {value!r}")
+
+
+def load_run_config(path, overrides: list[str] = ()) -> RunConfig:
+    """Read a run file (`model:`, `train:`, `data:`) and apply dotted overrides."""
+    return run_config_from_dict(load_config_file(path, overrides), str(path))

@@ -1,0 +1,319 @@
+"""The training loop: `train(run_config)`.
+
+    tokens -> grain iterator -> train_step (one jit, state donated) -> metrics at log steps
+                                                                   -> validation every eval_every
+                                                                   -> async Orbax save every checkpoint_every
+
+Per step the host only fetches the next (prefetched) batch and dispatches the compiled
+step; metrics stay on the device until a log step fetches them all at once. Compilation
+happens ahead of time, before the clock starts, and is reported on its own.
+
+The run resumes from the newest complete checkpoint in `output_dir` (params, optimiser
+state, step, RNG and the data iterator's position), so a resumed run computes exactly the
+steps the uninterrupted run would have. SIGTERM / SIGINT save a checkpoint and stop. A
+non-finite loss or gradient skips the update (the step function keeps the old state) and
+is logged; `max_nonfinite_steps` in a row stop the run with `TrainingDiverged`. A
+checkpoint is only written from finite parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import yaml
+
+from modern_jax.accounting import flops_per_token
+from modern_jax.data.corpora import load_splits
+from modern_jax.data.pipeline import eval_batches, train_iterator
+from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
+from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, Checkpointer
+from modern_jax.training.config import RunConfig
+from modern_jax.training.metrics import MetricsLog, Progress, plot_losses, read_metrics
+from modern_jax.training import step as step_module
+from modern_jax.training.step import Trainer, make_mesh
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite steps in a row."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    output_dir: pathlib.Path
+    step: int
+    history: list[dict]  # one dict of host floats per step run in this call
+    val_loss: float | None = None
+    val_bpb: float | None = None
+    tokens_per_s: float = 0.0
+    wall_s: float = 0.0  # the loop, evaluation included, compilation excluded
+    compile_s: float = 0.0
+    interrupted: bool = False
+    samples: list[str] = dataclasses.field(default_factory=list)
+
+
+class _StopSignal:
+    """SIGTERM / SIGINT set a flag the loop checks each step (a second SIGINT interrupts at once)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def evaluate_batches(trainer: Trainer, params, batches, token_bytes) -> dict:
+    """Loss (nats / token), bits per byte and token count over `batches` (one host fetch)."""
+    totals = None
+    for batch in batches:
+        sums = trainer.eval_step(params, trainer.put_batch(batch), token_bytes)
+        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+    if totals is None:
+        raise ValueError("nothing to evaluate: the split is empty")
+    totals = jax.device_get(totals)
+    ce, weight, n_bytes = float(totals["ce"]), float(totals["weight"]), float(totals["bytes"])
+    return {"loss": ce / max(weight, 1.0), "bpb": ce / math.log(2) / max(n_bytes, 1.0), "tokens": int(weight)}
+
+
+def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, meta: dict, log=print) -> bool:
+    """Save unless a parameter is NaN or infinite (no checkpoint is written from such a state)."""
+    if not trainer.all_finite(state["params"]):
+        log(f"step {meta['step']}: parameters are not finite; no checkpoint written")
+        return False
+    checkpointer.save(state, meta)
+    return True
+
+
+def _check_divisible(name: str, rows: int, mesh) -> None:
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if rows % shards or rows % jax.process_count():
+        raise ValueError(f"train.{name} gives {rows} rows, not divisible by the {shards} data shards "
+                         f"and {jax.process_count()} hosts")
+
+
+def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None):
+    """Tokenizer, splits and the run config with its vocabulary resolved."""
+    saved = resume_dir / TOKENIZER_FILE if resume_dir is not None else None
+    tokenizer = load_tokenizer(saved) if saved is not None and saved.exists() else None
+    tokenizer, train_stream, val_stream = load_splits(run.data, tokenizer, run.vocab_size)
+    run = run.with_vocab(tokenizer.vocab_size)
+    if tokenizer.vocab_size > run.model.vocab_size:
+        raise ValueError(f"model.vocab_size={run.model.vocab_size} is smaller than the {run.data.tokenizer} "
+                         f"tokenizer's {tokenizer.vocab_size} ids (use vocab_size: auto or raise it)")
+    return run, tokenizer, train_stream, val_stream
+
+
+def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None) -> TrainResult:
+    """Train (or resume) the run. `stop_after`: stop after this many steps in this call, saving
+    a checkpoint as a preemption would (the run resumes later with the same schedule)."""
+    tc = run.train
+    out_dir = pathlib.Path(tc.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh() if mesh is None else mesh
+    checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
+    try:
+        return _train(run, out_dir, mesh, checkpointer, log, stop_after)
+    finally:
+        checkpointer.wait()
+        checkpointer.close()
+
+
+def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log, stop_after) -> TrainResult:
+    tc = run.train
+    latest = checkpointer.latest_step()
+    if latest is not None and not tc.resume:
+        raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {latest}); "
+                         "set train.resume=true to continue, or choose another output_dir")
+    run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if latest is not None else None)
+    model_cfg = run.model
+    config_path = out_dir / CONFIG_FILE
+    if latest is not None and config_path.exists():
+        saved_model = yaml.safe_load(config_path.read_text()).get("model")
+        if saved_model != model_cfg.to_dict():
+            raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model: start a new "
+                             "train.output_dir or keep the model: section unchanged")
+    config_path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
+    tokenizer.save(out_dir)
+    _check_divisible("batch_size / grad_accum", tc.batch_size // tc.grad_accum, mesh)
+    _check_divisible("eval_batch_size", tc.eval_batch_size, mesh)
+
+    trainer = Trainer(model_cfg, tc, mesh)
+    if latest is not None:
+        state, meta = checkpointer.restore(trainer.abstract_state(), latest)
+        data_state, start = meta["data"], int(meta["step"])
+        log(f"resumed from {out_dir / CHECKPOINTS / str(latest)} at step {start}")
+    else:
+        state, data_state, start = trainer.init_state(tc.seed), None, 0
+
+    host, hosts = jax.process_index(), jax.process_count()
+    iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size, grad_accum=tc.grad_accum,
+                              seed=tc.seed, host_index=host, host_count=hosts, num_threads=run.data.num_threads,
+                              prefetch=run.data.prefetch, state=data_state)
+    token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
+    periodic_eval = list(eval_batches(val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
+                                      max_windows=tc.eval_windows, host_index=host, host_count=hosts))
+    probe = None
+    if tc.diagnostics:
+        from modern_jax.training.diagnostics import attention_logit_probe
+
+        probe = attention_logit_probe(model_cfg)
+
+    # compile everything before the clock starts; `data_state` is always the iterator's
+    # position for the step after the last one run (a pulled-ahead batch is not counted)
+    data_state = iterator.get_state()
+    next_batch = trainer.put_batch(next(iterator))
+    compile_s = trainer.compile(state, next_batch, trainer.put_batch(periodic_eval[0]), token_bytes)
+    if probe is not None:
+        t0 = time.perf_counter()
+        options = dict(step_module.COMPILER_OPTIONS) or None
+        probe = probe.lower(state["params"], jax.tree.map(lambda x: x[0], next_batch)).compile(compiler_options=options)
+        compile_s += time.perf_counter() - t0
+    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    log(f"model: {n_params:,} parameters | train {len(train_stream):,} tokens, validation {len(val_stream):,} "
+        f"tokens | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {compile_s:.1f}s")
+
+    flops = flops_per_token(model_cfg, tc.seq_len)["total"]
+    tokens_per_step = tc.batch_size * tc.seq_len
+    metrics_log = MetricsLog(out_dir, tensorboard=tc.tensorboard)
+    progress = Progress(tc.steps, start, enabled=tc.progress)
+    history: list[dict] = []
+    pending: list[tuple[int, dict]] = []
+    saved_step = latest
+    result = TrainResult(out_dir, start, history, compile_s=compile_s)
+
+    def save(step: int) -> None:
+        nonlocal saved_step  # (data_state is read from the enclosing scope at call time)
+        if saved_step != step and save_if_finite(checkpointer, trainer, state, {"step": step, "data": data_state},
+                                                 progress.message):
+            saved_step = step
+
+    def run_eval(step: int, batches, split="val") -> dict:
+        values = evaluate_batches(trainer, state["params"], batches, token_bytes)
+        metrics_log.write(step, split, values)
+        return values
+
+    loop_start = time.perf_counter()
+    interval_start, interval_tokens = loop_start, 0
+    step = start
+    try:
+        with _StopSignal() as stop:
+            while step < tc.steps:
+                batch, next_batch = next_batch, None
+                state, metrics = trainer.train_step(state, batch)
+                step += 1
+                interval_tokens += tokens_per_step
+                pending.append((step, metrics))
+                data_state = iterator.get_state()
+                if step < tc.steps:
+                    next_batch = trainer.put_batch(next(iterator))  # overlaps with the running step
+                if step % tc.log_every == 0 or step == tc.steps or stop.received or step - start == stop_after:
+                    now = time.perf_counter()
+                    rate = interval_tokens / max(now - interval_start, 1e-9)
+                    record = _log_step(pending, history, rate, flops, tc.peak_flops, mesh.size, progress)
+                    if probe is not None:
+                        record["max_attention_logit"] = float(probe(state["params"], jax.tree.map(lambda x: x[0], batch)))
+                    metrics_log.write(step, "train", record)
+                    progress.update(step, record["loss"], rate)
+                    pending.clear()
+                    if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
+                        raise TrainingDiverged(
+                            f"stopping at step {step}: {int(history[-1]['nonfinite_streak'])} non-finite steps in a "
+                            f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
+                            f"skipped; the newest checkpoint is step {saved_step}. Lower train.lr or check the data.")
+                    interval_start, interval_tokens = time.perf_counter(), 0
+                if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                    values = run_eval(step, periodic_eval)
+                    progress.message(f"step {step}: val_loss {values['loss']:.4f} | val_bpb {values['bpb']:.4f}")
+                if stop.received or (stop_after is not None and step - start >= stop_after and step < tc.steps):
+                    save(step)
+                    checkpointer.wait()
+                    name = signal.Signals(stop.received).name if stop.received else f"stop_after={stop_after}"
+                    progress.message(f"{name}: saved a checkpoint at step {step} and stopped")
+                    result.interrupted = True
+                    break
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+                    save(step)
+            if not result.interrupted:
+                final = run_eval(step, eval_batches(val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
+                                                    max_windows=tc.final_eval_windows, host_index=host,
+                                                    host_count=hosts))
+                result.val_loss, result.val_bpb = final["loss"], final["bpb"]
+                save(step)
+    finally:
+        progress.close()
+        metrics_log.close()
+    result.wall_s = time.perf_counter() - loop_start
+    result.step = step
+    result.tokens_per_s = (step - start) * tokens_per_step / max(result.wall_s, 1e-9)
+    checkpointer.wait()
+    if result.interrupted:
+        return result
+
+    if tc.samples:
+        from modern_jax.generate import sample_texts
+
+        prompt = tc.sample_prompt
+        try:
+            tokenizer.encode(prompt)
+        except ValueError as e:
+            log(f"train.sample_prompt={prompt!r} cannot be encoded ({e}); sampling from <bos>")
+            prompt = ""
+        result.samples = sample_texts(trainer.graphdef, state["params"], tokenizer, prompt, n=tc.samples,
+                                      max_new_tokens=tc.sample_tokens, seed=tc.seed,
+                                      temperature=tc.sample_temperature, top_k=tc.sample_top_k, top_p=tc.sample_top_p)
+        (out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
+    if tc.plot:
+        writer = plot_losses(read_metrics(out_dir / "metrics.jsonl"), out_dir / "loss.png")
+        if writer == "builtin":
+            log(f"loss curve: {out_dir / 'loss.png'} (matplotlib not installed: plain curves, no labels; "
+                "`uv sync --extra plot` for a labelled plot)")
+        else:
+            log(f"loss curve: {out_dir / 'loss.png'}")
+    return result
+
+
+def _log_step(pending, history, rate, flops, peak_flops, n_devices, progress) -> dict:
+    """Fetch the pending steps' metrics (one transfer), note skipped steps, and summarise."""
+    fetched = jax.device_get([m for _, m in pending])
+    rows = []
+    for (step, _), values in zip(pending, fetched):
+        row = {"step": step, **{k: float(v) for k, v in values.items()}}
+        if not row["finite"]:
+            progress.message(f"step {step}: non-finite loss or gradient (loss {row['loss']}, grad norm "
+                             f"{row['grad_norm']}); update skipped")
+        rows.append(row)
+    history.extend(rows)
+    finite_rows = [r for r in rows if r["finite"]] or rows
+    record = {
+        "loss": float(np.mean([r["loss"] for r in finite_rows])),
+        "z_loss": float(np.mean([r["z_loss"] for r in finite_rows])),
+        "grad_norm": rows[-1]["grad_norm"],
+        "lr": rows[-1]["lr"],
+        "max_output_logit": max(r["max_abs_logit"] for r in rows),
+        "skipped_steps": sum(1 for r in rows if not r["finite"]),
+        "tokens_per_s": rate,
+        "model_flops_per_s": rate * flops,
+    }
+    if any(r["moe_aux_loss"] for r in rows):
+        record["moe_aux_loss"] = float(np.mean([r["moe_aux_loss"] for r in rows]))
+    if peak_flops:
+        record["mfu"] = rate * flops / (peak_flops * n_devices)
+    return record

@@ -1,0 +1,59 @@
+"""AdamW with global-norm clipping, a warmup + cosine / WSD / constant schedule and a
+weight-decay mask (by default no decay on embeddings, norms and biases)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from modern_jax.training.config import TrainConfig
+
+
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup to `lr`, then cosine to `lr * min_lr_ratio`, or WSD: flat until the last
+    `decay_fraction` of the steps, then linear down to `lr * min_lr_ratio`."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        warmup = optax.linear_schedule(0.0, peak, max(cfg.warmup_steps, 1))
+        return optax.join_schedules([warmup, optax.constant_schedule(peak)], [cfg.warmup_steps])
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, cfg.warmup_steps, cfg.steps, end_value=floor)
+    decay_steps = max(1, int(round(cfg.steps * cfg.decay_fraction)))
+    stable_steps = max(0, cfg.steps - cfg.warmup_steps - decay_steps)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, max(cfg.warmup_steps, 1)),
+         optax.constant_schedule(peak),
+         optax.linear_schedule(peak, floor, decay_steps)],
+        [cfg.warmup_steps, cfg.warmup_steps + stable_steps])
+
+
+def parameter_group(path: tuple) -> str:
+    """`embedding`, `norm`, `bias` or `weight`, from a parameter's path in the model."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    leaf = names[-1]
+    if leaf in ("embed_tokens", "embed_positions"):
+        return "embedding"
+    if leaf == "bias" or leaf == "sinks":
+        return "bias"
+    if any("norm" in n for n in names):
+        return "norm"
+    return "weight"
+
+
+def decay_mask(params, no_decay: tuple[str, ...]):
+    """True where weight decay applies."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: parameter_group(path) not in no_decay, params)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = learning_rate_schedule(cfg)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        mask=lambda params: decay_mask(params, cfg.no_decay))
+    if cfg.clip_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+
+
+def global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))

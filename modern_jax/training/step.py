@@ -1,0 +1,250 @@
+"""The jitted training and evaluation steps, placed on a device mesh.
+
+The train state is a plain pytree of arrays:
+
+    params     the model's parameters as a pure dict (`nnx.to_pure_dict`), float32 masters
+    opt_state  optax's state over the same tree
+    step       int32, optimiser steps taken (skipped non-finite steps included)
+    rng        uint32[2], the run's base key; step `s` uses `fold_in(rng, s)`
+    nonfinite  int32, non-finite steps in a row
+
+`train_step(state, batch) -> (state, metrics)` is one `jax.jit` of a pure function with the
+state donated; batch and state carry `NamedSharding`s on a mesh with axes
+`('data', 'fsdp', 'tensor')` (1 x 1 x 1 on one CPU). Parameter shardings come from each
+parameter's logical axes through `LOGICAL_RULES` (`param_shardings`), so the sharding
+layer only has to supply rules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from modern_jax.config import ModelConfig
+from modern_jax.model import Transformer
+from modern_jax.sharding import logical_to_spec
+from modern_jax.training.config import TrainConfig
+from modern_jax.training.loss import model_loss_sums
+from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+# Logical axis -> mesh axes. Empty: every parameter replicated (one device, or pure data
+# parallelism); the sharding layer fills this table.
+LOGICAL_RULES: tuple = ()
+
+
+def make_mesh(devices=None) -> Mesh:
+    """All `devices` (default: every device) on the `data` axis."""
+    devices = jax.devices() if devices is None else list(devices)
+    return Mesh(np.asarray(devices).reshape(len(devices), 1, 1), MESH_AXES)
+
+
+def param_shardings(mesh: Mesh, abstract_params, rules=LOGICAL_RULES):
+    """A `NamedSharding` per parameter, from its logical axes (`out_sharding`) and `rules`."""
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_spec(spec, rules)), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))  # [A, B, T]
+
+
+def abstract_model(cfg: ModelConfig):
+    """The model's graph and its parameters as ShapeDtypeStructs (no memory, no init)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+# Train-config fields the compiled step depends on (the rest is logging and bookkeeping).
+STEP_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction", "b1", "b2", "eps",
+               "weight_decay", "no_decay", "clip_norm", "z_loss_weight", "moe_aux_weight", "loss_vocab_chunk")
+# XLA options for the compiled steps, e.g. {"xla_backend_optimization_level": 0} for quick
+# compiles in tests. Initialisation always compiles at level 0: it runs once.
+COMPILER_OPTIONS: dict = {}
+_EXECUTABLES: dict = {}  # compiled steps shared by Trainers of equal configs, mesh and shapes
+
+
+class Trainer:
+    """Builds, places and compiles the steps of one (model, train config, mesh).
+
+    Steps compile ahead of time on first use (or `compile()`); the executables are shared
+    by every Trainer with the same model config, step-relevant train fields and mesh.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=LOGICAL_RULES):
+        self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
+        self.key = (model_cfg, tuple(getattr(train_cfg, f) for f in STEP_FIELDS), mesh, tuple(rules))
+        self.graphdef, abstract_params = abstract_model(model_cfg)
+        self.tx = make_optimizer(train_cfg)
+        self.schedule = learning_rate_schedule(train_cfg)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        params_sh = param_shardings(mesh, abstract_params, rules)
+        abstract_pure = nnx.to_pure_dict(abstract_params)
+        opt_abstract = jax.eval_shape(self.tx.init, abstract_pure)
+        opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, params_sh,
+                                       transform_non_params=lambda _: replicated)
+        self.state_shardings = {"params": params_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated,
+                                "nonfinite": replicated}
+        self.batch_sharding = batch_sharding(mesh)
+        self.replicated = replicated
+        self.uses_dropout = model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0
+        self._jitted = {
+            "init": jax.jit(self._init, out_shardings=self.state_shardings),
+            "train": jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
+                             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)),
+            "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batch_sharding, replicated),
+                            out_shardings=replicated),
+            "finite": jax.jit(lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))),
+        }
+        self._executables: dict = {}
+
+    def _executable(self, name: str, *args):
+        """The compiled `name` for these argument shapes (compiled once per process)."""
+        leaves, treedef = jax.tree.flatten(args)
+        signature = (treedef, tuple((x.shape, jnp.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves))
+        options = {"xla_backend_optimization_level": 0} if name == "init" else COMPILER_OPTIONS
+        key = (name, self.key, signature, tuple(sorted(options.items())))
+        if key not in _EXECUTABLES:
+            _EXECUTABLES[key] = self._jitted[name].lower(*args).compile(compiler_options=dict(options) or None)
+        return _EXECUTABLES[key]
+
+    def _run(self, name: str, *args):
+        executable = self._executables.get(name)
+        if executable is None:
+            executable = self._executables[name] = self._executable(name, *args)
+        return executable(*args)
+
+    # ----- state ---------------------------------------------------------------
+
+    def _init(self, key_data):
+        key = jax.random.wrap_key_data(key_data)
+        model = Transformer(self.model_cfg, rngs=nnx.Rngs(key))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": key_data, "nonfinite": jnp.zeros((), jnp.int32)}
+
+    def init_state(self, seed: int) -> dict:
+        """Fresh parameters and optimiser state, created directly with their shardings."""
+        return self._run("init", jax.random.key_data(jax.random.key(seed)))
+
+    def abstract_state(self) -> dict:
+        """ShapeDtypeStructs (with shardings) of the train state, to restore a checkpoint into."""
+        shapes = jax.eval_shape(self._init, jax.random.key_data(jax.random.key(0)))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                            self.state_shardings)
+
+    def put_batch(self, batch: dict) -> dict:
+        """This host's rows as global arrays on the mesh (multi-host ready)."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+    def model(self, params) -> Transformer:
+        return nnx.merge(self.graphdef, params)
+
+    def all_finite(self, tree) -> bool:
+        return bool(self._jitted["finite"](tree))
+
+    # ----- steps ---------------------------------------------------------------
+
+    def _loss(self, params, batch, rng):
+        model = self.model(params)
+        sums = model_loss_sums(model, batch, chunk=self.cfg.loss_vocab_chunk,
+                               dropout_rng=rng if self.uses_dropout else None)
+        aux = jnp.zeros((), jnp.float32)
+        if self.cfg.moe_aux_weight:  # the hook: a model sows `moe_aux_loss` values (nnx.Intermediate)
+            sown = nnx.pop(model, nnx.Intermediate)
+            aux = sum((jnp.sum(v) for p, v in nnx.to_flat_state(sown) if "moe_aux_loss" in map(str, p)),
+                      jnp.zeros((), jnp.float32))
+        return sums, aux
+
+    def _step(self, state, batch):
+        cfg = self.cfg
+        params = state["params"]
+        denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)  # the loss is a mean over all real targets
+        step_rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+
+        def objective(params, micro, rng):
+            sums, aux = self._loss(params, micro, rng)
+            loss = (sums["ce"] + cfg.z_loss_weight * sums["z_loss"]) / denom + cfg.moe_aux_weight * aux
+            return loss, (sums, aux)
+
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
+        n_micro = batch["inputs"].shape[0]
+        if n_micro == 1:
+            (loss, (sums, aux)), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), step_rng)
+        else:  # gradient accumulation: the micro-batches' gradients add up to the full batch's
+            zero = jnp.zeros((), jnp.float32)
+            init = (zero, {"ce": zero, "z_loss": zero, "weight": zero, "max_abs_logit": zero}, zero,
+                    jax.tree.map(jnp.zeros_like, params))
+
+            def micro_step(carry, xs):
+                micro, i = xs
+                return _accumulate(carry, grad_fn(params, micro, jax.random.fold_in(step_rng, i)), n_micro), None
+
+            (loss, sums, aux, grads), _ = jax.lax.scan(micro_step, init, (batch, jnp.arange(n_micro)))
+
+        grad_norm = global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = self.tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731  a non-finite step changes nothing
+        new_state = {
+            "params": jax.tree.map(keep, new_params, params),
+            "opt_state": jax.tree.map(keep, new_opt_state, state["opt_state"]),
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+            "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
+        }
+        metrics = {
+            "loss": sums["ce"] / denom,
+            "z_loss": sums["z_loss"] / denom,
+            "moe_aux_loss": aux,
+            "grad_norm": grad_norm,
+            "lr": self.schedule(state["step"]),
+            "max_abs_logit": sums["max_abs_logit"],
+            "finite": finite,
+            "nonfinite_streak": new_state["nonfinite"],
+        }
+        return new_state, metrics
+
+    def train_step(self, state, batch):
+        """`(state, batch [A, B, T] arrays) -> (new state, metrics)`; `state` is donated."""
+        return self._run("train", state, batch)
+
+    def _eval(self, params, batch, token_bytes):
+        micro = jax.tree.map(lambda x: x[0], batch)
+        sums = model_loss_sums(self.model(params), micro, chunk=self.cfg.loss_vocab_chunk)
+        n_bytes = jnp.sum(token_bytes[micro["targets"]] * micro["weights"])
+        return {"ce": sums["ce"], "weight": sums["weight"], "bytes": n_bytes}
+
+    def eval_step(self, params, batch, token_bytes):
+        """Sums of cross-entropy, target weight and target bytes over one batch."""
+        return self._run("eval", params, batch, token_bytes)
+
+    def compile(self, state, batch: dict, eval_batch: dict | None = None, token_bytes=None) -> float:
+        """Compile the steps for these shapes now (returns seconds), so timing excludes it."""
+        import time
+
+        start = time.perf_counter()
+        self._executables["train"] = self._executable("train", state, batch)
+        if eval_batch is not None:
+            self._executables["eval"] = self._executable("eval", state["params"], eval_batch, token_bytes)
+        return time.perf_counter() - start
+
+
+def _accumulate(carry, result, n_micro):
+    """Add one micro-batch's loss, sums and gradients (max |logit| takes the max)."""
+    (loss, (sums, aux)), grads = result
+    c_loss, c_sums, c_aux, c_grads = carry
+    new_sums = {k: (jnp.maximum if k == "max_abs_logit" else jnp.add)(c_sums[k], sums[k]) for k in c_sums}
+    return c_loss + loss, new_sums, c_aux + aux / n_micro, jax.tree.map(jnp.add, c_grads, grads)
+
+
+__all__ = ["LOGICAL_RULES", "MESH_AXES", "Trainer", "abstract_model", "batch_sharding", "make_mesh",
+           "param_shardings"]

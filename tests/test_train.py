@@ -1,0 +1,312 @@
+"""Training: the loss against a naive reference, overfitting, exact resume, a hard kill while
+saving, the non-finite guard, and the CLI's errors."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from modern_jax.cli import main
+from modern_jax.config import ModelConfig
+from modern_jax.model import Transformer
+from modern_jax.training import TrainConfig, Trainer, TrainingDiverged, make_mesh, run_config_from_dict, train
+from modern_jax.training.checkpoint import Checkpointer
+from modern_jax.training.loop import save_if_finite
+from modern_jax.training.loss import loss_sums, model_loss_sums, output_head
+from modern_jax.training.optimizer import decay_mask, learning_rate_schedule
+
+import modern_jax.training.step as step_module
+
+REPO = pathlib.Path(__file__).parent.parent
+QUICK = "--xla_backend_optimization_level=0"
+
+
+@pytest.fixture(autouse=True)
+def quick_compiles(monkeypatch):
+    """Unoptimised XLA code: these models are tiny, and compiling is most of a test's time."""
+    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+
+
+def one_device():
+    return make_mesh(jax.devices()[:1])
+TINY_MODEL = {"vocab_size": "auto", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
+              "max_position_embeddings": 32, "qk_norm": "head"}
+
+
+def naive_loss(z_BTV, targets_BT, weights_BT):
+    z = np.asarray(z_BTV, np.float64)
+    lse = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
+    z_target = np.take_along_axis(z, np.asarray(targets_BT)[..., None], -1)[..., 0]
+    w = np.asarray(weights_BT, np.float64)
+    return np.sum(w * (lse - z_target)), np.sum(w * lse**2), np.abs(z).max()
+
+
+@pytest.mark.parametrize("chunk", [64, 16, 7])  # one chunk; four; a last chunk running past V
+@pytest.mark.parametrize("softcap, bias", [(None, False), (5.0, True)])
+def test_loss_matches_naive_reference_and_chunks_agree(chunk, softcap, bias):
+    rng = np.random.default_rng(0)
+    B, T, D, V = 2, 5, 8, 50
+    h = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(V, D)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(V,)), jnp.float32) if bias else None
+    targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    weights = jnp.asarray(rng.random((B, T)) > 0.3, jnp.float32)
+    sums = loss_sums(h, w, b, targets, weights, softcap=softcap, chunk=chunk)
+    z = np.einsum("btd,vd->btv", h, w) + (0 if b is None else np.asarray(b))
+    if softcap:
+        z = softcap * np.tanh(z / softcap)
+    ce, zl, max_abs = naive_loss(z, targets, weights)
+    np.testing.assert_allclose(sums["ce"], ce, rtol=1e-5)
+    np.testing.assert_allclose(sums["z_loss"], zl, rtol=1e-5)
+    np.testing.assert_allclose(sums["max_abs_logit"], max_abs, rtol=1e-5)
+    assert sums["weight"] == weights.sum()
+
+    def objective(h, w, chunk):
+        s = loss_sums(h, w, b, targets, weights, softcap=softcap, chunk=chunk)
+        return s["ce"] + 1e-2 * s["z_loss"]
+
+    g_chunked = jax.grad(objective, argnums=(0, 1))(h, w, chunk)
+    g_whole = jax.grad(objective, argnums=(0, 1))(h, w, V)
+    for a, c in zip(g_chunked, g_whole):
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
+
+
+def test_padding_is_masked():
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(1, 6, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(20, 8)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 20, (1, 6)), jnp.int32)
+    weights = jnp.asarray([[1, 1, 1, 1, 0, 0]], jnp.float32)
+    full = loss_sums(h, w, None, targets, weights, chunk=8)
+    other = loss_sums(h, w, None, targets.at[0, 4:].set(3), weights, chunk=8)  # padding targets change
+    cut = loss_sums(h[:, :4], w, None, targets[:, :4], weights[:, :4], chunk=8)
+    for k in ("ce", "z_loss", "weight"):
+        assert full[k] == pytest.approx(float(other[k])) == pytest.approx(float(cut[k]))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_model_loss_equals_cross_entropy_of_the_model_logits(tie):
+    cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, tie_embeddings=tie, head_bias=not tie,
+                      final_softcap=None if tie else 3.0)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(2)
+    batch = {"inputs": jnp.asarray(rng.integers(0, 40, (2, 8)), jnp.int32),
+             "targets": jnp.asarray(rng.integers(0, 40, (2, 8)), jnp.int32),
+             "positions": jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1)),
+             "segment_ids": jnp.ones((2, 8), jnp.int32), "weights": jnp.ones((2, 8), jnp.float32)}
+    sums = nnx.jit(lambda model, batch: model_loss_sums(model, batch, chunk=16))(model, batch)
+    logits = nnx.jit(lambda model, tokens: model(tokens))(model, batch["inputs"])
+    expected = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).sum()
+    np.testing.assert_allclose(sums["ce"], expected, rtol=1e-5)
+    assert output_head(model)[0].shape == (40, 16)
+
+
+def test_weight_decay_mask_and_schedules():
+    cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, qk_norm="head", qkv_bias=True)
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param))
+    flat = {"/".join(str(getattr(k, "key", k)) for k in p): m for p, m in
+            jax.tree_util.tree_flatten_with_path(decay_mask(params, ("embedding", "norm", "bias")))[0]}
+    decayed = {k for k, m in flat.items() if m}
+    assert decayed and all(k.endswith("kernel") for k in decayed)
+    assert not flat["embed_tokens"] and not flat["norm/weight"]
+    assert not any(m for k, m in flat.items() if "q_norm" in k or k.endswith("bias"))
+    for schedule in ("cosine", "wsd"):
+        lr = learning_rate_schedule(TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1,
+                                                schedule=schedule, decay_fraction=0.2))
+        assert float(lr(0)) == 0.0 and float(lr(10)) == pytest.approx(1.0) and float(lr(100)) == pytest.approx(0.1)
+        if schedule == "wsd":
+            assert float(lr(79)) == pytest.approx(1.0) and 0.1 < float(lr(90)) < 1.0
+
+
+def _batch(rng, A, B, T, V):
+    tokens = rng.integers(0, V, (A, B, T + 1))
+    return {"inputs": tokens[..., :-1].astype(np.int32), "targets": tokens[..., 1:].astype(np.int32),
+            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (A, B, T)).copy(),
+            "segment_ids": np.ones((A, B, T), np.int32), "weights": np.ones((A, B, T), np.float32)}
+
+
+def test_tiny_model_overfits_one_batch():
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    tc = TrainConfig(steps=80, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=5, weight_decay=0.0)
+    trainer = Trainer(cfg, tc, one_device())
+    state = trainer.init_state(0)
+    batch = trainer.put_batch(_batch(np.random.default_rng(0), 1, 4, 16, 32))
+    losses = []
+    for _ in range(tc.steps):
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[0] > 3.0  # ~ln 32 at init
+    assert losses[-1] < 0.2, losses[-10:]  # 64 random tokens memorised
+
+
+def test_gradient_accumulation_equals_the_full_batch_and_nonfinite_steps_are_skipped():
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    mesh = one_device()
+    data = _batch(np.random.default_rng(3), 1, 4, 8, 32)
+    results = []
+    for accum in (1, 2):
+        trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=8, grad_accum=accum, warmup_steps=0), mesh)
+        batch = {k: v.reshape(accum, 4 // accum, 8) for k, v in data.items()}
+        results.append(trainer.train_step(trainer.init_state(0), trainer.put_batch(batch)))
+    (s1, m1), (s2, m2) = results
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=8, warmup_steps=0), mesh)
+    state = trainer.init_state(0)
+    before = jax.tree.map(np.asarray, state["params"])
+    bad = dict(data, weights=np.full_like(data["weights"], np.nan))
+    state, metrics = trainer.train_step(state, trainer.put_batch(bad))
+    assert not bool(metrics["finite"]) and int(state["nonfinite"]) == 1 and int(state["step"]) == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])):
+        np.testing.assert_array_equal(a, b)  # the update was skipped
+    state, metrics = trainer.train_step(state, trainer.put_batch(data))
+    assert bool(metrics["finite"]) and int(state["nonfinite"]) == 0
+
+
+def _tiny_run(tmp_path, **train):
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        rng = np.random.default_rng(0)
+        words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "\n"]
+        corpus.write_text(" ".join(rng.choice(words, 4000)))
+    settings = {"steps": 8, "batch_size": 4, "seq_len": 16, "warmup_steps": 2, "log_every": 1, "eval_every": 4,
+                "eval_windows": 8, "eval_batch_size": 4, "final_eval_windows": 8, "checkpoint_every": 4,
+                "samples": 1, "sample_tokens": 8, "progress": False, "plot": False, "async_checkpoints": True,
+                "output_dir": str(tmp_path / "run"), **train}
+    return run_config_from_dict({"model": TINY_MODEL, "train": settings,
+                                 "data": {"path": str(corpus), "tokenizer": "char"}})
+
+
+def test_resume_is_exact(tmp_path):
+    """8 steps straight vs 4, stop, resume for 4: the same losses bit for bit (tolerance 0) on
+    the same batches (the data iterator's position is in the checkpoint)."""
+    quiet = {"mesh": one_device(), "log": lambda *_: None}
+    straight = train(_tiny_run(tmp_path, output_dir=str(tmp_path / "a")), **quiet)
+    first = train(_tiny_run(tmp_path, output_dir=str(tmp_path / "b")), stop_after=4, **quiet)
+    assert first.interrupted and first.step == 4
+    meta = json.loads((tmp_path / "b/checkpoints/4/meta/metadata").read_text())
+    assert meta["step"] == 4 and meta["data"]["next_index"] == 4
+    second = train(_tiny_run(tmp_path, output_dir=str(tmp_path / "b")), **quiet)
+    losses = [h["loss"] for h in straight.history]
+    resumed = [h["loss"] for h in first.history + second.history]
+    assert [h["step"] for h in first.history + second.history] == list(range(1, 9))
+    assert resumed == losses
+    assert second.val_loss == straight.val_loss
+    assert (tmp_path / "b/metrics.jsonl").exists() and (tmp_path / "b/samples.txt").exists()
+
+
+def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    run = _tiny_run(tmp_path, steps=400, checkpoint_every=3, eval_every=0, log_every=50, samples=0)
+    config = tmp_path / "run.yaml"
+    import yaml
+
+    config.write_text(yaml.safe_dump(run.to_dict()))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK)
+    proc = subprocess.Popen([sys.executable, "-m", "modern_jax.cli", "train", "--config", str(config)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    deadline, killed_during_save = time.monotonic() + 120, False
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            names = [p.name for p in checkpoints.iterdir()] if checkpoints.exists() else []
+            complete = [n for n in names if n.isdigit()]
+            if complete and any("tmp" in n for n in names):  # a save is in flight
+                proc.send_signal(signal.SIGKILL)
+                killed_during_save = True
+                break
+            time.sleep(0.002)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert killed_during_save, "never caught a save in flight"
+    complete = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert complete, "no complete checkpoint before the kill"
+    messages = []
+    result = train(_tiny_run(tmp_path, steps=complete[-1] + 2, checkpoint_every=3, eval_every=0, samples=0),
+                   mesh=one_device(), log=messages.append)
+    assert any(f"at step {complete[-1]}" in m for m in messages), messages
+    assert result.step == complete[-1] + 2 and result.history[0]["step"] == complete[-1] + 1
+    assert not any("tmp" in p.name for p in checkpoints.iterdir())
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    import modern_jax.training.step as step_module
+
+    original = step_module.model_loss_sums
+    monkeypatch.setattr(step_module, "_EXECUTABLES", {})  # compile the patched loss, not a cached step
+    monkeypatch.setattr(step_module, "model_loss_sums",
+                        lambda *a, **k: dict(original(*a, **k), ce=jnp.float32(np.nan)))
+    with pytest.raises(TrainingDiverged, match="3 non-finite steps in a row"):
+        train(_tiny_run(tmp_path, max_nonfinite_steps=3, samples=0), mesh=one_device(), log=lambda *_: None)
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in records] == [1, 1, 1]
+
+
+def test_checkpoint_is_not_written_from_nonfinite_parameters(tmp_path):
+    cfg = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, d_ff=16)
+    trainer = Trainer(cfg, TrainConfig(batch_size=2, seq_len=4, warmup_steps=0), one_device())
+    state = trainer.init_state(0)
+    assert trainer.all_finite(state["params"])
+    ckpt = Checkpointer(tmp_path / "c", async_save=False)
+    assert save_if_finite(ckpt, trainer, state, {"step": 1, "data": {}}, log=lambda *_: None)
+    state["params"]["embed_tokens"] = state["params"]["embed_tokens"].at[0, 0].set(jnp.inf)
+    messages = []
+    assert not save_if_finite(ckpt, trainer, state, {"step": 2, "data": {}}, log=messages.append)
+    assert ckpt.latest_step() == 1 and "not finite" in messages[0]
+    ckpt.close()
+
+
+def test_cli_train_evaluate_generate(tmp_path, capsys):
+    run = _tiny_run(tmp_path, steps=4, eval_every=0, checkpoint_every=0, batch_size=8, eval_batch_size=8)
+    overrides = [f"model.{k}={v}" for k, v in TINY_MODEL.items()]
+    keys = ("steps", "batch_size", "seq_len", "warmup_steps", "eval_every", "eval_windows", "eval_batch_size",
+            "final_eval_windows", "checkpoint_every", "sample_tokens", "progress", "plot", "output_dir")
+    overrides += [f"train.{k}={json.dumps(getattr(run.train, k))}" for k in keys] + ["train.lr=3e-3"]
+    code = main(["train", "--config", str(REPO / "configs/tiny.yaml"), "--data", str(tmp_path / "corpus.txt"),
+                 "data.tokenizer=char", *overrides])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, captured.err
+    lines = out.splitlines()
+    assert any(line.startswith("val_loss: ") for line in lines)
+    assert any(line.startswith("tokens_per_s: ") for line in lines)
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--max-windows", "8"]) == 0
+    assert "bits_per_byte: " in capsys.readouterr().out
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run/checkpoints/4"), "--data",
+                 str(tmp_path / "corpus.txt"), "--max-windows", "4"]) == 0
+    assert "loss: " in capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "alpha", "--greedy",
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("alpha")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "train.steps"], "bad override 'train.steps'"),
+    (["train", "train.stpes=3"], "unknown key train.stpes; did you mean steps"),
+    (["train", "trian.steps=3"], "unknown section 'trian'; did you mean train"),
+    (["train", "train.steps=-1"], "TrainConfig.steps=-1 is invalid"),
+    (["train", "train.lr=fast"], "TrainConfig.lr='fast' is invalid: expected a number"),
+    (["train", "--data", "/no/such/file.txt", "train.output_dir=x"], "data.path='/no/such/file.txt' does not exist"),
+    (["train", "data.source=text"], "DataConfig.path=None is invalid"),
+    (["train", "--config", "/no/such.yaml"], "config file '/no/such.yaml' does not exist"),
+    (["evaluate", "--checkpoint", "/no/such/dir"], "is not a directory"),
+])
+def test_cli_errors_are_clear(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
