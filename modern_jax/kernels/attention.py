@@ -20,6 +20,9 @@ segment ids unless said otherwise:
 | pallas_tpu  | flash attention kernels, Mosaic (`flash_tpu.py`)       | TPU, or interpret  |
 | cudnn       | `jax.nn.dot_product_attention(implementation="cudnn")` | GPU; no sinks, no soft-cap, H == V, bf16/fp16 |
 
+`cudnn` gets the position mask as a dense `[B, 1, T, S]` array (cuDNN's own causal and
+window masks count indices, not positions), so it is there for comparison, not a default.
+
 `default` resolves by platform to the first implementation that can run the call:
 GPU `pallas_gpu`, TPU `pallas_tpu`, CPU `chunked`, then `chunked`, then `reference`.
 An explicit choice that cannot run the call raises `UnsupportedFeatureError` naming
