@@ -407,3 +407,36 @@ def test_loads_sharded_onto_a_mesh():
     assert np.max(np.abs(logits - ref["logits"])) <= LOGIT_TOL
     with pytest.raises(ValueError, match="not divisible"):  # 4 query heads over 8 tensor devices
         from_hf(FIXTURES / "llama", mesh=mesh(1, 1, 8))
+
+
+def test_converted_checkpoint_is_what_the_trainer_loads(tmp_path):
+    try:
+        from modern_jax.training.checkpoint import load_params
+    except ImportError:
+        pytest.skip("no modern_jax.training")
+    convert_from_hf(FIXTURES / "qwen3", tmp_path / "ckpt")
+    cfg, params, _, _ = load_params(tmp_path / "ckpt")
+    want_cfg, model = load_checkpoint(tmp_path / "ckpt")
+    assert cfg == want_cfg
+    want = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for (path, got), (_, value) in zip(jax.tree_util.tree_leaves_with_path(params),
+                                       jax.tree_util.tree_leaves_with_path(want)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(value), err_msg=str(path))
+
+
+def test_a_training_run_converts_to_hf(tmp_path):
+    """A run directory (config.yaml with model:, checkpoints/<step>/params/) goes to Hugging Face too."""
+    import yaml
+
+    from modern_jax.convert import save_checkpoint
+
+    _, model = from_hf(FIXTURES / "llama")
+    save_checkpoint(model, tmp_path / "run" / "checkpoints" / "7")
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"model": model.cfg.to_dict(), "train": {}}))
+    with pytest.raises(ValueError, match="name the model_type"):
+        convert_to_hf(tmp_path / "run", tmp_path / "hf")
+    convert_to_hf(tmp_path / "run", tmp_path / "hf", model_type="llama")
+    original, written = hf_tensors(FIXTURES / "llama"), hf_tensors(tmp_path / "hf")
+    assert sorted(written) == sorted(original)
+    for key in original:
+        np.testing.assert_array_equal(written[key], original[key], err_msg=key)

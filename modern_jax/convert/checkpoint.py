@@ -3,12 +3,12 @@
 A converted checkpoint directory holds:
 
     config.yaml      the ModelConfig (`yaml.safe_dump(cfg.to_dict())`)
-    params/          nnx.state(model, nnx.Param), saved by Orbax's StandardCheckpointer
+    params/          nnx.state(model, nnx.Param) as a pure dict, saved by Orbax's StandardCheckpointer
     hf/              when converted from Hugging Face: its config.json and tokenizer files,
                      so that converting back writes the same family, token ids and tokenizer
 
-The trainer can resume or fine-tune from it: build the abstract model from config.yaml
-and restore params/ into it (`load_checkpoint`).
+the layout `modern_jax.training.checkpoint.load_params` reads, so the trainer can
+fine-tune from it; `load_checkpoint` returns the model itself.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
@@ -37,27 +38,31 @@ CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept in confi
 
 
 def save_checkpoint(model: Transformer, out: str | os.PathLike) -> Path:
-    """Save `model` as config.yaml + params/ (Orbax) under `out`."""
+    """Save `model` as config.yaml + params/ (Orbax, the parameters as a pure dict) under `out`."""
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG).write_text(yaml.safe_dump(model.cfg.to_dict(), sort_keys=False))
     if (out / PARAMS).exists():
         shutil.rmtree(out / PARAMS)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out / PARAMS, nnx.state(model, nnx.Param))
-    checkpointer.wait_until_finished()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(out / PARAMS, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        checkpointer.wait_until_finished()
     return out
 
 
 def load_checkpoint(ckpt: str | os.PathLike, **overrides: Any) -> tuple[ModelConfig, Transformer]:
-    """`(config, model)` from a directory written by `save_checkpoint` (params restored in their saved dtype)."""
-    ckpt = Path(ckpt).absolute()
-    if not (ckpt / CONFIG).is_file() or not (ckpt / PARAMS).is_dir():
-        raise FileNotFoundError(f"{ckpt}: expected {CONFIG} and {PARAMS}/ (a modern_jax checkpoint)")
-    cfg = ModelConfig.from_dict({**yaml.safe_load((ckpt / CONFIG).read_text()), **overrides})
+    """`(config, model)` from a converted checkpoint, a training run directory (its newest
+    step) or one step directory; parameters come back in their saved dtype."""
+    from modern_jax.training.checkpoint import read_config, resolve_checkpoint
+
+    params_dir, config_path = resolve_checkpoint(ckpt)
+    cfg = ModelConfig.from_dict({**read_config(config_path)["model"], **overrides})
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    params = ocp.StandardCheckpointer().restore(ckpt / PARAMS, params)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), nnx.to_pure_dict(params))
+    with ocp.StandardCheckpointer() as checkpointer:
+        nnx.replace_by_pure_dict(params, checkpointer.restore(params_dir, target))
     return cfg, nnx.merge(graphdef, params, rest)
 
 
@@ -75,7 +80,7 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str =
 
 def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: str | None = None,
                   dtype: str | None = None) -> list[str]:
-    """Our checkpoint `ckpt` -> a Hugging Face model directory `out` that transformers loads.
+    """Our checkpoint `ckpt` (converted, or a training run) -> a Hugging Face model directory `out`.
 
     `model_type` defaults to the family the checkpoint was converted from (hf/config.json);
     a model trained here needs it named. Token ids and tokenizer files come along when known.
