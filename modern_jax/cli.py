@@ -96,14 +96,23 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _checkpoint_tokenizer(run_dir):
+    """The run's tokenizer.json, a converted checkpoint's hf/tokenizer.json, else bytes."""
+    from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+
+    for path in (run_dir / TOKENIZER_FILE, run_dir / "hf" / TOKENIZER_FILE):
+        if path.exists():
+            return load_tokenizer(path)
+    print(f"no {TOKENIZER_FILE} in {run_dir}: using the byte tokenizer", file=sys.stderr)
+    return ByteTokenizer()
+
+
 def _checkpoint_data(args, raw: dict, run_dir):
     """The tokenizer and the token stream to evaluate: a split of the run's data, or a file."""
     from modern_jax.data.config import DataConfig
     from modern_jax.data.corpora import TokenStream, load_splits, text_documents
-    from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 
-    saved = run_dir / TOKENIZER_FILE
-    tokenizer = load_tokenizer(saved) if saved.exists() else ByteTokenizer()
+    tokenizer = _checkpoint_tokenizer(run_dir)
     if args.data:
         docs = [tokenizer.encode(text) for _, text in text_documents(args.data)]
         return tokenizer, TokenStream.from_documents(docs, tokenizer.bos_id, tokenizer.eos_id)
@@ -135,14 +144,12 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
     from modern_jax.generate import sample_texts
     from modern_jax.training.checkpoint import load_params
     from modern_jax.training.step import abstract_model
 
     cfg, params, raw, run_dir = load_params(args.checkpoint)
-    saved = run_dir / TOKENIZER_FILE
-    tokenizer = load_tokenizer(saved) if saved.exists() else ByteTokenizer()
+    tokenizer = _checkpoint_tokenizer(run_dir)
     graphdef, _ = abstract_model(cfg)
     temperature = 0.0 if args.greedy else args.temperature
     texts = sample_texts(graphdef, params, tokenizer, args.prompt, n=args.num_samples,

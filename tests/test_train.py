@@ -208,6 +208,26 @@ def test_resume_is_exact(tmp_path):
     assert (tmp_path / "b/metrics.jsonl").exists() and (tmp_path / "b/samples.txt").exists()
 
 
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+    def log(message):  # the loop is about to start: deliver SIGTERM to ourselves
+        if message.startswith("model:"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    result = train(_tiny_run(tmp_path, checkpoint_every=100), mesh=one_device(), log=log)
+    assert result.interrupted and result.step == 1
+    assert Checkpointer(tmp_path / "run/checkpoints").latest_step() == 1
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is removed again
+
+
+def test_bf16_compute_keeps_float32_master_weights():
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32, dtype="bfloat16")
+    trainer = Trainer(cfg, TrainConfig(batch_size=2, seq_len=8, warmup_steps=0), one_device())
+    state, metrics = trainer.train_step(trainer.init_state(0), trainer.put_batch(_batch(np.random.default_rng(4), 1, 2, 8, 32)))
+    assert bool(metrics["finite"]) and 2.5 < float(metrics["loss"]) < 4.5
+    assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.float32)}
+
+
 def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path):
     run = _tiny_run(tmp_path, steps=400, checkpoint_every=3, eval_every=0, log_every=50, samples=0)
     config = tmp_path / "run.yaml"

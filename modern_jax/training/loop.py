@@ -130,13 +130,15 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
     mesh = make_mesh() if mesh is None else mesh
     checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
     try:
-        return _train(run, out_dir, mesh, checkpointer, log, stop_after)
+        with _StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
+            return _train(run, out_dir, mesh, checkpointer, log, stop_after, stop)
     finally:
         checkpointer.wait()
         checkpointer.close()
 
 
-def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log, stop_after) -> TrainResult:
+def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log, stop_after,
+           stop: _StopSignal) -> TrainResult:
     tc = run.train
     latest = checkpointer.latest_step()
     if latest is not None and not tc.resume:
@@ -214,49 +216,48 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
     interval_start, interval_tokens = loop_start, 0
     step = start
     try:
-        with _StopSignal() as stop:
-            while step < tc.steps:
-                batch, next_batch = next_batch, None
-                state, metrics = trainer.train_step(state, batch)
-                step += 1
-                interval_tokens += tokens_per_step
-                pending.append((step, metrics))
-                data_state = iterator.get_state()
-                if step < tc.steps:
-                    next_batch = trainer.put_batch(next(iterator))  # overlaps with the running step
-                if step % tc.log_every == 0 or step == tc.steps or stop.received or step - start == stop_after:
-                    now = time.perf_counter()
-                    rate = interval_tokens / max(now - interval_start, 1e-9)
-                    record = _log_step(pending, history, rate, flops, tc.peak_flops, mesh.size, progress)
-                    if probe is not None:
-                        record["max_attention_logit"] = float(probe(state["params"], jax.tree.map(lambda x: x[0], batch)))
-                    metrics_log.write(step, "train", record)
-                    progress.update(step, record["loss"], rate)
-                    pending.clear()
-                    if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
-                        raise TrainingDiverged(
-                            f"stopping at step {step}: {int(history[-1]['nonfinite_streak'])} non-finite steps in a "
-                            f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
-                            f"skipped; the newest checkpoint is step {saved_step}. Lower train.lr or check the data.")
-                    interval_start, interval_tokens = time.perf_counter(), 0
-                if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                    values = run_eval(step, periodic_eval)
-                    progress.message(f"step {step}: val_loss {values['loss']:.4f} | val_bpb {values['bpb']:.4f}")
-                if stop.received or (stop_after is not None and step - start >= stop_after and step < tc.steps):
-                    save(step)
-                    checkpointer.wait()
-                    name = signal.Signals(stop.received).name if stop.received else f"stop_after={stop_after}"
-                    progress.message(f"{name}: saved a checkpoint at step {step} and stopped")
-                    result.interrupted = True
-                    break
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                    save(step)
-            if not result.interrupted:
-                final = run_eval(step, eval_batches(val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
-                                                    max_windows=tc.final_eval_windows, host_index=host,
-                                                    host_count=hosts))
-                result.val_loss, result.val_bpb = final["loss"], final["bpb"]
+        while step < tc.steps:
+            batch, next_batch = next_batch, None
+            state, metrics = trainer.train_step(state, batch)
+            step += 1
+            interval_tokens += tokens_per_step
+            pending.append((step, metrics))
+            data_state = iterator.get_state()
+            if step < tc.steps:
+                next_batch = trainer.put_batch(next(iterator))  # overlaps with the running step
+            if step % tc.log_every == 0 or step == tc.steps or stop.received or step - start == stop_after:
+                fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
+                rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
+                record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, progress)
+                if probe is not None:
+                    record["max_attention_logit"] = float(probe(state["params"], jax.tree.map(lambda x: x[0], batch)))
+                metrics_log.write(step, "train", record)
+                progress.update(step, record["loss"], rate)
+                pending.clear()
+                if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
+                    raise TrainingDiverged(
+                        f"stopping at step {step}: {int(history[-1]['nonfinite_streak'])} non-finite steps in a "
+                        f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
+                        f"skipped; the newest checkpoint is step {saved_step}. Lower train.lr or check the data.")
+                interval_start, interval_tokens = time.perf_counter(), 0
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                values = run_eval(step, periodic_eval)
+                progress.message(f"step {step}: val_loss {values['loss']:.4f} | val_bpb {values['bpb']:.4f}")
+            if stop.received or (stop_after is not None and step - start >= stop_after and step < tc.steps):
                 save(step)
+                checkpointer.wait()
+                name = signal.Signals(stop.received).name if stop.received else f"stop_after={stop_after}"
+                progress.message(f"{name}: saved a checkpoint at step {step} and stopped")
+                result.interrupted = True
+                break
+            if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+                save(step)
+        if not result.interrupted:
+            final = run_eval(step, eval_batches(val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
+                                                max_windows=tc.final_eval_windows, host_index=host,
+                                                host_count=hosts))
+            result.val_loss, result.val_bpb = final["loss"], final["bpb"]
+            save(step)
     finally:
         progress.close()
         metrics_log.close()
@@ -290,9 +291,8 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
     return result
 
 
-def _log_step(pending, history, rate, flops, peak_flops, n_devices, progress) -> dict:
-    """Fetch the pending steps' metrics (one transfer), note skipped steps, and summarise."""
-    fetched = jax.device_get([m for _, m in pending])
+def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, progress) -> dict:
+    """Record the fetched metrics of the pending steps, note skipped steps, and summarise."""
     rows = []
     for (step, _), values in zip(pending, fetched):
         row = {"step": step, **{k: float(v) for k, v in values.items()}}

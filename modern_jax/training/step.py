@@ -191,12 +191,16 @@ class Trainer:
 
         grad_norm = global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = self.tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731  a non-finite step changes nothing
+
+        def update(params, opt_state):
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        # a non-finite step changes nothing (and costs no optimiser update)
+        new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, state["opt_state"])
         new_state = {
-            "params": jax.tree.map(keep, new_params, params),
-            "opt_state": jax.tree.map(keep, new_opt_state, state["opt_state"]),
+            "params": new_params,
+            "opt_state": new_opt_state,
             "step": state["step"] + 1,
             "rng": state["rng"],
             "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
