@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
 
     tr = sub.add_parser("train", help="train a model (default: configs/tiny.yaml on the embedded corpus)")
-    tr.add_argument("--config", help=f"a run config with model:, train:, data: sections (default: {DEFAULT_CONFIG.name})")
+    tr.add_argument("--config", help=f"a run file with model:, train:, data: sections (default: {DEFAULT_CONFIG.name})")
     tr.add_argument("--data", help="text file, directory of text files, token .bin or ArrayRecord (sets data.path)")
     tr.add_argument("--output-dir", help="run directory: checkpoints, metrics, samples (sets train.output_dir)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.n_layers=2")

@@ -3,7 +3,6 @@ and cover the batch, the iterator resumes exactly, tokenizers round-trip, every 
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -150,7 +149,7 @@ def test_every_source_loads(tmp_path):
     (tmp_path / "tok").mkdir()
     CharTokenizer("".join(chr(65 + i) for i in range(48))).save(tmp_path / "tok")
     tok, train, val = load_splits(DataConfig(path=str(tmp_path / "tokens.bin"), doc_separator_id=49,
-                                             tokenizer_path=str(tmp_path / "tok" / "tokenizer.json"), tokenizer="hf"))
+                                             tokenizer_path=str(tmp_path / "tok" / "tokenizer.json")))
     assert len(train) == 900 and len(val) == 100 and len(train.doc_starts) == 18
     np.testing.assert_array_equal(train.tokens, ids[:900])
 

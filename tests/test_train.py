@@ -223,7 +223,8 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
 def test_bf16_compute_keeps_float32_master_weights():
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32, dtype="bfloat16")
     trainer = Trainer(cfg, TrainConfig(batch_size=2, seq_len=8, warmup_steps=0), one_device())
-    state, metrics = trainer.train_step(trainer.init_state(0), trainer.put_batch(_batch(np.random.default_rng(4), 1, 2, 8, 32)))
+    batch = trainer.put_batch(_batch(np.random.default_rng(4), 1, 2, 8, 32))
+    state, metrics = trainer.train_step(trainer.init_state(0), batch)
     assert bool(metrics["finite"]) and 2.5 < float(metrics["loss"]) < 4.5
     assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.float32)}
 

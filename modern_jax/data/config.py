@@ -26,7 +26,7 @@ class DataConfig:
     source: str = "auto"
     path: str | None = None
     tokenizer: str = "byte"
-    tokenizer_path: str | None = None  # hf: a tokenizer.json; None trains a BPE on the corpus
+    tokenizer_path: str | None = None  # a tokenizer.json (a run's or Hugging Face's); hf without one trains a BPE
     token_dtype: str = "uint16"  # tokens (and arrayrecord tokens) files
     record_format: str = "text"  # arrayrecord: UTF-8 text documents or token arrays
     doc_separator_id: int | None = None  # tokens files: the id that ends each document
@@ -45,8 +45,6 @@ class DataConfig:
             _fail("path", self.path, "the embedded corpus takes no path; use source: auto or text")
         if not 0.0 < self.val_fraction < 1.0:
             _fail("val_fraction", self.val_fraction, "expected a fraction in (0, 1)")
-        if self.tokenizer_path and self.tokenizer != "hf":
-            _fail("tokenizer_path", self.tokenizer_path, "only tokenizer: hf reads a tokenizer file")
         for name in ("num_threads", "prefetch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

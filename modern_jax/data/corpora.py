@@ -86,14 +86,18 @@ def text_documents(path) -> list[tuple[str, str]]:
     path = pathlib.Path(path)
     if not path.exists():
         raise ValueError(f"data.path={str(path)!r} does not exist")
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
     docs = []
     for file in files:
         try:
             docs.append((str(file.relative_to(path) if path.is_dir() else file.name), file.read_text(encoding="utf-8")))
         except UnicodeDecodeError:
             if path.is_file():
-                raise ValueError(f"data.path={str(path)!r} is not UTF-8 text; for token ids use source: tokens") from None
+                raise ValueError(f"data.path={str(path)!r} is not UTF-8 text; for token ids use "
+                                 "source: tokens") from None
     if not docs:
         raise ValueError(f"data.path={str(path)!r} holds no readable text files")
     return docs
@@ -137,12 +141,14 @@ def split_documents(docs: list, val_fraction: float) -> tuple[list, list]:
 
 
 def build_tokenizer(cfg: DataConfig, train_texts: list[str], all_texts: list[str], vocab_size: int | None) -> Tokenizer:
+    if cfg.tokenizer_path:
+        from modern_jax.data.tokenizers import load_tokenizer
+
+        return load_tokenizer(cfg.tokenizer_path)
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     if cfg.tokenizer == "char":
         return CharTokenizer.from_texts(all_texts)
-    if cfg.tokenizer_path:
-        return HFTokenizer.from_file(cfg.tokenizer_path)
     if not vocab_size:
         raise ValueError("training a BPE (data.tokenizer=hf without tokenizer_path) needs model.vocab_size")
     return HFTokenizer.train_bpe(train_texts, vocab_size)

@@ -101,7 +101,7 @@ class Trainer:
                              out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)),
             "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batch_sharding, replicated),
                             out_shardings=replicated),
-            "finite": jax.jit(lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))),
+            "finite": jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))),
         }
         self._executables: dict = {}
 
