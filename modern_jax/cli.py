@@ -5,6 +5,8 @@
     modern-jax generate --checkpoint runs/tiny --prompt "def " [--temperature 0.8 --top-k 50 --top-p 0.95]
     modern-jax info --config configs/llama3_8b.yaml [model.n_layers=4 ...] [--context 8192]
     modern-jax info --hf-config path/to/config.json
+    modern-jax convert --from-hf HF_DIR --out CKPT  |  --to-hf CKPT --out HF_DIR [--model-type llama]
+    modern-jax plan --config configs/llama3_8b.yaml --mesh data=1,fsdp=8,tensor=1 --batch 8 --seq 8192 --hbm-gib 141
 """
 
 from __future__ import annotations
@@ -162,6 +164,45 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from modern_jax.convert import convert_from_hf, convert_to_hf
+
+    if bool(args.from_hf) == bool(args.to_hf):
+        raise ValueError("give exactly one of --from-hf HF_DIR or --to-hf CHECKPOINT")
+    if args.from_hf:
+        convert_from_hf(args.from_hf, args.out, dtype=args.dtype or "float32")
+    else:
+        convert_to_hf(args.to_hf, args.out, model_type=args.model_type, dtype=args.dtype)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    import os
+
+    from modern_jax.parallel.mesh import parse_mesh
+
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1, **parse_mesh(args.mesh)}
+    if any(v < 1 for v in sizes.values()):
+        raise ValueError("plan needs explicit mesh sizes (no -1): the mesh is made of host CPU devices")
+    n = math.prod(sizes.values())
+    flag = f"--xla_force_host_platform_device_count={n}"
+    if flag not in os.environ.get("XLA_FLAGS", ""):  # compile for n host CPU devices, in a fresh process
+        import subprocess
+
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), "JAX_PLATFORMS": "cpu"}
+        return subprocess.call([sys.executable, "-m", "modern_jax.cli", *sys.argv[1:]], env=env)
+    from modern_jax.parallel.plan import format_plan, plan
+    from modern_jax.training.config import load_run_config
+
+    overrides = list(args.overrides) + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"]
+    run = load_run_config(args.config, overrides)
+    if not isinstance(run.model_dict.get("vocab_size"), int):
+        raise ValueError("plan needs a numeric model.vocab_size (override model.vocab_size=N)")
+    print(format_plan(plan(run, sizes, args.hbm_gib)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modern-jax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +242,23 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     ge.add_argument("--seed", type=int, default=0)
     ge.set_defaults(func=cmd_generate)
+
+    co = sub.add_parser("convert", help="Hugging Face checkpoint <-> modern_jax (Orbax) checkpoint")
+    co.add_argument("--from-hf", help="a Hugging Face model directory (config.json + safetensors)")
+    co.add_argument("--to-hf", help="a converted checkpoint, a run directory or a step directory")
+    co.add_argument("--out", required=True, help="the directory to write")
+    co.add_argument("--model-type", help="--to-hf: the Hugging Face family to write (default: the source's)")
+    co.add_argument("--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 / as stored)")
+    co.set_defaults(func=cmd_convert)
+
+    pl = sub.add_parser("plan", help="per-device memory of the training step on a mesh (no accelerator needed)")
+    pl.add_argument("--config", required=True, help="a YAML config (model:, optional train:)")
+    pl.add_argument("--mesh", required=True, help="e.g. data=1,fsdp=8,tensor=1")
+    pl.add_argument("--batch", type=int, required=True, help="sequences per step, all devices together")
+    pl.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    pl.add_argument("--hbm-gib", type=float, help="device memory to check the plan against")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat=full model.dtype=bfloat16")
+    pl.set_defaults(func=cmd_plan)
     return parser
 
 

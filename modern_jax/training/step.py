@@ -17,7 +17,6 @@ layer only has to supply rules.
 
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 import optax
@@ -26,29 +25,34 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from modern_jax.config import ModelConfig
 from modern_jax.model import Transformer
-from modern_jax.sharding import logical_to_spec
+from modern_jax.parallel.mesh import make_mesh as parallel_mesh
+from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
-# Logical axis -> mesh axes. Empty: every parameter replicated (one device, or pure data
-# parallelism); the sharding layer fills this table.
-LOGICAL_RULES: tuple = ()
+# Logical axis -> mesh axes: the sharding layer's table (Megatron tensor parallelism, FSDP
+# over `embed`, the batch over data x fsdp).
+LOGICAL_RULES: tuple = RULES
 
 
 def make_mesh(devices=None) -> Mesh:
     """All `devices` (default: every device) on the `data` axis."""
-    devices = jax.devices() if devices is None else list(devices)
-    return Mesh(np.asarray(devices).reshape(len(devices), 1, 1), MESH_AXES)
+    return parallel_mesh(data=-1, devices=devices)
 
 
 def param_shardings(mesh: Mesh, abstract_params, rules=LOGICAL_RULES):
     """A `NamedSharding` per parameter, from its logical axes (`out_sharding`) and `rules`."""
     specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
-    return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_spec(spec, rules)), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    shapes = nnx.to_pure_dict(abstract_params)
+
+    def one(path, spec, shape):
+        where = "/".join(str(getattr(p, "key", p)) for p in path)
+        return NamedSharding(mesh, logical_to_spec(spec, rules, mesh, shape.shape, where=where))
+
+    return jax.tree_util.tree_map_with_path(one, specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -79,7 +83,8 @@ class Trainer:
     """
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=LOGICAL_RULES):
-        self.model_cfg, self.cfg, self.mesh = model_cfg, train_cfg, mesh
+        check_mesh(model_cfg, mesh, rules)
+        self.model_cfg, self.cfg, self.mesh, self.rules = model_cfg, train_cfg, mesh, tuple(rules)
         self.key = (model_cfg, tuple(getattr(train_cfg, f) for f in STEP_FIELDS), mesh, tuple(rules))
         self.graphdef, abstract_params = abstract_model(model_cfg)
         self.tx = make_optimizer(train_cfg)
@@ -112,8 +117,15 @@ class Trainer:
         options = {"xla_backend_optimization_level": 0} if name == "init" else COMPILER_OPTIONS
         key = (name, self.key, signature, tuple(sorted(options.items())))
         if key not in _EXECUTABLES:
-            _EXECUTABLES[key] = self._jitted[name].lower(*args).compile(compiler_options=dict(options) or None)
+            _EXECUTABLES[key] = self.lower(name, *args).compile(compiler_options=dict(options) or None)
         return _EXECUTABLES[key]
+
+    def lower(self, name: str, *args):
+        """Trace and lower step `name`; on a multi-device mesh the rules shape every activation."""
+        if self.mesh.size == 1:
+            return self._jitted[name].lower(*args)
+        with logical_rules(self.mesh, self.rules):
+            return self._jitted[name].lower(*args)
 
     def _run(self, name: str, *args):
         executable = self._executables.get(name)
