@@ -67,6 +67,12 @@ def mesh_axes(name, rules) -> tuple[str, ...]:
     return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
 
 
+def live_axes(name, rules, mesh, size: int) -> tuple[str, ...] | None:
+    """The mesh axes (of size > 1) that split a dimension `name` of `size`; None if they do not divide it."""
+    axes = tuple(a for a in mesh_axes(name, rules) if mesh.shape[a] > 1)
+    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
+
+
 def logical_to_spec(axes, rules, mesh=None, shape=None, where: str = "") -> PartitionSpec:
     """Map logical axis names to a PartitionSpec; a mesh axis is used at most once.
 

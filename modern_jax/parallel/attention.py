@@ -20,13 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from modern_jax import kernels
-from modern_jax.sharding import active, mesh_axes
-
-
-def _live(axes, mesh, size):
-    """The mesh axes (of size > 1) to split a dimension of `size` over, or () if they do not divide it."""
-    axes = tuple(a for a in axes if mesh.shape[a] > 1)
-    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+from modern_jax.sharding import active, live_axes, mesh_axes
 
 
 def kv_replication(n_kv: int, group: int, tp: int) -> int:
@@ -57,7 +51,7 @@ def attention(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=Non
         k_BSKH, v_BSKV = jnp.repeat(k_BSKH, r, axis=2), jnp.repeat(v_BSKV, r, axis=2)
         if sinks_KG is not None:
             sinks_KG = sinks_KG.reshape(K * r, G // r)
-    batch = _live(mesh_axes("activation_batch", rules), mesh, B) or None
+    batch = live_axes("activation_batch", rules, mesh, B)
     heads = tp_axes or None
     args = [q_BTKGH, k_BSKH, v_BSKV, q_pos_BT, k_pos_BS]
     specs = [P(batch, None, heads, None, None), P(batch, None, heads, None), P(batch, None, heads, None),

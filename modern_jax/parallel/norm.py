@@ -7,19 +7,12 @@ over `[B, T, N, H]`). The reference norm needs no wrapping: XLA partitions it it
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax.sharding import PartitionSpec as P
 
 from modern_jax.kernels.norm import NormImpl, resolve
 from modern_jax.kernels.norm import norm as kernel_norm
-from modern_jax.sharding import active, mesh_axes
-
-
-def _live(name, rules, mesh, size):
-    axes = tuple(a for a in mesh_axes(name, rules) if mesh.shape[a] > 1)
-    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
+from modern_jax.sharding import active, live_axes
 
 
 def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference"):
@@ -28,10 +21,10 @@ def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference"):
     if state is None or resolve(impl) is NormImpl.REFERENCE:
         return kernel_norm(x, weight, bias, kind=kind, eps=eps, impl=impl)
     mesh, rules = state
-    x_spec = [_live("activation_batch", rules, mesh, x.shape[0])] + [None] * (x.ndim - 1)
+    x_spec = [live_axes("activation_batch", rules, mesh, x.shape[0])] + [None] * (x.ndim - 1)
     w_spec = [None] * weight.ndim
     if x.ndim == 4 and weight.ndim == 2:  # QK-norm over whole projections [B, T, N, H] with gamma [N, H]
-        x_spec[2] = w_spec[0] = _live("activation_kv_heads", rules, mesh, x.shape[2])
+        x_spec[2] = w_spec[0] = live_axes("activation_kv_heads", rules, mesh, x.shape[2])
     specs = (P(*x_spec), P(*w_spec)) + (() if bias is None else (P(*w_spec),))
 
     def per_device(x, weight, *bias):
