@@ -14,7 +14,6 @@ with T. Blocks that no query of a block can see (causal, window, segments; see
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax
@@ -52,30 +51,6 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_se
     call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, R, C)
     q, k, v, sinks = vary_over((q, k, v, sinks), varying_axes(q, k, v, sinks, positions))
     return _chunked(call, q, k, v, sinks, *positions)[:, :T]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
-    return _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)[0]
-
-
-def _chunked_fwd(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
-    o, lse = _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)
-    return o, (q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg, o, lse)
-
-
-def _chunked_bwd(call, residuals, do_BTKGV):
-    q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg, o, lse_BKGT = residuals
-    delta_BKGT = jnp.einsum("BTKGV,BTKGV->BKGT", do_BTKGV.astype(jnp.float32), o.astype(jnp.float32))
-    dq, dk, dv = _backward(call, q, k, v, do_BTKGV.astype(q.dtype), lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg)
-    dsinks_KG = None
-    if sinks_KG is not None:
-        p_sink_BKGT = jnp.exp(sinks_KG[None, :, :, None] - lse_BKGT)
-        dsinks_KG = -jnp.sum(p_sink_BKGT * delta_BKGT, axis=(0, 3))
-    return dq, dk, dv, dsinks_KG, None, None, None, None
-
-
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def _blocks(x, size: int):
@@ -189,3 +164,8 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_se
     dq_init = vary_over(jnp.zeros((I, B, R, K, G, H), jnp.float32), varying_axes(inputs))
     dq_IBRKGH, (dk_JBCKH, dv_JBCKV) = jax.lax.scan(key_block, dq_init, keys)
     return _unblock(dq_IBRKGH).astype(q.dtype), _unblock(dk_JBCKH), _unblock(dv_JBCKV)
+
+
+# o[B, T, K, G, V], lse[B, K, G, T], sinks[K, G]
+_chunked = flash.recompute_vjp(_forward, _backward, stat=lambda r_BTKG: r_BTKG.transpose(0, 2, 3, 1),
+                               sink_stat=lambda s_KG: s_KG[None, :, :, None])

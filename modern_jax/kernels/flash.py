@@ -18,6 +18,8 @@ A query that sees no key (and has no sink) returns zeros.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -99,3 +101,40 @@ def dkdv_step(q_RH, k_CH, v_CV, do_RV, lse_1R, delta_1R, mask_CR, scale, softcap
     ds_CR = softcap_grad(p_CR * (matmul_nt(v_CV, do_RV) - delta_1R), s_CR, softcap)
     dk_CH = matmul(ds_CR.astype(q_RH.dtype), q_RH) * scale
     return dk_CH, dv_CV
+
+
+def recompute_vjp(forward, backward, stat, sink_stat):
+    """Attention as a `jax.custom_vjp` that saves only `o` and the log-sum-exp.
+
+    `forward(call, q, k, v, sinks, *positions) -> (o, lse)` and
+    `backward(call, q, k, v, do, lse, delta, *positions) -> (dq, dk, dv)` are one
+    implementation's passes (`call`: its hashable static settings). Layouts are theirs:
+    `stat(r)` puts a per-row statistic from `o`'s layout (without its value axis) into
+    `lse`'s, and `sink_stat(sinks)` broadcasts the sinks to it. Shared here:
+
+        delta  = rowsum(do * o)
+        dsinks = -sum p_sink * delta,   p_sink = exp(sink - lse)   (the sink's probability)
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def attend(call, q, k, v, sinks, *positions):
+        return forward(call, q, k, v, sinks, *positions)[0]
+
+    def attend_fwd(call, q, k, v, sinks, *positions):
+        o, lse = forward(call, q, k, v, sinks, *positions)
+        return o, (q, k, v, sinks, positions, o, lse)
+
+    def attend_bwd(call, residuals, do):
+        q, k, v, sinks, positions, o, lse = residuals
+        delta = stat(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1))
+        dq, dk, dv = backward(call, q, k, v, do.astype(q.dtype), lse, delta, *positions)
+        dsinks = None
+        if sinks is not None:
+            sinks_stat, pullback = jax.vjp(sink_stat, sinks)
+            d_stat = -jnp.exp(sinks_stat - lse) * delta
+            broadcast = tuple(i for i, n in enumerate(sinks_stat.shape) if n == 1 and d_stat.shape[i] != 1)
+            dsinks = pullback(jnp.sum(d_stat, axis=broadcast, keepdims=True))[0]
+        return (dq, dk, dv, dsinks) + (None,) * len(positions)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend

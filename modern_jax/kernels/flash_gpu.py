@@ -19,7 +19,6 @@ two (zeros, which change no score), and everything is sliced back. Sinks' gradie
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax
@@ -78,36 +77,11 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_
     positions = pad_positions(q_pos_BT.astype(jnp.int32), k_pos_BS.astype(jnp.int32),
                               None if q_seg_BT is None else q_seg_BT.astype(jnp.int32),
                               None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
-    sinks_N = None if sinks_KG is None else sinks_KG.astype(jnp.float32).reshape(K * G)
+    sinks_KG = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
     call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret)
-    q, k, v, sinks_N = vary_over((q, k, v, sinks_N), varying_axes(q, k, v, sinks_N, positions))
-    o_BTKGV = _flash(call, q, k, v, sinks_N, *positions)
+    q, k, v, sinks_KG = vary_over((q, k, v, sinks_KG), varying_axes(q, k, v, sinks_KG, positions))
+    o_BTKGV = _flash(call, q, k, v, sinks_KG, *positions)
     return o_BTKGV[:, :T, :, :, :V]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg):
-    return _forward(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg)[0]
-
-
-def _flash_fwd(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg):
-    o, lse_BKGT = _forward(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg)
-    return o, (q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg, o, lse_BKGT)
-
-
-def _flash_bwd(call, residuals, do_BTKGV):
-    q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg, o, lse_BKGT = residuals
-    B, T, K, G, _ = q.shape
-    delta_BKGT = jnp.einsum("BTKGV,BTKGV->BKGT", do_BTKGV.astype(jnp.float32), o.astype(jnp.float32))
-    dq, dk, dv = _backward(call, q, k, v, do_BTKGV.astype(q.dtype), lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg)
-    dsinks_N = None
-    if sinks_N is not None:
-        p_sink_BKGT = jnp.exp(sinks_N.reshape(1, K, G, 1) - lse_BKGT)
-        dsinks_N = -jnp.sum(p_sink_BKGT * delta_BKGT, axis=(0, 3)).reshape(K * G)
-    return dq, dk, dv, dsinks_N, None, None, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _compiler_params(call: _Call, head_dim: int):
@@ -122,7 +96,8 @@ def _split_refs(refs, has_seg: bool):
     return (None, None), refs
 
 
-def _forward(call, q, k, v, sinks_N, q_pos, k_pos, q_seg, k_seg):
+def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+    sinks_N = None if sinks_KG is None else sinks_KG.reshape(-1)  # one sink per query head
     B, Tp, K, G, H = q.shape
     Sp, V = k.shape[1], v.shape[-1]
     R, C = call.blocks.block_q, call.blocks.block_k
@@ -266,3 +241,8 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_se
         compiler_params=params, interpret=call.interpret, name="flash_attention_gpu_dkdv",
     )(*args)
     return dq, dk, dv
+
+
+# o[B, T, K, G, V], lse[B, K, G, T], sinks[K, G]
+_flash = flash.recompute_vjp(_forward, _backward, stat=lambda r_BTKG: r_BTKG.transpose(0, 2, 3, 1),
+                             sink_stat=lambda s_KG: s_KG[None, :, :, None])

@@ -23,11 +23,9 @@ default is 512 for the forward and 256 for the backward, shrunk to short sequenc
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -85,30 +83,6 @@ def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_
                                                varying_axes(q_BKGTH, k_BKSH, v_BKSV, sinks, positions))
     o_BKGTV = _flash(call, q_BKGTH, k_BKSH, v_BKSV, sinks, *positions)
     return o_BKGTV[:, :, :, :T].transpose(0, 3, 1, 2, 4)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
-    return _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)[0]
-
-
-def _flash_fwd(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
-    o, lse = _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)
-    return o, (q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg, o, lse)
-
-
-def _flash_bwd(call, residuals, do_BKGTV):
-    q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg, o, lse_BKGT1 = residuals
-    delta_BKGT1 = jnp.sum(do_BKGTV.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
-    dq, dk, dv = _backward(call, q, k, v, do_BKGTV.astype(q.dtype), lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_seg)
-    dsinks_KG = None
-    if sinks_KG is not None:
-        p_sink_BKGT1 = jnp.exp(sinks_KG[None, :, :, None, None] - lse_BKGT1)
-        dsinks_KG = -jnp.sum(p_sink_BKGT1 * delta_BKGT1, axis=(0, 3, 4))
-    return dq, dk, dv, dsinks_KG, None, None, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _column(x_BT):
@@ -317,3 +291,8 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_
         name="flash_attention_tpu_dkdv",
     )(q_lo_BJ.reshape(-1), q_hi_BJ.reshape(-1), *args)
     return dq, dk, dv
+
+
+# o[B, K, G, T, V], lse[B, K, G, T, 1], sinks[K, G]
+_flash = flash.recompute_vjp(_forward, _backward, stat=lambda r_BKGT: r_BKGT[..., None],
+                             sink_stat=lambda s_KG: s_KG[None, :, :, None, None])
