@@ -1,6 +1,5 @@
 """Attention core and layers against naive per-head loops written here in NumPy."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

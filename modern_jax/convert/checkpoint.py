@@ -13,7 +13,6 @@ fine-tune from it; `load_checkpoint` returns the model itself.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
