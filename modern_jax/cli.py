@@ -77,6 +77,10 @@ def cmd_train(args) -> int:
         overrides.append(f"data.path={json.dumps(args.data)}")
     if args.output_dir is not None:
         overrides.append(f"train.output_dir={json.dumps(args.output_dir)}")
+    if args.mesh is not None:
+        from modern_jax.parallel.mesh import parse_mesh
+
+        overrides += [f"parallel.{axis}={size}" for axis, size in parse_mesh(args.mesh).items()]
     config = args.config or DEFAULT_CONFIG
     run = load_run_config(config, overrides)
     print(f"training {config} -> {run.train.output_dir}", flush=True)
@@ -219,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", help=f"a run file with model:, train:, data: sections (default: {DEFAULT_CONFIG.name})")
     tr.add_argument("--data", help="text file, directory of text files, token .bin or ArrayRecord (sets data.path)")
     tr.add_argument("--output-dir", help="run directory: checkpoints, metrics, samples (sets train.output_dir)")
+    tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=1,tensor=4 (-1 fills; sets parallel.data/fsdp/tensor)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.n_layers=2")
     tr.set_defaults(func=cmd_train)
 

@@ -4,6 +4,7 @@ The logical-axis rules themselves live in `modern_jax.sharding`.
 """
 
 from modern_jax.parallel.mesh import AXES, initialize_distributed, make_mesh, parse_mesh
+from modern_jax.parallel.config import ParallelConfig
 from modern_jax.parallel.create import create_sharded
 
-__all__ = ["AXES", "create_sharded", "initialize_distributed", "make_mesh", "parse_mesh"]
+__all__ = ["AXES", "ParallelConfig", "create_sharded", "initialize_distributed", "make_mesh", "parse_mesh"]

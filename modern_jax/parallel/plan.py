@@ -35,7 +35,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None) -> dict:
 
     n = math.prod(v for v in mesh_sizes.values() if v > 0)
     mesh = make_mesh(**mesh_sizes, devices=jax.devices()[: n if -1 not in mesh_sizes.values() else None])
-    trainer = Trainer(run.model, run.train, mesh)
+    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table())
     state = trainer.abstract_state()
     cfg = run.train
     A = cfg.grad_accum

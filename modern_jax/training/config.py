@@ -1,10 +1,11 @@
 """The run configuration: `TrainConfig` (the `train:` section), and the whole run file.
 
-A run file has three sections, each validated by its own frozen dataclass:
+A run file has these sections, each validated by its own frozen dataclass:
 
-    model:  ModelConfig   (modern_jax.config)
-    train:  TrainConfig   (this module)
-    data:   DataConfig    (modern_jax.data.config)
+    model:     ModelConfig     (modern_jax.config)
+    train:     TrainConfig     (this module)
+    data:      DataConfig      (modern_jax.data.config)
+    parallel:  ParallelConfig  (modern_jax.parallel.config; optional: all devices on `data`)
 
 `model.vocab_size: auto` takes the tokenizer's vocabulary size (the char tokenizer builds
 its vocabulary from the data).
@@ -18,10 +19,11 @@ from typing import Any
 
 from modern_jax.config import ModelConfig, check_keys, load_config_file
 from modern_jax.data.config import DataConfig
+from modern_jax.parallel.config import ParallelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 NO_DECAY_GROUPS = ("embedding", "norm", "bias")
-SECTIONS = ("model", "train", "data")
+SECTIONS = ("model", "train", "data", "parallel")
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -168,6 +170,7 @@ class RunConfig:
     model_dict: dict
     train: TrainConfig
     data: DataConfig
+    parallel: ParallelConfig = ParallelConfig()
 
     @property
     def model(self) -> ModelConfig:
@@ -185,7 +188,8 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         model = self.model.to_dict() if self.vocab_size is not None else dict(self.model_dict)
-        return {"model": model, "train": self.train.to_dict(), "data": self.data.to_dict()}
+        return {"model": model, "train": self.train.to_dict(), "data": self.data.to_dict(),
+                "parallel": self.parallel.to_dict()}
 
 
 def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
@@ -196,11 +200,12 @@ def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
         raise ValueError(f"{where}: no `model:` section")
     train = TrainConfig.from_dict(raw.get("train"))
     data = DataConfig.from_dict(raw.get("data"))
+    parallel = ParallelConfig.from_dict(raw.get("parallel"))
     if model.get("vocab_size") != "auto":
         ModelConfig.from_dict(model)  # validate now
     else:
         ModelConfig.from_dict({**model, "vocab_size": 1})
-    return RunConfig(model, train, data)
+    return RunConfig(model, train, data, parallel)
 
 
 def _check_sections(raw: dict, where: str) -> None:

@@ -37,7 +37,7 @@ from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, Checkpointe
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training import step as step_module
-from modern_jax.training.step import Trainer, make_mesh
+from modern_jax.training.step import Trainer
 
 
 class TrainingDiverged(RuntimeError):
@@ -127,7 +127,7 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
     tc = run.train
     out_dir = pathlib.Path(tc.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    mesh = make_mesh() if mesh is None else mesh
+    mesh = run.parallel.mesh() if mesh is None else mesh
     checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
     try:
         with _StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
@@ -157,7 +157,7 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
     _check_divisible("batch_size / grad_accum", tc.batch_size // tc.grad_accum, mesh)
     _check_divisible("eval_batch_size", tc.eval_batch_size, mesh)
 
-    trainer = Trainer(model_cfg, tc, mesh)
+    trainer = Trainer(model_cfg, tc, mesh, rules=run.parallel.rules_table())
     if latest is not None:
         state, meta = checkpointer.restore(trainer.abstract_state(), latest)
         data_state, start = meta["data"], int(meta["step"])
