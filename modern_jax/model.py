@@ -6,6 +6,11 @@ Letters: B batch, T length, D model, V vocab, L layers.
     for each block: h = Block(h)          (stacked and scanned over depth)
     logits = softcap(head(FinalNorm(h)))
 
+Auxiliary losses: a layer may sow `moe_aux_loss` values (`nnx.Intermediate`), e.g. a
+mixture-of-experts router's load-balancing loss; the stages capture and add them up through
+the scan, and the model sows their sum as its own `moe_aux_loss`, which the trainer
+captures and weights by `train.moe_aux_weight`.
+
 Layers with identical parameter shapes and static choices (window, RoPE) are stacked
 along a `layers` axis and run by `jax.lax.scan`. A per-layer pattern (Gemma's local /
 global, Llama 4's NoPE layers) becomes a repeating unit of a few blocks, scanned as many
@@ -24,6 +29,7 @@ from modern_jax.layers.block import Block
 from modern_jax.layers.linear import Proj, param
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import sinusoidal
+from modern_jax.parallel import vocab
 from modern_jax.sharding import constrain
 
 REMAT_POLICIES = {
@@ -34,6 +40,16 @@ REMAT_POLICIES = {
         "query_proj", "key_proj", "value_proj", "attention_out"
     ),
 }
+
+
+AUX_LOSS = "moe_aux_loss"
+
+
+def aux_loss(sown):
+    """The sum of the `moe_aux_loss` values in captured intermediates (`nnx.capture`), or None if none."""
+    values = [jnp.sum(jnp.asarray(leaf, jnp.float32)) for path, v in nnx.to_flat_state(sown)
+              if AUX_LOSS in map(str, path) for leaf in jax.tree.leaves(v)]
+    return sum(values) if values else None
 
 
 def plan_stages(specs: tuple[LayerSpec, ...]) -> list[tuple[tuple[LayerSpec, ...], int]]:
@@ -85,9 +101,15 @@ class Stage(nnx.Module):
         graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
         caches = [None] * period if caches is None else caches
 
+        sown = []  # set while tracing when a block sows an auxiliary loss
+
         def layer(j):
             def apply(x_BTD, state, cache, rng):
-                return nnx.merge(graphdefs[j], state)(x_BTD, pos_BT, seg_BT, cache, rng)
+                block = nnx.merge(graphdefs[j], state)
+                (x_BTD, cache), sown_j = nnx.capture(block, nnx.Intermediate)(x_BTD, pos_BT, seg_BT, cache, rng)
+                aux = aux_loss(sown_j)
+                sown.append(aux is not None)
+                return x_BTD, cache, jnp.zeros((), jnp.float32) if aux is None else aux
 
             if cfg.remat == "none":
                 return apply
@@ -95,24 +117,30 @@ class Stage(nnx.Module):
 
         layers = [layer(j) for j in range(period)]
 
-        def unit(x_BTD, xs):
+        def unit(carry, xs):
+            x_BTD, aux = carry
             states_i, caches_i, i = xs
             new_caches = []
             for j in range(period):
                 rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
-                x_BTD, cache_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
+                x_BTD, cache_j, aux_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
                 x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
                 new_caches.append(cache_j)
-            return x_BTD, new_caches
+                aux = aux + aux_j
+            return (x_BTD, aux), new_caches
 
         xs = (list(states), list(caches), jnp.arange(self.repeats))
+        carry = (x_BTD, jnp.zeros((), jnp.float32))
         if cfg.scan_layers:
-            return jax.lax.scan(unit, x_BTD, xs)
-        outs = []
-        for i in range(self.repeats):
-            x_BTD, out = unit(x_BTD, jax.tree.map(lambda a: a[i], xs))
-            outs.append(out)
-        return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+            carry, new_caches = jax.lax.scan(unit, carry, xs)
+        else:
+            outs = []
+            for i in range(self.repeats):
+                carry, out = unit(carry, jax.tree.map(lambda a: a[i], xs))
+                outs.append(out)
+            new_caches = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        (x_BTD, aux) = carry
+        return x_BTD, new_caches, aux if any(sown) else None
 
 
 class Transformer(nnx.Module):
@@ -165,7 +193,7 @@ class Transformer(nnx.Module):
             raise ValueError(f"positions must have the tokens' shape {(B, T)}, got {positions.shape}")
         pos_BT = positions.astype(jnp.int32)
 
-        x_BTD = self.embed_tokens[...].astype(cfg.dtype)[tokens_BT]
+        x_BTD = vocab.lookup(self.embed_tokens[...].astype(cfg.dtype), tokens_BT)
         if cfg.embed_scale:
             x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
         if cfg.position_embedding == "learned":
@@ -174,11 +202,14 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
         x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
-        new_stage_caches = []
+        new_stage_caches, aux_losses = [], []
         for s, stage in enumerate(self.stages):
-            x_BTD, stage_cache = stage(x_BTD, pos_BT, segment_ids, None if cache is None else cache["stages"][s],
-                                       dropout_rng)
+            x_BTD, stage_cache, aux = stage(x_BTD, pos_BT, segment_ids, None if cache is None else cache["stages"][s],
+                                            dropout_rng)
             new_stage_caches.append(stage_cache)
+            aux_losses += [] if aux is None else [aux]
+        if aux_losses:
+            self.sow(nnx.Intermediate, AUX_LOSS, sum(aux_losses))
         if self.norm is not None:
             x_BTD = self.norm(x_BTD)
         new_cache = None if cache is None else {"index": cache["index"] + T, "stages": new_stage_caches}

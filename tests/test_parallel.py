@@ -1,5 +1,7 @@
 """Sharded vs single-device on 8 host CPU devices: meshes, KV-head placement, HLO, resharding."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,3 +211,73 @@ def test_memory_planner_counts_sharded_state():
     assert sharded["parameters"] < replicated["parameters"] / 4  # embed over fsdp, heads/mlp/vocab over tensor
     assert sharded["optimizer"] < replicated["optimizer"] / 4
     assert sharded["temporaries"] > 0 and sharded["fits"] is True
+
+
+def _loss_batch(V, B=8, T=16):
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, V, (B, T + 1))
+    return {"inputs": jnp.asarray(toks[:, :-1], jnp.int32), "targets": jnp.asarray(toks[:, 1:], jnp.int32),
+            "positions": jnp.tile(jnp.arange(T, dtype=jnp.int32), (B, 1)),
+            "segment_ids": jnp.ones((B, T), jnp.int32),
+            "weights": jnp.asarray(rng.random((B, T)) > 0.2, jnp.float32)}  # some padding targets
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 1, 8)], ids=["2x1x4", "1x1x8"])
+def test_vocab_parallel_loss_matches_and_never_gathers_the_vocabulary(mesh_shape):
+    """CE + z-loss with the vocabulary split over `tensor`: same sums and gradients as one device,
+    and the compiled per-device program has no array with the full (padded) vocabulary dimension:
+    no full logits, no gathered head or embedding table."""
+    from modern_jax.training.loss import model_loss_sums
+
+    # 500 real rows padded to 504 (8 x 63); chunk 48 does not divide a shard's 126 or 63 rows
+    cfg = ModelConfig(vocab_size=500, vocab_pad_to=8, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=128,
+                      tie_embeddings=False, final_softcap=30.0)
+    batch = _loss_batch(500)
+
+    def objective(model, batch):
+        sums = model_loss_sums(model, batch, chunk=48)
+        return sums["ce"] + 1e-2 * sums["z_loss"], sums
+
+    grad_fn = nnx.value_and_grad(objective, has_aux=True)
+    (want, want_sums), want_grads = nnx.jit(grad_fn)(Transformer(cfg, rngs=nnx.Rngs(0)), batch)
+    mesh, model = sharded(cfg, mesh_shape)
+    with logical_rules(mesh):
+        step = nnx.jit(grad_fn)
+        (got, got_sums), got_grads = step(model, batch)
+        hlo = step.lower(model, batch).compile().as_text()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for key in ("ce", "z_loss", "weight", "max_abs_logit"):
+        np.testing.assert_allclose(got_sums[key], want_sums[key], rtol=1e-6, err_msg=key)
+    for (path, g), (_, w) in zip(nnx.to_flat_state(nnx.state(got_grads, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(want_grads, nnx.Param))):
+        np.testing.assert_allclose(g[...], w[...], atol=1e-5, rtol=1e-4, err_msg=str(path))
+    full_vocab = re.findall(r"\w+\[[\d,]*\b504\b[\d,]*\]", hlo)
+    assert not full_vocab, f"full-vocabulary arrays on a device: {sorted(set(full_vocab))[:5]}"
+    rows = 504 // mesh_shape[2]
+    assert re.search(rf"\[[\d,]*\b{rows}\b[\d,]*\]", hlo), f"each device holds its {rows} vocabulary rows"
+
+
+def test_fsdp_gathers_each_layer_inside_the_scan():
+    """FSDP over 8 devices with scanned layers: every layer weight is all-gathered inside the
+    forward and backward scan bodies, one layer at a time; outside them nothing with the stacked
+    `layers` dimension is gathered (the whole model is never resident on one device)."""
+    from modern_jax.training import TrainConfig, Trainer
+
+    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, d_ff=192, scan_layers=True)
+    trainer = Trainer(cfg, TrainConfig(batch_size=8, seq_len=16, steps=10, warmup_steps=1), make_mesh(fsdp=8))
+    hlo = trainer.lower("train", trainer.abstract_state(), trainer.put_batch(_train_batch())).compile().as_text()
+    computation, gathers = None, []
+    for line in hlo.splitlines():
+        if line.startswith(("%", "ENTRY")):
+            computation = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+        match = re.search(r"= (\w+\[[\d,]*\])\S* all-gather\(", line)
+        if match:
+            gathers.append((computation, match.group(1)))
+    bodies = {"%" + name for name in re.findall(r"body=%([\w.\-]+)", hlo)}
+    inside = [shape for where, shape in gathers if where in bodies]
+    outside = [shape for where, shape in gathers if where not in bodies]
+    per_layer = {"f32[64,4,16]", "f32[4,16,64]", "f32[64,192]", "f32[192,64]"}  # q/k/v, o, gate/up, down
+    assert per_layer <= set(inside), f"per-layer gathers inside the scans: {sorted(set(inside))}"
+    assert len(inside) >= 2 * 6, "the forward and the backward scan each gather the block's 6 matrices"
+    stacked = [s for s in outside if re.match(r"\w+\[3,", s)]
+    assert not stacked, f"stacked layer weights gathered outside the scan: {stacked}"

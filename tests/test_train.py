@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import yaml
 from flax import nnx
 
 from modern_jax.cli import main
@@ -133,6 +134,42 @@ def _batch(rng, A, B, T, V):
     return {"inputs": tokens[..., :-1].astype(np.int32), "targets": tokens[..., 1:].astype(np.int32),
             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (A, B, T)).copy(),
             "segment_ids": np.ones((A, B, T), np.int32), "weights": np.ones((A, B, T), np.float32)}
+
+
+@pytest.mark.parametrize("scan, remat", [(True, "full"), (False, "none")])
+def test_moe_aux_loss_sown_by_layers_joins_the_loss(monkeypatch, scan, remat):
+    """A layer that sows `moe_aux_loss` (as a mixture-of-experts router does): the stages carry
+    it through the scan and the trainer adds moe_aux_weight x its sum to the objective. Here each
+    FFN sows ||W_up||^2, so the reference is computed from the parameters alone."""
+    from modern_jax.layers.ffn import FFN
+    from modern_jax.training.optimizer import global_norm
+
+    original = FFN.__call__
+
+    def sowing(self, x_BTD):
+        self.sow(nnx.Intermediate, "moe_aux_loss", jnp.sum(jnp.square(self.up_proj.kernel[...])))
+        return original(self, x_BTD)
+
+    monkeypatch.setattr(FFN, "__call__", sowing)
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=3, n_heads=2, d_ff=64, scan_layers=scan, remat=remat)
+    tc = TrainConfig(steps=10, batch_size=4, seq_len=16, warmup_steps=0, moe_aux_weight=0.5)
+    trainer = Trainer(cfg, tc, one_device())
+    state = trainer.init_state(0)
+    data = _batch(np.random.default_rng(0), 1, 4, 16, 32)
+    micro = jax.tree.map(lambda x: jnp.asarray(x[0]), data)
+
+    def up_norms(params):  # the stacked [layers, D, F] up projections
+        return sum(jnp.sum(jnp.square(stage["blocks"][0]["mlp"]["up_proj"]["kernel"])) for stage in params["stages"].values())
+
+    def reference(params):
+        sums = model_loss_sums(trainer.model(params), micro)
+        return (sums["ce"] + tc.z_loss_weight * sums["z_loss"]) / sums["weight"] + 0.5 * up_norms(params)
+
+    params = jax.device_get(state["params"])
+    want_aux, want_norm = float(up_norms(params)), float(global_norm(jax.grad(reference)(params)))
+    _, metrics = trainer.train_step(state, trainer.put_batch(data))
+    assert float(metrics["moe_aux_loss"]) == pytest.approx(want_aux, rel=1e-6)
+    assert float(metrics["grad_norm"]) == pytest.approx(want_norm, rel=1e-5)
 
 
 def test_tiny_model_overfits_one_batch():
@@ -325,9 +362,42 @@ def test_cli_train_evaluate_generate(tmp_path, capsys):
     (["train", "data.source=text"], "DataConfig.path=None is invalid"),
     (["train", "--config", "/no/such.yaml"], "config file '/no/such.yaml' does not exist"),
     (["evaluate", "--checkpoint", "/no/such/dir"], "is not a directory"),
+    (["train", "--mesh", "data=3"], "mesh data=3 x fsdp=1 x tensor=1 needs 3 devices but 8 are available"),
+    (["train", "--mesh", "tensor=two"], "SIZE must be an integer"),
+    (["train", "parallel.tensor=0"], "ParallelConfig.tensor=0 is invalid"),
+    (["train", "parallel.data=-1", "parallel.fsdp=-1"], "only one of data, fsdp, tensor may be -1"),
+    (["train", "parallel.rules.embedd=null"], "ParallelConfig.rules.embedd=None is invalid: not a logical axis; did "
+                                              "you mean embed"),
+    (["train", "parallel.rules.mlp=tensr"], "ParallelConfig.rules.mlp='tensr' is invalid: expected null, a mesh axis"),
 ])
 def test_cli_errors_are_clear(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+def test_cli_train_on_a_yaml_mesh_with_rule_overrides_matches_one_device(tmp_path, capsys):
+    """`train --mesh data=2,fsdp=2,tensor=2` with `parallel.rules` from the run file: the rules
+    reach the Trainer (the overridden axis is not split) and the losses equal one device's."""
+    run = _tiny_run(tmp_path, steps=3, eval_every=0, checkpoint_every=0, batch_size=8, eval_batch_size=8,
+                    samples=0, output_dir=str(tmp_path / "one"))
+    single = train(run, mesh=one_device(), log=lambda *_: None)
+    config = tmp_path / "run.yaml"
+    raw = run.to_dict()
+    raw["train"]["output_dir"] = str(tmp_path / "mesh")
+    raw["parallel"] = {"rules": {"mlp": None}}  # keep the MLP whole on every tensor device
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["train", "--config", str(config), "--mesh", "data=2,fsdp=2,tensor=2"]) == 0, capsys.readouterr().err
+    saved = yaml.safe_load((tmp_path / "mesh/config.yaml").read_text())["parallel"]
+    assert saved == {"data": 2, "fsdp": 2, "tensor": 2, "rules": {"mlp": None}}
+    logged = [json.loads(line) for line in (tmp_path / "mesh/metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in logged if r.get("split") == "train"]
+    np.testing.assert_allclose(losses, [h["loss"] for h in single.history], rtol=2e-5)
+
+    saved_run = run_config_from_dict(yaml.safe_load((tmp_path / "mesh/config.yaml").read_text()))
+    trainer = Trainer(saved_run.model, saved_run.train, saved_run.parallel.mesh(),
+                      rules=saved_run.parallel.rules_table())
+    block = trainer.state_shardings["params"]["stages"][0]["blocks"][0]
+    assert tuple(block["mlp"]["up_proj"]["kernel"].spec) == (None, "fsdp", None)  # the override: MLP whole
+    assert tuple(block["self_attn"]["q_proj"]["kernel"].spec) == (None, "fsdp", "tensor", None)  # default rules

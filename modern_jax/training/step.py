@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from modern_jax.config import ModelConfig
-from modern_jax.model import Transformer
+from modern_jax.model import Transformer, aux_loss
 from modern_jax.parallel.mesh import make_mesh as parallel_mesh
 from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec
 from modern_jax.training.config import TrainConfig
@@ -165,14 +165,13 @@ class Trainer:
     # ----- steps ---------------------------------------------------------------
 
     def _loss(self, params, batch, rng):
-        model = self.model(params)
-        sums = model_loss_sums(model, batch, chunk=self.cfg.loss_vocab_chunk,
-                               dropout_rng=rng if self.uses_dropout else None)
-        aux = jnp.zeros((), jnp.float32)
-        if self.cfg.moe_aux_weight:  # the hook: a model sows `moe_aux_loss` values (nnx.Intermediate)
-            sown = nnx.pop(model, nnx.Intermediate)
-            aux = sum((jnp.sum(v) for p, v in nnx.to_flat_state(sown) if "moe_aux_loss" in map(str, p)),
-                      jnp.zeros((), jnp.float32))
+        def loss_sums(model):
+            return model_loss_sums(model, batch, chunk=self.cfg.loss_vocab_chunk,
+                                   dropout_rng=rng if self.uses_dropout else None)
+
+        sums, sown = nnx.capture(loss_sums, nnx.Intermediate)(self.model(params))
+        aux = aux_loss(sown)  # what the layers sowed (a mixture-of-experts router's balance loss)
+        aux = jnp.zeros((), jnp.float32) if aux is None else aux
         return sums, aux
 
     def _step(self, state, batch):

@@ -1,0 +1,91 @@
+"""The vocabulary split across the mesh: embedding lookup and loss without full logits.
+
+With `vocab` mapped to mesh axes of size > 1 (`tensor` by default), each device holds
+`V / TP` rows of the embedding table and of the output head (Megatron's vocab-parallel
+layout), and these two `shard_map`s keep it that way:
+
+- `lookup`: each device looks up the tokens that fall in its rows (zeros for the rest)
+  and a psum over the vocab axes adds the partial rows, so `[B, T, D]` crosses the
+  wire and the table is never gathered;
+- `split_parts`: each device makes the logits of its own rows (in vocabulary chunks),
+  their max, sum of exp and the target's logit where it owns the target; a pmax and
+  psums combine them into the global logsumexp, so `[B, T]` numbers cross the wire and
+  the `[B, T, V]` logits exist only as `[B, T, V / TP]` pieces, one chunk at a time.
+
+Without an active mesh, or when the mesh does not split the vocabulary, both are the
+plain single-device computation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from modern_jax.sharding import active, live_axes
+
+
+def _split(n_rows: int, batch: int):
+    """`(mesh, vocab axes, batch axes)` when the active mesh splits `n_rows` vocabulary rows, else None."""
+    state = active()
+    if state is None:
+        return None
+    mesh, rules = state
+    vocab = live_axes("vocab", rules, mesh, n_rows)
+    if vocab is None:
+        return None
+    batch_axes = tuple(a for a in (live_axes("activation_batch", rules, mesh, batch) or ()) if a not in vocab)
+    if batch_axes and batch % math.prod(mesh.shape[a] for a in batch_axes):
+        batch_axes = ()
+    return mesh, vocab, batch_axes or None
+
+
+def _first_row(vocab_axes, rows_per_device: int):
+    """The global id of this device's first vocabulary row."""
+    index = 0
+    for axis in vocab_axes:  # row-major over the vocab axes, as a PartitionSpec lays them out
+        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+    return index * rows_per_device
+
+
+def lookup(table_VD, tokens_BT):
+    """`table[tokens]` -> `[B, T, D]`, vocab-parallel when the mesh splits the table's rows."""
+    split = _split(table_VD.shape[0], tokens_BT.shape[0])
+    if split is None:
+        return table_VD[tokens_BT]
+    mesh, vocab, batch = split
+
+    def per_device(table_VD, tokens_BT):
+        local_BT = tokens_BT - _first_row(vocab, table_VD.shape[0])
+        here_BT = (local_BT >= 0) & (local_BT < table_VD.shape[0])
+        rows_BTD = table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)]
+        return jax.lax.psum(jnp.where(here_BT[..., None], rows_BTD, jnp.zeros((), table_VD.dtype)), vocab)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(vocab, None), P(batch, None)),
+                         out_specs=P(batch, None, None))(table_VD, tokens_BT)
+
+
+def split_parts(parts, h_BTD, w_VD, b_V, targets_BT):
+    """`parts(h, w, b, targets, first) -> (max, sum exp(z - max), target logit, max |z|)` over the
+    rows of `w` (global ids from `first`), combined over the vocab shards when the mesh splits them."""
+    split = _split(w_VD.shape[0], targets_BT.shape[0])
+    if split is None:
+        return parts(h_BTD, w_VD, b_V, targets_BT, 0)
+    mesh, vocab, batch = split
+
+    def per_device(h_BTD, w_VD, targets_BT, *b_V):
+        m_BT, s_BT, z_target_BT, max_abs = parts(h_BTD, w_VD, b_V[0] if b_V else None, targets_BT,
+                                                 _first_row(vocab, w_VD.shape[0]))
+        m_all_BT = jax.lax.pmax(jax.lax.stop_gradient(m_BT), vocab)  # a stabiliser: lse does not depend on it
+        s_all_BT = jax.lax.psum(s_BT * jnp.exp(m_BT - m_all_BT), vocab)
+        every = tuple(vocab) + tuple(batch or ())
+        return m_all_BT, s_all_BT, jax.lax.psum(z_target_BT, vocab), jax.lax.pmax(jax.lax.stop_gradient(max_abs), every)
+
+    specs = (P(batch, None, None), P(vocab, None), P(batch, None)) + (() if b_V is None else (P(vocab),))
+    args = (h_BTD, w_VD, targets_BT) + (() if b_V is None else (b_V,))
+    m_BT, s_BT, z_target_BT, max_abs = jax.shard_map(
+        per_device, mesh=mesh, in_specs=specs,
+        out_specs=(P(batch, None), P(batch, None), P(batch, None), P()))(*args)
+    return m_BT, s_BT, z_target_BT, max_abs
