@@ -39,3 +39,10 @@ def pyplot():
         print("matplotlib is not installed: no plot (uv run --extra plot ... to get one)")
         return None
     return plt
+
+
+def save_figure(fig, path) -> None:
+    """Lay out and write a matplotlib figure as a PNG (110 dpi), and say so."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

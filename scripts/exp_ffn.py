@@ -20,7 +20,6 @@ shrinks the batch to 8 x 64 tokens (16x fewer tokens per step): about 8 minutes 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import time
 
 import jax
@@ -28,10 +27,9 @@ import numpy as np
 
 from modern_jax.accounting import param_counts
 from modern_jax.config import ModelConfig
-from modern_jax.data.config import DataConfig
-from modern_jax.data.corpora import load_splits
+from modern_jax.data.corpora import load_splits, text_or_embedded
 from modern_jax.data.pipeline import TrainBatches
-from modern_jax.report import pyplot, write_table
+from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.step import Trainer, make_mesh
 
@@ -47,12 +45,10 @@ VARIANTS = {
 
 
 def load_text(path: str):
-    """(char tokenizer, training stream) of the text file, or of the embedded corpus."""
-    if path != "embedded" and pathlib.Path(path).is_file():
-        cfg = DataConfig(path=path, tokenizer="char")
-    else:
+    """(char tokenizer, training stream, source name) of the text file, or of the embedded corpus."""
+    cfg = text_or_embedded(None if path == "embedded" else path)
+    if cfg.path is None and path != "embedded":
         print(f"{path} not found: using the embedded corpus")
-        cfg = DataConfig(source="embedded", tokenizer="char")
     tokenizer, train_stream, _ = load_splits(cfg)
     return tokenizer, train_stream, cfg.path or "embedded corpus"
 
@@ -138,9 +134,7 @@ def main():
         axes[1].set_title(f"from step {args.steps // 6}", fontsize=9)
         axes[1].legend()
         fig.suptitle(title, fontsize=8)
-        fig.tight_layout()
-        fig.savefig(f"{args.out}/ffn.png", dpi=110)
-        print(f"wrote {args.out}/ffn.png")
+        save_figure(fig, f"{args.out}/ffn.png")
 
 
 if __name__ == "__main__":

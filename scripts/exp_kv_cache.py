@@ -13,7 +13,7 @@ import pathlib
 
 from modern_jax.accounting import kv_cache_bytes, kv_cache_bytes_per_token, param_counts
 from modern_jax.config import load_config_file, model_config_from_file
-from modern_jax.report import pyplot, write_table
+from modern_jax.report import pyplot, save_figure, write_table
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 CONTEXTS = (8 * 1024, 32 * 1024, 128 * 1024)
@@ -63,9 +63,7 @@ def main():
         axes[1].set_xscale("log")
         axes[1].set_xlabel("KV cache per token (KiB, bf16)")
         axes[1].tick_params(axis="y", labelsize=7)
-        fig.tight_layout()
-        fig.savefig(f"{args.out}/kv_cache.png", dpi=110)
-        print(f"wrote {args.out}/kv_cache.png")
+        save_figure(fig, f"{args.out}/kv_cache.png")
 
 
 if __name__ == "__main__":

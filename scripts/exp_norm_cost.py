@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from modern_jax.kernels.backend import platform
 from modern_jax.kernels.norm import norm
-from modern_jax.report import pyplot, write_table
+from modern_jax.report import pyplot, save_figure, write_table
 
 
 def bench(fn, *args, repeats=20):
@@ -62,9 +62,7 @@ def main():
         ax.bar([f"{r['op']}\n{r['impl']}" for r in rows], [r["GB/s"] for r in rows])
         ax.set_ylabel("achieved GB/s (1 read + 1 write)")
         ax.set_title(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(f"{args.out}/norm_cost_{args.dtype}.png", dpi=110)
-        print(f"wrote {args.out}/norm_cost_{args.dtype}.png")
+        save_figure(fig, f"{args.out}/norm_cost_{args.dtype}.png")
 
 
 if __name__ == "__main__":

@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import pathlib
 import time
 
 import jax
 import numpy as np
 
 from modern_jax.config import ModelConfig
-from modern_jax.data.config import DataConfig
-from modern_jax.data.corpora import load_splits
+from modern_jax.data.corpora import load_splits, text_or_embedded
 from modern_jax.data.pipeline import TrainBatches
-from modern_jax.report import pyplot, write_table
+from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.diagnostics import attention_logit_probe
 from modern_jax.training.step import Trainer, make_mesh
@@ -49,12 +47,10 @@ PROBE_EVERY = 10
 
 
 def load_text(path: str):
-    """(char tokenizer, training stream) of the text file, or of the embedded corpus."""
-    if path != "embedded" and pathlib.Path(path).is_file():
-        cfg = DataConfig(path=path, tokenizer="char")
-    else:
+    """(char tokenizer, training stream, source name) of the text file, or of the embedded corpus."""
+    cfg = text_or_embedded(None if path == "embedded" else path)
+    if cfg.path is None and path != "embedded":
         print(f"{path} not found: using the embedded corpus")
-        cfg = DataConfig(source="embedded", tokenizer="char")
     tokenizer, train_stream, _ = load_splits(cfg)
     return tokenizer, train_stream, cfg.path or "embedded corpus"
 
@@ -153,9 +149,7 @@ def main():
             ax.set_title(label, fontsize=9)
             ax.legend(fontsize=8)
         fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(f"{args.out}/qknorm_lr.png", dpi=110)
-        print(f"wrote {args.out}/qknorm_lr.png")
+        save_figure(fig, f"{args.out}/qknorm_lr.png")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from flax import nnx
 
 from modern_jax.config import ModelConfig
 from modern_jax.layers.block import Block
-from modern_jax.report import pyplot, write_table
+from modern_jax.report import pyplot, save_figure, write_table
 
 VARIANTS = {
     "post-LN": dict(norm_placement="post"),
@@ -90,9 +90,7 @@ def main():
             ax.set_title(title)
             ax.set_xlabel("block")
         axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(f"{args.out}/signal_propagation.png", dpi=110)
-        print(f"wrote {args.out}/signal_propagation.png")
+        save_figure(fig, f"{args.out}/signal_propagation.png")
 
 
 if __name__ == "__main__":
