@@ -162,7 +162,7 @@ def test_moe_aux_loss_sown_by_layers_joins_the_loss(monkeypatch, scan, remat):
         return sum(jnp.sum(jnp.square(stage["blocks"][0]["mlp"]["up_proj"]["kernel"])) for stage in params["stages"].values())
 
     def reference(params):
-        sums = model_loss_sums(trainer.model(params), micro)
+        sums, _ = nnx.capture(lambda model: model_loss_sums(model, micro), nnx.Intermediate)(trainer.model(params))
         return (sums["ce"] + tc.z_loss_weight * sums["z_loss"]) / sums["weight"] + 0.5 * up_norms(params)
 
     params = jax.device_get(state["params"])
