@@ -121,17 +121,21 @@ def main():
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
         smooth = max(1, args.steps // 30)
         for name, losses in curves.items():
-            mean = np.convolve(losses.mean(axis=0), np.ones(smooth) / smooth, mode="valid")
-            steps = np.arange(len(mean)) + smooth
+            per_seed = np.stack([np.convolve(run, np.ones(smooth) / smooth, mode="valid") for run in losses])
+            mean, std = per_seed.mean(axis=0), per_seed.std(axis=0)
+            steps = np.arange(len(mean)) + smooth  # the last step of each averaged span
+            late = steps > args.steps // 6
             axes[0].plot(steps, mean, label=name)
-            axes[1].plot(steps[args.steps // 6 :], mean[args.steps // 6 :], label=name)
+            (line,) = axes[1].plot(steps[late], mean[late], label=name)
+            axes[1].fill_between(steps[late], (mean - std)[late], (mean + std)[late], color=line.get_color(),
+                                 alpha=0.2, lw=0)
         for ax in axes:
             for lo, hi in spans:
                 ax.axvspan(lo, hi, color="0.9", zorder=0)
             ax.set_xlabel("step")
             ax.set_ylabel(f"training loss (nats, mean of {args.seeds} seeds, {smooth}-step average)")
         axes[0].set_title("whole run (shaded: the averaging windows)", fontsize=9)
-        axes[1].set_title(f"from step {args.steps // 6}", fontsize=9)
+        axes[1].set_title(f"after step {args.steps // 6} (bands: ± std over the seeds)", fontsize=9)
         axes[1].legend()
         fig.suptitle(title, fontsize=8)
         save_figure(fig, f"{args.out}/ffn.png")
