@@ -1,9 +1,25 @@
-"""Tables and plots for the experiment scripts: Markdown + CSV, and a PNG when matplotlib is there."""
+"""Timing, tables and plots for the benchmark and experiment scripts: Markdown + CSV, and a
+PNG when matplotlib is there."""
 
 from __future__ import annotations
 
 import csv
 import pathlib
+import statistics
+import time
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    """Median wall time of `fn(*args)` over `repeats` calls, after one call to compile and warm up."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def fmt(value) -> str:

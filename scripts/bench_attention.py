@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,7 @@ import numpy as np
 from modern_jax.kernels import AttentionSpec, UnsupportedFeatureError, attention, pallas_interpret
 from modern_jax.kernels.attention import DEFAULTS, attention_mask, attention_reference, resolve
 from modern_jax.kernels.backend import platform
+from modern_jax.report import median_seconds
 
 FULL = dict(batch=(2, 8), length=(1024, 4096, 16384), head_dim=(64, 128), group=(4, 8))
 SMALL = dict(batch=(2,), length=(256, 1024), head_dim=(64,), group=(4,))
@@ -43,16 +42,6 @@ def visible_pairs(T: int, causal: bool, window: int | None) -> int:
     lo = np.maximum(0, t - window + 1) if window else np.zeros_like(t)
     hi = t + 1 if causal else np.full_like(t, T)
     return int(np.sum(hi - lo))
-
-
-def timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def make(B, T, K, G, H, window, softcap, sinks, dtype=jnp.bfloat16, seed=0):
@@ -80,8 +69,8 @@ def bench_one(impl, args, pos, spec, repeats):
 
     argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
     try:
-        fwd = timed(jax.jit(forward), *args, repeats=repeats)
-        fwd_bwd = timed(jax.jit(jax.grad(loss, argnums=argnums)), *args, repeats=repeats)
+        fwd = median_seconds(jax.jit(forward), *args, repeats=repeats)
+        fwd_bwd = median_seconds(jax.jit(jax.grad(loss, argnums=argnums)), *args, repeats=repeats)
     except Exception as e:  # out of memory, a compiler limit: report and go on
         return None, None, type(e).__name__ + ": " + str(e).splitlines()[0][:80]
     return fwd, fwd_bwd, None

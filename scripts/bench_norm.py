@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +23,7 @@ import numpy as np
 
 from modern_jax.kernels import add_norm, norm, pallas_interpret
 from modern_jax.kernels.backend import platform
+from modern_jax.report import median_seconds
 
 FULL = dict(rows=(4096, 32768), width=(2048, 4096, 8192))
 SMALL = dict(rows=(2048,), width=(1024, 4096))
@@ -40,23 +39,13 @@ PEAK_BYTES_PER_S = {  # datasheet HBM bandwidth by device_kind prefix
 }
 
 
-def timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def peak_bandwidth(repeats: int) -> tuple[float, str]:
     kind = jax.devices()[0].device_kind
     for prefix, peak in PEAK_BYTES_PER_S.items():
         if kind.startswith(prefix):
             return peak, f"{kind} datasheet"
     x = jnp.ones((64 * 2**20 // 4,), jnp.float32)
-    seconds = timed(jax.jit(lambda x: x + 1), x, repeats=repeats)
+    seconds = median_seconds(jax.jit(lambda x: x + 1), x, repeats=repeats)
     return 2 * x.nbytes / seconds, f"{kind}: measured copy of 64 MiB"
 
 
@@ -74,8 +63,8 @@ def bench(impl, fused, M, D, dtype, repeats):
     def loss(x, residual, w):
         return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(forward(x, residual, w)))
 
-    fwd = timed(jax.jit(forward), x, residual, w, repeats=repeats)
-    fwd_bwd = timed(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), x, residual, w, repeats=repeats)
+    fwd = median_seconds(jax.jit(forward), x, residual, w, repeats=repeats)
+    fwd_bwd = median_seconds(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), x, residual, w, repeats=repeats)
     itemsize = jnp.dtype(dtype).itemsize
     fwd_bytes = M * D * itemsize * (4 if fused else 2)
     bwd_bytes = M * D * itemsize * (4 if fused else 3)

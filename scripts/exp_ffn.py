@@ -27,7 +27,7 @@ import numpy as np
 
 from modern_jax.accounting import param_counts
 from modern_jax.config import ModelConfig
-from modern_jax.data.corpora import load_splits, text_or_embedded
+from modern_jax.data.corpora import text_or_embedded_splits
 from modern_jax.data.pipeline import TrainBatches
 from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
@@ -42,15 +42,6 @@ VARIANTS = {
     "ReGLU": dict(ffn_type="gated", activation="relu", d_ff=GATED_WIDTH),
     "bilinear": dict(ffn_type="gated", activation="identity", d_ff=GATED_WIDTH),
 }
-
-
-def load_text(path: str):
-    """(char tokenizer, training stream, source name) of the text file, or of the embedded corpus."""
-    cfg = text_or_embedded(None if path == "embedded" else path)
-    if cfg.path is None and path != "embedded":
-        print(f"{path} not found: using the embedded corpus")
-    tokenizer, train_stream, _ = load_splits(cfg)
-    return tokenizer, train_stream, cfg.path or "embedded corpus"
 
 
 def windows(steps: int) -> list[tuple[int, int]]:
@@ -87,7 +78,9 @@ def main():
     args = parser.parse_args()
     batch = args.batch or (64 if args.full else 8)
     seq_len = args.seq_len or (128 if args.full else 64)
-    tokenizer, stream, source = load_text(args.data)
+    tokenizer, stream, _, source = text_or_embedded_splits(None if args.data == "embedded" else args.data)
+    if args.data != "embedded" and source != args.data:
+        print(f"{args.data} not found: using the {source}")
     train_cfg = TrainConfig(steps=args.steps, batch_size=batch, seq_len=seq_len, lr=1e-3, schedule="constant",
                             warmup_steps=args.steps // 20, z_loss_weight=0.0)
     spans = windows(args.steps)

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from modern_jax.config import ModelConfig
-from modern_jax.data.corpora import load_splits, text_or_embedded
+from modern_jax.data.corpora import text_or_embedded_splits
 from modern_jax.data.pipeline import TrainBatches
 from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
@@ -44,15 +44,6 @@ from modern_jax.training.step import Trainer, make_mesh
 LEARNING_RATES = [10 ** (-4 + k / 2) for k in range(7)]  # 1e-4 ... 1e-1
 VARIANTS = {"no QK-norm": "none", "QK-norm": "head"}
 PROBE_EVERY = 10
-
-
-def load_text(path: str):
-    """(char tokenizer, training stream, source name) of the text file, or of the embedded corpus."""
-    cfg = text_or_embedded(None if path == "embedded" else path)
-    if cfg.path is None and path != "embedded":
-        print(f"{path} not found: using the embedded corpus")
-    tokenizer, train_stream, _ = load_splits(cfg)
-    return tokenizer, train_stream, cfg.path or "embedded corpus"
 
 
 def run(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, probe, seed: int = 0) -> dict:
@@ -96,7 +87,9 @@ def main():
     steps = args.steps or (500 if args.full else 150)
     batch = args.batch or (32 if args.full else 4)
     seq_len = args.seq_len or (128 if args.full else 64)
-    tokenizer, stream, source = load_text(args.data)
+    tokenizer, stream, _, source = text_or_embedded_splits(None if args.data == "embedded" else args.data)
+    if args.data != "embedded" and source != args.data:
+        print(f"{args.data} not found: using the {source}")
     results, rows, summary = {}, [], []
     start = time.perf_counter()
     for name, qk_norm in VARIANTS.items():

@@ -154,12 +154,14 @@ def build_tokenizer(cfg: DataConfig, train_texts: list[str], all_texts: list[str
     return HFTokenizer.train_bpe(train_texts, vocab_size)
 
 
-def text_or_embedded(path: str | None, tokenizer: str = "char") -> DataConfig:
-    """The `data:` config of the text file (or directory) `path`, or of the embedded corpus
-    when `path` is None or missing (experiments that run anywhere)."""
-    if path is not None and pathlib.Path(path).exists():
-        return DataConfig(path=str(path), tokenizer=tokenizer)
-    return DataConfig(source="embedded", tokenizer=tokenizer)
+def text_or_embedded_splits(path: str | None, tokenizer: str = "char"):
+    """`(tokenizer, train stream, validation stream, source)` of the text file (or directory)
+    `path`, or of the embedded corpus when `path` is None or missing (experiments that run
+    anywhere); `source` names what was read."""
+    found = path is not None and pathlib.Path(path).exists()
+    cfg = DataConfig(path=str(path), tokenizer=tokenizer) if found else DataConfig(source="embedded",
+                                                                                  tokenizer=tokenizer)
+    return *load_splits(cfg), str(path) if found else "embedded corpus"
 
 
 def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size: int | None = None
