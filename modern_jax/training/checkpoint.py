@@ -1,4 +1,4 @@
-"""Orbax checkpoints of a run, and loading a model from any checkpoint directory.
+"""Orbax checkpoints of a run, their checksums, and loading a model from any checkpoint directory.
 
 A run directory:
 
@@ -7,109 +7,311 @@ A run directory:
     <output_dir>/checkpoints/<step>/  params/  (the model's parameters, a pure dict)
                                       state/   (opt_state, step, rng, nonfinite)
                                       meta/    (JSON: step, data-iterator state)
+                                      checksums.json (size and CRC-32 of every file above)
+    <output_dir>/damaged_checkpoints/<step>/  steps set aside on resume (never deleted)
 
 Orbax writes each step into a temporary directory and renames it when complete, so a
-process killed while saving leaves no step that looks complete; the manager ignores (and
-on restart removes) the partial one, and resuming takes the newest complete step.
+process killed while saving leaves no step that looks complete; the partial one is removed
+when the run restarts. Once a save has completed, `checksums.json` records the size and
+CRC-32 of each of its files (3-4 GB/s on one core), so a truncated, missing or overwritten
+file is found and named before Orbax reads it. Resuming takes the newest step that restores
+completely; newer damaged steps are named and moved to `damaged_checkpoints/`.
 
 `load_params(dir)` reads a model from a run directory (its newest step), from one step
-directory, or from a converted Hugging Face checkpoint (`params/` with `config.yaml`
-beside it): every layout keeps the parameters under `params/`.
+directory, or from a converted checkpoint (`params/` with `config.yaml` beside it): every
+layout keeps the parameters under `params/`. It names the step it loads and fails on a
+damaged one; it never falls back to an older step by itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
+import os
 import pathlib
+import re
+import shutil
+import sys
+import zlib
 
 import jax
 import orbax.checkpoint as ocp
-import yaml
 
-from modern_jax.config import ModelConfig
+from modern_jax.config import ModelConfig, read_yaml
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
+DAMAGED = "damaged_checkpoints"
+CHECKSUMS = "checksums.json"
+ITEMS = ("params", "state", "meta")
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+MISMATCH = "tree structures do not match"  # Orbax's words for a target of another pytree structure
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint that cannot be restored; the message names the step and the file."""
+
+
+# ----- checksums -------------------------------------------------------------------
+
+
+def _crc32(path: pathlib.Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_checksums(directory) -> None:
+    """Record the size and CRC-32 of every file under `directory` (written last, atomically)."""
+    directory = pathlib.Path(directory)
+    files = {p.relative_to(directory).as_posix(): [p.stat().st_size, _crc32(p)]
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != CHECKSUMS}
+    tmp = directory / (CHECKSUMS + ".tmp")
+    tmp.write_text(json.dumps({"files": files}))
+    os.replace(tmp, directory / CHECKSUMS)
+
+
+def _read_json(path: pathlib.Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def check_files(directory, items=ITEMS) -> str | None:
+    """What is wrong with the checkpoint files of `items` under `directory`, or None.
+
+    With `checksums.json` every recorded file is checked (present, size, CRC-32); without
+    it (a save cut off before it was sealed, or an older checkpoint) the files Orbax needs
+    first are checked to exist and parse."""
+    directory = pathlib.Path(directory)
+    for item in items:
+        if not (directory / item).is_dir():
+            return f"{item}/ is missing"
+    if (directory / CHECKSUMS).is_file():
+        recorded = _read_json(directory / CHECKSUMS)
+        if not isinstance(recorded, dict) or not isinstance(recorded.get("files"), dict):
+            return f"{CHECKSUMS} is damaged"
+        for name, (size, crc) in recorded["files"].items():
+            if name.split("/")[0] not in items:
+                continue
+            path = directory / name
+            if not path.is_file():
+                return f"{name} is missing"
+            actual = path.stat().st_size
+            if actual != size:
+                return f"{name} has {actual:,} bytes, {size:,} when it was saved (truncated)" if actual < size else \
+                       f"{name} has {actual:,} bytes, {size:,} when it was saved"
+            if _crc32(path) != crc:
+                return f"{name} has changed since it was saved (its CRC-32 differs)"
+        return None
+    for item in items:
+        required = ["meta/metadata"] if item == "meta" else [f"{item}/_METADATA", f"{item}/manifest.ocdbt"]
+        for name in required:
+            if not (directory / name).is_file():
+                return f"{name} is missing"
+        if _read_json(directory / required[0]) is None:
+            return f"{required[0]} is not valid JSON (truncated or overwritten)"
+    return None
+
+
+def describe_error(error: Exception, directory) -> str:
+    """One line from an Orbax / TensorStore error: the file or array it names, if any."""
+    text = str(error)
+    first = (text.strip().splitlines() or [type(error).__name__])[0].split(". See full")[0][:160]
+    files = re.findall(r'(?:Error reading|Error decoding local file) "([^"]+)"', text)
+    paths = re.findall(r"'path': '([^']+)'", text)
+    where = files[-1] if files else (paths[0] if paths else None)
+    if where is None:
+        return f"Orbax could not read it ({first})"
+    with contextlib.suppress(ValueError):
+        where = pathlib.Path(where).relative_to(pathlib.Path(directory).absolute()).as_posix()
+    array = f", array {paths[-1].rstrip('/')}" if len(paths) > 1 else ""
+    return f"{where}{array} could not be read ({first})"
+
+
+def _orbax_read(read, directory):
+    """`(read(), None)`, or `(None, what is wrong)` when Orbax fails. Its failed reads leave
+    coroutines that raise again when collected: they are collected here, off stderr."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda *_: None
+    try:
+        try:
+            return read(), None
+        except Exception as e:  # Orbax / TensorStore raise many kinds; each means a damaged checkpoint
+            problem = describe_error(e, directory)
+        return None, problem  # the exception and the frames it holds are released by now
+    finally:
+        gc.collect()
+        sys.unraisablehook = hook
+
+
+# ----- the run's checkpoints ---------------------------------------------------------
 
 
 class Checkpointer:
-    """Async save every N steps, keep the last K, restore the newest complete step."""
+    """Async save every N steps, keep the last K, restore the newest step that is whole.
+
+    The directory is created by the first save, so a run that fails to start leaves none."""
 
     def __init__(self, directory, keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).absolute()
+        for partial in self.directory.glob(f"*{_ORBAX_TMP}*") if self.directory.is_dir() else ():
+            shutil.rmtree(partial)  # a save cut off by a kill: never a complete step
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, cleanup_tmp_directories=False,
                                                  enable_async_checkpointing=async_save),
-            item_names=("params", "state", "meta"),
+            item_names=ITEMS,
         )
+        self._unsealed: list[int] = []  # saved steps whose checksums are not written yet
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, state: dict, meta: dict) -> None:
+        self.wait()  # Orbax would wait for the previous save here anyway
         step = int(meta["step"])
+        self.directory.mkdir(parents=True, exist_ok=True)
         rest = {k: v for k, v in state.items() if k != "params"}
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(state["params"]),
             state=ocp.args.StandardSave(rest),
             meta=ocp.args.JsonSave(meta),
         ), force=True)
+        self._unsealed.append(step)
 
-    def restore(self, abstract_state: dict, step: int | None = None) -> tuple[dict, dict]:
-        step = self.latest_step() if step is None else step
+    def restore(self, abstract_state: dict, step: int) -> tuple[dict, dict]:
+        """Step `step`, or `CheckpointDamaged` naming the file that is wrong."""
+        step_dir = self.directory / str(step)
         rest = {k: v for k, v in abstract_state.items() if k != "params"}
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_state["params"]),
-            state=ocp.args.StandardRestore(rest),
-            meta=ocp.args.JsonRestore(),
-        ))
-        return {"params": out["params"], **out["state"]}, dict(out["meta"])
+        problem = check_files(step_dir)
+        if problem is None:
+            out, problem = _orbax_read(lambda: self.manager.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_state["params"]),
+                state=ocp.args.StandardRestore(rest),
+                meta=ocp.args.JsonRestore(),
+            )), step_dir)
+            if problem is None:
+                return {"params": out["params"], **out["state"]}, dict(out["meta"])
+            if MISMATCH in problem:
+                raise ValueError(f"checkpoint step {step} ({step_dir}) holds a state of another structure than this "
+                                 "run's (saved by another version of modern_jax, or with train settings that shape "
+                                 "the optimizer state, such as train.clip_norm): resume with the settings it was "
+                                 "saved with, or start a new train.output_dir")
+        raise CheckpointDamaged(f"checkpoint step {step} ({self.directory / str(step)}) is damaged: {problem}")
+
+    def restore_newest(self, abstract_state: dict, log=print) -> tuple[int, dict, dict]:
+        """The newest step that restores completely. Newer damaged steps are named and moved
+        to `damaged_checkpoints/` beside `checkpoints/`; if none restores, nothing is moved."""
+        damaged = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, meta = self.restore(abstract_state, step)
+            except CheckpointDamaged as e:
+                damaged.append((step, str(e)))
+                log(f"{e}; trying the step before it")
+                continue
+            for bad, _ in damaged:
+                log(f"moved damaged step {bad} to {self._set_aside(bad)} (nothing was deleted)")
+            return step, state, meta
+        raise CheckpointDamaged("no checkpoint in " + str(self.directory) + " restores:\n  " +
+                                "\n  ".join(message for _, message in damaged) +
+                                "\nnothing was moved or deleted; repair or remove the damaged steps, or train into "
+                                "a new train.output_dir")
+
+    def _set_aside(self, step: int) -> pathlib.Path:
+        target = self.directory.parent / DAMAGED / str(step)
+        n = 1
+        while target.exists():
+            target, n = self.directory.parent / DAMAGED / f"{step}-{n}", n + 1
+        target.parent.mkdir(exist_ok=True)
+        shutil.move(str(self.directory / str(step)), str(target))
+        self.manager.reload()
+        return target
 
     def wait(self) -> None:
+        """Wait for the save in flight, then seal every finished step with its checksums."""
         self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+            for step in self._unsealed:
+                if (self.directory / str(step)).is_dir():
+                    write_checksums(self.directory / str(step))
+        self._unsealed.clear()
 
     def close(self) -> None:
+        self.wait()
         self.manager.close()
 
 
-def resolve_checkpoint(path) -> tuple[pathlib.Path, pathlib.Path]:
-    """`(params directory, config.yaml)` for a run directory, a step directory, or a converted
-    checkpoint (`params/` and `config.yaml` side by side)."""
+# ----- reading a model from any checkpoint directory ----------------------------------
+
+
+def read_config(config_path) -> dict:
+    """A checkpoint's config.yaml as `{"model": ..., ...}` (a bare model config is allowed)."""
+    config_path = pathlib.Path(config_path)
+    raw = read_yaml(config_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} is not a mapping of sections (model:, ...): damaged or not ours")
+    raw = raw if "model" in raw else {"model": raw}
+    if not isinstance(raw["model"], dict):
+        raise ValueError(f"{config_path}: the model: section is not a mapping")
+    return raw
+
+
+def resolve_checkpoint(path) -> tuple[pathlib.Path, pathlib.Path, str, str]:
+    """`(directory holding params/, config.yaml, what it is, where else to look)` for a run
+    directory (its newest step, complete or not), a step directory, or a converted checkpoint."""
     path = pathlib.Path(path).absolute()
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} is not a directory")
-    if (path / CHECKPOINTS).is_dir():  # a run directory: its newest complete step
-        steps = [int(p.name) for p in (path / CHECKPOINTS).iterdir() if p.name.isdigit() and (p / "params").is_dir()]
+    if (path / CHECKPOINTS).is_dir():  # a run directory: its newest step
+        steps = sorted(int(p.name) for p in (path / CHECKPOINTS).iterdir() if p.name.isdigit())
         if not steps:
-            raise ValueError(f"run directory {str(path)!r} holds no complete checkpoint")
-        return path / CHECKPOINTS / str(max(steps)) / "params", path / CONFIG_FILE
+            raise ValueError(f"run directory {str(path)!r} holds no checkpoint yet")
+        step_dir = path / CHECKPOINTS / str(steps[-1])
+        older = f"; the step before it is {steps[-2]}: --checkpoint {step_dir.parent / str(steps[-2])}" \
+            if len(steps) > 1 else ""
+        return step_dir, path / CONFIG_FILE, f"step {steps[-1]} of {path}", older
     if (path / "params").is_dir():
         for config in (path / CONFIG_FILE, path.parent.parent / CONFIG_FILE):
             if config.is_file():
-                return path / "params", config
+                what = f"step {path.name} of {path.parent.parent}" if config != path / CONFIG_FILE else str(path)
+                return path, config, what, ""
         raise ValueError(f"no {CONFIG_FILE} beside {str(path)!r} (nor in its run directory)")
     raise ValueError(f"{str(path)!r} is not a checkpoint: expected params/ (and config.yaml), or a run directory")
 
 
-def read_config(config_path) -> dict:
-    raw = yaml.safe_load(pathlib.Path(config_path).read_text()) or {}
-    return raw if "model" in raw else {"model": raw}  # a bare model config is allowed
-
-
-def load_params(path, dtype: str | None = None):
-    """`(ModelConfig, params pure dict, raw config dict, run directory)` from a checkpoint directory."""
-    from modern_jax.training.step import abstract_model
+def load_params(path, log=None, **overrides):
+    """`(ModelConfig, params pure dict, raw config dict, run directory)` from a checkpoint
+    directory; `overrides` replace ModelConfig fields (e.g. `dtype`). `log` is told which
+    step is loaded; a damaged one raises `CheckpointDamaged` naming the file."""
     from flax import nnx
 
-    params_dir, config_path = resolve_checkpoint(path)
+    from modern_jax.training.step import abstract_model
+
+    directory, config_path, what, elsewhere = resolve_checkpoint(path)
     raw = read_config(config_path)
-    cfg = ModelConfig.from_dict(raw["model"])
-    if dtype is not None:
-        cfg = cfg.replace(dtype=dtype)
-    _, abstract = abstract_model(cfg)
-    target = nnx.to_pure_dict(abstract)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), target)
-    with ocp.StandardCheckpointer() as checkpointer:
-        params = checkpointer.restore(params_dir, target)
-    return cfg, params, raw, config_path.parent
+    cfg = ModelConfig.from_dict({**raw["model"], **overrides})
+    if log is not None:
+        log(f"loading {what}")
+    problem = check_files(directory, items=("params",))
+    if problem is None:
+        _, abstract = abstract_model(cfg)
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                              nnx.to_pure_dict(abstract))
+        def read():
+            with ocp.StandardCheckpointer() as checkpointer:
+                return checkpointer.restore(directory / "params", target)
+
+        params, problem = _orbax_read(read, directory)
+        if problem is None:
+            return cfg, params, raw, config_path.parent
+    raise CheckpointDamaged(f"checkpoint {what} is damaged: {problem}{elsewhere}")

@@ -33,7 +33,9 @@ from modern_jax.accounting import flops_per_token
 from modern_jax.data.corpora import load_splits
 from modern_jax.data.pipeline import eval_batches, train_iterator
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
-from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, Checkpointer
+from modern_jax.sharding import RULES, mesh_axes
+from modern_jax.training import outputs
+from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, Checkpointer, read_config
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training import step as step_module
@@ -102,8 +104,9 @@ def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, me
     return True
 
 
-def _check_divisible(name: str, rows: int, mesh) -> None:
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+def _check_divisible(name: str, rows: int, mesh, rules=RULES) -> None:
+    """The batch rows split over the mesh axes of `activation_batch` and over the hosts."""
+    shards = math.prod(mesh.shape[a] for a in mesh_axes("activation_batch", rules) if a in mesh.shape)
     if rows % shards or rows % jax.process_count():
         raise ValueError(f"train.{name} gives {rows} rows, not divisible by the {shards} data shards "
                          f"and {jax.process_count()} hosts")
@@ -126,44 +129,45 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
     a checkpoint as a preemption would (the run resumes later with the same schedule)."""
     tc = run.train
     out_dir = pathlib.Path(tc.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    outputs.claim(out_dir, outputs.RUN, "train.output_dir", hint="choose a new train.output_dir (--output-dir)")
     mesh = run.parallel.mesh() if mesh is None else mesh
+    # creates nothing on disk until the first save, so a run that fails to start leaves no checkpoints/
     checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
     try:
         with _StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
             return _train(run, out_dir, mesh, checkpointer, log, stop_after, stop)
     finally:
-        checkpointer.wait()
         checkpointer.close()
 
 
 def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log, stop_after,
            stop: _StopSignal) -> TrainResult:
     tc = run.train
-    latest = checkpointer.latest_step()
-    if latest is not None and not tc.resume:
-        raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {latest}); "
+    steps = checkpointer.all_steps()
+    if steps and not tc.resume:
+        raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {steps[-1]}); "
                          "set train.resume=true to continue, or choose another output_dir")
-    run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if latest is not None else None)
+    run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None)
     model_cfg = run.model
     config_path = out_dir / CONFIG_FILE
-    if latest is not None and config_path.exists():
-        saved_model = yaml.safe_load(config_path.read_text()).get("model")
-        if saved_model != model_cfg.to_dict():
-            raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model: start a new "
-                             "train.output_dir or keep the model: section unchanged")
-    config_path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
-    tokenizer.save(out_dir)
-    _check_divisible("batch_size / grad_accum", tc.batch_size // tc.grad_accum, mesh)
-    _check_divisible("eval_batch_size", tc.eval_batch_size, mesh)
-
-    trainer = Trainer(model_cfg, tc, mesh, rules=run.parallel.rules_table())
-    if latest is not None:
-        state, meta = checkpointer.restore(trainer.abstract_state(), latest)
+    if steps and config_path.exists() and read_config(config_path)["model"] != model_cfg.to_dict():
+        raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model (its {CONFIG_FILE} "
+                         "differs from this model: section): start a new train.output_dir or keep the model: "
+                         "section unchanged")
+    rules = run.parallel.rules_table()
+    _check_divisible("batch_size / grad_accum", tc.batch_size // tc.grad_accum, mesh, rules)
+    _check_divisible("eval_batch_size", tc.eval_batch_size, mesh, rules)
+    trainer = Trainer(model_cfg, tc, mesh, rules=rules)
+    if steps:
+        latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log)
         data_state, start = meta["data"], int(meta["step"])
-        log(f"resumed from {out_dir / CHECKPOINTS / str(latest)} at step {start}")
+        newest = "" if latest == steps[-1] else " (the newest step that restores completely)"
+        log(f"resumed from {out_dir / CHECKPOINTS / str(latest)} at step {start}{newest}")
     else:
         state, data_state, start = trainer.init_state(tc.seed), None, 0
+    out_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run's files may be written
+    config_path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
+    tokenizer.save(out_dir)
 
     host, hosts = jax.process_index(), jax.process_count()
     iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size, grad_accum=tc.grad_accum,
@@ -198,7 +202,7 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
     progress = Progress(tc.steps, start, enabled=tc.progress)
     history: list[dict] = []
     pending: list[tuple[int, dict]] = []
-    saved_step = latest
+    saved_step = latest if steps else None
     result = TrainResult(out_dir, start, history, compile_s=compile_s)
 
     def save(step: int) -> None:
