@@ -47,8 +47,11 @@ def decay_mask(params, no_decay: tuple[str, ...]):
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    schedule = learning_rate_schedule(cfg)
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+    """Clipping and AdamW at learning rate 1: the update direction, decoupled weight decay
+    included. The train step scales it by `learning_rate_schedule(cfg)` at its step counter
+    (optax's own count advances only on applied updates, so it would fall behind after a
+    skipped non-finite step)."""
+    adamw = optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         mask=lambda params: decay_mask(params, cfg.no_decay))
     if cfg.clip_norm is None:
         return adamw

@@ -17,6 +17,8 @@ layer only has to supply rules.
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -32,7 +34,6 @@ from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 
 MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 # Logical axis -> mesh axes: the sharding layer's table (Megatron tensor parallelism, FSDP
 # over `embed`, the batch over data x fsdp).
 LOGICAL_RULES: tuple = RULES
@@ -55,8 +56,9 @@ def param_shardings(mesh: Mesh, abstract_params, rules=LOGICAL_RULES):
     return jax.tree_util.tree_map_with_path(one, specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES, None))  # [A, B, T]
+def batch_sharding(mesh: Mesh, rules=LOGICAL_RULES) -> NamedSharding:
+    """Batches `[A, B, T]` (micro-batches, rows, tokens): rows split as `activation_batch` is."""
+    return NamedSharding(mesh, logical_to_spec((None, "activation_batch", "activation_length"), rules))
 
 
 def abstract_model(cfg: ModelConfig):
@@ -66,26 +68,23 @@ def abstract_model(cfg: ModelConfig):
     return graphdef, params
 
 
-# Train-config fields the compiled step depends on (the rest is logging and bookkeeping).
-STEP_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction", "b1", "b2", "eps",
-               "weight_decay", "no_decay", "clip_norm", "z_loss_weight", "moe_aux_weight", "loss_vocab_chunk")
 # XLA options for the compiled steps, e.g. {"xla_backend_optimization_level": 0} for quick
 # compiles in tests. Initialisation always compiles at level 0: it runs once.
 COMPILER_OPTIONS: dict = {}
-_EXECUTABLES: dict = {}  # compiled steps shared by Trainers of equal configs, mesh and shapes
+_EXECUTABLES: dict = {}  # compiled steps shared by Trainers whose lowered programs are identical
 
 
 class Trainer:
     """Builds, places and compiles the steps of one (model, train config, mesh).
 
-    Steps compile ahead of time on first use (or `compile()`); the executables are shared
-    by every Trainer with the same model config, step-relevant train fields and mesh.
+    Steps compile ahead of time on first use (or `compile()`); an executable is shared by
+    every Trainer that lowers the same program (the key is the lowered StableHLO itself, so
+    whatever the step closes over that changes it gives a new executable).
     """
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=LOGICAL_RULES):
         check_mesh(model_cfg, mesh, rules)
         self.model_cfg, self.cfg, self.mesh, self.rules = model_cfg, train_cfg, mesh, tuple(rules)
-        self.key = (model_cfg, tuple(getattr(train_cfg, f) for f in STEP_FIELDS), mesh, tuple(rules))
         self.graphdef, abstract_params = abstract_model(model_cfg)
         self.tx = make_optimizer(train_cfg)
         self.schedule = learning_rate_schedule(train_cfg)
@@ -97,7 +96,7 @@ class Trainer:
                                        transform_non_params=lambda _: replicated)
         self.state_shardings = {"params": params_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated,
                                 "nonfinite": replicated}
-        self.batch_sharding = batch_sharding(mesh)
+        self.batch_sharding = batch_sharding(mesh, rules)
         self.replicated = replicated
         self.uses_dropout = model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0
         self._jitted = {
@@ -111,13 +110,12 @@ class Trainer:
         self._executables: dict = {}
 
     def _executable(self, name: str, *args):
-        """The compiled `name` for these argument shapes (compiled once per process)."""
-        leaves, treedef = jax.tree.flatten(args)
-        signature = (treedef, tuple((x.shape, jnp.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves))
+        """The compiled `name` for these arguments (each distinct program compiled once per process)."""
         options = {"xla_backend_optimization_level": 0} if name == "init" else COMPILER_OPTIONS
-        key = (name, self.key, signature, tuple(sorted(options.items())))
+        lowered = self.lower(name, *args)
+        key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), tuple(sorted(options.items())))
         if key not in _EXECUTABLES:
-            _EXECUTABLES[key] = self.lower(name, *args).compile(compiler_options=dict(options) or None)
+            _EXECUTABLES[key] = lowered.compile(compiler_options=dict(options) or None)
         return _EXECUTABLES[key]
 
     def lower(self, name: str, *args):
@@ -203,9 +201,13 @@ class Trainer:
         grad_norm = global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
+        # the schedule follows the step counter: a skipped step consumes its learning rate as
+        # it consumes its batch, and the run ends at the schedule's final value
+        lr = self.schedule(state["step"])
+
         def update(params, opt_state):
-            updates, opt_state = self.tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            direction, opt_state = self.tx.update(grads, opt_state, params)  # AdamW at learning rate 1
+            return optax.apply_updates(params, jax.tree.map(lambda u: u * lr.astype(u.dtype), direction)), opt_state
 
         # a non-finite step changes nothing (and costs no optimiser update)
         new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, state["opt_state"])
@@ -221,7 +223,7 @@ class Trainer:
             "z_loss": sums["z_loss"] / denom,
             "moe_aux_loss": aux,
             "grad_norm": grad_norm,
-            "lr": self.schedule(state["step"]),
+            "lr": jnp.where(finite, lr, 0.0),  # what was applied: nothing on a skipped step
             "max_abs_logit": sums["max_abs_logit"],
             "finite": finite,
             "nonfinite_streak": new_state["nonfinite"],
