@@ -5,11 +5,18 @@
 
 The prompt is prefilled in one call, then one token per step inside a `lax.scan`, all in
 one jit. After a sequence emits `eos_id` it keeps emitting it (callers cut there).
+
+A model with learned positions has no row past `max_position_embeddings`: `generate`
+refuses a prompt plus `max_new_tokens` longer than that, and `sample_texts` stops there
+with a warning. Other models may run past it; `sample_texts` warns that it leaves the
+trained context.
+
 Letters: B batch, T prompt length, V vocab, N new tokens.
 """
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import jax
@@ -74,10 +81,29 @@ def generate(graphdef, params, prompt_BT, *, max_new_tokens: int, rng=None, temp
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    cfg, T = nnx.merge(graphdef, params).cfg, prompt_BT.shape[1]
+    room = new_tokens_that_fit(cfg, T)
+    if room is not None and max_new_tokens > room:
+        raise ValueError(_past_the_context(cfg, T, max_new_tokens))
     rng = jax.random.key(0) if rng is None else rng
     out = _generate(graphdef, params, prompt_BT, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
                     top_k=top_k, top_p=top_p, eos_id=eos_id)
     return np.asarray(out)
+
+
+def new_tokens_that_fit(cfg, prompt_len: int) -> int | None:
+    """How many new tokens a prompt of `prompt_len` leaves room for; None: no hard limit
+    (only learned positions stop at `max_position_embeddings`)."""
+    if cfg.position_embedding != "learned":
+        return None
+    return max(cfg.max_position_embeddings - prompt_len, 0)
+
+
+def _past_the_context(cfg, prompt_len: int, max_new_tokens: int) -> str:
+    P, room = cfg.max_position_embeddings, new_tokens_that_fit(cfg, prompt_len)
+    fix = f"at most {room} new tokens fit" if room else "the prompt leaves no room: shorten it"
+    return (f"max_new_tokens={max_new_tokens} after a prompt of {prompt_len} tokens exceeds "
+            f"max_position_embeddings={P} (learned positions have no row past it): {fix}")
 
 
 def cut_at_eos(tokens_N, eos_id: int | None) -> np.ndarray:
@@ -91,12 +117,27 @@ def cut_at_eos(tokens_N, eos_id: int | None) -> np.ndarray:
 def sample_texts(graphdef, params, tokenizer, prompt: str = "", *, n: int = 3, max_new_tokens: int = 200,
                  seed: int = 0, temperature: float = 0.8, top_k: int | None = None,
                  top_p: float | None = None) -> list[str]:
-    """`n` continuations of `prompt` (from `<bos>` when the prompt is empty), decoded to text."""
+    """`n` continuations of `prompt` (from `<bos>` when the prompt is empty), decoded to text.
+
+    With learned positions the continuations stop at `max_position_embeddings` tokens (with
+    a warning); other models warn when they generate past it."""
     ids = list(tokenizer.encode(prompt)) if prompt else []
     if tokenizer.bos_id is not None:
         ids = [tokenizer.bos_id] + ids
     if not ids:
         raise ValueError("this tokenizer has no <bos>: give a prompt")
+    cfg, T = nnx.merge(graphdef, params).cfg, len(ids)
+    room, P = new_tokens_that_fit(cfg, T), cfg.max_position_embeddings
+    if room is not None and max_new_tokens > room:
+        if not room:
+            raise ValueError(_past_the_context(cfg, T, max_new_tokens))
+        warnings.warn(f"generation stops at the context of max_position_embeddings={P} tokens (learned "
+                      f"positions): {room} new tokens after the {T}-token prompt, not max_new_tokens="
+                      f"{max_new_tokens}", stacklevel=2)
+        max_new_tokens = room
+    elif room is None and T + max_new_tokens > P:
+        warnings.warn(f"generating past the trained context: {T} prompt + {max_new_tokens} new tokens exceed "
+                      f"max_position_embeddings={P}; quality may degrade there", stacklevel=2)
     prompt_BT = np.tile(np.asarray(ids, np.int32)[None], (n, 1))
     out_BN = generate(graphdef, params, prompt_BT, max_new_tokens=max_new_tokens, rng=jax.random.key(seed),
                       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id)

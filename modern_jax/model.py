@@ -15,11 +15,20 @@ Layers with identical parameter shapes and static choices (window, RoPE) are sta
 along a `layers` axis and run by `jax.lax.scan`. A per-layer pattern (Gemma's local /
 global, Llama 4's NoPE layers) becomes a repeating unit of a few blocks, scanned as many
 times as it repeats, so compile time does not grow with depth.
+
+Ranges (token ids, learned positions, the cache's length and batch) are checked wherever the
+values are known: shapes always, values eagerly. Under jit the values are tracers; wrap the
+jitted function in `jax.experimental.checkify` inside `checked()` (or with
+`MODERN_JAX_CHECKS=1`) to check them there too (see `checked`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -173,9 +182,40 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
         """An empty cache for `batch` sequences of at most `max_len` tokens."""
+        cfg = self.cfg
+        if cfg.position_embedding == "learned" and max_len > cfg.max_position_embeddings:
+            raise ValueError(f"init_cache(max_len={max_len}) exceeds max_position_embeddings="
+                             f"{cfg.max_position_embeddings} (learned positions have no row past it): "
+                             f"use max_len <= {cfg.max_position_embeddings}")
         dtype = jnp.dtype(dtype or self.cfg.dtype)
         return {"index": jnp.zeros((batch,), jnp.int32),
                 "stages": [stage.init_cache(batch, max_len, dtype) for stage in self.stages]}
+
+    def cache_length(self, cache: dict) -> int | None:
+        """The most tokens `cache` holds: the slots of its global layers (and of any ring shorter
+        than its window); None when every layer is a full `sliding_window` ring, which wraps."""
+        lengths = [layer["pos"].shape[2]  # [repeats, B, S]
+                   for stage, stage_cache in zip(self.stages, cache["stages"])
+                   for spec, layer in zip(stage.unit, stage_cache)
+                   if spec.window is None or layer["pos"].shape[2] < spec.window]
+        return min(lengths) if lengths else None
+
+    def _check_cache(self, cache: dict, B: int, T: int) -> None:
+        """The batch and, statically or wherever the index is known, the length of `cache`."""
+        cache_B = cache["index"].shape[0]
+        if cache_B != B:
+            raise ValueError(f"the cache was made for batch {cache_B}, the tokens have batch {B}: "
+                             f"make it with init_cache({B}, max_len)")
+        S = self.cache_length(cache)
+        if S is None:
+            return
+        if T > S:
+            raise ValueError(f"{T} tokens do not fit a cache of max_len={S}: make it with "
+                             f"init_cache(batch, max_len >= {T})")
+        _check_range(cache["index"] + T, 0, S + 1,
+                     f"decoding past the cache: the tokens would end at lengths [{{}}, {{}}], the cache "
+                     f"holds max_len={S} (global layers would overwrite their oldest keys): make it "
+                     f"with a larger init_cache(batch, max_len)")
 
     # ----- forward -------------------------------------------------------------
 
@@ -184,14 +224,26 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         tokens_BT = _check_tokens(tokens_BT, cfg.vocab_size)
         B, T = tokens_BT.shape
+        if T == 0:
+            raise ValueError("tokens have length 0: give at least one token")
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are for packed training sequences; decoding with a cache takes none")
+        if cache is not None:
+            self._check_cache(cache, B, T)
+        P = cfg.max_position_embeddings
+        if cfg.position_embedding == "learned" and cache is None and positions is None and T > P:
+            raise ValueError(f"{T} tokens exceed max_position_embeddings={P} (learned positions have no row "
+                             f"past it): give at most {P} tokens")  # static: the positions are 0 .. T - 1
         if positions is None:
             start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache["index"]
             positions = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         elif positions.shape != (B, T):
             raise ValueError(f"positions must have the tokens' shape {(B, T)}, got {positions.shape}")
         pos_BT = positions.astype(jnp.int32)
+        if cfg.position_embedding == "learned":
+            _check_range(pos_BT, 0, P, f"positions must lie in [0, max_position_embeddings={P}) (learned "
+                                       f"positions have no row past it); got values in [{{}}, {{}}]: shorten "
+                                       f"the sequence")
 
         x_BTD = vocab.lookup(self.embed_tokens[...].astype(cfg.dtype), tokens_BT)
         if cfg.embed_scale:
@@ -240,14 +292,51 @@ class Transformer(nnx.Module):
         return logits_BTV if cache is None else (logits_BTV, new_cache)
 
 
+_CHECKS = os.environ.get("MODERN_JAX_CHECKS", "") == "1"
+
+
+@contextlib.contextmanager
+def checked():
+    """Check value ranges under jit too: token ids, learned positions, the cache's length.
+
+    Eagerly they are always checked (ValueError). Traced values become `checkify.check`s
+    while this is on (or with `MODERN_JAX_CHECKS=1`), so the function must be traced inside
+    it and wrapped in `checkify.checkify`:
+
+        graphdef, state = nnx.split(model)
+        forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+        with modern_jax.model.checked():
+            err, logits = checkify.checkify(forward)(state, tokens)
+        err.throw()  # a JaxRuntimeError naming the range, e.g. vocab_size
+
+    The switch is read while tracing: a function jitted before it was turned on keeps its
+    unchecked trace. With checks on, a jitted call outside `checkify.checkify` fails to trace.
+    """
+    global _CHECKS
+    before, _CHECKS = _CHECKS, True
+    try:
+        yield
+    finally:
+        _CHECKS = before
+
+
+def _check_range(x, low: int, high: int, message: str) -> None:
+    """Values of `x` must lie in [low, high); `message` has two `{}` for their min and max.
+
+    Concrete values raise a ValueError; traced ones add a `checkify.check` when checks are on."""
+    if isinstance(x, jax.core.Tracer):
+        if _CHECKS:
+            checkify.check(jnp.all((x >= low) & (x < high)), message, jnp.min(x), jnp.max(x))
+        return
+    host = np.asarray(jax.device_get(x))
+    if host.size and (int(host.min()) < low or int(host.max()) >= high):
+        raise ValueError(message.format(int(host.min()), int(host.max())))
+
+
 def _check_tokens(tokens_BT, vocab_size: int):
-    """Shape and dtype always; the id range wherever the values are known (not under jit)."""
+    """Shape and dtype always; the id range eagerly, and under jit inside `checked()`."""
     tokens_BT = jnp.asarray(tokens_BT)
     if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers of shape [batch, length], got {tokens_BT.dtype}{list(tokens_BT.shape)}")
-    if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
-        host = np.asarray(jax.device_get(tokens_BT))
-        low, high = int(host.min()), int(host.max())
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got values in [{low}, {high}]")
+    _check_range(tokens_BT, 0, vocab_size, f"token ids must lie in [0, vocab_size={vocab_size}); got values in [{{}}, {{}}]")
     return tokens_BT

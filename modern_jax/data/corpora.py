@@ -9,10 +9,15 @@ Splits are deterministic. With ten documents or more, a document goes to validat
 `crc32(name) % 10_000 < val_fraction * 10_000` (stable when files are added); with fewer,
 every document is cut at `1 - val_fraction` of its length, so a single file keeps its
 first 90% for training and its last 10% for validation (the classic char-LM split).
+
+Every token id read from a file is checked against the tokenizer's vocabulary, and an
+empty file or split is an error: a wrong `token_dtype`, a text file read as tokens or a
+mismatched tokenizer fails here, by name, instead of training on clamped ids.
 """
 
 from __future__ import annotations
 
+import codecs
 import pathlib
 import sysconfig
 import zlib
@@ -39,7 +44,11 @@ class TokenStream:
 
     @classmethod
     def from_documents(cls, docs: list[np.ndarray], bos_id: int | None = None, eos_id: int | None = None,
-                       dtype=np.int32) -> TokenStream:
+                       dtype=np.int32, *, what: str = "the corpus split", fix: str = "give it some text"
+                       ) -> TokenStream:
+        """`what` names the split and `fix` the remedy in the error for a split without tokens."""
+        if not any(len(doc) for doc in docs):  # <bos> / <eos> alone are no data
+            raise ValueError(f"{what} is empty: its {len(docs)} document(s) hold no tokens: {fix}")
         pieces, starts, n = [], [], 0
         for doc in docs:
             if bos_id is not None:
@@ -51,8 +60,6 @@ class TokenStream:
             starts.append(n)
             pieces.append(np.asarray(doc, dtype))
             n += len(doc)
-        if not pieces:
-            raise ValueError("the corpus split is empty: no tokens")
         return cls(np.concatenate(pieces), np.asarray(starts, np.int64))
 
 
@@ -100,6 +107,8 @@ def text_documents(path) -> list[tuple[str, str]]:
                                  "source: tokens") from None
     if not docs:
         raise ValueError(f"data.path={str(path)!r} holds no readable text files")
+    if not any(text for _, text in docs):
+        raise ValueError(f"data.path={str(path)!r} is empty: no text to train on")
     return docs
 
 
@@ -188,11 +197,43 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
         else:
             tokenizer = build_tokenizer(cfg, [t for _, t in train_docs], [t for _, t in docs], vocab_size)
 
-    def stream(split):
-        ids = [tokenizer.encode(content) if is_text else np.asarray(content, np.int64) for _, content in split]
-        return TokenStream.from_documents(ids, tokenizer.bos_id, tokenizer.eos_id, _stream_dtype(tokenizer.vocab_size))
+    where = "the embedded corpus" if source == "embedded" else f"data.path={str(cfg.path)!r}"
+    if not is_text:
+        for name, ids in docs:
+            check_token_ids(ids, tokenizer.vocab_size, f"{where} ({name})", cfg, ids.tobytes())
 
-    return tokenizer, stream(train_docs), stream(val_docs)
+    def stream(split, name):
+        ids = [tokenizer.encode(content) if is_text else np.asarray(content, np.int64) for _, content in split]
+        return TokenStream.from_documents(ids, tokenizer.bos_id, tokenizer.eos_id, _stream_dtype(tokenizer.vocab_size),
+                                          what=f"the {name} split of {where}",
+                                          fix=f"give more data or change data.val_fraction={cfg.val_fraction}")
+
+    return tokenizer, stream(train_docs, "training"), stream(val_docs, "validation")
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, where: str, cfg: DataConfig, head: bytes = b"") -> None:
+    """Every id in [0, vocab_size), else a ValueError naming `where`, the worst id and its
+    position, and the fix; `head` (the data's first bytes) adds a hint when it is text."""
+    if not len(ids):
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low >= 0 and high < vocab_size:
+        return
+    bad = high if high >= vocab_size else low
+    position = int(np.argmax(np.asarray(ids) == bad))
+    raise ValueError(f"{where}: token id {bad} at position {position} is outside the tokenizer's vocabulary "
+                     f"[0, {vocab_size}): set data.token_dtype (now {cfg.token_dtype}) to the dtype that wrote "
+                     f"the ids, or data.tokenizer_path to the tokenizer that made them{_text_hint(head)}")
+
+
+def _text_hint(head: bytes) -> str:
+    """A hint when binary data looks like UTF-8 text (printable, no NULs)."""
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head[:65536])
+    except UnicodeDecodeError:
+        return ""
+    printable = sum(c.isprintable() or c in "\n\r\t" for c in text)
+    return "; it looks like UTF-8 text: use source: text" if text and printable >= 0.95 * len(text) else ""
 
 
 def _stream_dtype(vocab_size: int):
@@ -204,14 +245,28 @@ def _token_file_splits(cfg: DataConfig, tokenizer: Tokenizer | None):
     path = pathlib.Path(cfg.path)
     if not path.is_file():
         raise ValueError(f"data.path={str(path)!r} does not exist")
+    where, size, itemsize = f"data.path={str(path)!r}", path.stat().st_size, np.dtype(cfg.token_dtype).itemsize
+    with path.open("rb") as f:
+        head = f.read(65536)
+    if size == 0:
+        raise ValueError(f"{where} is empty: no tokens")
+    if size % itemsize:
+        raise ValueError(f"{where} holds {size} bytes, not a whole number of data.token_dtype={cfg.token_dtype} "
+                         f"ids ({itemsize} bytes each): set data.token_dtype to the dtype that wrote it"
+                         f"{_text_hint(head)}")
     tokens = np.memmap(path, dtype=cfg.token_dtype, mode="r")
     if len(tokens) < 4:
-        raise ValueError(f"data.path={str(path)!r} holds fewer than 4 tokens")
+        raise ValueError(f"{where} holds fewer than 4 tokens")
     cut = int(len(tokens) * (1.0 - cfg.val_fraction))
     if tokenizer is None:
         tokenizer = load_tokenizer_for_tokens(cfg)
+    check_token_ids(tokens, tokenizer.vocab_size, where, cfg, head)
 
     def stream(lo, hi):
+        if hi <= lo:
+            name = "training" if lo == 0 else "validation"
+            raise ValueError(f"the {name} split of {where} is empty: 0 of its {len(tokens)} tokens with "
+                             f"data.val_fraction={cfg.val_fraction}: use a longer file or change val_fraction")
         part = np.asarray(tokens[lo:hi])
         starts = [0]
         if cfg.doc_separator_id is not None:

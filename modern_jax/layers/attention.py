@@ -142,8 +142,8 @@ class MLAttention(nnx.Module):
     def scale(self) -> float:
         cfg = self.cfg
         scale = cfg.attn_scale if cfg.attn_scale is not None else (cfg.mla_nope_dim + cfg.mla_rope_dim) ** -0.5
-        s = self.spec.rope.scaling
-        if s.type == "yarn" and s.mscale_all_dim:  # DeepSeek: softmax scale times mscale^2
+        s = None if self.spec.rope is None else self.spec.rope.scaling
+        if s is not None and s.type == "yarn" and s.mscale_all_dim:  # DeepSeek: softmax scale times mscale^2
             scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
         return scale
 
@@ -155,10 +155,13 @@ class MLAttention(nnx.Module):
             q_BTNH = self.q_b_proj("BTQ,QNH->BTNH", self.q_a_layernorm(self.q_a_proj("BTD,DQ->BTQ", x_BTD)))
         else:
             q_BTNH = self.q_proj("BTD,DNH->BTNH", x_BTD)
-        q_nope_BTNH, q_pe_BTNR = q_BTNH[..., :Hn], apply_rope(q_BTNH[..., Hn:], pos_BT, spec.rope)
+        q_nope_BTNH, q_pe_BTNR = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
         ckv_BTX = self.kv_a_proj_with_mqa("BTD,DX->BTX", x_BTD)
         c_BTC = checkpoint_name(self.kv_a_layernorm(ckv_BTX[..., :C]), "key_proj")
-        k_pe_BTR = apply_rope(ckv_BTX[:, :, None, C:], pos_BT, spec.rope)[:, :, 0]
+        k_pe_BTR = ckv_BTX[..., C:]
+        if spec.rope is not None:  # a NoPE layer leaves the decoupled query / key parts unrotated
+            q_pe_BTNR = apply_rope(q_pe_BTNR, pos_BT, spec.rope)
+            k_pe_BTR = apply_rope(k_pe_BTR[:, :, None], pos_BT, spec.rope)[:, :, 0]
         k_pos_BS, k_seg_BS = pos_BT, seg_BT
         if cache is None:
             c_BSC, k_pe_BSR = c_BTC, k_pe_BTR

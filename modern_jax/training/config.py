@@ -17,13 +17,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from modern_jax.config import ModelConfig, check_keys, load_config_file
+from modern_jax.config import RUN_SECTIONS, ModelConfig, check_keys, check_sections, load_config_file
 from modern_jax.data.config import DataConfig
 from modern_jax.parallel.config import ParallelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 NO_DECAY_GROUPS = ("embedding", "norm", "bias")
-SECTIONS = ("model", "train", "data", "parallel")
+SECTIONS = RUN_SECTIONS
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -87,6 +87,8 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.no_decay, list):
             object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        if not isinstance(self.no_decay, tuple):
+            _fail("no_decay", self.no_decay, f"expected a list of groups from {', '.join(NO_DECAY_GROUPS)}")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batch_size",
                      "keep_checkpoints", "max_nonfinite_steps"):
             value = getattr(self, name)
@@ -202,22 +204,18 @@ def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
     data = DataConfig.from_dict(raw.get("data"))
     parallel = ParallelConfig.from_dict(raw.get("parallel"))
     if model.get("vocab_size") != "auto":
-        ModelConfig.from_dict(model)  # validate now
+        model_cfg = ModelConfig.from_dict(model)  # validate now
     else:
-        ModelConfig.from_dict({**model, "vocab_size": 1})
+        model_cfg = ModelConfig.from_dict({**model, "vocab_size": 1})
+    P = model_cfg.max_position_embeddings
+    if model_cfg.position_embedding == "learned" and train.seq_len > P:
+        raise ValueError(f"{where}: train.seq_len={train.seq_len} exceeds model.max_position_embeddings={P} "
+                         f"(learned positions have no row past it): lower train.seq_len")
     return RunConfig(model, train, data, parallel)
 
 
 def _check_sections(raw: dict, where: str) -> None:
-    for key, value in raw.items():
-        if key not in SECTIONS:
-            import difflib
-
-            close = difflib.get_close_matches(str(key), SECTIONS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ValueError(f"{where}: unknown section {key!r}{hint} (sections: {', '.join(SECTIONS)})")
-        if value is not None and not isinstance(value, dict):
-            raise ValueError(f"{where}: section {key!r} must be a mapping, got {value!r}")
+    check_sections(raw, where, SECTIONS)
 
 
 def load_run_config(path, overrides: list[str] = ()) -> RunConfig:
