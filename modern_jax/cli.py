@@ -28,14 +28,37 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
-def _load_model_config(args):
-    from modern_jax.config import model_config_from_file
+def _check_flags(args, *checks) -> None:
+    """`(flag, ok, expected)`: each given flag's value must pass `ok`, else a message naming the flag."""
+    for flag, ok, expected in checks:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and not ok(value):
+            raise ValueError(f"{flag} {value} is invalid: expected {expected}")
 
+
+def _positive(flag: str):
+    return flag, lambda v: v >= 1, "a positive integer"
+
+
+def _load_model_config(args):
+    from modern_jax.config import ModelConfig, apply_overrides, model_config_from_file, read_json
+
+    _check_flags(args, _positive("--context"), _positive("--seq-len"))
+    if args.hf_config and args.config:
+        raise ValueError("give one of --config FILE or --hf-config config.json, not both")
     if args.hf_config:
         from modern_jax.convert.hf_config import config_from_hf
 
-        with open(args.hf_config) as f:
-            return config_from_hf(json.load(f))
+        path = pathlib.Path(args.hf_config)
+        if path.is_dir() and (path / "config.json").is_file():
+            path = path / "config.json"
+        hf = read_json(path)
+        try:
+            cfg = config_from_hf(hf)
+        except (ValueError, TypeError) as e:  # TypeError: a value of a type no family default has
+            raise ValueError(f"{path}: {e}") from None
+        raw = apply_overrides({"model": cfg.to_dict()}, args.overrides, sections=("model",))
+        return ModelConfig.from_dict(raw["model"])
     if not args.config:
         raise ValueError("give --config FILE (a configs/*.yaml preset) or --hf-config config.json")
     return model_config_from_file(args.config, args.overrides)
@@ -128,13 +151,14 @@ def _checkpoint_data(args, raw: dict, run_dir):
 
 
 def cmd_evaluate(args) -> int:
+    _check_flags(args, _positive("--seq-len"), _positive("--batch-size"), _positive("--max-windows"))
     import jax
 
     from modern_jax.data.pipeline import eval_batches
     from modern_jax.training import TrainConfig, Trainer, evaluate_batches, make_mesh
     from modern_jax.training.checkpoint import load_params
 
-    cfg, params, raw, run_dir = load_params(args.checkpoint)
+    cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note)
     tokenizer, stream = _checkpoint_data(args, raw, run_dir)
     seq_len = args.seq_len or (raw.get("train") or {}).get("seq_len") or min(1024, cfg.max_position_embeddings)
     tc = TrainConfig(seq_len=seq_len, eval_batch_size=args.batch_size, warmup_steps=0)
@@ -150,11 +174,14 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    _check_flags(args, _positive("--max-new-tokens"), _positive("--num-samples"), _positive("--top-k"),
+                 ("--top-p", lambda p: 0 < p <= 1, "a probability in (0, 1]"),
+                 ("--temperature", lambda t: 0 <= t < math.inf, "a finite number >= 0 (0: greedy)"))
     from modern_jax.generate import sample_texts
     from modern_jax.training.checkpoint import load_params
     from modern_jax.training.step import abstract_model
 
-    cfg, params, raw, run_dir = load_params(args.checkpoint)
+    cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note)
     tokenizer = _checkpoint_tokenizer(run_dir)
     graphdef, _ = abstract_model(cfg)
     temperature = 0.0 if args.greedy else args.temperature
@@ -168,15 +195,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _note(message: str) -> None:
+    """Progress for the user on stderr, so stdout keeps only the command's result."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def cmd_convert(args) -> int:
     from modern_jax.convert import convert_from_hf, convert_to_hf
 
     if bool(args.from_hf) == bool(args.to_hf):
         raise ValueError("give exactly one of --from-hf HF_DIR or --to-hf CHECKPOINT")
     if args.from_hf:
-        convert_from_hf(args.from_hf, args.out, dtype=args.dtype or "float32")
+        convert_from_hf(args.from_hf, args.out, dtype=args.dtype or "float32", overwrite=args.overwrite)
     else:
-        convert_to_hf(args.to_hf, args.out, model_type=args.model_type, dtype=args.dtype)
+        convert_to_hf(args.to_hf, args.out, model_type=args.model_type, dtype=args.dtype, overwrite=args.overwrite,
+                      log=_note)
     print(f"wrote {args.out}")
     return 0
 
@@ -186,23 +219,26 @@ def cmd_plan(args) -> int:
 
     from modern_jax.parallel.mesh import parse_mesh
 
+    _check_flags(args, _positive("--batch"), _positive("--seq"),
+                 ("--hbm-gib", lambda g: 0 < g < math.inf, "a positive number of GiB"))
     sizes = {"data": 1, "fsdp": 1, "tensor": 1, **parse_mesh(args.mesh)}
     if any(v < 1 for v in sizes.values()):
         raise ValueError("plan needs explicit mesh sizes (no -1): the mesh is made of host CPU devices")
+    from modern_jax.training.config import load_run_config
+
+    overrides = list(args.overrides) + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"]
+    run = load_run_config(args.config, overrides)  # config errors here, before any re-execution
+    if not isinstance(run.model_dict.get("vocab_size"), int):
+        raise ValueError("plan needs a numeric model.vocab_size (override model.vocab_size=N)")
     n = math.prod(sizes.values())
     flag = f"--xla_force_host_platform_device_count={n}"
     if flag not in os.environ.get("XLA_FLAGS", ""):  # compile for n host CPU devices, in a fresh process
         import subprocess
 
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), "JAX_PLATFORMS": "cpu"}
-        return subprocess.call([sys.executable, "-m", "modern_jax.cli", *sys.argv[1:]], env=env)
+        return subprocess.call([sys.executable, "-m", "modern_jax.cli", *args.argv], env=env)
     from modern_jax.parallel.plan import format_plan, plan
-    from modern_jax.training.config import load_run_config
 
-    overrides = list(args.overrides) + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"]
-    run = load_run_config(args.config, overrides)
-    if not isinstance(run.model_dict.get("vocab_size"), int):
-        raise ValueError("plan needs a numeric model.vocab_size (override model.vocab_size=N)")
     print(format_plan(plan(run, sizes, args.hbm_gib)))
     return 0
 
@@ -251,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("convert", help="Hugging Face checkpoint <-> modern_jax (Orbax) checkpoint")
     co.add_argument("--from-hf", help="a Hugging Face model directory (config.json + safetensors)")
     co.add_argument("--to-hf", help="a converted checkpoint, a run directory or a step directory")
-    co.add_argument("--out", required=True, help="the directory to write")
+    co.add_argument("--out", required=True, help="the directory to write: new or empty (see --overwrite)")
+    co.add_argument("--overwrite", action="store_true",
+                    help="replace --out if it holds an earlier conversion of the same kind (never a training run)")
     co.add_argument("--model-type", help="--to-hf: the Hugging Face family to write (default: the source's)")
     co.add_argument("--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 / as stored)")
     co.set_defaults(func=cmd_convert)
@@ -264,11 +302,24 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hbm-gib", type=float, help="device memory to check the plan against")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat=full model.dtype=bfloat16")
     pl.set_defaults(func=cmd_plan)
+    parser.commands = sub.choices
     return parser
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """Options and `section.key=value` overrides may come in any order (`train model.n_layers=2 --config X`)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, _ = parser.parse_known_args(argv)
+    if "overrides" in args and argv[0] == args.command:
+        return parser.commands[args.command].parse_intermixed_args(argv[1:], argparse.Namespace(command=args.command))
+    return parser.parse_args(argv)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    args.argv = argv  # the command as given (plan re-runs it in a fresh process)
     try:
         return args.func(args) or 0
     except ValueError as e:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,31 @@ def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
         _fail(field_name, value, f"expected one of {', '.join(map(str, choices))}")
 
 
+_EXPECTED = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool) or type(value).__name__ == "bool_"
+    return True
+
+
+def _check_types(config: Any, prefix: str) -> None:
+    """Each field holds its annotated type (`int`, `float`, `str`, `bool`, optionally `| None`):
+    a wrong-typed value from YAML fails here, naming the field, not deep in a comparison."""
+    for f in dataclasses.fields(config):
+        kind, _, optional = str(f.type).partition(" | ")
+        value = getattr(config, f.name)
+        if kind in _EXPECTED and not (value is None and optional == "None") and not _has_type(value, kind):
+            _fail(prefix + f.name, value, f"expected {_EXPECTED[kind]}" + (" or null" if optional else ""))
+
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Context-extension scaling of the RoPE frequencies (Hugging Face `rope_scaling`)."""
@@ -63,6 +90,7 @@ class RopeScaling:
     truncate: bool = True
 
     def __post_init__(self):
+        _check_types(self, "rope_scaling.")
         if self.type not in ROPE_SCALINGS:
             _fail("rope_scaling.type", self.type, f"expected one of {', '.join(ROPE_SCALINGS)}")
         if self.type != "none" and not self.factor >= 1.0:
@@ -196,6 +224,7 @@ class ModelConfig:
             _check_choice(name, getattr(self, name), choices)
         if not isinstance(self.rope_scaling, RopeScaling):
             _fail("rope_scaling", self.rope_scaling, "expected a RopeScaling (a mapping in YAML)")
+        _check_types(self, "")
 
         n_kv = self.num_kv_heads
         if n_kv <= 0 or self.n_heads % n_kv:
@@ -334,6 +363,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        if not isinstance(values, dict):
+            raise ValueError(f"model: expected a mapping of ModelConfig fields, got {values!r}"[:300])
         values = dict(values)
         check_keys("model", values, [f.name for f in dataclasses.fields(cls)])
         if isinstance(values.get("rope_scaling"), dict):
@@ -373,8 +404,135 @@ def check_keys(section: str, values: dict, allowed: list[str]) -> None:
 # ----- config files ------------------------------------------------------------
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply dotted `section.key=value` overrides (values parsed as YAML) to a config dict."""
+RUN_SECTIONS = ("model", "train", "data", "parallel")  # the sections of a run file
+
+
+@functools.cache
+def _yaml_loader():
+    """PyYAML's safe loader, made strict: a key given twice in one mapping is an error,
+    and `1e-5` (no dot) reads as a float as in YAML 1.2, not as a string."""
+    import re
+
+    import yaml
+
+    class DuplicateKey(yaml.YAMLError):
+        def __init__(self, key, first, second):
+            self.key, self.first, self.second = key, first, second
+
+        def __str__(self):
+            return f"duplicate key {self.key!r} (lines {self.first} and {self.second}): give each key once"
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    line = key_node.start_mark.line + 1
+                    try:
+                        first = seen.get(key)
+                    except TypeError:  # an unhashable key: the base class reports it
+                        continue
+                    if first is not None:
+                        raise DuplicateKey(key, first, line)
+                    seen[key] = line
+            return super().construct_mapping(node, deep)
+
+    StrictLoader.DuplicateKey = DuplicateKey
+    StrictLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    return StrictLoader
+
+
+def parse_yaml(text: str):
+    """Parse YAML text with the strict loader (duplicate keys are errors); raises yaml.YAMLError."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())
+
+
+def _yaml_problem(e):
+    """`(mark, one-line problem)` of a PyYAML syntax error (its own text spans lines, naming `<unicode string>`)."""
+    mark = e.problem_mark or e.context_mark
+    problem = e.problem or e.context or "invalid YAML"
+    if "'\\t'" in problem:
+        problem += ": indent with spaces, YAML does not allow tabs"
+    if e.context and e.problem and e.context_mark is not None and e.context_mark.line != mark.line:
+        problem += f"; {e.context} at line {e.context_mark.line + 1}"
+    return mark, problem
+
+
+def read_yaml(path):
+    """The contents of a YAML file; every problem is a ValueError naming the file (and the line)."""
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(path)
+    if path.is_dir():
+        inside = path / "config.yaml"
+        hint = f"; did you mean {inside}?" if inside.is_file() else ""
+        raise ValueError(f"{path} is a directory, not a YAML file{hint}")
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): is it a YAML file?") from None
+    try:
+        return parse_yaml(text)
+    except yaml.MarkedYAMLError as e:
+        mark, problem = _yaml_problem(e)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}{where}: could not parse YAML ({problem})") from None
+    except _yaml_loader().DuplicateKey as e:
+        raise ValueError(f"{path}: {e}") from None
+    except yaml.reader.ReaderError as e:
+        raise ValueError(f"{path}: could not parse YAML (character {e.character!r} at offset {e.position}: "
+                         f"{e.reason})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: could not parse YAML ({e})") from None
+
+
+def read_json(path, expect: type | None = dict):
+    """The contents of a JSON file (a mapping, unless `expect` says otherwise); every problem is a
+    ValueError naming the file (and the line)."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a JSON file")
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): is it a JSON file?") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}, line {e.lineno}, column {e.colno}: could not parse JSON ({e.msg})") from None
+    if expect is not None and not isinstance(value, expect):
+        kind = {dict: "an object {...}", list: "an array [...]"}.get(expect, expect.__name__)
+        raise ValueError(f"{path}: expected {kind}, got {type(value).__name__} {str(value)[:60]}")
+    return value
+
+
+def check_sections(raw: dict, where: str, sections=RUN_SECTIONS) -> None:
+    """Every top-level key is a known section, and each section is a mapping (or empty)."""
+    for key, value in raw.items():
+        if key not in sections:
+            close = difflib.get_close_matches(str(key), sections, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ValueError(f"{where}: unknown section {key!r}{hint} (sections: {', '.join(sections)})")
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{where}: section {key!r} must be a mapping, got {value!r}")
+
+
+def apply_overrides(raw: dict, overrides: list[str], sections=None) -> dict:
+    """Apply dotted `section.key=value` overrides (values parsed as YAML) to a config dict.
+    With `sections`, an override of any other section is an error."""
     import yaml
 
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
@@ -382,37 +540,42 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         key, sep, text = item.partition("=")
         if not sep or "." not in key:
             raise ValueError(f"bad override {item!r}: expected section.key=value, e.g. model.n_layers=4")
+        if sections is not None:
+            check_sections({key.split(".")[0]: {}}, f"bad override {item!r}", sections)
         try:
-            value = yaml.safe_load(text)
+            value = parse_yaml(text)
+        except yaml.MarkedYAMLError as e:
+            mark, problem = _yaml_problem(e)
+            where = f"at character {mark.column + 1}: " if mark is not None and mark.line == 0 else ""
+            raise ValueError(f"bad override {item!r}: the value is not valid YAML ({where}{problem})") from None
         except yaml.YAMLError as e:
             raise ValueError(f"bad override {item!r}: the value is not valid YAML ({e})") from None
         *path, leaf = key.split(".")
         node = raw
         for part in path:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an empty section (`train:`)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ValueError(f"bad override {item!r}: {part} is not a section")
         node[leaf] = value
     return raw
 
 
-def load_config_file(path, overrides: list[str] = ()) -> dict:
-    """Read a YAML config (sections such as `model:`), then apply dotted overrides."""
-    import pathlib
-
-    import yaml
-
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+def load_config_file(path, overrides: list[str] = (), sections=RUN_SECTIONS) -> dict:
+    """Read a YAML config (the sections of a run file), then apply dotted overrides."""
+    raw = read_yaml(path)
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping of sections (model:, train:, ...)")
-    return apply_overrides(raw, list(overrides))
+        raise ValueError(f"{path}: expected a mapping of sections (model:, train:, ...), got {raw!r}"[:300])
+    if sections is not None:
+        check_sections(raw, str(path), sections)
+    return apply_overrides(raw, list(overrides), sections)
 
 
 def model_config_from_file(path, overrides: list[str] = ()) -> ModelConfig:
     raw = load_config_file(path, overrides)
     if "model" not in raw:
         raise ValueError(f"{path}: no `model:` section")
-    return ModelConfig.from_dict(raw["model"])
+    return ModelConfig.from_dict(raw["model"] or {})

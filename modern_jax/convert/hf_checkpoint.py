@@ -13,6 +13,7 @@ host holds about one copy of the model, never two.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from modern_jax.config import ModelConfig
+from modern_jax.config import ModelConfig, read_json
 from modern_jax.convert.hf_config import config_from_hf, config_to_hf, model_type_of
 from modern_jax.convert.hf_weights import TABLES, Rule, WeightTable
 from modern_jax.model import Transformer
@@ -94,13 +95,15 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     config = Path(path) / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    return json.loads(config.read_text())
+    return read_json(config)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those of the index if there is one, else all of them."""
     if (path / INDEX).is_file():
-        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        weight_map = read_json(path / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{path / INDEX}: expected a \"weight_map\" object of tensor name -> file name")
         files = [path / f for f in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -113,6 +116,18 @@ def checkpoint_files(path: Path) -> list[Path]:
             if other else ""
         raise CheckpointError(f"{path}: no safetensors files{hint}")
     return files
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path):
+    """`safe_open`, with a damaged file (truncated, bad header) reported as a CheckpointError naming it."""
+    try:
+        f = safe_open(file, framework="np")
+    except Exception as e:  # safetensors raises its own error types (not ValueError)
+        raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e}): "
+                              f"the file is damaged or truncated; download it again") from None
+    with f:
+        yield f
 
 
 def _listed(names) -> str:
@@ -132,8 +147,12 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     """
     path = Path(path)
     hf = read_config(path)
-    model_type = model_type_of(hf)
-    cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
+    try:
+        model_type = model_type_of(hf)
+        cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
+    except ValueError as e:
+        raise (CheckpointError if isinstance(e, CheckpointError) else ValueError)(f"{path / 'config.json'}: {e}") \
+            from None
     table = TABLES[model_type]
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
@@ -154,7 +173,7 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     found: dict[str, tuple[Path, str]] = {}
     unused, twice, wrong = [], [], []
     for file in checkpoint_files(path):
-        with safe_open(file, framework="np") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 canonical = table.canonical(name)
                 if canonical not in sources:
@@ -189,9 +208,13 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     for canonical, (file, name) in found.items():
         by_file.setdefault(file, []).append((canonical, name))
     for file, names in by_file.items():
-        with safe_open(file, framework="np") as f:
+        with _open_safetensors(file) as f:
             for canonical, name in names:
-                x = f.get_tensor(name)
+                try:
+                    x = f.get_tensor(name)
+                except Exception as e:  # safetensors raises its own error types on a damaged file
+                    raise CheckpointError(f"{file}: cannot read tensor {name} ({type(e).__name__}: {e}): "
+                                          f"the file is damaged or truncated") from None
                 for src in sources[canonical]:
                     _write(src, x, cfg.vocab_size)
                 del x
@@ -259,22 +282,25 @@ class _ShardWriter:
 
 
 def to_hf(model: Transformer, path: str | os.PathLike, model_type: str, *, dtype: str | None = None,
-          max_shard_bytes: int = MAX_SHARD_BYTES, extra_config: dict[str, Any] | None = None) -> list[str]:
+          max_shard_bytes: int = MAX_SHARD_BYTES, extra_config: dict[str, Any] | None = None,
+          overwrite: bool = False) -> list[str]:
     """Write `model` as a Hugging Face checkpoint of `model_type` (config.json + safetensors).
 
     `dtype` casts the tensors (default: the parameters' dtype). `extra_config` adds keys
     that do not change the network (token ids, ...) to config.json. Returns the files written.
-    Raises ValueError if `model_type` cannot express the model.
+    Raises ValueError if `model_type` cannot express the model, or if `path` holds anything
+    but nothing or (with `overwrite`, which replaces it) a Hugging Face model.
     """
+    from modern_jax.training import outputs
+
     cfg = model.cfg
     hf = config_to_hf(cfg, model_type)  # refuses a model the family cannot express
     dtype = dtype or cfg.param_dtype
     hf.update(extra_config or {})
     hf["torch_dtype"] = dtype
     path = Path(path)
+    outputs.claim(path, outputs.HF, "output directory", overwrite=overwrite)
     path.mkdir(parents=True, exist_ok=True)
-    for stale in [path / SINGLE, path / INDEX, *path.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
     sources = plan(model, nnx.state(model, nnx.Param), TABLES[model_type], model_type)
 
     def order(name: str):

@@ -119,6 +119,18 @@ def unsupported(model_type: str, key: str, value: Any, supported: str) -> ValueE
     return ValueError(f"Hugging Face {model_type} config: {key}={value!r} is not supported ({supported})")
 
 
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    """Whether a config.json value has the type of its family's default (an int passes for a float)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) == isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return not isinstance(default, (int, str)) or isinstance(value, type(default))
+
+
 class _Reader:
     """One Hugging Face config with its family's defaults filled in."""
 
@@ -126,7 +138,13 @@ class _Reader:
         self.model_type, self.hf, self.defaults = model_type, hf, DEFAULTS[model_type]
 
     def __call__(self, key: str) -> Any:
-        return self.hf[key] if key in self.hf else self.defaults.get(key)
+        default = self.defaults.get(key)
+        if key not in self.hf:
+            return default
+        value = self.hf[key]
+        if value is not None and default is not None and not _same_kind(value, default):
+            raise unsupported(self.model_type, key, value, f"expected {_KIND_NAMES[type(default)]}")
+        return value
 
     def require(self, key: str, ok, supported: str) -> None:
         value = self(key)
@@ -207,6 +225,9 @@ def expand_pattern(pattern: str, n_layers: int) -> str:
 
 def _sizes(r: _Reader, *, gqa: bool = True, head_dim: bool = True) -> dict:
     """Sizes of families keyed like Llama; `gqa` / `head_dim`: whether the family reads those keys."""
+    for key in ("hidden_size", "num_attention_heads"):
+        r.require(key, lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                  "expected a positive integer")
     D, N = r("hidden_size"), r("num_attention_heads")
     K = r("num_key_value_heads") if gqa else None
     H = (r("head_dim") if head_dim else None) or D // N

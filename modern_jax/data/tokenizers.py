@@ -179,6 +179,8 @@ def tokenizer_from_json(spec: dict) -> Tokenizer:
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
+        if not isinstance(spec.get("chars"), str):
+            raise ValueError("a saved char tokenizer needs its vocabulary as a string `chars`")
         return CharTokenizer(spec["chars"])
     if kind == "hf":
         tokenizers = _import_tokenizers()
@@ -188,10 +190,18 @@ def tokenizer_from_json(spec: dict) -> Tokenizer:
 
 def load_tokenizer(path) -> Tokenizer:
     """A tokenizer saved by `Tokenizer.save`, or a Hugging Face `tokenizer.json`."""
+    from modern_jax.config import read_json
+
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / TOKENIZER_FILE
-    spec = json.loads(path.read_text())
-    if "kind" in spec:
-        return tokenizer_from_json(spec)
-    return HFTokenizer.from_file(path)  # a plain Hugging Face tokenizer.json
+    spec = read_json(path)
+    try:
+        if "kind" in spec:
+            return tokenizer_from_json(spec)
+        return HFTokenizer.from_file(path)  # a plain Hugging Face tokenizer.json
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    except Exception as e:  # the `tokenizers` library raises a bare Exception on a malformed file
+        raise ValueError(f"{path}: not a tokenizer this library or Hugging Face `tokenizers` can read "
+                         f"({type(e).__name__}: {e})") from None

@@ -31,10 +31,12 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None) -> dict:
     import jax
 
     from modern_jax.parallel.mesh import make_mesh
+    from modern_jax.training.loop import _check_divisible
     from modern_jax.training.step import Trainer
 
     n = math.prod(v for v in mesh_sizes.values() if v > 0)
     mesh = make_mesh(**mesh_sizes, devices=jax.devices()[: n if -1 not in mesh_sizes.values() else None])
+    _check_divisible("batch_size / grad_accum", run.train.batch_size // run.train.grad_accum, mesh)  # as in train
     trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table())
     state = trainer.abstract_state()
     cfg = run.train
