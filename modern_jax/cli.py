@@ -237,7 +237,7 @@ def cmd_plan(args) -> int:
 
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), "JAX_PLATFORMS": "cpu"}
         return subprocess.call([sys.executable, "-m", "modern_jax.cli", *args.argv], env=env)
-    from modern_jax.parallel.plan import format_plan, plan
+    from modern_jax.planner import format_plan, plan
 
     print(format_plan(plan(run, sizes, args.hbm_gib)))
     return 0

@@ -38,7 +38,7 @@ from modern_jax.layers.block import Block
 from modern_jax.layers.linear import Proj, param
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import sinusoidal
-from modern_jax.parallel import vocab
+from modern_jax.ops import vocab
 from modern_jax.sharding import constrain
 
 REMAT_POLICIES = {

@@ -199,7 +199,7 @@ def test_training_step_matches_single_device(mesh_shape):
 
 
 def test_memory_planner_counts_sharded_state():
-    from modern_jax.parallel.plan import plan
+    from modern_jax.planner import plan
     from modern_jax.training.config import RunConfig, TrainConfig
     from modern_jax.data.config import DataConfig
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.kernels import AttentionSpec
-from modern_jax.parallel.attention import attention
+from modern_jax.ops.attention import attention
 from modern_jax.layers.linear import Proj, param
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import apply_rope, yarn_mscale

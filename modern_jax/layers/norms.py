@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from modern_jax.config import ModelConfig
-from modern_jax.parallel.norm import norm
+from modern_jax.ops.norm import norm
 from modern_jax.layers.linear import param
 
 

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from modern_jax.parallel import vocab
+from modern_jax.ops import vocab
 
 NEG = jnp.finfo(jnp.float32).min
 
@@ -88,7 +88,7 @@ def loss_sums(h_BTD, w_VD, b_V, targets_BT, weights_BT, *, softcap=None, chunk: 
     """Sums over the batch: `ce`, `z_loss` (sum of w lse^2), `weight`, and `max_abs_logit`.
 
     `vocab_size`: the real vocabulary when `w` has padding rows after it. Under a mesh that
-    splits the vocabulary, each device works on its own rows (`parallel.vocab.split_parts`).
+    splits the vocabulary, each device works on its own rows (`ops.vocab.split_parts`).
     """
     V = w_VD.shape[0] if vocab_size is None else vocab_size
     parts = functools.partial(vocab_parts, softcap=softcap, chunk=chunk, vocab_size=V)

@@ -1,0 +1,85 @@
+"""The package's shape: imports point down the layers, and the model loads no launch-side library."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+PACKAGE = pathlib.Path(__file__).parent.parent / "modern_jax"
+
+# bottom to top; a module may import its own layer and the layers below it
+LAYERS = [
+    ("config",),
+    ("sharding",),
+    ("kernels",),
+    ("ops",),
+    ("layers",),
+    ("model",),
+    ("accounting", "generate", "parallel", "data"),  # what the model is measured, sampled, placed and fed with
+    ("training",),
+    ("planner", "convert", "report"),
+    ("cli",),
+]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _unit(module: str) -> str:
+    """`modern_jax.layers.attention` -> `layers`, `modern_jax.model` -> `model`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            if node.module == "modern_jax":  # `from modern_jax import kernels`
+                found.update(f"modern_jax.{a.name}" for a in node.names)
+    return {m for m in found if m.startswith("modern_jax.")}
+
+
+def test_every_module_has_a_layer():
+    units = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    assert units <= set(RANK), f"modules without a layer: {units - set(RANK)}"
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        unit = rel.parts[0].removesuffix(".py")
+        if unit == "__init__":
+            continue
+        for module in sorted(_imports(path)):
+            target = _unit(module)
+            if target in RANK and RANK[target] > RANK[unit]:
+                upward.append(f"modern_jax/{rel.as_posix()} imports {module} ({target} is above {unit})")
+    assert not upward, "\n".join(upward)
+
+
+def test_importing_the_model_loads_no_checkpoint_optimiser_or_data_library():
+    """`import modern_jax.model` (through the package) stays on the model side. Flax itself
+    imports optax (for `nnx.Optimizer`), so optax is not ours to avoid."""
+    code = ("import json, sys; import modern_jax.model; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('orbax', 'grain', 'safetensors', 'tensorstore', 'tokenizers', 'matplotlib', 'tensorboardX') "
+            "or m.split('.')[:2] in (['modern_jax', 'training'], ['modern_jax', 'data'], "
+            "['modern_jax', 'convert'], ['modern_jax', 'parallel'], ['modern_jax', 'cli']))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_the_package_names_load_on_first_use():
+    code = ("import sys, modern_jax; before = 'modern_jax.convert' in sys.modules; "
+            "from modern_jax import ModelConfig, Transformer, from_hf; "
+            "print(before, 'modern_jax.convert' in sys.modules, Transformer.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    assert out.stdout.split() == ["False", "True", "modern_jax.model"]
