@@ -17,7 +17,8 @@ from flax import nnx
 
 from modern_jax.config import ModelConfig, RopeScaling
 from modern_jax.convert import config_from_hf, config_to_hf
-from modern_jax.convert.hf_config import architecture, cycle_pattern
+from modern_jax.convert.hf_config import architecture
+from modern_jax.convert.hf_keys import cycle_pattern
 from modern_jax.model import Transformer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

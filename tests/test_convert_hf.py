@@ -21,8 +21,10 @@ from safetensors.numpy import save_file
 
 from modern_jax.convert import (CheckpointError, config_from_hf, convert_from_hf, convert_to_hf, from_hf,
                                 load_checkpoint, to_hf)
+from modern_jax.convert.hf_checkpoint import Target, fill, hf_tensor, plan
 from modern_jax.convert.hf_config import architecture
-from modern_jax.convert.hf_weights import TABLES
+from modern_jax.convert.hf_families import FAMILIES
+from modern_jax.convert.hf_weights import Rule
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
@@ -290,12 +292,60 @@ def test_multimodal_gemma3_prefixes(tmp_path, loaded):
 
 
 def test_every_table_entry_is_well_formed():
-    for model_type, table in TABLES.items():
-        for rules in (table.top, table.layer):
+    for model_type, family in FAMILIES.items():
+        for rules in (family.weights.top, family.weights.layer):
             for key, rule in rules.items():
                 groups, ours = rule.axes()
                 flat = [a for g in groups for a in g if not a.isdigit()]
                 assert sorted(flat) == sorted(ours), (model_type, key)
+
+
+def test_expert_rules_split_a_stacked_parameter_and_put_it_back_bit_identical():
+    """Per-expert tensors (`{i}` and `{e}` index the layers and experts axes) and fused ones
+    (one tensor a layer, gate and up interleaved on its last axis, as gpt-oss stores them)."""
+    L, E, D, F = 3, 4, 5, 6
+    layers = (1, 3, 5)  # the layer each slot of the stacked parameter stands for
+    rng = np.random.default_rng(0)
+    gate, up = (rng.standard_normal((L, E, D, F)).astype(np.float32) for _ in range(2))
+    expert = "model.layers.{i}.mlp.experts"
+    rules = {
+        "per_expert": (gate, Rule(expert + ".{e}.gate_proj.weight", "F D", "D F")),  # torch Linear [out, in]
+        "fused_gate": (gate, Rule(expert + ".gate_up_proj", "E D (F 2)", "E D F", part=0)),
+        "fused_up": (up, Rule(expert + ".gate_up_proj", "E D (F 2)", "E D F", part=1)),
+    }
+
+    def parameters(fresh: bool) -> list[Target]:
+        return [Target((key,), nnx.Param(jnp.zeros_like(w) if fresh else jnp.asarray(w)), rule, layers)
+                for key, (w, rule) in rules.items()]
+
+    sources = plan(parameters(fresh=False))
+    per_expert = [f"model.layers.{i}.mlp.experts.{e}.gate_proj.weight" for i in layers for e in range(E)]
+    fused = [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in layers]
+    assert list(sources) == per_expert + fused
+    assert {s.target.name: s.slot for s in sources["model.layers.3.mlp.experts.2.gate_proj.weight"]} == {
+        "per_expert": (1, 2)}
+    assert sorted(s.target.name for s in sources["model.layers.5.mlp.experts.gate_up_proj"]) == [
+        "fused_gate", "fused_up"]
+
+    hf = {name: hf_tensor(srcs) for name, srcs in sources.items()}
+    assert hf["model.layers.3.mlp.experts.2.gate_proj.weight"].shape == (F, D)
+    np.testing.assert_array_equal(hf["model.layers.3.mlp.experts.2.gate_proj.weight"], gate[1, 2].T)
+    gate_up = hf["model.layers.5.mlp.experts.gate_up_proj"]
+    assert gate_up.shape == (E, D, 2 * F)
+    np.testing.assert_array_equal(gate_up[..., 0::2], gate[2])
+    np.testing.assert_array_equal(gate_up[..., 1::2], up[2])
+
+    back = plan(parameters(fresh=True))  # the loading direction, into zeroed parameters
+    assert list(back) == list(sources)
+    for name, x in hf.items():
+        for src in back[name]:
+            assert src.rule.hf_shape(src.shape) == x.shape  # the header check
+            fill(src, x)
+    for target in {src.target.name: src.target for srcs in back.values() for src in srcs}.values():
+        w = rules[target.name][0]
+        assert target.buffer is None and np.asarray(target.variable[...]).tobytes() == w.tobytes(), target.name
+    with pytest.raises(ValueError, match=r"cannot index a parameter of shape \(3, 4, 5, 6\) by \('e', 'i'\)"):
+        Rule("model.experts.{e}.layers.{i}.weight", "F D", "D F").tensors((L, E, D, F), i=layers)
 
 
 # ----- streaming --------------------------------------------------------------------------

@@ -8,7 +8,8 @@
 
 from modern_jax.convert.checkpoint import convert_from_hf, convert_to_hf, load_checkpoint, save_checkpoint
 from modern_jax.convert.hf_checkpoint import CheckpointError, from_hf, to_hf
-from modern_jax.convert.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf
+from modern_jax.convert.hf_config import config_from_hf, config_to_hf
+from modern_jax.convert.hf_families import SUPPORTED_MODEL_TYPES
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "CheckpointError", "config_from_hf", "config_to_hf", "convert_from_hf",

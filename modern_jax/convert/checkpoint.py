@@ -26,7 +26,7 @@ import yaml
 from flax import nnx
 
 from modern_jax.config import ModelConfig
-from modern_jax.convert.hf_checkpoint import from_hf, read_config, to_hf
+from modern_jax.convert.hf_checkpoint import from_hf, read_hf_config, to_hf
 from modern_jax.convert.hf_config import model_type_of
 from modern_jax.model import Transformer
 from modern_jax.training import outputs
@@ -87,7 +87,7 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
     """
     ckpt = Path(ckpt)
     outputs.claim(out, outputs.HF, "output directory", overwrite=overwrite, dry_run=True)  # before reading
-    source = read_config(ckpt / HF) if (ckpt / HF / "config.json").is_file() else None
+    source = read_hf_config(ckpt / HF) if (ckpt / HF / "config.json").is_file() else None
     if model_type is None:
         if source is None:
             raise ValueError(f"{ckpt} was not converted from Hugging Face: name the model_type to write")

@@ -8,14 +8,18 @@ against it before reading any data (every expected tensor present, no tensor lef
 every shape right; errors name the tensors and both shapes), then streams the tensors
 from the (possibly sharded) safetensors files into one preallocated array per stacked
 parameter. A parameter is handed to JAX as soon as its last layer is filled, so the
-host holds about one copy of the model, never two.
+host holds about one copy of the model, never two. Writing fetches one slot (a layer, an
+expert) of a parameter at a time from the devices and holds at most one safetensors shard,
+so the host never holds a whole stacked parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +31,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from modern_jax.config import ModelConfig, read_json
-from modern_jax.convert.hf_config import config_from_hf, config_to_hf, model_type_of
-from modern_jax.convert.hf_weights import TABLES, Rule, WeightTable
+from modern_jax.config import ModelConfig
+from modern_jax.configfile import read_json
+from modern_jax.convert.hf_config import config_from_hf, config_to_hf, family_of
+from modern_jax.convert.hf_families import FAMILIES, Family
+from modern_jax.convert.hf_weights import Rule
 from modern_jax.model import Transformer
 
 INDEX = "model.safetensors.index.json"
@@ -43,12 +49,13 @@ class CheckpointError(ValueError):
 
 
 @dataclass
-class _Target:
-    """One of our parameters (a stacked one: all its layers), filled slot by slot."""
+class Target:
+    """One of our parameters (a stacked one: all its layers), filled slice by slice."""
 
     path: tuple
     variable: Any  # the nnx.Param in the model's state
-    layers: tuple[int, ...] | None  # stacked: the layer index of each slot; None: not per layer
+    rule: Rule  # how Hugging Face tensors hold it
+    layers: tuple[int, ...] | None  # stacked: the layer of each index along its first axis; None: not per layer
     buffer: np.ndarray | None = None
     filled: set = field(default_factory=set)
     sharding: Any = None  # where the finished parameter goes (None: the default device)
@@ -57,41 +64,55 @@ class _Target:
     def name(self) -> str:
         return ".".join(map(str, self.path))
 
-    @property
-    def slot_shape(self) -> tuple[int, ...]:
-        shape = tuple(self.variable.shape)
-        return shape[1:] if self.layers is not None else shape
-
 
 @dataclass(frozen=True)
-class _Source:
-    target: _Target
-    slot: int | None  # None: the whole (unstacked) parameter
-    rule: Rule
+class Source:
+    """One Hugging Face tensor's share of one of our parameters."""
+
+    target: Target
+    slot: tuple[int, ...]  # the index of the slice it fills: (layer slot, expert, ...); (): the whole parameter
+
+    @property
+    def rule(self) -> Rule:
+        return self.target.rule
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the slice it fills."""
+        return tuple(self.target.variable.shape)[len(self.slot):]
 
 
-def plan(model: Transformer, state, table: WeightTable, model_type: str) -> dict[str, list[_Source]]:
-    """Every Hugging Face tensor name the model needs, with the parameters (and layers) it fills."""
-    sources: dict[str, list[_Source]] = {}
+def targets(model: Transformer, state, family: Family) -> list[Target]:
+    """Each parameter in `state` with its rule in the family's table (and, stacked, the layer of each slot)."""
+    table, out = family.weights, []
     for path, variable in nnx.to_flat_state(state):
         if path[0] == "stages":
             _, s, _, j, *rest = path
             stage = model.stages[s]
             layers = tuple(stage.first + i * len(stage.unit) + j for i in range(stage.repeats))
-            target, rules, key = _Target(path, variable, layers), table.layer, ".".join(rest)
+            rules, key = table.layer, ".".join(rest)
         else:
-            target, rules, key = _Target(path, variable, None), table.top, ".".join(map(str, path))
+            layers, rules, key = None, table.top, ".".join(map(str, path))
         if key not in rules:
-            raise CheckpointError(f"{model_type}: the model's parameter {'.'.join(map(str, path))} has no "
+            raise CheckpointError(f"{family.model_type}: the model's parameter {'.'.join(map(str, path))} has no "
                                   f"Hugging Face counterpart (the config maps to a model this family does not have)")
-        rule = rules[key]
-        for slot, layer in enumerate(target.layers or [None]):
-            name = rule.hf.format(i=layer)
-            sources.setdefault(name, []).append(_Source(target, None if layer is None else slot, rule))
+        out.append(Target(path, variable, rules[key], layers))
+    return out
+
+
+def plan(params: Iterable[Target]) -> dict[str, list[Source]]:
+    """Every Hugging Face tensor name the parameters need, with the slices of them it fills
+    (the parts of a fused tensor fill several)."""
+    sources: dict[str, list[Source]] = {}
+    for target in params:
+        numbering = {} if target.layers is None else {"i": target.layers}
+        for name, slot in target.rule.tensors(tuple(target.variable.shape), **numbering):
+            sources.setdefault(name, []).append(Source(target, slot))
     return sources
 
 
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The config.json of Hugging Face model directory `path`."""
     config = Path(path) / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
@@ -146,27 +167,27 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     `overrides` set other non-architecture fields (remat, scan_layers, vocab_pad_to, ...).
     """
     path = Path(path)
-    hf = read_config(path)
+    hf = read_hf_config(path)
     try:
-        model_type = model_type_of(hf)
+        family = family_of(hf)
         cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
     except ValueError as e:
         raise (CheckpointError if isinstance(e, CheckpointError) else ValueError)(f"{path / 'config.json'}: {e}") \
             from None
-    table = TABLES[model_type]
+    model_type, table = family.model_type, family.weights
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise CheckpointError(f"the model holds state other than parameters, which a checkpoint does not fill: "
                               f"{_listed('.'.join(map(str, p)) for p, _ in nnx.to_flat_state(rest))}")
-    sources = plan(abstract, state, table, model_type)
+    params = targets(abstract, state, family)
+    sources = plan(params)
     if mesh is not None:  # shardings first: a mesh that cannot split the model fails before any reading
         from modern_jax.sharding import RULES, state_shardings
 
         shardings = dict(nnx.to_flat_state(state_shardings(state, mesh, rules or RULES)))
-        for srcs in sources.values():
-            for src in srcs:
-                src.target.sharding = shardings[src.target.path]
+        for target in params:
+            target.sharding = shardings[target.path]
     tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
 
     # 1. names and shapes, from the headers only
@@ -186,10 +207,10 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
                 found[canonical] = (file, name)
                 shape = tuple(f.get_slice(name).get_shape())
                 src = sources[canonical][0]
-                want = src.rule.hf_shape(src.target.slot_shape, cfg.vocab_size)
+                want = src.rule.hf_shape(src.shape, cfg.vocab_size)
                 if shape != want:
                     wrong.append(f"{name}: the checkpoint has {list(shape)}, the model expects {list(want)} "
-                                 f"(for {src.target.name} {list(src.target.slot_shape)})")
+                                 f"(for {src.target.name} {list(src.shape)})")
     missing = [n for n in sources if n not in found]
     problems = []
     if missing:
@@ -216,29 +237,39 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
                     raise CheckpointError(f"{file}: cannot read tensor {name} ({type(e).__name__}: {e}): "
                                           f"the file is damaged or truncated") from None
                 for src in sources[canonical]:
-                    _write(src, x, cfg.vocab_size)
+                    fill(src, x, cfg.vocab_size)
                 del x
-    unfilled = {src.target.name for srcs in sources.values() for src in srcs if src.target.buffer is not None}
+    unfilled = {target.name for target in params if target.buffer is not None}
     assert not unfilled, f"parameters left unfilled: {sorted(unfilled)}"
     return cfg, nnx.merge(graphdef, state, rest)
 
 
-def _write(src: _Source, x: np.ndarray, vocab: int) -> None:
-    """Put one tensor into its parameter; hand the parameter to JAX once every slot is filled."""
+def fill(src: Source, x: np.ndarray, vocab: int | None = None) -> None:
+    """Put Hugging Face tensor `x` into its slice of our parameter; hand the parameter to JAX once
+    every slice is filled."""
     target = src.target
-    value = src.rule.to_ours(x, target.slot_shape, vocab)
-    dtype = np.dtype(target.variable.dtype)
-    if target.layers is None:
-        target.buffer, target.filled = value.astype(dtype), {None}
-    else:
-        if target.buffer is None:
-            target.buffer = np.empty(target.variable.shape, dtype)
-        target.buffer[src.slot] = value
-        target.filled.add(src.slot)
-    if len(target.filled) == len(target.layers or [None]):
+    if target.buffer is None:
+        target.buffer = np.empty(target.variable.shape, np.dtype(target.variable.dtype))
+    target.buffer[src.slot] = src.rule.to_ours(x, src.shape, vocab)
+    target.filled.add(src.slot)
+    if len(target.filled) == math.prod(target.variable.shape[:len(src.slot)]):
         put = jnp.asarray if target.sharding is None else (lambda a: jax.device_put(a, target.sharding))
         target.variable.set_value(put(target.buffer))
         target.buffer = None
+
+
+def host_slice(src: Source) -> np.ndarray:
+    """The slot (one layer, one expert) of a parameter that `src` reads, fetched to the host alone:
+    a sharded array gives up just that slice, so the host never holds a whole stacked parameter."""
+    return np.asarray(src.target.variable[...][src.slot])
+
+
+def hf_tensor(srcs: list[Source], piece: Callable[[Source], np.ndarray] = host_slice,
+              vocab: int | None = None) -> np.ndarray:
+    """The Hugging Face tensor `srcs` (one name's sources: the parts of a fused tensor, in any order)
+    make of our parameters; `piece(src)` is the host array of one source's slot."""
+    parts = sorted(srcs, key=lambda s: s.rule.part or 0)
+    return parts[0].rule.to_hf([piece(src) for src in parts], vocab)
 
 
 # ----- writing ---------------------------------------------------------------------------
@@ -301,25 +332,17 @@ def to_hf(model: Transformer, path: str | os.PathLike, model_type: str, *, dtype
     path = Path(path)
     outputs.claim(path, outputs.HF, "output directory", overwrite=overwrite)
     path.mkdir(parents=True, exist_ok=True)
-    sources = plan(model, nnx.state(model, nnx.Param), TABLES[model_type], model_type)
+    sources = plan(targets(model, nnx.state(model, nnx.Param), FAMILIES[model_type]))
 
     def order(name: str):
         src = sources[name][0]
-        layer = src.target.layers[src.slot] if src.slot is not None else (-1 if "embed" in src.target.name else 1 << 30)
+        layer = src.target.layers[src.slot[0]] if src.target.layers is not None else (
+            -1 if "embed" in src.target.name else 1 << 30)
         return layer, name
 
-    writer, host = _ShardWriter(path, max_shard_bytes), {}
+    writer = _ShardWriter(path, max_shard_bytes)  # holds at most one shard of tensors on the host
     for name in sorted(sources, key=order):
-        parts = sorted(sources[name], key=lambda s: s.rule.part or 0)
-        arrays = []
-        for src in parts:
-            key = src.target.path
-            if key not in host:
-                if len(host) >= 4:  # keep a few stacked parameters on the host, not the whole model
-                    host.pop(next(iter(host)))
-                host[key] = np.asarray(src.target.variable[...])
-            arrays.append(host[key] if src.slot is None else host[key][src.slot])
-        writer.add(name, parts[0].rule.to_hf(arrays, cfg.vocab_size).astype(np.dtype(jnp.dtype(dtype))))
+        writer.add(name, hf_tensor(sources[name], vocab=cfg.vocab_size).astype(np.dtype(jnp.dtype(dtype))))
     files = writer.close()
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return ["config.json", *files]

@@ -1,20 +1,33 @@
-"""Hugging Face tensor names and layouts, family by family: a rename table plus reshapes.
+"""Hugging Face tensor names and layouts: a rename table plus reshapes.
 
-No family has layer code here. Each of our parameters (named by its path inside the
-model, or inside one block for stacked layers) maps to one Hugging Face tensor through a
-`Rule`: the tensor's name (`{i}` is the layer index) and the axes of both sides.
+No family has layer code, and no family is here (they are in `hf_families.py`): this is
+the machinery their tables are written in. Each of our parameters (named by its path
+inside the model, or inside one block for stacked layers) maps to Hugging Face tensors
+through a `Rule`: a name template and the axes of both sides.
+
+The template's variables index our parameter's leading axes, one axis each, in the order
+they appear: `model.layers.{i}.mlp.down_proj.weight` is one tensor per layer of a stacked
+`[layers, F, D]` parameter, `model.layers.{i}.mlp.experts.{e}.down_proj.weight` one per
+layer and expert of a `[layers, E, F, D]` one, and a tensor holding all the experts of a
+layer (`model.layers.{i}.mlp.experts.down_proj`, `E F D`) has only `{i}`. `{i}` is
+numbered by the model's layer (a stage's slot k is some layer i); any other variable
+counts from 0.
 
 Axis letters: V vocab, P positions, D model, N query heads, K kv heads, H head dim,
-F ffn width, X any single axis. A Hugging Face layout groups axes in parentheses where
-the tensor flattens them, e.g. `q_proj.weight` is `(N H) D` (torch's Linear stores
-[out, in]) and our kernel is `D N H`. A digit is a fused axis: GPT-2's `c_attn.weight` is
-`D (3 N H)`, and q, k and v are its parts 0, 1 and 2.
+F ffn width, E experts, X any single axis. A Hugging Face layout groups axes in
+parentheses where the tensor flattens them, e.g. `q_proj.weight` is `(N H) D` (torch's
+Linear stores [out, in]) and our kernel is `D N H`. A digit is a fused axis: GPT-2's
+`c_attn.weight` is `D (3 N H)`, and q, k and v are its parts 0, 1 and 2; gate and up
+interleaved on the last axis (gpt-oss's `gate_up_proj`, `E D (F 2)`) are parts 0 and 1.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+import string
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +35,31 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Rule:
-    hf: str  # the Hugging Face tensor name; "{i}" is the layer index
+    hf: str  # the Hugging Face tensor name; its variables ("{i}" layer, "{e}" expert) index our leading axes
     hf_layout: str  # its axes, flattened groups in parentheses
-    layout: str  # the axes of our parameter (of one layer)
+    layout: str  # the axes of our parameter past the indexed ones (of one layer, or one expert)
     part: int | None = None  # which slice along the digit axis of a fused tensor
+
+    def variables(self) -> tuple[str, ...]:
+        """The template's variables in order: `model.layers.{i}.mlp.experts.{e}.up_proj.weight` -> (i, e)."""
+        return tuple(v for _, v, _, _ in string.Formatter().parse(self.hf) if v is not None)
+
+    def tensors(self, shape: tuple[int, ...], **numbering: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+        """The Hugging Face tensors that hold our parameter of `shape`: each one's name and the index
+        of the slice it holds (`()`: the whole parameter; the slice's shape is the rest of `shape`).
+
+        The template's variables index the leading axes in order; `numbering[v]` is the number
+        each index along `v`'s axis stands for (a stage's layers), given for the leading ones;
+        any other variable counts from 0.
+        """
+        variables = self.variables()
+        if len(variables) > len(shape) or tuple(numbering) != variables[:len(numbering)] or any(
+                len(numbers) != n for numbers, n in zip(numbering.values(), shape)):
+            raise ValueError(f"rule for {self.hf}: cannot index a parameter of shape {shape} by {variables} "
+                             f"with its leading axes numbered by {', '.join(numbering) or 'nothing'}")
+        axes = [numbering.get(v, range(n)) for v, n in zip(variables, shape)]
+        return [(self.hf.format(**{v: axis[k] for v, axis, k in zip(variables, axes, slot)}), slot)
+                for slot in itertools.product(*(range(len(axis)) for axis in axes))]
 
     def axes(self) -> tuple[list[list[str]], list[str]]:
         """`(N H) D` -> ([[N, H], [D]], our axes)."""
@@ -44,7 +78,7 @@ class Rule:
         return sizes
 
     def hf_shape(self, shape: tuple[int, ...], vocab: int | None = None) -> tuple[int, ...]:
-        """The Hugging Face tensor's shape for our parameter (of one layer) of `shape`."""
+        """The Hugging Face tensor's shape for the slice of our parameter of `shape` it holds."""
         groups, _ = self.axes()
         sizes = self.sizes(shape, vocab)
         return tuple(math.prod(sizes[a] for a in g) for g in groups)
@@ -147,131 +181,7 @@ def head(prefix: str = "lm_head", bias: bool = True) -> dict:
     return rules
 
 
-# ----- the families ----------------------------------------------------------------------
-
-L = "model.layers.{i}"
-ROTARY_BUFFERS = (r"\.rotary_emb\.inv_freq$",)
-
-LLAMA = WeightTable(
-    top={
-        "embed_tokens": Rule("model.embed_tokens.weight", "V D", "V D"),
-        **norm("model.norm", "norm"),
-        **head(bias=False),
-    },
-    layer={
-        **norm(f"{L}.input_layernorm", "input_layernorm"),
-        **norm(f"{L}.post_attention_layernorm", "pre_feedforward_layernorm"),  # by role: the FFN's input norm
-        **attention(f"{L}.self_attn"),
-        **norm(f"{L}.self_attn.q_norm", "self_attn.q_norm", "H"),
-        **norm(f"{L}.self_attn.k_norm", "self_attn.k_norm", "H"),
-        **gated_mlp(f"{L}.mlp"),
-    },
-    ignore=ROTARY_BUFFERS,
-)
-
-GEMMA = WeightTable(
-    top=LLAMA.top,
-    layer={
-        **LLAMA.layer,
-        **norm(f"{L}.post_attention_layernorm", "post_attention_layernorm"),
-        **norm(f"{L}.pre_feedforward_layernorm", "pre_feedforward_layernorm"),
-        **norm(f"{L}.post_feedforward_layernorm", "post_feedforward_layernorm"),
-    },
-    ignore=ROTARY_BUFFERS,
-)
-
-# a multimodal Gemma 3 checkpoint: the text model under another prefix, a vision tower to skip
-GEMMA3_MULTIMODAL = WeightTable(
-    top=GEMMA.top,
-    layer=GEMMA.layer,
-    aliases=((r"^language_model\.model\.", "model."), (r"^model\.language_model\.", "model."),
-             (r"^language_model\.lm_head\.", "lm_head.")),
-    ignore=ROTARY_BUFFERS + (r"^(model\.)?(vision_tower|multi_modal_projector)\.",),
-)
-
-OLMO2 = WeightTable(
-    top=LLAMA.top,
-    layer={
-        **{k: v for k, v in LLAMA.layer.items() if "layernorm" not in k},
-        **norm(f"{L}.post_attention_layernorm", "post_attention_layernorm"),
-        **norm(f"{L}.post_feedforward_layernorm", "post_feedforward_layernorm"),
-        **norm(f"{L}.self_attn.q_norm", "self_attn.q_norm", "(N H)"),
-        **norm(f"{L}.self_attn.k_norm", "self_attn.k_norm", "(K H)"),
-    },
-    ignore=ROTARY_BUFFERS,
-)
-
-T = "transformer.h.{i}"
-GPT2 = WeightTable(
-    top={
-        "embed_tokens": Rule("transformer.wte.weight", "V D", "V D"),
-        "embed_positions": Rule("transformer.wpe.weight", "P D", "P D"),
-        **norm("transformer.ln_f", "norm"),
-        **head(bias=False),
-    },
-    layer={
-        **norm(f"{T}.ln_1", "input_layernorm"),
-        **norm(f"{T}.ln_2", "pre_feedforward_layernorm"),
-        **fused_qkv(f"{T}.attn.c_attn", "D (3 N H)", "(3 N H)"),  # Conv1D: [in, out]
-        "self_attn.o_proj.kernel": Rule(f"{T}.attn.c_proj.weight", "(N H) D", "N H D"),
-        "self_attn.o_proj.bias": Rule(f"{T}.attn.c_proj.bias", "D", "D"),
-        "mlp.up_proj.kernel": Rule(f"{T}.mlp.c_fc.weight", "D F", "D F"),
-        "mlp.up_proj.bias": Rule(f"{T}.mlp.c_fc.bias", "F", "F"),
-        "mlp.down_proj.kernel": Rule(f"{T}.mlp.c_proj.weight", "F D", "F D"),
-        "mlp.down_proj.bias": Rule(f"{T}.mlp.c_proj.bias", "D", "D"),
-    },
-    aliases=((r"^(h\.\d+\.|wte\.|wpe\.|ln_f\.)", r"transformer.\1"),),  # the hub's gpt2 has no prefix
-    ignore=(r"\.attn\.(masked_)?bias$",),  # causal-mask buffers of old checkpoints
-)
-
-X = "gpt_neox.layers.{i}"
-GPT_NEOX = WeightTable(
-    top={
-        "embed_tokens": Rule("gpt_neox.embed_in.weight", "V D", "V D"),
-        **norm("gpt_neox.final_layer_norm", "norm"),
-        **head("embed_out", bias=False),
-    },
-    layer={
-        **norm(f"{X}.input_layernorm", "input_layernorm"),
-        **norm(f"{X}.post_attention_layernorm", "pre_feedforward_layernorm"),  # by role: the FFN's input norm
-        **fused_qkv(f"{X}.attention.query_key_value", "(N 3 H) D", "(N 3 H)"),  # per head: q, k, v
-        **linear(f"{X}.attention.dense", "self_attn.o_proj", "D", "(N H)", "N H", "D"),
-        **mlp(f"{X}.mlp", "dense_h_to_4h", "dense_4h_to_h"),
-    },
-    ignore=(r"\.attention\.(masked_)?bias$", r"\.rotary_emb\.inv_freq$"),
-)
-
-GPTJ = WeightTable(
-    top={
-        "embed_tokens": Rule("transformer.wte.weight", "V D", "V D"),
-        **norm("transformer.ln_f", "norm"),
-        **head(),
-    },
-    layer={
-        **norm(f"{T}.ln_1", "input_layernorm"),
-        **attention(f"{T}.attn", o_name="out_proj"),
-        **mlp(f"{T}.mlp", "fc_in", "fc_out"),
-    },
-    ignore=(r"\.attn\.(masked_)?bias$",),
-)
-
-PHI = WeightTable(
-    top={
-        "embed_tokens": Rule("model.embed_tokens.weight", "V D", "V D"),
-        **norm("model.final_layernorm", "norm"),
-        **head(),
-    },
-    layer={
-        **norm(f"{L}.input_layernorm", "input_layernorm"),
-        **attention(f"{L}.self_attn", o_name="dense"),
-        **norm(f"{L}.self_attn.q_layernorm", "self_attn.q_norm", "H"),
-        **norm(f"{L}.self_attn.k_layernorm", "self_attn.k_norm", "H"),
-        **mlp(f"{L}.mlp", "fc1", "fc2"),
-    },
-    ignore=ROTARY_BUFFERS,
-)
-
-TABLES = {
-    "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gemma2": GEMMA, "gemma3_text": GEMMA,
-    "gemma3": GEMMA3_MULTIMODAL, "olmo2": OLMO2, "gpt2": GPT2, "gpt_neox": GPT_NEOX, "gptj": GPTJ, "phi": PHI,
-}
+def top_level(embed: str, final_norm: str, head_prefix: str = "lm_head", head_bias: bool = True) -> dict:
+    """The parameters outside the blocks: the token embedding, the final norm and the head."""
+    return {"embed_tokens": Rule(f"{embed}.weight", "V D", "V D"), **norm(final_norm, "norm"),
+            **head(head_prefix, head_bias)}
