@@ -41,7 +41,8 @@ def _positive(flag: str):
 
 
 def _load_model_config(args):
-    from modern_jax.config import ModelConfig, apply_overrides, model_config_from_file, read_json
+    from modern_jax.config import ModelConfig, model_config_from_file
+    from modern_jax.configfile import apply_overrides, read_json
 
     _check_flags(args, _positive("--context"), _positive("--seq-len"))
     if args.hf_config and args.config:
@@ -155,14 +156,15 @@ def cmd_evaluate(args) -> int:
     import jax
 
     from modern_jax.data.pipeline import eval_batches
-    from modern_jax.training import TrainConfig, Trainer, evaluate_batches, make_mesh
+    from modern_jax.parallel.mesh import make_mesh
+    from modern_jax.training import TrainConfig, Trainer, evaluate_batches
     from modern_jax.training.checkpoint import load_params
 
     cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note)
     tokenizer, stream = _checkpoint_data(args, raw, run_dir)
     seq_len = args.seq_len or (raw.get("train") or {}).get("seq_len") or min(1024, cfg.max_position_embeddings)
     tc = TrainConfig(seq_len=seq_len, eval_batch_size=args.batch_size, warmup_steps=0)
-    trainer = Trainer(cfg, tc, make_mesh(jax.devices()[:1]))
+    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1]))
     batches = eval_batches(stream, seq_len=seq_len, batch_size=args.batch_size, max_windows=args.max_windows)
     values = evaluate_batches(trainer, params, batches, jax.numpy.asarray(tokenizer.token_bytes()))
     print(f"split: {'file ' + args.data if args.data else args.split}")

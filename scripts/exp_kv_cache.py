@@ -12,7 +12,8 @@ import argparse
 import pathlib
 
 from modern_jax.accounting import kv_cache_bytes, kv_cache_bytes_per_token, param_counts
-from modern_jax.config import load_config_file, model_config_from_file
+from modern_jax.config import model_config_from_file
+from modern_jax.configfile import load_config_file
 from modern_jax.report import pyplot, save_figure, write_table
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"

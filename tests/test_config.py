@@ -4,7 +4,8 @@ import pathlib
 
 import pytest
 
-from modern_jax.config import ModelConfig, apply_overrides, ffn_width_rule, model_config_from_file
+from modern_jax.config import ModelConfig, ffn_width_rule, model_config_from_file
+from modern_jax.configfile import apply_overrides
 
 CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -77,7 +78,7 @@ def test_ffn_width_rule_oracles(d, multiple, expected):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_preset_loads_and_round_trips(path):
-    from modern_jax.config import load_config_file
+    from modern_jax.configfile import load_config_file
 
     auto_vocab = load_config_file(path)["model"].get("vocab_size") == "auto"  # run files sized by their data
     cfg = model_config_from_file(path, ["model.vocab_size=67"] if auto_vocab else [])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from modern_jax.cli import main, parse_args
-from modern_jax.config import apply_overrides, read_yaml
+from modern_jax.configfile import apply_overrides, read_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-from modern_jax.config import check_keys
+from modern_jax.configfile import check_keys, fail
 
 SOURCES = ("auto", "embedded", "text", "tokens", "arrayrecord")
 TOKENIZERS = ("byte", "char", "hf")
@@ -14,8 +15,7 @@ TOKEN_DTYPES = ("uint16", "uint32")
 RECORD_FORMATS = ("text", "tokens")
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"DataConfig.{name}={value!r} is invalid: {allowed}")
+_fail = functools.partial(fail, "DataConfig")
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,7 +190,7 @@ def tokenizer_from_json(spec: dict) -> Tokenizer:
 
 def load_tokenizer(path) -> Tokenizer:
     """A tokenizer saved by `Tokenizer.save`, or a Hugging Face `tokenizer.json`."""
-    from modern_jax.config import read_json
+    from modern_jax.configfile import read_json
 
     path = pathlib.Path(path)
     if path.is_dir():

@@ -15,14 +15,15 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, field
 
+from modern_jax.configfile import check_keys, fail
 from modern_jax.parallel.mesh import AXES, make_mesh
 from modern_jax.sharding import RULES
 
 
-def _fail(name: str, value, allowed: str) -> None:
-    raise ValueError(f"ParallelConfig.{name}={value!r} is invalid: {allowed}")
+_fail = functools.partial(fail, "ParallelConfig")
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,6 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, values: dict | None) -> ParallelConfig:
-        from modern_jax.config import check_keys
-
         values = dict(values or {})
         check_keys("parallel", values, ["data", "fsdp", "tensor", "rules"])
         rules = values.pop("rules", None) or {}

@@ -38,7 +38,8 @@ import zlib
 import jax
 import orbax.checkpoint as ocp
 
-from modern_jax.config import ModelConfig, read_yaml
+from modern_jax.config import ModelConfig
+from modern_jax.configfile import read_yaml
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"

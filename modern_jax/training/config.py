@@ -14,10 +14,12 @@ its vocabulary from the data).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-from modern_jax.config import RUN_SECTIONS, ModelConfig, check_keys, check_sections, load_config_file
+from modern_jax.config import ModelConfig
+from modern_jax.configfile import RUN_SECTIONS, check_keys, check_sections, fail, load_config_file
 from modern_jax.data.config import DataConfig
 from modern_jax.parallel.config import ParallelConfig
 
@@ -26,8 +28,7 @@ NO_DECAY_GROUPS = ("embedding", "norm", "bias")
 SECTIONS = RUN_SECTIONS
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"TrainConfig.{name}={value!r} is invalid: {allowed}")
+_fail = functools.partial(fail, "TrainConfig")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,7 @@ class TrainConfig:
     eval_windows: int | None = 256  # windows per periodic evaluation (None: the whole split)
     eval_batch_size: int = 64
     final_eval_windows: int | None = None  # the closing evaluation; None: the whole validation split
-    diagnostics: bool = True  # max |attention logit| at log steps (one extra forward pass)
+    diagnostics: bool = True  # max |attention logit|, measured by the train step's own attention
     peak_flops: float | None = None  # per-device peak FLOP/s for the MFU estimate; null: no MFU
     progress: bool = True
     tensorboard: bool = True  # when tensorboardX is installed
