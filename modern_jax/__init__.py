@@ -3,22 +3,23 @@
 The names below load on first use, so `import modern_jax.model` brings in no checkpoint,
 optimiser or data library.
 
-Letters, in every einsum string and shape suffix (`x_BTD`):
+Letters, in every einsum string and shape suffix (`x_BTD`); a tile, block or chunk of an
+axis is written with the letter of the axis it slices (a key tile of a kernel is `S`, a
+vocabulary chunk of the loss is `V`):
 
 | letter | meaning | letter | meaning |
 |---|---|---|---|
 | B | batch | K | key / value heads |
-| T | query (input) length | G | query heads per key / value head (N = K G) |
+| T | query (input, generated) length | G | query heads per key / value head (N = K G) |
 | S | key length (cache slots) | H | head dim of queries and keys |
-| D | model width | V | vocabulary |
-| F | FFN width | A | micro-batches (gradient accumulation) |
+| D | model width | U | head dim of values, where it differs from H (MLA) |
+| F | FFN width | V | vocabulary |
 | N | query heads | L | layers |
+| A | micro-batches (gradient accumulation) | E | experts |
 | C | MLA latent (d_c) | R | MLA rotary key dim (d_R) |
-| Q | MLA query rank | E | experts |
-
-The value head dim is H too (every family here has equal query and value head dims),
-except MLA's `mla_v_dim`, written `H` in its value projection's own einsums; a vocabulary
-chunk of the loss is `V` of its slice.
+| Q | MLA query rank | X | MLA's joint latent and rotary projection (C + R) |
+| M | rows of a flattened op (every leading axis) | P | programs / blocks of a kernel grid |
+| I, J | query / key block indices of a kernel grid | | |
 """
 
 import importlib

@@ -1,4 +1,4 @@
-"""The decoder-only `Transformer`: every family of SPEC section 2 is a config of this class.
+"""The decoder-only `Transformer`: every family in the README's Presets is a config of this class.
 
 Letters: B batch, T length, D model, V vocab, L layers.
 
@@ -9,7 +9,10 @@ Letters: B batch, T length, D model, V vocab, L layers.
 Auxiliary losses: a layer may sow `moe_aux_loss` values (`nnx.Intermediate`), e.g. a
 mixture-of-experts router's load-balancing loss; the stages capture and add them up through
 the scan, and the model sows their sum as its own `moe_aux_loss`, which the trainer
-captures and weights by `train.moe_aux_weight`.
+captures and weights by `train.moe_aux_weight`. Diagnostics the same way: with
+`hidden_states(..., diagnostics=True)` every attention layer sows `max_attention_logit`
+(measured by its attention kernel), the stages carry the max through the scan, and the
+model sows the max over its layers (the trainer turns it on with `train.diagnostics`).
 
 Layers with identical parameter shapes and static choices (window, RoPE) are stacked
 along a `layers` axis and run by `jax.lax.scan`. A per-layer pattern (Gemma's local /
@@ -25,6 +28,7 @@ jitted function in `jax.experimental.checkify` inside `checked()` (or with
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import jax
@@ -34,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from modern_jax.config import LayerSpec, ModelConfig
+from modern_jax.layers.attention import MAX_LOGIT
 from modern_jax.layers.block import Block
 from modern_jax.layers.linear import Proj, param
 from modern_jax.layers.norms import Norm
@@ -54,11 +59,22 @@ REMAT_POLICIES = {
 AUX_LOSS = "moe_aux_loss"
 
 
+def _sown(sown, name: str) -> list:
+    """The float32 values sown under `name` in captured intermediates (`nnx.capture`)."""
+    return [jnp.asarray(leaf, jnp.float32) for path, v in nnx.to_flat_state(sown)
+            if name in map(str, path) for leaf in jax.tree.leaves(v)]
+
+
 def aux_loss(sown):
     """The sum of the `moe_aux_loss` values in captured intermediates (`nnx.capture`), or None if none."""
-    values = [jnp.sum(jnp.asarray(leaf, jnp.float32)) for path, v in nnx.to_flat_state(sown)
-              if AUX_LOSS in map(str, path) for leaf in jax.tree.leaves(v)]
+    values = [jnp.sum(x) for x in _sown(sown, AUX_LOSS)]
     return sum(values) if values else None
+
+
+def max_attention_logit(sown):
+    """The max of the `max_attention_logit` values in captured intermediates, or None if none."""
+    values = [jnp.max(x) for x in _sown(sown, MAX_LOGIT)]
+    return functools.reduce(jnp.maximum, values) if values else None
 
 
 def plan_stages(specs: tuple[LayerSpec, ...]) -> list[tuple[tuple[LayerSpec, ...], int]]:
@@ -105,20 +121,23 @@ class Stage(nnx.Module):
             caches.append(jax.tree.map(lambda a: jnp.repeat(a[None], self.repeats, axis=0), layer))
         return caches
 
-    def __call__(self, x_BTD, pos_BT, seg_BT, caches, rng):
+    def __call__(self, x_BTD, pos_BT, seg_BT, caches, rng, diagnostics: bool = False):
+        """`(x, caches, summed moe_aux_loss or None, max attention logit or None without diagnostics)`."""
         cfg, period = self.cfg, len(self.unit)
         graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
         caches = [None] * period if caches is None else caches
+        zero = jnp.zeros((), jnp.float32)  # the identity of both the sum and the max (of |logits|)
 
         sown = []  # set while tracing when a block sows an auxiliary loss
 
         def layer(j):
             def apply(x_BTD, state, cache, rng):
                 block = nnx.merge(graphdefs[j], state)
-                (x_BTD, cache), sown_j = nnx.capture(block, nnx.Intermediate)(x_BTD, pos_BT, seg_BT, cache, rng)
-                aux = aux_loss(sown_j)
+                (x_BTD, cache), sown_j = nnx.capture(block, nnx.Intermediate)(x_BTD, pos_BT, seg_BT, cache, rng,
+                                                                              diagnostics=diagnostics)
+                aux, max_logit = aux_loss(sown_j), max_attention_logit(sown_j)
                 sown.append(aux is not None)
-                return x_BTD, cache, jnp.zeros((), jnp.float32) if aux is None else aux
+                return x_BTD, cache, zero if aux is None else aux, zero if max_logit is None else max_logit
 
             if cfg.remat == "none":
                 return apply
@@ -127,19 +146,19 @@ class Stage(nnx.Module):
         layers = [layer(j) for j in range(period)]
 
         def unit(carry, xs):
-            x_BTD, aux = carry
+            x_BTD, aux, max_logit = carry
             states_i, caches_i, i = xs
             new_caches = []
             for j in range(period):
                 rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
-                x_BTD, cache_j, aux_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
+                x_BTD, cache_j, aux_j, max_logit_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
                 x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
                 new_caches.append(cache_j)
-                aux = aux + aux_j
-            return (x_BTD, aux), new_caches
+                aux, max_logit = aux + aux_j, jnp.maximum(max_logit, max_logit_j)
+            return (x_BTD, aux, max_logit), new_caches
 
         xs = (list(states), list(caches), jnp.arange(self.repeats))
-        carry = (x_BTD, jnp.zeros((), jnp.float32))
+        carry = (x_BTD, zero, zero)
         if cfg.scan_layers:
             carry, new_caches = jax.lax.scan(unit, carry, xs)
         else:
@@ -148,8 +167,8 @@ class Stage(nnx.Module):
                 carry, out = unit(carry, jax.tree.map(lambda a: a[i], xs))
                 outs.append(out)
             new_caches = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        (x_BTD, aux) = carry
-        return x_BTD, new_caches, aux if any(sown) else None
+        x_BTD, aux, max_logit = carry
+        return x_BTD, new_caches, aux if any(sown) else None, max_logit if diagnostics else None
 
 
 class Transformer(nnx.Module):
@@ -219,8 +238,13 @@ class Transformer(nnx.Module):
 
     # ----- forward -------------------------------------------------------------
 
-    def hidden_states(self, tokens_BT, *, positions=None, segment_ids=None, cache=None, dropout_rng=None):
-        """The final hidden states [B, T, D] (after the final norm), and the updated cache."""
+    def hidden_states(self, tokens_BT, *, positions=None, segment_ids=None, cache=None, dropout_rng=None,
+                      diagnostics: bool = False):
+        """The final hidden states [B, T, D] (after the final norm), and the updated cache.
+
+        `diagnostics` (static): also sow `max_attention_logit`, the max |q.k| * scale over every
+        layer's visible pairs, measured by the attention kernels during this same pass.
+        """
         cfg = self.cfg
         tokens_BT = _check_tokens(tokens_BT, cfg.vocab_size)
         B, T = tokens_BT.shape
@@ -254,36 +278,34 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
         x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
-        new_stage_caches, aux_losses = [], []
+        new_stage_caches, aux_losses, max_logits = [], [], []
         for s, stage in enumerate(self.stages):
-            x_BTD, stage_cache, aux = stage(x_BTD, pos_BT, segment_ids, None if cache is None else cache["stages"][s],
-                                            dropout_rng)
+            x_BTD, stage_cache, aux, max_logit = stage(x_BTD, pos_BT, segment_ids,
+                                                       None if cache is None else cache["stages"][s], dropout_rng,
+                                                       diagnostics)
             new_stage_caches.append(stage_cache)
             aux_losses += [] if aux is None else [aux]
+            max_logits += [] if max_logit is None else [max_logit]
         if aux_losses:
             self.sow(nnx.Intermediate, AUX_LOSS, sum(aux_losses))
+        if max_logits:
+            self.sow(nnx.Intermediate, MAX_LOGIT, functools.reduce(jnp.maximum, max_logits))
         if self.norm is not None:
             x_BTD = self.norm(x_BTD)
         new_cache = None if cache is None else {"index": cache["index"] + T, "stages": new_stage_caches}
         return x_BTD, new_cache
 
-    def logits(self, x_BTD):
-        """Output logits [B, T, V] in float32 from hidden states."""
+    def head(self) -> vocab.Head:
+        """The output head over this model's parameters: `embed_tokens` when tied, else `lm_head`."""
         cfg = self.cfg
         if self.lm_head is None:
-            logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed_tokens[...].astype(x_BTD.dtype),
-                                    preferred_element_type=jnp.float32)
-        else:
-            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head.kernel[...].astype(x_BTD.dtype),
-                                    preferred_element_type=jnp.float32)
-            if self.lm_head.bias is not None:
-                logits_BTV = logits_BTV + self.lm_head.bias[...].astype(jnp.float32)
-        if cfg.final_softcap is not None:
-            logits_BTV = cfg.final_softcap * jnp.tanh(logits_BTV / cfg.final_softcap)
-        if cfg.padded_vocab_size != cfg.vocab_size:  # padding rows are never predicted
-            real_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-            logits_BTV = jnp.where(real_V, logits_BTV, jnp.finfo(jnp.float32).min)
-        return constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))
+            return vocab.Head(self.embed_tokens[...], None, cfg.final_softcap, cfg.vocab_size)
+        bias_V = None if self.lm_head.bias is None else self.lm_head.bias[...]
+        return vocab.Head(self.lm_head.kernel[...].T, bias_V, cfg.final_softcap, cfg.vocab_size)
+
+    def logits(self, x_BTD):
+        """Output logits [B, T, V] in float32 from hidden states (padding rows masked)."""
+        return constrain(self.head().logits(x_BTD), ("activation_batch", "activation_length", "activation_vocab"))
 
     def __call__(self, tokens_BT, *, positions=None, segment_ids=None, cache=None, dropout_rng=None):
         x_BTD, new_cache = self.hidden_states(tokens_BT, positions=positions, segment_ids=segment_ids, cache=cache,

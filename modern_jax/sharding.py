@@ -62,8 +62,17 @@ def active():
 
 
 def mesh_axes(name, rules) -> tuple[str, ...]:
-    """The mesh axes a logical name maps to (empty: replicated)."""
-    axes = dict(rules).get(name) if name is not None else None
+    """The mesh axes a logical name maps to (empty: replicated; None is always replicated).
+
+    A name missing from `rules` is a ValueError naming it: a typo or a new axis must not be
+    silently replicated."""
+    if name is None:
+        return ()
+    table = dict(rules)
+    if name not in table:
+        raise ValueError(f"logical axis {name!r} is not in the sharding rules (known: {', '.join(table)}); "
+                         f"add it to the rules table, modern_jax.sharding.RULES")
+    axes = table[name]
     return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
 
 
@@ -109,7 +118,8 @@ def constrain(x, axes):
 
 
 def state_shardings(state, mesh, rules=RULES):
-    """NamedShardings for an `nnx.State` whose Variables carry logical axes (`out_sharding`).
+    """NamedShardings for an `nnx.State` whose Variables carry logical axes (`out_sharding`):
+    the one map from parameters to shardings (the Trainer, `create_sharded`, `from_hf(mesh=)`).
 
     Variables without axes (optimizer counts, RNG keys, scalars) are replicated.
     """

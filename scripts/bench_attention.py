@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from modern_jax.kernels import AttentionSpec, UnsupportedFeatureError, attention, pallas_interpret
-from modern_jax.kernels.attention import DEFAULTS, attention_mask, attention_reference, resolve
+from modern_jax.kernels import AttentionSpec, UnsupportedFeatureError, Visibility, attention, pallas_interpret
+from modern_jax.kernels.attention import DEFAULTS, attention_reference, resolve
 from modern_jax.kernels.backend import platform
 from modern_jax.report import median_seconds
 
@@ -62,7 +62,7 @@ def bench_one(impl, args, pos, spec, repeats):
         return None, None, str(e).split("needs ")[-1]
 
     def forward(q, k, v, sinks):
-        return attention(q, k, v, spec, q_pos_BT=pos, k_pos_BS=pos, sinks_KG=sinks, impl=impl)
+        return attention(q, k, v, spec, Visibility(pos, pos), sinks_KG=sinks, impl=impl)
 
     def loss(q, k, v, sinks):
         return jnp.sum(forward(q, k, v, sinks).astype(jnp.float32))
@@ -107,7 +107,7 @@ def memory_table(lengths=(2048, 4096, 8192, 16384), B=1, K=1, G=2, H=64):
             pos = jax.ShapeDtypeStruct((B, T), jnp.int32)
 
             def loss(q, k, v, pos, impl=impl):
-                o = attention(q, k, v, AttentionSpec(scale=H**-0.5), q_pos_BT=pos, k_pos_BS=pos, impl=impl)
+                o = attention(q, k, v, AttentionSpec(scale=H**-0.5), Visibility(pos, pos), impl=impl)
                 return jnp.sum(o.astype(jnp.float32))
 
             compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, pos).compile()
@@ -125,10 +125,9 @@ def case_errors(impls, dtype, B, T, K, G, H, window, softcap, sinks, segments):
     def outputs_and_grads(impl):
         def f(q, k, v, s):
             if impl == "reference":
-                mask = attention_mask(pos, pos, seg, seg, causal=True, window=window)
+                mask = Visibility(pos, pos, seg, seg).mask(causal=True, window=window)
                 return attention_reference(q, k, v, mask, spec, s)
-            return attention(q, k, v, spec, q_pos_BT=pos, k_pos_BS=pos, q_seg_BT=seg, k_seg_BS=seg, sinks_KG=s,
-                             impl=impl)
+            return attention(q, k, v, spec, Visibility(pos, pos, seg, seg), sinks_KG=s, impl=impl)
 
         def run(*a):
             o, vjp = jax.vjp(f, *a)

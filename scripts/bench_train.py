@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from modern_jax.accounting import flops_per_token, param_counts  # noqa: E402
 from modern_jax.config import model_config_from_file  # noqa: E402
-from modern_jax.training import TrainConfig, Trainer, load_run_config, make_mesh  # noqa: E402
+from modern_jax.parallel.mesh import make_mesh  # noqa: E402
+from modern_jax.training import TrainConfig, Trainer, load_run_config  # noqa: E402
 
 
 def matmul_peak(dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -56,7 +57,7 @@ def synthetic_batch(cfg, batch: int, seq: int, seed: int = 0) -> dict:
 
 def bench(name: str, cfg, batch: int, seq: int, steps: int, peak: float, time_steps: bool = True) -> dict:
     tc = TrainConfig(batch_size=batch, seq_len=seq, steps=1000, warmup_steps=10)
-    trainer = Trainer(cfg, tc, make_mesh(jax.devices()[:1]))
+    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1]))
     state = trainer.init_state(0)
     data = trainer.put_batch(synthetic_batch(cfg, batch, seq))
     compile_s = trainer.compile(state, data)

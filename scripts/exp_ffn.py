@@ -29,9 +29,10 @@ from modern_jax.accounting import param_counts
 from modern_jax.config import ModelConfig
 from modern_jax.data.corpora import text_or_embedded_splits
 from modern_jax.data.pipeline import TrainBatches
+from modern_jax.parallel.mesh import make_mesh
 from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
-from modern_jax.training.step import Trainer, make_mesh
+from modern_jax.training.step import Trainer
 
 D = 128
 GATED_WIDTH = round(8 * D / 3)  # 341
@@ -51,7 +52,7 @@ def windows(steps: int) -> list[tuple[int, int]]:
 
 def train_losses(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int) -> np.ndarray:
     """The training loss of every step of one run."""
-    trainer = Trainer(model_cfg, train_cfg, make_mesh(jax.devices()[:1]))
+    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
     source = TrainBatches(stream, train_cfg.seq_len, train_cfg.batch_size, seed=seed)
     state = trainer.init_state(seed)
     losses = []

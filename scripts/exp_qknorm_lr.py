@@ -9,9 +9,9 @@ tinyshakespeare (the embedded corpus when the file is missing), random windows f
 `TrainBatches`, the same seed (initialisation and batches) for every run.
 
 Per run: the final loss (the training loss averaged over the last 10% of steps; a run
-with a non-finite loss there counts as diverged), the max |attention logit| (the library's
-`attention_logit_probe`, every 10 steps and at the end) and the max |output logit| (the
-step's `max_abs_logit` metric) over training. Per variant, the learning-rate sensitivity
+with a non-finite loss there counts as diverged), the max |attention logit| (the step's
+`max_attention_logit` metric, measured by its own attention with `train.diagnostics`) and
+the max |output logit| (the step's `max_abs_logit` metric) over training. Per variant, the learning-rate sensitivity
 E_lr[min(loss(lr), loss_0) - loss*], with loss_0 the loss at initialisation (the first
 step's) and loss* the best final loss of the sweep.
 
@@ -36,31 +36,28 @@ import numpy as np
 from modern_jax.config import ModelConfig
 from modern_jax.data.corpora import text_or_embedded_splits
 from modern_jax.data.pipeline import TrainBatches
+from modern_jax.parallel.mesh import make_mesh
 from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
-from modern_jax.training.diagnostics import attention_logit_probe
-from modern_jax.training.step import Trainer, make_mesh
+from modern_jax.training.step import Trainer
 
 LEARNING_RATES = [10 ** (-4 + k / 2) for k in range(7)]  # 1e-4 ... 1e-1
 VARIANTS = {"no QK-norm": "none", "QK-norm": "head"}
-PROBE_EVERY = 10
 
 
-def run(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, probe, seed: int = 0) -> dict:
+def run(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int = 0) -> dict:
     """Train one run; its losses, final loss and the max |attention| / |output| logits."""
-    trainer = Trainer(model_cfg, train_cfg, make_mesh(jax.devices()[:1]))
+    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
     source = TrainBatches(stream, train_cfg.seq_len, train_cfg.batch_size, seed=seed)
     state = trainer.init_state(seed)
-    metrics, attention_logits = [], []
+    metrics = []
     for i in range(train_cfg.steps):
-        batch = source[i]
-        state, step_metrics = trainer.train_step(state, trainer.put_batch(batch))
-        metrics.append({k: step_metrics[k] for k in ("loss", "max_abs_logit")})
-        if (i + 1) % PROBE_EVERY == 0 or i + 1 == train_cfg.steps:
-            attention_logits.append(float(probe(state["params"], {k: v[0] for k, v in batch.items()})))
+        state, step_metrics = trainer.train_step(state, trainer.put_batch(source[i]))
+        metrics.append({k: step_metrics[k] for k in ("loss", "max_abs_logit", "max_attention_logit")})
     metrics = jax.device_get(metrics)
     losses = np.array([m["loss"] for m in metrics], np.float64)
     output_logits = np.array([m["max_abs_logit"] for m in metrics], np.float64)
+    attention_logits = np.array([m["max_attention_logit"] for m in metrics], np.float64)
     last = losses[-max(1, train_cfg.steps // 10):]
     return {"losses": losses, "final": float(last.mean()) if np.isfinite(last).all() else math.inf,
             "nonfinite_steps": int((~np.isfinite(losses)).sum()),
@@ -97,12 +94,11 @@ def main():
                                 norm_type="rmsnorm", norm_placement="pre", ffn_type="gated", activation="silu",
                                 qk_norm=qk_norm, max_position_embeddings=seq_len, scan_layers=True,
                                 remat="dots_no_batch")
-        probe = attention_logit_probe(model_cfg)
         results[name] = []
         for lr in LEARNING_RATES:
             train_cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq_len, lr=lr, schedule="cosine",
                                     warmup_steps=steps // 10, min_lr_ratio=0.1)
-            result = run(model_cfg, train_cfg, stream, probe)
+            result = run(model_cfg, train_cfg, stream)
             results[name].append(result)
             row = {"variant": name, "lr": lr, "final_loss": result["final"],
                    "nonfinite_steps": result["nonfinite_steps"],

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from modern_jax.config import ModelConfig
-from modern_jax.kernels import AttentionSpec, attention
+from modern_jax.kernels import AttentionSpec, Visibility, attention
 from modern_jax.layers.attention import MLAttention
 
 
@@ -51,7 +51,7 @@ def test_gqa_equals_mha_with_repeated_kv(K):
     q, k, v = rand((B, T, N, H), 1), rand((B, T, K, H), 2), rand((B, T, K, H), 3)
     pos = np.tile(np.arange(T), (B, 1))
     got = attention(grouped(q, K), jnp.asarray(k), jnp.asarray(v), AttentionSpec(scale=H**-0.5),
-                    q_pos_BT=jnp.asarray(pos), k_pos_BS=jnp.asarray(pos))
+                    Visibility(jnp.asarray(pos), jnp.asarray(pos)))
     ref = naive_attention(q, np.repeat(k, N // K, 2), np.repeat(v, N // K, 2), pos, pos, scale=H**-0.5)
     np.testing.assert_allclose(np.asarray(got).reshape(B, T, N, H), ref, rtol=1e-5, atol=1e-5)
 
@@ -63,13 +63,13 @@ def test_masks_softcap_and_sinks(feature):
     pos = np.tile(np.arange(T), (B, 1))
     k_pos = pos.copy()
     kw = dict(scale=H**-0.5)
-    spec_kw, call_kw = {}, {}
+    spec_kw, call_kw, segments = {}, {}, (None, None)
     if feature == "window":
         kw["window"] = spec_kw["window"] = 3
     if feature == "segments":
         seg = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3], [1, 1, 1, 1, 1, 1, 2, 2, 0]])
         kw.update(q_seg=seg, k_seg=seg)
-        call_kw.update(q_seg_BT=jnp.asarray(seg), k_seg_BS=jnp.asarray(seg))
+        segments = (jnp.asarray(seg), jnp.asarray(seg))
     if feature == "softcap":
         kw["cap"] = spec_kw["softcap"] = 1.5
     if feature == "sinks":
@@ -81,7 +81,7 @@ def test_masks_softcap_and_sinks(feature):
     if feature == "empty_slots":
         k_pos[:, -3:] = -1  # unwritten cache slots
     got = attention(grouped(q, K), jnp.asarray(k), jnp.asarray(v), AttentionSpec(scale=H**-0.5, **spec_kw),
-                    q_pos_BT=jnp.asarray(pos), k_pos_BS=jnp.asarray(k_pos), **call_kw)
+                    Visibility(jnp.asarray(pos), jnp.asarray(k_pos), *segments), **call_kw)
     ref = naive_attention(q, np.repeat(k, N // K, 2), np.repeat(v, N // K, 2), pos, k_pos, **kw)
     np.testing.assert_allclose(np.asarray(got).reshape(B, T, N, H), ref, rtol=1e-5, atol=1e-5)
 
@@ -92,8 +92,8 @@ def test_sinks_only_shrink_attention_weights():
     v = jnp.ones((B, T, 1, H))  # outputs equal the total attention weight
     pos = jnp.arange(T)[None]
     spec = AttentionSpec(scale=1.0)
-    plain = attention(q, k, v, spec, q_pos_BT=pos, k_pos_BS=pos)
-    sunk = attention(q, k, v, spec, q_pos_BT=pos, k_pos_BS=pos, sinks_KG=jnp.full((1, 1), 2.0))
+    plain = attention(q, k, v, spec, Visibility(pos, pos))
+    sunk = attention(q, k, v, spec, Visibility(pos, pos), sinks_KG=jnp.full((1, 1), 2.0))
     np.testing.assert_allclose(plain, 1.0, rtol=1e-6)
     assert np.all(np.asarray(sunk) < 1.0)
 

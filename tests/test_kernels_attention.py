@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from modern_jax.kernels import AttentionImpl, AttentionSpec, UnsupportedFeatureError, attention, pallas_interpret
-from modern_jax.kernels.attention import attention_mask, attention_reference, resolve
+from modern_jax.kernels import (AttentionImpl, AttentionSpec, UnsupportedFeatureError, Visibility, attention,
+                                pallas_interpret)
+from modern_jax.kernels.attention import attention_reference, resolve
 from modern_jax.kernels.chunked import attention_chunked
 from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
 from modern_jax.kernels.flash_tpu import TpuBlocks, flash_attention_tpu
@@ -65,9 +66,8 @@ def make_inputs(B, T, S, K, G, H, V, causal, window, softcap, sinks, segments, d
         q_seg = k_seg = jnp.asarray((np.arange(T)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
     sinks_KG = jnp.asarray(rng.standard_normal((K, G), np.float32)) if sinks else None
     spec = AttentionSpec(scale=H**-0.5, causal=causal, window=window, softcap=softcap)
-    positions = dict(q_pos_BT=jnp.asarray(q_pos, jnp.int32), k_pos_BS=jnp.asarray(k_pos, jnp.int32),
-                     q_seg_BT=q_seg, k_seg_BS=k_seg)
-    return (q, k, v, sinks_KG), spec, positions, normal(B, T, K, G, V)
+    vis = Visibility(jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32), q_seg, k_seg)
+    return (q, k, v, sinks_KG), spec, vis, normal(B, T, K, G, V)
 
 
 def compile_fast(fn, *args):
@@ -75,25 +75,34 @@ def compile_fast(fn, *args):
     return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})
 
 
-def outputs_and_grads(fn, args, do):
-    def run(q, k, v, sinks_KG, do):
-        o, vjp = jax.vjp(fn, q, k, v, sinks_KG)
-        return o, vjp(do)
+def outputs_and_grads(fn, args, do, max_logit=False):
+    """`o` and the vjp of `do`; with `max_logit`, `fn` returns `(o, max_logit)` and the max's
+    cotangent is 1 (it must not change the gradients: the max has none)."""
 
-    o, grads = compile_fast(run, *args, do)(*args, do)
-    return {"o": o, "dq": grads[0], "dk": grads[1], "dv": grads[2], "dsinks": grads[3]}
+    def run(q, k, v, sinks_KG, do):
+        out, vjp = jax.vjp(fn, q, k, v, sinks_KG)
+        if max_logit:
+            return out, vjp((do, jnp.ones_like(out[1])))
+        return (out, None), vjp(do)
+
+    (o, m), grads = compile_fast(run, *args, do)(*args, do)
+    return {"o": o, "dq": grads[0], "dk": grads[1], "dv": grads[2], "dsinks": grads[3], "max_logit": m}
 
 
 @functools.cache
 def reference_results(case):
-    args, spec, pos, do = make_inputs(*CASES[case])
+    args, spec, vis, do = make_inputs(*CASES[case])
 
     def fn(q, k, v, sinks_KG):
-        mask = attention_mask(pos["q_pos_BT"], pos["k_pos_BS"], pos["q_seg_BT"], pos["k_seg_BS"],
-                              causal=spec.causal, window=spec.window)
-        return attention_reference(q, k, v, mask, spec, sinks_KG)
+        return attention_reference(q, k, v, vis.mask(causal=spec.causal, window=spec.window), spec, sinks_KG)
 
     return outputs_and_grads(fn, args, do)
+
+
+@functools.cache
+def impl_results(case, impl):
+    args, spec, vis, do = make_inputs(*CASES[case])
+    return outputs_and_grads(lambda q, k, v, s: IMPLS[impl](q, k, v, spec, vis, sinks_KG=s), args, do)
 
 
 def assert_close(name, got, want, tol):
@@ -110,9 +119,7 @@ PAIRS = [(case, impl) for case in CASES for impl in IMPLS
 
 @pytest.mark.parametrize(("case", "impl"), PAIRS)
 def test_matches_reference(case, impl):
-    args, spec, pos, do = make_inputs(*CASES[case])
-    got = outputs_and_grads(lambda q, k, v, s: IMPLS[impl](q, k, v, spec, sinks_KG=s, **pos), args, do)
-    want = reference_results(case)
+    got, want = impl_results(case, impl), reference_results(case)
     tol = TOL[CASES[case][12]]
     for name in want:
         if want[name] is None:
@@ -122,10 +129,59 @@ def test_matches_reference(case, impl):
         assert_close(name, got[name], want[name], tol)
 
 
+# ----- the max attention logit, measured by each implementation's own pass ---------------------
+
+
+def dense_max_logit(q, k, vis, spec):
+    """max |q.k| * scale over the visible pairs, in float64 NumPy, one rule at a time."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    x_BTKGS = np.abs(np.einsum("btkgh,bskh->btkgs", q, k)) * spec.scale
+    q_pos, k_pos = np.asarray(vis.q_pos)[:, :, None], np.asarray(vis.k_pos)[:, None, :]
+    ok = np.broadcast_to(k_pos >= 0, (q.shape[0], q.shape[1], k.shape[1]))
+    if spec.causal:
+        ok = ok & (k_pos <= q_pos)
+    if spec.window is not None:
+        ok = ok & (q_pos - k_pos < spec.window)
+    if vis.q_seg is not None:
+        ok = ok & (np.asarray(vis.q_seg)[:, :, None] == np.asarray(vis.k_seg)[:, None, :])
+    return np.max(np.where(ok[:, :, None, None, :], x_BTKGS, 0.0))
+
+
+MAX_LOGIT_IMPLS = {"reference": lambda q, k, v, spec, vis, **kw: attention(q, k, v, spec, vis, impl="reference",
+                                                                           **kw), **IMPLS}
+MAX_LOGIT_PAIRS = [(case, "reference") for case in CASES] + PAIRS
+
+
+@pytest.mark.parametrize(("case", "impl"), MAX_LOGIT_PAIRS)
+def test_max_logit_is_exact_and_changes_nothing(case, impl):
+    """The returned max equals a dense NumPy max over the visible pairs (before the soft-cap),
+    and asking for it leaves the output and every gradient bit for bit as they were."""
+    args, spec, vis, do = make_inputs(*CASES[case])
+    fn = MAX_LOGIT_IMPLS[impl]
+    got = outputs_and_grads(lambda q, k, v, s: fn(q, k, v, spec, vis, sinks_KG=s, return_max_logit=True), args, do,
+                            max_logit=True)
+    assert got["max_logit"].shape == () and got["max_logit"].dtype == jnp.float32
+    np.testing.assert_allclose(got["max_logit"], dense_max_logit(args[0], args[1], vis, spec), rtol=1e-5)
+    plain = reference_results(case) if impl == "reference" else impl_results(case, impl)
+    for name in ("o", "dq", "dk", "dv", "dsinks"):
+        if plain[name] is None:
+            assert got[name] is None
+            continue
+        np.testing.assert_array_equal(got[name], plain[name], err_msg=name)
+
+
+def test_cudnn_cannot_report_the_max_logit(monkeypatch):
+    on_gpu(monkeypatch)
+    q, k, v, spec, _ = small_call()
+    with pytest.raises(UnsupportedFeatureError, match="max attention logit"):
+        resolve("cudnn", q, k, v, spec, max_logit=True)
+    assert resolve("default", q, k, v, spec, max_logit=True) is AttentionImpl.PALLAS_GPU
+
+
 # ----- the kernels lower for their platforms (no device needed) ------------------------------
 
 
-def lower_grad(fn, platform):
+def lower_grad(fn, platform, max_logit=False):
     B, T, K, G, H = 2, 300, 2, 4, 128
     q = jax.ShapeDtypeStruct((B, T, K, G, H), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
@@ -134,24 +190,26 @@ def lower_grad(fn, platform):
     spec = AttentionSpec(scale=H**-0.5, window=64, softcap=30.0)
 
     def loss(q, k, v, pos, seg, sinks):
-        o = fn(q, k, v, spec, q_pos_BT=pos, k_pos_BS=pos, q_seg_BT=seg, k_seg_BS=seg, sinks_KG=sinks)
-        return o.astype(jnp.float32).sum()
+        out = fn(q, k, v, spec, Visibility(pos, pos, seg, seg), sinks_KG=sinks, return_max_logit=max_logit)
+        return out[0].astype(jnp.float32).sum() + out[1] if max_logit else out.astype(jnp.float32).sum()
 
     traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 5))).trace(q, k, k, pos, pos, sinks)
     return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
-def test_pallas_gpu_lowers_to_triton():
+@pytest.mark.parametrize("max_logit", [False, True])
+def test_pallas_gpu_lowers_to_triton(max_logit):
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
         warnings.simplefilter("ignore", DeprecationWarning)  # jax deprecates the Triton backend for Mosaic GPU
-        text = lower_grad(flash_attention_gpu, "cuda")
-    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
+        text = lower_grad(flash_attention_gpu, "cuda", max_logit)
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward (with the max logit when asked), dq, dk/dv
 
 
-def test_pallas_tpu_lowers_to_mosaic():
-    text = lower_grad(flash_attention_tpu, "tpu")
+@pytest.mark.parametrize("max_logit", [False, True])
+def test_pallas_tpu_lowers_to_mosaic(max_logit):
+    text = lower_grad(flash_attention_tpu, "tpu", max_logit)
     assert text.count("tpu_custom_call") == 3
 
 
@@ -214,10 +272,10 @@ def test_cudnn_accepted_when_features_allow(monkeypatch):
 
 
 def test_dispatch_runs_the_interpreted_kernels():
-    args, spec, pos, _ = make_inputs(1, 20, 20, 1, 2, 64, 64, True, 8, 10.0, True, False, "float32", "arange")
+    args, spec, vis, _ = make_inputs(1, 20, 20, 1, 2, 64, 64, True, 8, 10.0, True, False, "float32", "arange")
 
     def run(impl):
-        fn = lambda q, k, v, s: attention(q, k, v, spec, sinks_KG=s, impl=impl, **pos)  # noqa: E731
+        fn = lambda q, k, v, s: attention(q, k, v, spec, vis, sinks_KG=s, impl=impl)  # noqa: E731
         return compile_fast(fn, *args)(*args)
 
     want = run("reference")
@@ -236,7 +294,7 @@ def attention_temp_bytes(impl, T, B=1, K=1, G=2, H=64):
     pos = jax.ShapeDtypeStruct((B, T), jnp.int32)
 
     def loss(q, k, v, pos):
-        return attention(q, k, v, AttentionSpec(scale=H**-0.5), q_pos_BT=pos, k_pos_BS=pos,
+        return attention(q, k, v, AttentionSpec(scale=H**-0.5), Visibility(pos, pos),
                          impl=impl).astype(jnp.float32).sum()
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, pos)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from modern_jax.kernels import AttentionSpec, add_norm, attention, pallas_interpret
+from modern_jax.kernels import AttentionSpec, Visibility, add_norm, attention, pallas_interpret
 from modern_jax.kernels.flash_tpu import flash_attention_tpu
 
 B, T, K, G, H = 2, 24, 4, 2, 64
@@ -40,8 +40,7 @@ def mesh():
 
 def attention_loss_and_grads(impl, sharded, check_vma=True):
     def f(q, k, v, sinks, pos, seg):
-        return attention(q, k, v, SPEC, q_pos_BT=pos, k_pos_BS=pos, q_seg_BT=seg, k_seg_BS=seg, sinks_KG=sinks,
-                         impl=impl)
+        return attention(q, k, v, SPEC, Visibility(pos, pos, seg, seg), sinks_KG=sinks, impl=impl)
 
     if sharded:  # the sinks are shared by the batch shards: their gradient sums over "data"
         f = jax.shard_map(f, mesh=mesh(), in_specs=(HEADS, HEADS, HEADS, P("model"), BATCH, BATCH), out_specs=HEADS,
@@ -86,8 +85,7 @@ def check_norm():
 
 def check_tpu_lowering():
     def f(q, k, v, sinks, pos, seg):
-        return flash_attention_tpu(q, k, v, SPEC, q_pos_BT=pos, k_pos_BS=pos, q_seg_BT=seg, k_seg_BS=seg,
-                                   sinks_KG=sinks)
+        return flash_attention_tpu(q, k, v, SPEC, Visibility(pos, pos, seg, seg), sinks_KG=sinks)
 
     f = jax.shard_map(f, mesh=mesh(), in_specs=(HEADS, HEADS, HEADS, P("model"), BATCH, BATCH), out_specs=HEADS)
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2, 3)))

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from modern_jax.config import ModelConfig, RopeScaling, RopeSpec
-from modern_jax.kernels.attention import softcap
+from modern_jax.kernels.masks import softcap
 from modern_jax.layers.ffn import FFN
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import apply_rope, rope_frequencies, sinusoidal

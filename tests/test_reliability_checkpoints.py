@@ -24,7 +24,8 @@ import yaml
 
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
-from modern_jax.training import TrainConfig, Trainer, make_mesh, run_config_from_dict, train
+from modern_jax.parallel.mesh import make_mesh
+from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
 from modern_jax.training.checkpoint import CheckpointDamaged, Checkpointer, load_params
 from modern_jax.training.optimizer import learning_rate_schedule
 
@@ -69,7 +70,7 @@ def run_dict(directory: pathlib.Path, output_dir, **train_settings) -> dict:
 
 
 def one_device():
-    return make_mesh(jax.devices()[:1])
+    return make_mesh(data=-1, devices=jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
@@ -366,9 +367,7 @@ def test_the_update_is_adamw_at_the_scheduled_rate():
 
 
 def test_batch_sharding_follows_the_rules_table():
-    from modern_jax.parallel.mesh import make_mesh as mesh_of
-
-    mesh = mesh_of(data=2, fsdp=4, tensor=1)
+    mesh = make_mesh(data=2, fsdp=4, tensor=1)
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     tc = TrainConfig(batch_size=8, seq_len=8, warmup_steps=0)
     default = Trainer(cfg, tc, mesh)

@@ -20,10 +20,11 @@ from flax import nnx
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
 from modern_jax.model import Transformer
-from modern_jax.training import TrainConfig, Trainer, TrainingDiverged, make_mesh, run_config_from_dict, train
+from modern_jax.parallel.mesh import make_mesh
+from modern_jax.training import TrainConfig, Trainer, TrainingDiverged, run_config_from_dict, train
 from modern_jax.training.checkpoint import Checkpointer
 from modern_jax.training.loop import save_if_finite
-from modern_jax.training.loss import loss_sums, model_loss_sums, output_head
+from modern_jax.training.loss import loss_sums, model_loss_sums
 from modern_jax.training.optimizer import decay_mask, learning_rate_schedule
 
 import modern_jax.training.step as step_module
@@ -39,7 +40,7 @@ def quick_compiles(monkeypatch):
 
 
 def one_device():
-    return make_mesh(jax.devices()[:1])
+    return make_mesh(data=-1, devices=jax.devices()[:1])
 TINY_MODEL = {"vocab_size": "auto", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
               "max_position_embeddings": 32, "qk_norm": "head"}
 
@@ -109,7 +110,7 @@ def test_model_loss_equals_cross_entropy_of_the_model_logits(tie):
     logits = nnx.jit(lambda model, tokens: model(tokens))(model, batch["inputs"])
     expected = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).sum()
     np.testing.assert_allclose(sums["ce"], expected, rtol=1e-5)
-    assert output_head(model)[0].shape == (40, 16)
+    assert model.head().w_VD.shape == (40, 16)
 
 
 def test_weight_decay_mask_and_schedules():

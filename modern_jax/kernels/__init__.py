@@ -9,10 +9,10 @@ from modern_jax.kernels.attention import (
     AttentionImpl,
     AttentionSpec,
     attention,
-    attention_mask,
     attention_reference,
 )
 from modern_jax.kernels.backend import UnsupportedFeatureError, pallas_interpret
+from modern_jax.kernels.masks import Visibility
 from modern_jax.kernels.norm import NormImpl, add_norm, norm, norm_reference
 
 __all__ = [
@@ -20,9 +20,9 @@ __all__ = [
     "AttentionSpec",
     "NormImpl",
     "UnsupportedFeatureError",
+    "Visibility",
     "add_norm",
     "attention",
-    "attention_mask",
     "attention_reference",
     "norm",
     "norm_reference",

@@ -5,9 +5,17 @@ H head dim (keys), V head dim (values).
 
 Every implementation takes grouped queries `q[B, T, K, G, H]` against `k[B, S, K, H]`
 and `v[B, S, K, V]`, so grouped-query attention never materialises repeated K/V.
-Masks are defined by positions: a key is visible when it is valid (`k_pos >= 0`),
-not in the future (`k_pos <= q_pos`, if causal), inside the window
-(`q_pos - k_pos < window`) and in the same segment (packed sequences).
+Masks are defined by positions, passed as one `masks.Visibility(q_pos, k_pos, q_seg,
+k_seg)`: a key is visible when it is valid (`k_pos >= 0`), not in the future
+(`k_pos <= q_pos`, if causal), inside the window (`q_pos - k_pos < window`) and in the
+same segment (packed sequences).
+
+Asked with `return_max_logit=True`, every implementation but `cudnn` also returns the max
+of |q.k| * scale over the visible pairs (before any soft-cap; an instability diagnostic)
+from its own pass over the scores: the blocked ones fold each visited tile into a running
+per-row max beside the softmax's. It has no gradient, and the backward pass is the same.
+cuDNN does not expose its scores, so `cudnn` reports it as a missing feature (`default`
+falls back; an explicit `cudnn` raises).
 
 Implementations (`AttentionImpl`), all with causal, GQA/MQA, window, soft-cap, sinks and
 segment ids unless said otherwise:
@@ -43,7 +51,7 @@ from modern_jax.kernels.backend import UnsupportedFeatureError, can_run_pallas, 
 from modern_jax.kernels.chunked import attention_chunked
 from modern_jax.kernels.flash_gpu import flash_attention_gpu
 from modern_jax.kernels.flash_tpu import flash_attention_tpu
-from modern_jax.kernels.masks import visible
+from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
 
 
 class AttentionImpl(enum.StrEnum):
@@ -66,26 +74,16 @@ class AttentionSpec:
     dropout_rate: float = 0.0
 
 
-def attention_mask(q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, *, causal=True, window=None):
-    """Boolean visibility mask [B, T, S] from positions and segment ids."""
-    mask_BTS = visible(q_pos_BT[:, :, None], k_pos_BS[:, None, :],
-                       None if q_seg_BT is None else q_seg_BT[:, :, None],
-                       None if k_seg_BS is None else k_seg_BS[:, None, :], causal=causal, window=window)
-    return jnp.broadcast_to(mask_BTS, (q_pos_BT.shape[0], q_pos_BT.shape[1], k_pos_BS.shape[1]))
+def attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec: AttentionSpec, sinks_KG=None, dropout_rng=None,
+                        return_max_logit: bool = False):
+    """Plain einsum attention with fp32 softmax: the numerical oracle (`mask_BTS`: `Visibility.mask`).
 
-
-def softcap(x, cap):
-    """`cap * tanh(x / cap)`: bounds logits smoothly to (-cap, cap)."""
-    return cap * jnp.tanh(x / cap)
-
-
-def attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec: AttentionSpec, sinks_KG=None, dropout_rng=None):
-    """Plain einsum attention with fp32 softmax: the numerical oracle."""
-    s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    s_BKGTS = s_BKGTS * spec.scale
-    if spec.softcap is not None:
-        s_BKGTS = softcap(s_BKGTS, spec.softcap)
-    s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, jnp.finfo(jnp.float32).min)
+    With `return_max_logit`, returns `(o, max |q.k| * scale over the visible pairs)`.
+    """
+    x_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    x_BKGTS = x_BKGTS * spec.scale
+    s_BKGTS = softcap(x_BKGTS, spec.softcap)
+    s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, MASK_VALUE)
     m_BKGT1 = jnp.max(s_BKGTS, axis=-1, keepdims=True)
     if sinks_KG is not None:
         sink_11KG1 = sinks_KG.astype(jnp.float32)[None, :, :, None, None]
@@ -99,6 +97,8 @@ def attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec: AttentionSpec, 
         keep = jax.random.bernoulli(dropout_rng, 1.0 - spec.dropout_rate, p_BKGTS.shape)
         p_BKGTS = jnp.where(keep, p_BKGTS / (1.0 - spec.dropout_rate), 0.0)
     o_BTKGV = jnp.einsum("BKGTS,BSKV->BTKGV", p_BKGTS.astype(v_BSKV.dtype), v_BSKV)
+    if return_max_logit:
+        return o_BTKGV, jax.lax.stop_gradient(jnp.max(jnp.where(mask_BTS[:, None, None], jnp.abs(x_BKGTS), 0.0)))
     return o_BTKGV
 
 
@@ -109,7 +109,8 @@ DEFAULTS = {
 }
 
 
-def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, sinks_KG, dropout) -> str | None:
+def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, sinks_KG, dropout,
+                    max_logit: bool = False) -> str | None:
     """What `impl` lacks to run this call, or None if it can."""
     if impl is AttentionImpl.REFERENCE:
         return None
@@ -125,6 +126,9 @@ def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: Attentio
         H, V = k_BSKH.shape[-1], v_BSKV.shape[-1]
         if platform() != "gpu":
             return f"an NVIDIA GPU with cuDNN (this backend is {platform()!r})"
+        if max_logit:
+            return ("the max attention logit (cuDNN does not expose its scores; train with "
+                    "train.diagnostics=false, or another attention_impl)")
         if sinks_KG is not None:
             return "attention sinks"
         if spec.softcap is not None:
@@ -140,10 +144,10 @@ def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: Attentio
 
 
 def resolve(impl: AttentionImpl | str, q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, sinks_KG=None,
-            dropout: bool = False) -> AttentionImpl:
+            dropout: bool = False, max_logit: bool = False) -> AttentionImpl:
     """The implementation that runs this call (see the module docstring for the rules)."""
     impl = AttentionImpl(impl)
-    features = (q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG, dropout)
+    features = (q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG, dropout, max_logit)
     if impl is AttentionImpl.DEFAULT or (q_BTKGH.shape[1] == 1 and impl is not AttentionImpl.REFERENCE):
         candidates = DEFAULTS.get(platform(), DEFAULTS["cpu"]) if q_BTKGH.shape[1] > 1 else DEFAULTS["cpu"]
         return next(c for c in candidates if missing_feature(c, *features) is None)
@@ -163,36 +167,27 @@ def attention_cudnn(q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, mask_BTS):
     return o_BTNH.reshape(B, T, K, G, H)
 
 
-def attention(
-    q_BTKGH,
-    k_BSKH,
-    v_BSKV,
-    spec: AttentionSpec,
-    *,
-    q_pos_BT,
-    k_pos_BS,
-    q_seg_BT=None,
-    k_seg_BS=None,
-    sinks_KG=None,
-    dropout_rng=None,
-    impl: AttentionImpl | str = AttentionImpl.REFERENCE,
-):
-    """Scaled dot-product attention through the implementation `impl` (resolved by `resolve`)."""
+def attention(q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, vis: Visibility, *, sinks_KG=None, dropout_rng=None,
+              impl: AttentionImpl | str = AttentionImpl.REFERENCE, return_max_logit: bool = False):
+    """Scaled dot-product attention through the implementation `impl` (resolved by `resolve`).
+
+    `vis`: the queries' and keys' positions and segments (`masks.Visibility`). With
+    `return_max_logit` (static), returns `(o, max_logit)`: the max of |q.k| * scale over the
+    visible pairs (before any soft-cap), a float32 scalar without gradient, measured by the
+    implementation's own pass over the scores.
+    """
     dropout = spec.dropout_rate > 0.0 and dropout_rng is not None
-    impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG, dropout)
-    positions = dict(q_pos_BT=q_pos_BT, k_pos_BS=k_pos_BS, q_seg_BT=q_seg_BT, k_seg_BS=k_seg_BS)
+    impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG, dropout, return_max_logit)
+    kwargs = dict(sinks_KG=sinks_KG, return_max_logit=return_max_logit)
+    interpret = interpret_target() is not None
     match impl:
         case AttentionImpl.CHUNKED:
-            return attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG=sinks_KG, **positions)
+            return attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, vis, **kwargs)
         case AttentionImpl.PALLAS_GPU:
-            interpret = interpret_target() is not None
-            return flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG=sinks_KG, interpret=interpret,
-                                       **positions)
+            return flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis, interpret=interpret, **kwargs)
         case AttentionImpl.PALLAS_TPU:
-            interpret = interpret_target() is not None
-            return flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG=sinks_KG, interpret=interpret,
-                                       **positions)
-    mask_BTS = attention_mask(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, causal=spec.causal, window=spec.window)
+            return flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis, interpret=interpret, **kwargs)
+    mask_BTS = vis.mask(causal=spec.causal, window=spec.window)
     if impl is AttentionImpl.CUDNN:
         return attention_cudnn(q_BTKGH, k_BSKH, v_BSKV, spec, mask_BTS)
-    return attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec, sinks_KG, dropout_rng)
+    return attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec, sinks_KG, dropout_rng, return_max_logit)

@@ -9,7 +9,7 @@ max, denominator and output; the custom backward scans over key blocks (carrying
 and, inside, over query blocks (carrying dk, dv), recomputing the probabilities from the
 saved log-sum-exp. Only `[B, K, G, R, C]` tiles ever exist, so memory grows linearly
 with T. Blocks that no query of a block can see (causal, window, segments; see
-`masks.block_visibility`) are skipped with `lax.cond`.
+`Visibility.tiles`) are skipped with `lax.cond`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from modern_jax.kernels import flash
 from modern_jax.kernels.backend import varying_axes, vary_over
-from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible
+from modern_jax.kernels.masks import MASK_VALUE, Visibility, pad_axis, round_up, softcap
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,16 @@ class _Call:
     softcap: float | None
     block_q: int
     block_k: int
+    max_logit: bool = False
 
 
-def attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None,
-                      sinks_KG=None, block_q: int = 512, block_k: int = 512):
-    """Attention with an online softmax over key blocks; the contract of `kernels.attention`."""
+def attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, vis: Visibility, *, sinks_KG=None, block_q: int = 512,
+                      block_k: int = 512, return_max_logit: bool = False):
+    """Attention with an online softmax over key blocks; the contract of `kernels.attention`.
+
+    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs)`: each
+    visited tile folds its logits into a running per-row max beside the softmax's.
+    """
     B, T, K, G, H = q_BTKGH.shape
     S = k_BSKH.shape[1]
     R, C = min(block_q, round_up(T, 8)), min(block_k, round_up(S, 8))
@@ -44,13 +49,14 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_se
     dtype = q_BTKGH.dtype
     q = pad_axis(q_BTKGH, 1, Tp)
     k, v = pad_axis(k_BSKH.astype(dtype), 1, Sp), pad_axis(v_BSKV.astype(dtype), 1, Sp)
-    positions = pad_positions(q_pos_BT.astype(jnp.int32), k_pos_BS.astype(jnp.int32),
-                              None if q_seg_BT is None else q_seg_BT.astype(jnp.int32),
-                              None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
+    vis = vis.padded(Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, R, C)
-    q, k, v, sinks = vary_over((q, k, v, sinks), varying_axes(q, k, v, sinks, positions))
-    return _chunked(call, q, k, v, sinks, *positions)[:, :T]
+    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, R, C, return_max_logit)
+    q, k, v, sinks = vary_over((q, k, v, sinks), varying_axes(q, k, v, sinks, vis))
+    o, max_logit_BKGT = _chunked(call, q, k, v, sinks, vis)
+    if return_max_logit:
+        return o[:, :T], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T]))
+    return o[:, :T]
 
 
 def _blocks(x, size: int):
@@ -69,63 +75,79 @@ def _unblock(x):
 
 def _tile_mask(call, q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC):
     """Visibility `[B, 1, 1, R, C]` of one tile (broadcasts over K and G)."""
-    mask_BRC = visible(q_pos_BR[:, :, None], k_pos_BC[:, None, :],
-                       None if q_seg_BR is None else q_seg_BR[:, :, None],
-                       None if k_seg_BC is None else k_seg_BC[:, None, :], causal=call.causal, window=call.window)
+    mask_BRC = Visibility(q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC).mask(causal=call.causal, window=call.window)
     return mask_BRC[:, None, None]
 
 
+def _logits(call, q_BRKGH, k_BCKH):
+    return jnp.einsum("BRKGH,BCKH->BKGRC", q_BRKGH, k_BCKH, preferred_element_type=jnp.float32) * call.scale
+
+
 def _scores(call, q_BRKGH, k_BCKH):
-    s_BKGRC = jnp.einsum("BRKGH,BCKH->BKGRC", q_BRKGH, k_BCKH, preferred_element_type=jnp.float32) * call.scale
-    return s_BKGRC if call.softcap is None else call.softcap * jnp.tanh(s_BKGRC / call.softcap)
+    return softcap(_logits(call, q_BRKGH, k_BCKH), call.softcap)
 
 
 def _pv(p_BKGRC, v_BCKV):
     return jnp.einsum("BKGRC,BCKV->BKGRV", p_BKGRC, v_BCKV, preferred_element_type=jnp.float32)
 
 
-def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+def _forward(call, q, k, v, sinks_KG, vis):
     B, Tp, K, G, H = q.shape
     V = v.shape[-1]
     R, C = call.block_q, call.block_k
-    vis_IJ = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window,
-                              block_q=R, block_k=C).any(0)
+    # Tie the positions to the queries. Under a scan over layers, reverse-mode AD hoists out of
+    # the loop whatever depends only on loop invariants (JAX's scan partial eval); the positions
+    # are invariant, so every tile's mask would be precomputed at once, [I, J, R, C]: O(T^2).
+    # Behind the barrier the masks stay in the loops, one tile at a time.
+    q, vis = jax.lax.optimization_barrier((q, vis))
+    q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
+    vis_IJ = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C).any(0)
     keys = (_blocks(k, C), _blocks(v, C), _blocks(k_pos, C), _blocks(k_seg, C))
-    inputs = (q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg)
+    inputs = (q, k, v, sinks_KG, vis)
 
     def query_block(xs):
         q_BRKGH, q_pos_BR, q_seg_BR, vis_J = xs
 
         def key_block(state, ys):
-            k_BCKH, v_BCKV, k_pos_BC, k_seg_BC, vis = ys
+            k_BCKH, v_BCKV, k_pos_BC, k_seg_BC, visited = ys
 
             def fold(state):
                 mask = _tile_mask(call, q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC)
-                return flash.forward_step(_scores(call, q_BRKGH, k_BCKH), mask, v_BCKV, *state, pv=_pv)
+                x_BKGRC = _logits(call, q_BRKGH, k_BCKH)
+                softmax = flash.forward_step(softcap(x_BKGRC, call.softcap), mask, v_BCKV, *state[:3], pv=_pv)
+                if not call.max_logit:
+                    return softmax
+                return (*softmax, flash.fold_max_logit(state[3], x_BKGRC, mask))
 
-            return jax.lax.cond(vis, fold, lambda state: state, state), None
+            return jax.lax.cond(visited, fold, lambda state: state, state), None
 
-        init = (jnp.full((B, K, G, R, 1), flash.NEG, jnp.float32), jnp.zeros((B, K, G, R, 1), jnp.float32),
+        init = (jnp.full((B, K, G, R, 1), MASK_VALUE, jnp.float32), jnp.zeros((B, K, G, R, 1), jnp.float32),
                 jnp.zeros((B, K, G, R, V), jnp.float32))
+        if call.max_logit:
+            init += (jnp.zeros((B, K, G, R, 1), jnp.float32),)
         state, _ = jax.lax.scan(key_block, vary_over(init, varying_axes(inputs)), (*keys, vis_J))
         sink = None if sinks_KG is None else sinks_KG[None, :, :, None, None]
-        o_BKGRV, lse_BKGR1 = flash.finish(*state, sink)
-        return o_BKGRV.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse_BKGR1[..., 0]
+        o_BKGRV, lse_BKGR1 = flash.finish(*state[:3], sink)
+        max_logit_BKGR = state[3][..., 0] if call.max_logit else None
+        return o_BKGRV.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse_BKGR1[..., 0], max_logit_BKGR
 
-    o_IBRKGV, lse_IBKGR = jax.lax.map(query_block, (_blocks(q, R), _blocks(q_pos, R), _blocks(q_seg, R), vis_IJ))
-    lse_BKGT = jnp.moveaxis(lse_IBKGR, 0, 3).reshape(B, K, G, Tp)
-    return _unblock(o_IBRKGV), lse_BKGT
+    o_IBRKGV, lse_IBKGR, max_logit_IBKGR = jax.lax.map(query_block, (_blocks(q, R), _blocks(q_pos, R),
+                                                                      _blocks(q_seg, R), vis_IJ))
+    def per_row(x_IBKGR):
+        return None if x_IBKGR is None else jnp.moveaxis(x_IBKGR, 0, 3).reshape(B, K, G, Tp)
+
+    return _unblock(o_IBRKGV), per_row(lse_IBKGR), per_row(max_logit_IBKGR)
 
 
-def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg):
+def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     B, Tp, K, G, H = q.shape
     V = v.shape[-1]
     R, C = call.block_q, call.block_k
     I = Tp // R
-    vis_JI = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window,
-                              block_q=R, block_k=C).any(0).T
+    q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
+    vis_JI = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C).any(0).T
     stats_IBKGR = tuple(jnp.moveaxis(x.reshape(B, K, G, I, R), 3, 0) for x in (lse_BKGT, delta_BKGT))
-    inputs = (q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg)
+    inputs = (q, k, v, do, lse_BKGT, delta_BKGT, vis)
     queries = (_blocks(q, R), _blocks(do, R), *stats_IBKGR, _blocks(q_pos, R), _blocks(q_seg, R))
 
     def key_block(dq_IBRKGH, xs):

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-NEG = float(jnp.finfo(jnp.float32).min)  # score of a masked entry; finite so no inf - inf
+from modern_jax.kernels.masks import MASK_VALUE, softcap  # a masked score: finite, so never inf - inf
 
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
@@ -39,12 +39,19 @@ def matmul_nt(a, b):
     return jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
 
 
-def scores(q_RH, k_CH, scale: float, softcap: float | None):
+def logits(q_RH, k_CH, scale: float):
+    """`scale * q k^T` in fp32 (before any soft-cap)."""
+    return matmul_nt(q_RH, k_CH) * scale
+
+
+def scores(q_RH, k_CH, scale: float, cap: float | None):
     """`s = softcap(scale * q k^T)` in fp32."""
-    s_RC = matmul_nt(q_RH, k_CH) * scale
-    if softcap is not None:
-        s_RC = softcap * jnp.tanh(s_RC / softcap)
-    return s_RC
+    return softcap(logits(q_RH, k_CH, scale), cap)
+
+
+def fold_max_logit(mx_R1, x_RC, mask_RC):
+    """The running per-row max |logit| over visible keys, with this tile's logits `x` folded in."""
+    return jnp.maximum(mx_R1, jnp.max(jnp.where(mask_RC, jnp.abs(x_RC), 0.0), axis=-1, keepdims=True))
 
 
 def softcap_grad(ds_RC, s_RC, softcap: float | None):
@@ -55,7 +62,7 @@ def softcap_grad(ds_RC, s_RC, softcap: float | None):
 
 
 def init_state(rows: int, v_dim: int):
-    return (jnp.full((rows, 1), NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+    return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, v_dim), jnp.float32))
 
 
@@ -64,7 +71,7 @@ def forward_step(s_RC, mask_RC, v_CV, m_R1, l_R1, acc_RV, pv=matmul):
 
     `pv(p, v)` is the probabilities-times-values product (leading axes may batch it).
     """
-    m_new_R1 = jnp.maximum(m_R1, jnp.max(jnp.where(mask_RC, s_RC, NEG), axis=-1, keepdims=True))
+    m_new_R1 = jnp.maximum(m_R1, jnp.max(jnp.where(mask_RC, s_RC, MASK_VALUE), axis=-1, keepdims=True))
     p_RC = jnp.where(mask_RC, jnp.exp(s_RC - m_new_R1), 0.0)
     alpha_R1 = jnp.exp(m_R1 - m_new_R1)
     l_R1 = alpha_R1 * l_R1 + jnp.sum(p_RC, axis=-1, keepdims=True)
@@ -106,35 +113,40 @@ def dkdv_step(q_RH, k_CH, v_CV, do_RV, lse_1R, delta_1R, mask_CR, scale, softcap
 def recompute_vjp(forward, backward, stat, sink_stat):
     """Attention as a `jax.custom_vjp` that saves only `o` and the log-sum-exp.
 
-    `forward(call, q, k, v, sinks, *positions) -> (o, lse)` and
-    `backward(call, q, k, v, do, lse, delta, *positions) -> (dq, dk, dv)` are one
-    implementation's passes (`call`: its hashable static settings). Layouts are theirs:
-    `stat(r)` puts a per-row statistic from `o`'s layout (without its value axis) into
-    `lse`'s, and `sink_stat(sinks)` broadcasts the sinks to it. Shared here:
+    `forward(call, q, k, v, sinks, vis) -> (o, lse, max_logit)` and
+    `backward(call, q, k, v, do, lse, delta, vis) -> (dq, dk, dv)` are one
+    implementation's passes (`call`: its hashable static settings; `vis`: the padded
+    `masks.Visibility`). `max_logit` is the per-row max |q.k| * scale over visible keys
+    when `call.max_logit` asks for it, else None: it is returned beside `o` and never
+    differentiated (its cotangent is dropped). Layouts are the implementation's: `stat(r)`
+    puts a per-row statistic from `o`'s layout (without its value axis) into `lse`'s, and
+    `sink_stat(sinks)` broadcasts the sinks to it. Shared here:
 
         delta  = rowsum(do * o)
         dsinks = -sum p_sink * delta,   p_sink = exp(sink - lse)   (the sink's probability)
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def attend(call, q, k, v, sinks, *positions):
-        return forward(call, q, k, v, sinks, *positions)[0]
+    def attend(call, q, k, v, sinks, vis):
+        o, _, max_logit = forward(call, q, k, v, sinks, vis)
+        return o, max_logit
 
-    def attend_fwd(call, q, k, v, sinks, *positions):
-        o, lse = forward(call, q, k, v, sinks, *positions)
-        return o, (q, k, v, sinks, positions, o, lse)
+    def attend_fwd(call, q, k, v, sinks, vis):
+        o, lse, max_logit = forward(call, q, k, v, sinks, vis)
+        return (o, max_logit), (q, k, v, sinks, vis, o, lse)
 
-    def attend_bwd(call, residuals, do):
-        q, k, v, sinks, positions, o, lse = residuals
+    def attend_bwd(call, residuals, cotangents):
+        do, _ = cotangents  # the max logit is a measurement: no gradient flows through it
+        q, k, v, sinks, vis, o, lse = residuals
         delta = stat(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1))
-        dq, dk, dv = backward(call, q, k, v, do.astype(q.dtype), lse, delta, *positions)
+        dq, dk, dv = backward(call, q, k, v, do.astype(q.dtype), lse, delta, vis)
         dsinks = None
         if sinks is not None:
             sinks_stat, pullback = jax.vjp(sink_stat, sinks)
             d_stat = -jnp.exp(sinks_stat - lse) * delta
             broadcast = tuple(i for i, n in enumerate(sinks_stat.shape) if n == 1 and d_stat.shape[i] != 1)
             dsinks = pullback(jnp.sum(d_stat, axis=broadcast, keepdims=True))[0]
-        return (dq, dk, dv, dsinks) + (None,) * len(positions)
+        return dq, dk, dv, dsinks, None
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend

@@ -7,7 +7,7 @@ The kernels read the attention contract's own layout (`q[B, T, K, G, H]`, `k[B, 
 through their block specs, so nothing is transposed or repeated:
 
 - forward and dq: grid `(T / R, B, N)`, one program per query tile of one head; it loops
-  over the key tiles `[lo, hi)` that the positions make visible (`masks.block_visibility`),
+  over the key tiles `[lo, hi)` that the positions make visible (`Visibility.tiles`),
   so causal and sliding-window attention skip the tiles they never see;
 - dk / dv: grid `(S / C, B, K)`, one program per key tile of one kv head; it loops over
   the G query heads of its group and their visible query tiles, accumulating in fp32.
@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from modern_jax.kernels import flash
 from modern_jax.kernels.backend import out_struct, varying_axes, vary_over
-from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible, visible_range
+from modern_jax.kernels.masks import Visibility, pad_axis, round_up, softcap, visible_range
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,17 @@ class _Call:
     softcap: float | None
     blocks: GpuBlocks
     interpret: bool
+    max_logit: bool = False
 
 
-def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None,
-                        sinks_KG=None, blocks: GpuBlocks | None = None, interpret: bool = False):
-    """Attention through the Pallas GPU kernels; the contract of `kernels.attention`."""
+def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis: Visibility, *, sinks_KG=None,
+                        blocks: GpuBlocks | None = None, interpret: bool = False, return_max_logit: bool = False):
+    """Attention through the Pallas GPU kernels; the contract of `kernels.attention`.
+
+    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs)`: the
+    forward kernel keeps a running per-row max |logit| beside the softmax's and writes it
+    out as it writes the log-sum-exp.
+    """
     B, T, K, G, H = q_BTKGH.shape
     S, V = k_BSKH.shape[1], v_BSKV.shape[-1]
     blocks = (blocks or GpuBlocks()).fit(T, S)
@@ -74,13 +80,13 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_
     q = pad_axis(pad_axis(q_BTKGH, 4, Hp), 1, Tp)
     k = pad_axis(pad_axis(k_BSKH.astype(dtype), 3, Hp), 1, Sp)
     v = pad_axis(pad_axis(v_BSKV.astype(dtype), 3, Vp), 1, Sp)
-    positions = pad_positions(q_pos_BT.astype(jnp.int32), k_pos_BS.astype(jnp.int32),
-                              None if q_seg_BT is None else q_seg_BT.astype(jnp.int32),
-                              None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
+    vis = vis.padded(Tp, Sp)
     sinks_KG = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret)
-    q, k, v, sinks_KG = vary_over((q, k, v, sinks_KG), varying_axes(q, k, v, sinks_KG, positions))
-    o_BTKGV = _flash(call, q, k, v, sinks_KG, *positions)
+    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret, return_max_logit)
+    q, k, v, sinks_KG = vary_over((q, k, v, sinks_KG), varying_axes(q, k, v, sinks_KG, vis))
+    o_BTKGV, max_logit_BKGT = _flash(call, q, k, v, sinks_KG, vis)
+    if return_max_logit:
+        return o_BTKGV[:, :T, :, :, :V], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T]))
     return o_BTKGV[:, :T, :, :, :V]
 
 
@@ -96,18 +102,19 @@ def _split_refs(refs, has_seg: bool):
     return (None, None), refs
 
 
-def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+def _forward(call, q, k, v, sinks_KG, vis):
     sinks_N = None if sinks_KG is None else sinks_KG.reshape(-1)  # one sink per query head
     B, Tp, K, G, H = q.shape
     Sp, V = k.shape[1], v.shape[-1]
     R, C = call.blocks.block_q, call.blocks.block_k
-    vis = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window, block_q=R, block_k=C)
-    lo_BI, hi_BI = visible_range(vis, axis=2)
-    has_seg, has_sink = q_seg is not None, sinks_N is not None
+    lo_BI, hi_BI = visible_range(vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C), axis=2)
+    has_seg, has_sink = vis.q_seg is not None, sinks_N is not None
 
     def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs):
         (qseg_ref, kseg_ref), refs = _split_refs(refs, has_seg)
-        sink_ref, o_ref, lse_ref = refs if has_sink else (None, *refs)
+        refs = list(refs)
+        sink_ref = refs.pop(0) if has_sink else None
+        o_ref, lse_ref, *max_ref = refs
         q_RH = q_ref[...]
         qpos_R1 = qpos_ref[...].reshape(R, 1)
         qseg_R1 = qseg_ref[...].reshape(R, 1) if has_seg else None
@@ -115,15 +122,19 @@ def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
         def body(j, state):
             cols = pl.ds(pl.multiple_of(j * C, C), C)
             kseg_1C = kseg_ref[cols].reshape(1, C) if has_seg else None
-            mask_RC = visible(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C,
-                              causal=call.causal, window=call.window)
-            s_RC = flash.scores(q_RH, k_ref[cols, :], call.scale, call.softcap)
-            return flash.forward_step(s_RC, mask_RC, v_ref[cols, :], *state)
+            mask_RC = Visibility(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C).pairs(
+                causal=call.causal, window=call.window)
+            x_RC = flash.logits(q_RH, k_ref[cols, :], call.scale)
+            softmax = flash.forward_step(softcap(x_RC, call.softcap), mask_RC, v_ref[cols, :], *state[:3])
+            return (*softmax, flash.fold_max_logit(state[3], x_RC, mask_RC)) if call.max_logit else softmax
 
-        m_R1, l_R1, acc_RV = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, flash.init_state(R, V))
-        o_RV, lse_R1 = flash.finish(m_R1, l_R1, acc_RV, sink_ref[...] if has_sink else None)
+        init = flash.init_state(R, V) + ((jnp.zeros((R, 1), jnp.float32),) if call.max_logit else ())
+        state = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, init)
+        o_RV, lse_R1 = flash.finish(*state[:3], sink_ref[...] if has_sink else None)
         o_ref[...] = o_RV.astype(o_ref.dtype)
         lse_ref[...] = lse_R1.reshape(R)
+        if call.max_logit:
+            max_ref[0][...] = state[3].reshape(R)
 
     scalar = pl.BlockSpec((None, None), lambda i, b, n: (b, i))
     in_specs = [
@@ -134,35 +145,38 @@ def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
         pl.BlockSpec((None, R), lambda i, b, n: (b, i)),
         pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0)),
     ]
-    args = [lo_BI, hi_BI, q, k, v, q_pos, k_pos]
+    args = [lo_BI, hi_BI, q, k, v, vis.q_pos, vis.k_pos]
     if has_seg:
         in_specs += [pl.BlockSpec((None, R), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
-        args += [q_seg, k_seg]
+        args += [vis.q_seg, vis.k_seg]
     if has_sink:
         in_specs.append(pl.BlockSpec((None,), lambda i, b, n: (n,)))
         args.append(sinks_N)
-    o, lse_BKGT = pl.pallas_call(
+    row_stat = pl.BlockSpec((None, None, None, R), lambda i, b, n: (b, n // G, n % G, i))
+    n_stats = 2 if call.max_logit else 1  # the log-sum-exp, and the max |logit| when asked
+    o, lse_BKGT, *max_logit_BKGT = pl.pallas_call(
         kernel,
         grid=(Tp // R, B, K * G),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, R, None, None, V), lambda i, b, n: (b, i, n // G, n % G, 0)),
-                   pl.BlockSpec((None, None, None, R), lambda i, b, n: (b, n // G, n % G, i))],
+                   *[row_stat] * n_stats],
         out_shape=[out_struct((B, Tp, K, G, V), q.dtype, q),
-                   out_struct((B, K, G, Tp), jnp.float32, q)],
+                   *[out_struct((B, K, G, Tp), jnp.float32, q)] * n_stats],
         compiler_params=_compiler_params(call, max(H, V)),
         interpret=call.interpret,
         name="flash_attention_gpu_fwd",
     )(*args)
-    return o, lse_BKGT
+    return o, lse_BKGT, max_logit_BKGT[0] if call.max_logit else None
 
 
-def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_seg):
+def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     B, Tp, K, G, H = q.shape
     Sp, V = k.shape[1], v.shape[-1]
     R, C = call.blocks.block_q_bwd, call.blocks.block_k_bwd
-    vis = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window, block_q=R, block_k=C)
-    k_lo_BI, k_hi_BI = visible_range(vis, axis=2)
-    q_lo_BJ, q_hi_BJ = visible_range(vis, axis=1)
+    tiles = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C)
+    k_lo_BI, k_hi_BI = visible_range(tiles, axis=2)
+    q_lo_BJ, q_hi_BJ = visible_range(tiles, axis=1)
+    q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
     has_seg = q_seg is not None
     params = _compiler_params(call, max(H, V))
     mask_kw = dict(causal=call.causal, window=call.window)
@@ -178,7 +192,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_se
         def body(j, dq_RH):
             cols = pl.ds(pl.multiple_of(j * C, C), C)
             kseg_1C = kseg_ref[cols].reshape(1, C) if has_seg else None
-            mask_RC = visible(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C, **mask_kw)
+            mask_RC = Visibility(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C).pairs(**mask_kw)
             return dq_RH + flash.dq_step(q_RH, k_ref[cols, :], v_ref[cols, :], do_RV, lse_R1, delta_R1, mask_RC,
                                          call.scale, call.softcap)
 
@@ -214,7 +228,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos, q_seg, k_se
             g, i = step // n_tiles, lo + step % n_tiles
             rows = pl.ds(pl.multiple_of(i * R, R), R)
             qseg_1R = qseg_ref[rows].reshape(1, R) if has_seg else None
-            mask_CR = visible(qpos_ref[rows].reshape(1, R), kpos_C1, qseg_1R, kseg_C1, **mask_kw)
+            mask_CR = Visibility(qpos_ref[rows].reshape(1, R), kpos_C1, qseg_1R, kseg_C1).pairs(**mask_kw)
             dk_CH, dv_CV = flash.dkdv_step(q_ref[rows, g, :], k_CH, v_CV, do_ref[rows, g, :],
                                            lse_ref[g, rows].reshape(1, R), delta_ref[g, rows].reshape(1, R),
                                            mask_CR, call.scale, call.softcap)

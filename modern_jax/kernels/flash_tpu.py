@@ -14,7 +14,7 @@ the running state in VMEM scratch:
 - dk / dv: grid `(B, K, J, G, I)`, (G, I) the reduction, so the G query heads that share
   a kv head accumulate into one dk / dv without repeating K/V.
 
-The visible tile range of every row of tiles (`masks.block_visibility`) is prefetched
+The visible tile range of every row of tiles (`Visibility.tiles`) is prefetched
 into SMEM: invisible tiles are skipped, and their index maps repeat the previous block
 so no copy is issued either. Sinks' gradient is computed outside the kernels.
 Tiles must be multiples of 128 on hardware (rows of `[1, R]` are lane-tiled); the
@@ -26,13 +26,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from modern_jax.kernels import flash
 from modern_jax.kernels.backend import out_struct, varying_axes, vary_over
-from modern_jax.kernels.masks import block_visibility, pad_axis, pad_positions, round_up, visible, visible_range
+from modern_jax.kernels.masks import Visibility, pad_axis, round_up, softcap, visible_range
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,17 @@ class _Call:
     softcap: float | None
     blocks: TpuBlocks
     interpret: bool
+    max_logit: bool = False
 
 
-def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None,
-                        sinks_KG=None, blocks: TpuBlocks | None = None, interpret: bool = False):
-    """Attention through the Pallas TPU kernels; the contract of `kernels.attention`."""
+def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis: Visibility, *, sinks_KG=None,
+                        blocks: TpuBlocks | None = None, interpret: bool = False, return_max_logit: bool = False):
+    """Attention through the Pallas TPU kernels; the contract of `kernels.attention`.
+
+    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs)`: the
+    forward kernel keeps a running per-row max |logit| in VMEM beside the softmax's and
+    writes it out as it writes the log-sum-exp.
+    """
     B, T, K, G, H = q_BTKGH.shape
     S = k_BSKH.shape[1]
     blocks = (blocks or TpuBlocks()).fit(T, S)
@@ -74,15 +81,16 @@ def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_
     q_BKGTH = pad_axis(q_BTKGH.transpose(0, 2, 3, 1, 4), 3, Tp)
     k_BKSH = pad_axis(k_BSKH.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
     v_BKSV = pad_axis(v_BSKV.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
-    positions = pad_positions(q_pos_BT.astype(jnp.int32), k_pos_BS.astype(jnp.int32),
-                              None if q_seg_BT is None else q_seg_BT.astype(jnp.int32),
-                              None if k_seg_BS is None else k_seg_BS.astype(jnp.int32), Tp, Sp)
+    vis = vis.padded(Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret)
+    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret, return_max_logit)
     q_BKGTH, k_BKSH, v_BKSV, sinks = vary_over((q_BKGTH, k_BKSH, v_BKSV, sinks),
-                                               varying_axes(q_BKGTH, k_BKSH, v_BKSV, sinks, positions))
-    o_BKGTV = _flash(call, q_BKGTH, k_BKSH, v_BKSV, sinks, *positions)
-    return o_BKGTV[:, :, :, :T].transpose(0, 3, 1, 2, 4)
+                                               varying_axes(q_BKGTH, k_BKSH, v_BKSV, sinks, vis))
+    o_BKGTV, max_logit_BKGT1 = _flash(call, q_BKGTH, k_BKSH, v_BKSV, sinks, vis)
+    o_BTKGV = o_BKGTV[:, :, :, :T].transpose(0, 3, 1, 2, 4)
+    if return_max_logit:
+        return o_BTKGV, jax.lax.stop_gradient(jnp.max(max_logit_BKGT1[:, :, :, :T]))
+    return o_BTKGV
 
 
 def _column(x_BT):
@@ -134,33 +142,44 @@ def _key_major_specs(J: int, R: int, C: int):
     return q_tile, q_stat, q_row, kv_tile, k_col
 
 
-def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
+def _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, *, causal, window):
+    """One tile's visibility from its position (and segment) blocks, laid out as column and row."""
+    seg = lambda ref: None if ref is None else ref[...]  # noqa: E731
+    return Visibility(qpos_ref[...], kpos_ref[...], seg(qseg_ref), seg(kseg_ref)).pairs(causal=causal, window=window)
+
+
+def _forward(call, q, k, v, sinks_KG, vis):
     B, K, G, Tp, H = q.shape
     Sp, V = k.shape[2], v.shape[-1]
     R, C = call.blocks.block_q, call.blocks.block_k
     I, J = Tp // R, Sp // C
-    vis = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window, block_q=R, block_k=C)
-    lo_BI, hi_BI = visible_range(vis, axis=2)
-    has_seg, has_sink = q_seg is not None, sinks_KG is not None
+    lo_BI, hi_BI = visible_range(vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C), axis=2)
+    has_seg, has_sink = vis.q_seg is not None, sinks_KG is not None
 
     def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs):
         refs = list(refs)
         qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
         sinks_ref = refs.pop(0) if has_sink else None
-        o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
+        if call.max_logit:
+            o_ref, lse_ref, max_ref, m_scr, l_scr, acc_scr, max_scr = refs
+        else:
+            o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
         b, h, g, i, j = (pl.program_id(a) for a in range(5))
 
         @pl.when(j == 0)
         def _init():
             m_scr[...], l_scr[...], acc_scr[...] = flash.init_state(R, V)
+            if call.max_logit:
+                max_scr[...] = jnp.zeros((R, 1), jnp.float32)
 
         @pl.when((j >= lo_ref[b * I + i]) & (j < hi_ref[b * I + i]))
         def _step():
-            mask_RC = visible(qpos_ref[...], kpos_ref[...], None if qseg_ref is None else qseg_ref[...],
-                              None if kseg_ref is None else kseg_ref[...], causal=call.causal, window=call.window)
-            s_RC = flash.scores(q_ref[...], k_ref[...], call.scale, call.softcap)
+            mask_RC = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, causal=call.causal, window=call.window)
+            x_RC = flash.logits(q_ref[...], k_ref[...], call.scale)
             m_scr[...], l_scr[...], acc_scr[...] = flash.forward_step(
-                s_RC, mask_RC, v_ref[...], m_scr[...], l_scr[...], acc_scr[...])
+                softcap(x_RC, call.softcap), mask_RC, v_ref[...], m_scr[...], l_scr[...], acc_scr[...])
+            if call.max_logit:
+                max_scr[...] = flash.fold_max_logit(max_scr[...], x_RC, mask_RC)
 
         @pl.when(j == J - 1)
         def _finish():
@@ -168,43 +187,47 @@ def _forward(call, q, k, v, sinks_KG, q_pos, k_pos, q_seg, k_seg):
             o_RV, lse_R1 = flash.finish(m_scr[...], l_scr[...], acc_scr[...], sink)
             o_ref[...] = o_RV.astype(o_ref.dtype)
             lse_ref[...] = lse_R1
+            if call.max_logit:
+                max_ref[...] = max_scr[...]
 
     q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, R, C)
     in_specs = [q_tile(H), kv_tile(H), kv_tile(V), q_col, k_row]
-    args = [q, k, v, _column(q_pos), _row(k_pos)]
+    args = [q, k, v, _column(vis.q_pos), _row(vis.k_pos)]
     if has_seg:
         in_specs += [q_col, k_row]
-        args += [_column(q_seg), _row(k_seg)]
+        args += [_column(vis.q_seg), _row(vis.k_seg)]
     if has_sink:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         args.append(sinks_KG)
-    o, lse = pl.pallas_call(
+    n_stats = 2 if call.max_logit else 1  # the log-sum-exp, and the max |logit| when asked
+    o, lse, *max_logit = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, K, G, I, J),
             in_specs=in_specs,
-            out_specs=[q_tile(V), q_stat],
+            out_specs=[q_tile(V), *[q_stat] * n_stats],
             scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
-                            pltpu.VMEM((R, V), jnp.float32)],
+                            pltpu.VMEM((R, V), jnp.float32), *[pltpu.VMEM((R, 1), jnp.float32)] * (n_stats - 1)],
         ),
         out_shape=[out_struct((B, K, G, Tp, V), q.dtype, q),
-                   out_struct((B, K, G, Tp, 1), jnp.float32, q)],
+                   *[out_struct((B, K, G, Tp, 1), jnp.float32, q)] * n_stats],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
         interpret=call.interpret,
         name="flash_attention_tpu_fwd",
     )(lo_BI.reshape(-1), hi_BI.reshape(-1), *args)
-    return o, lse
+    return o, lse, max_logit[0] if call.max_logit else None
 
 
-def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_seg):
+def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     B, K, G, Tp, H = q.shape
     Sp, V = k.shape[2], v.shape[-1]
     R, C = call.blocks.block_q_bwd, call.blocks.block_k_bwd
     I, J = Tp // R, Sp // C
-    vis = block_visibility(q_pos, k_pos, q_seg, k_seg, causal=call.causal, window=call.window, block_q=R, block_k=C)
-    k_lo_BI, k_hi_BI = visible_range(vis, axis=2)
-    q_lo_BJ, q_hi_BJ = visible_range(vis, axis=1)
+    tiles = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C)
+    k_lo_BI, k_hi_BI = visible_range(tiles, axis=2)
+    q_lo_BJ, q_hi_BJ = visible_range(tiles, axis=1)
+    q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
     has_seg = q_seg is not None
     mask_kw = dict(causal=call.causal, window=call.window)
 
@@ -221,8 +244,7 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_
 
         @pl.when((j >= lo_ref[b * I + i]) & (j < hi_ref[b * I + i]))
         def _step():
-            mask_RC = visible(qpos_ref[...], kpos_ref[...], None if qseg_ref is None else qseg_ref[...],
-                              None if kseg_ref is None else kseg_ref[...], **mask_kw)
+            mask_RC = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **mask_kw)
             dq_scr[...] += flash.dq_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
                                          delta_ref[...], mask_RC, call.scale, call.softcap)
 
@@ -261,8 +283,7 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, q_pos, k_pos, q_seg, k_
 
         @pl.when((i >= lo_ref[b * J + j]) & (i < hi_ref[b * J + j]))
         def _step():
-            mask_CR = visible(qpos_ref[...], kpos_ref[...], None if qseg_ref is None else qseg_ref[...],
-                              None if kseg_ref is None else kseg_ref[...], **mask_kw)
+            mask_CR = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **mask_kw)
             dk_CH, dv_CV = flash.dkdv_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
                                            delta_ref[...], mask_CR, call.scale, call.softcap)
             dk_scr[...] += dk_CH

@@ -1,4 +1,4 @@
-"""Masks from positions, and which key blocks each query block can see.
+"""`Visibility`: masks from positions, and which key tiles each query tile can see.
 
 Letters: B batch, T query length, S key length, I query blocks, J key blocks.
 
@@ -10,21 +10,86 @@ same segment. Blocked kernels pad T and S up to whole blocks: padded keys get po
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import jax
 import jax.numpy as jnp
 
 _NO_KEY = jnp.iinfo(jnp.int32).max
+MASK_VALUE = float(jnp.finfo(jnp.float32).min)  # the logit of an invisible key or a padded vocabulary row
 
 
-def visible(q_pos, k_pos, q_seg=None, k_seg=None, *, causal: bool, window: int | None):
-    """Elementwise visibility; the caller lays out queries and keys on broadcasting axes."""
-    ok = k_pos >= 0
-    if causal:
-        ok = ok & (k_pos <= q_pos)
-    if window is not None:
-        ok = ok & (q_pos - k_pos < window)
-    if q_seg is not None:
-        ok = ok & (q_seg == k_seg)
-    return ok
+def softcap(x, cap: float | None):
+    """`cap * tanh(x / cap)`: bounds logits smoothly to (-cap, cap); None: `x` unchanged."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Visibility:
+    """Which keys each query sees: `q_pos[B, T]`, `k_pos[B, S]` and optional segment ids.
+
+    A pytree (its arrays are the leaves), so it passes whole through jit, custom_vjp and
+    shard_map (whose in_specs are then a Visibility of PartitionSpecs). Inside a kernel the
+    same class holds one tile's positions, laid out on broadcasting axes (`pairs`).
+    """
+
+    q_pos: jax.Array
+    k_pos: jax.Array
+    q_seg: jax.Array | None = None
+    k_seg: jax.Array | None = None
+
+    def pairs(self, *, causal: bool, window: int | None):
+        """Elementwise visibility; the fields are already laid out on broadcasting axes."""
+        ok = self.k_pos >= 0
+        if causal:
+            ok = ok & (self.k_pos <= self.q_pos)
+        if window is not None:
+            ok = ok & (self.q_pos - self.k_pos < window)
+        if self.q_seg is not None:
+            ok = ok & (self.q_seg == self.k_seg)
+        return ok
+
+    def mask(self, *, causal: bool, window: int | None):
+        """The dense mask `[..., T, S]` from `[..., T]` queries and `[..., S]` keys."""
+        q = lambda x: None if x is None else x[..., :, None]  # noqa: E731
+        k = lambda x: None if x is None else x[..., None, :]  # noqa: E731
+        mask = Visibility(q(self.q_pos), k(self.k_pos), q(self.q_seg), k(self.k_seg)).pairs(causal=causal,
+                                                                                            window=window)
+        return jnp.broadcast_to(mask, (*self.q_pos.shape, self.k_pos.shape[-1]))
+
+    def padded(self, Tp: int, Sp: int) -> Visibility:
+        """int32, padded to `Tp` queries and `Sp` keys (see the module docstring)."""
+        i32 = lambda x: None if x is None else x.astype(jnp.int32)  # noqa: E731
+        return Visibility(pad_axis(i32(self.q_pos), 1, Tp, "edge"), pad_axis(i32(self.k_pos), 1, Sp, value=-1),
+                          pad_axis(i32(self.q_seg), 1, Tp, "edge"), pad_axis(i32(self.k_seg), 1, Sp, value=0))
+
+    def tiles(self, *, causal: bool, window: int | None, block_q: int, block_k: int):
+        """`vis[B, I, J]`: may any query of tile I see any key of tile J? (conservative)
+
+        Decided from each tile's range of positions and segment ids, so it holds for any
+        position layout (ring caches, packed documents); it is exact for increasing positions.
+        """
+        B, T = self.q_pos.shape
+        S = self.k_pos.shape[1]
+        q_BIR = self.q_pos.reshape(B, T // block_q, block_q)
+        k_BJC = self.k_pos.reshape(B, S // block_k, block_k)
+        valid_BJC = k_BJC >= 0
+        q_min_BI1, q_max_BI1 = q_BIR.min(-1)[:, :, None], q_BIR.max(-1)[:, :, None]
+        k_min_B1J = jnp.where(valid_BJC, k_BJC, _NO_KEY).min(-1)[:, None, :]
+        k_max_B1J = jnp.where(valid_BJC, k_BJC, -1).max(-1)[:, None, :]
+        vis_BIJ = jnp.broadcast_to(k_max_B1J >= 0, (B, T // block_q, S // block_k))
+        if causal:
+            vis_BIJ &= k_min_B1J <= q_max_BI1
+        if window is not None:
+            vis_BIJ &= q_min_BI1 - k_max_B1J < window
+        if self.q_seg is not None:
+            qs_BIR = self.q_seg.reshape(B, T // block_q, block_q)
+            ks_BJC = self.k_seg.reshape(B, S // block_k, block_k)
+            ks_min_B1J = jnp.where(valid_BJC, ks_BJC, _NO_KEY).min(-1)[:, None, :]
+            ks_max_B1J = jnp.where(valid_BJC, ks_BJC, jnp.iinfo(jnp.int32).min).max(-1)[:, None, :]
+            vis_BIJ &= (qs_BIR.min(-1)[:, :, None] <= ks_max_B1J) & (ks_min_B1J <= qs_BIR.max(-1)[:, :, None])
+        return vis_BIJ
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -40,40 +105,6 @@ def pad_axis(x, axis: int, length: int, mode: str = "constant", value=0):
     if mode == "edge":
         return jnp.pad(x, widths, mode="edge")
     return jnp.pad(x, widths, constant_values=value)
-
-
-def pad_positions(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, Tp: int, Sp: int):
-    """Positions and segments padded to `Tp` queries and `Sp` keys (see the module docstring)."""
-    return (pad_axis(q_pos_BT, 1, Tp, "edge"), pad_axis(k_pos_BS, 1, Sp, value=-1),
-            pad_axis(q_seg_BT, 1, Tp, "edge"), pad_axis(k_seg_BS, 1, Sp, value=0))
-
-
-def block_visibility(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, *, causal, window, block_q, block_k):
-    """`vis[B, I, J]`: may any query of block I see any key of block J? (conservative)
-
-    Decided from each block's range of positions and segment ids, so it holds for any
-    position layout (ring caches, packed documents); it is exact for increasing positions.
-    """
-    B, T = q_pos_BT.shape
-    S = k_pos_BS.shape[1]
-    q_BIR = q_pos_BT.reshape(B, T // block_q, block_q)
-    k_BJC = k_pos_BS.reshape(B, S // block_k, block_k)
-    valid_BJC = k_BJC >= 0
-    q_min_BI1, q_max_BI1 = q_BIR.min(-1)[:, :, None], q_BIR.max(-1)[:, :, None]
-    k_min_B1J = jnp.where(valid_BJC, k_BJC, _NO_KEY).min(-1)[:, None, :]
-    k_max_B1J = jnp.where(valid_BJC, k_BJC, -1).max(-1)[:, None, :]
-    vis_BIJ = jnp.broadcast_to(k_max_B1J >= 0, (B, T // block_q, S // block_k))
-    if causal:
-        vis_BIJ &= k_min_B1J <= q_max_BI1
-    if window is not None:
-        vis_BIJ &= q_min_BI1 - k_max_B1J < window
-    if q_seg_BT is not None:
-        qs_BIR = q_seg_BT.reshape(B, T // block_q, block_q)
-        ks_BJC = k_seg_BS.reshape(B, S // block_k, block_k)
-        ks_min_B1J = jnp.where(valid_BJC, ks_BJC, _NO_KEY).min(-1)[:, None, :]
-        ks_max_B1J = jnp.where(valid_BJC, ks_BJC, jnp.iinfo(jnp.int32).min).max(-1)[:, None, :]
-        vis_BIJ &= (qs_BIR.min(-1)[:, :, None] <= ks_max_B1J) & (ks_min_B1J <= qs_BIR.max(-1)[:, :, None])
-    return vis_BIJ
 
 
 def visible_range(vis, axis: int):

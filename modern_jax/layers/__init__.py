@@ -1,1 +1,1 @@
-"""The building blocks of the model, one module per choice of SPEC section 1."""
+"""The building blocks of the model, one module per choice of the README's Configuration table."""

@@ -6,6 +6,10 @@ of MLA's decoupled key (d_R), V value head dim, Q MLA query rank.
 
 Decoding caches are dicts of arrays `[B, S, ...]` plus `pos[B, S]` (the position held
 by each slot, -1 when empty). Local layers keep a ring of `sliding_window` slots.
+
+Called with `diagnostics=True`, a layer sows `max_attention_logit` (`nnx.Intermediate`):
+max |q.k| * scale over its visible query-key pairs, measured by the attention kernel
+itself while it computes the output (see `kernels.attention`).
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from modern_jax.config import LayerSpec, ModelConfig
-from modern_jax.kernels import AttentionSpec
+from modern_jax.kernels import AttentionSpec, Visibility
 from modern_jax.ops.attention import attention
 from modern_jax.layers.linear import Proj, param
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import apply_rope, yarn_mscale
 from modern_jax.sharding import constrain
 
-
+MAX_LOGIT = "max_attention_logit"
 
 
 def attend_with_cache(cache, new, pos_BT, window):
@@ -52,6 +56,15 @@ def cache_slots(cfg: ModelConfig, spec: LayerSpec, max_len: int) -> int:
     return max_len if spec.window is None else min(spec.window, max_len)
 
 
+def sow_max_logit(layer: nnx.Module, out, diagnostics: bool):
+    """The attention output; with `diagnostics`, `out` is `(o, max_logit)` and the layer sows the max."""
+    if not diagnostics:
+        return out
+    o, max_logit = out
+    layer.sow(nnx.Intermediate, MAX_LOGIT, max_logit)
+    return o
+
+
 class Attention(nnx.Module):
     """Multi-head attention with grouped K/V (MHA when K = N, MQA when K = 1)."""
 
@@ -78,7 +91,7 @@ class Attention(nnx.Module):
         return {"k": jnp.zeros((batch, S, K, H), dtype), "v": jnp.zeros((batch, S, K, H), dtype),
                 "pos": jnp.full((batch, S), -1, jnp.int32)}
 
-    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None):
+    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False):
         cfg, spec = self.cfg, self.spec
         B, T, _ = x_BTD.shape
         K, G, H = cfg.num_kv_heads, cfg.n_heads // cfg.num_kv_heads, cfg.head_size
@@ -99,12 +112,12 @@ class Attention(nnx.Module):
             k_BSKH, v_BSKH = keys["k"].astype(x_BTD.dtype), keys["v"].astype(x_BTD.dtype)
         scale = cfg.attn_scale if cfg.attn_scale is not None else H**-0.5
         sinks_KG = None if self.sinks is None else self.sinks[...].reshape(K, G)
-        o_BTKGH = attention(
+        o_BTKGH = sow_max_logit(self, attention(
             q_BTKGH, k_BSKH, v_BSKH,
             AttentionSpec(scale=scale, window=spec.window, softcap=cfg.attn_softcap, dropout_rate=cfg.attn_dropout),
-            q_pos_BT=pos_BT, k_pos_BS=k_pos_BS, q_seg_BT=seg_BT, k_seg_BS=k_seg_BS, sinks_KG=sinks_KG,
-            dropout_rng=rng, impl=cfg.attention_impl,
-        )
+            Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS), sinks_KG=sinks_KG, dropout_rng=rng,
+            impl=cfg.attention_impl, return_max_logit=diagnostics,
+        ), diagnostics)
         o_BTNH = checkpoint_name(o_BTKGH.reshape(B, T, K * G, H), "attention_out")
         return self.o_proj("BTNH,NHD->BTD", o_BTNH), cache
 
@@ -147,7 +160,7 @@ class MLAttention(nnx.Module):
             scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
         return scale
 
-    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, absorb=None):
+    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False, absorb=None):
         cfg, spec = self.cfg, self.spec
         B, T, _ = x_BTD.shape
         N, C, Hn = cfg.n_heads, cfg.mla_kv_rank, cfg.mla_nope_dim
@@ -173,14 +186,15 @@ class MLAttention(nnx.Module):
         w_uk_CNH, w_uv_CNV = w_CNX[..., :Hn], w_CNX[..., Hn:]
         spec_ = AttentionSpec(scale=self.scale(), window=spec.window, softcap=cfg.attn_softcap,
                               dropout_rate=cfg.attn_dropout)
-        kwargs = dict(q_pos_BT=pos_BT, k_pos_BS=k_pos_BS, q_seg_BT=seg_BT, k_seg_BS=k_seg_BS,
-                      dropout_rng=rng, impl=cfg.attention_impl)
+        vis = Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS)
+        kwargs = dict(dropout_rng=rng, impl=cfg.attention_impl, return_max_logit=diagnostics)
         if absorb:  # MQA over the latent: one shared "kv head" of width C + R, N queries per group
             q_lat_BTNC = jnp.einsum("BTNH,CNH->BTNC", q_nope_BTNH, w_uk_CNH)
             q_BT1NX = jnp.concatenate([q_lat_BTNC, q_pe_BTNR], axis=-1)[:, :, None]
             k_BS1X = jnp.concatenate([c_BSC, k_pe_BSR], axis=-1)[:, :, None]
             sinks_1N = None if self.sinks is None else self.sinks[...][None]
-            o_BT1NC = attention(q_BT1NX, k_BS1X, c_BSC[:, :, None], spec_, sinks_KG=sinks_1N, **kwargs)
+            o_BT1NC = sow_max_logit(self, attention(q_BT1NX, k_BS1X, c_BSC[:, :, None], spec_, vis, sinks_KG=sinks_1N,
+                                                    **kwargs), diagnostics)
             o_BTNV = jnp.einsum("BTNC,CNV->BTNV", o_BT1NC[:, :, 0], w_uv_CNV)
         else:  # expand the latent into per-head keys and values (training)
             S = c_BSC.shape[1]
@@ -189,7 +203,8 @@ class MLAttention(nnx.Module):
             k_BSNX = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_pe_BSR[:, :, None], (B, S, N, k_pe_BSR.shape[-1]))], -1)
             q_BTN1X = jnp.concatenate([q_nope_BTNH, q_pe_BTNR], axis=-1)[:, :, :, None]
             sinks_N1 = None if self.sinks is None else self.sinks[...][:, None]
-            o_BTN1V = attention(q_BTN1X, k_BSNX, v_BSNV, spec_, sinks_KG=sinks_N1, **kwargs)
+            o_BTN1V = sow_max_logit(self, attention(q_BTN1X, k_BSNX, v_BSNV, spec_, vis, sinks_KG=sinks_N1, **kwargs),
+                                    diagnostics)
             o_BTNV = o_BTN1V[:, :, :, 0]
         o_BTNV = checkpoint_name(o_BTNV, "attention_out")
         return self.o_proj("BTNV,NVD->BTD", o_BTNV), cache

@@ -72,13 +72,13 @@ class Block(nnx.Module):
                 return norm_out(self.alpha * x + f_dropped(x))
         raise AssertionError(self.placement)
 
-    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None):
+    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False):
         rngs = [None] * 4 if rng is None else list(jax.random.split(rng, 4))
         new_cache = cache
 
         def attn(h_BTD):
             nonlocal new_cache
-            out_BTD, new_cache = self.self_attn(h_BTD, pos_BT, seg_BT, cache, rngs[0])
+            out_BTD, new_cache = self.self_attn(h_BTD, pos_BT, seg_BT, cache, rngs[0], diagnostics=diagnostics)
             return out_BTD
 
         if self.placement == "parallel":

@@ -33,14 +33,18 @@ def kv_replication(n_kv: int, group: int, tp: int) -> int:
     return r
 
 
-def attention(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, sinks_KG=None,
-              dropout_rng=None, impl="reference"):
-    """`kernels.attention`, run per device under shard_map when a mesh is active."""
-    kwargs = dict(sinks_KG=sinks_KG, dropout_rng=dropout_rng, impl=impl)
+def attention(q_BTKGH, k_BSKH, v_BSKV, spec, vis, *, sinks_KG=None, dropout_rng=None, impl="reference",
+              return_max_logit: bool = False):
+    """`kernels.attention`, run per device under shard_map when a mesh is active.
+
+    With `return_max_logit`, returns `(o, max_logit)`: each device's max, maxed over the
+    devices (`pmax`) so every device holds the global one.
+    """
+    kwargs = dict(impl=impl, return_max_logit=return_max_logit)
     state = active()
     if state is None:
-        return kernels.attention(q_BTKGH, k_BSKH, v_BSKV, spec, q_pos_BT=q_pos_BT, k_pos_BS=k_pos_BS,
-                                 q_seg_BT=q_seg_BT, k_seg_BS=k_seg_BS, **kwargs)
+        return kernels.attention(q_BTKGH, k_BSKH, v_BSKV, spec, vis, sinks_KG=sinks_KG, dropout_rng=dropout_rng,
+                                 **kwargs)
     mesh, rules = state
     B, T, K, G, H = q_BTKGH.shape
     tp_axes = tuple(a for a in mesh_axes("activation_kv_heads", rules) if mesh.shape[a] > 1)
@@ -53,25 +57,29 @@ def attention(q_BTKGH, k_BSKH, v_BSKV, spec, *, q_pos_BT, k_pos_BS, q_seg_BT=Non
             sinks_KG = sinks_KG.reshape(K * r, G // r)
     batch = live_axes("activation_batch", rules, mesh, B)
     heads = tp_axes or None
-    args = [q_BTKGH, k_BSKH, v_BSKV, q_pos_BT, k_pos_BS]
+    split = tuple(batch or ()) + tuple(heads or ())  # the axes each device's share differs over
+    args = [q_BTKGH, k_BSKH, v_BSKV, vis]
     specs = [P(batch, None, heads, None, None), P(batch, None, heads, None), P(batch, None, heads, None),
-             P(batch, None), P(batch, None)]
-    optional = {"q_seg": (q_seg_BT, P(batch, None)), "k_seg": (k_seg_BS, P(batch, None)),
-                "sinks": (sinks_KG, P(heads, None)), "rng": (dropout_rng, P())}
+             jax.tree.map(lambda _: P(batch, None), vis)]
+    optional = {"sinks": (sinks_KG, P(heads, None)), "rng": (dropout_rng, P())}
     names = [name for name, (value, _) in optional.items() if value is not None]
     args += [optional[name][0] for name in names]
     specs += [optional[name][1] for name in names]
 
-    def per_device(q, k, v, q_pos, k_pos, *rest):
+    def per_device(q, k, v, vis, *rest):
         extra = dict(zip(names, rest))
         rng = extra.get("rng")
         if rng is not None:  # distinct dropout masks per device
-            for axis in tuple(batch or ()) + tuple(heads or ()):
+            for axis in split:
                 rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        return kernels.attention(q, k, v, spec, q_pos_BT=q_pos, k_pos_BS=k_pos, q_seg_BT=extra.get("q_seg"),
-                                 k_seg_BS=extra.get("k_seg"), sinks_KG=extra.get("sinks"), dropout_rng=rng,
-                                 impl=impl)
+        out = kernels.attention(q, k, v, spec, vis, sinks_KG=extra.get("sinks"), dropout_rng=rng, **kwargs)
+        if return_max_logit:
+            return out[0], jax.lax.pmax(out[1], split) if split else out[1]
+        return out
 
-    o_BTKGV = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
-                            out_specs=P(batch, None, heads, None, None), check_vma=False)(*args)
-    return o_BTKGV.reshape(B, T, K, G, o_BTKGV.shape[-1])
+    o_spec = P(batch, None, heads, None, None)
+    out = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
+                        out_specs=(o_spec, P()) if return_max_logit else o_spec, check_vma=False)(*args)
+    o_BTKGV, max_logit = out if return_max_logit else (out, None)
+    o_BTKGV = o_BTKGV.reshape(B, T, K, G, o_BTKGV.shape[-1])
+    return (o_BTKGV, jax.lax.stop_gradient(max_logit)) if return_max_logit else o_BTKGV

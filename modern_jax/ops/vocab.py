@@ -1,4 +1,13 @@
-"""The vocabulary split across the mesh: embedding lookup and loss without full logits.
+"""The vocabulary: the output head, and the table split across the mesh (embedding lookup
+and loss without full logits).
+
+Letters: B batch, T length, D model, V vocabulary rows, C rows of a slice.
+
+`Head` is the one output head, over the model's own parameters (the tied embedding or
+`lm_head`): `logits = softcap(h w^T + b)` in float32 for the rows `[first, first + C)` it
+is given, with padding rows (ids >= the real vocabulary) held at MASK_VALUE.
+`Transformer.logits` runs it over the whole vocabulary, the chunked loss over chunks of
+each device's rows.
 
 With `vocab` mapped to mesh axes of size > 1 (`tensor` by default), each device holds
 `V / TP` rows of the embedding table and of the output head (Megatron's vocab-parallel
@@ -18,13 +27,46 @@ plain single-device computation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from modern_jax.kernels.masks import MASK_VALUE, softcap
 from modern_jax.sharding import active, live_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """The output head: rows `w[V, D]` of the output matrix (the tied embedding, or `lm_head.kernel`
+    transposed), their bias or None, the final soft-cap or None, and the real vocabulary size:
+    ids at or past `vocab_size` are padding and never predicted (a slice may lower it to mask
+    rows past its end). `replace(w_VD=rows, b_V=bias)` gives the head of a slice of rows."""
+
+    w_VD: jax.Array
+    b_V: jax.Array | None
+    softcap: float | None
+    vocab_size: int | jax.Array
+
+    def replace(self, **fields) -> Head:
+        return dataclasses.replace(self, **fields)
+
+    def real(self, first=0):
+        """[C] True on the rows whose global ids `first .. first + C` are real vocabulary entries."""
+        return first + jnp.arange(self.w_VD.shape[0]) < self.vocab_size
+
+    def logits(self, h_BTD, first=0):
+        """`softcap(h w^T + b)` [B, T, C] in float32 for this head's C rows, whose global ids start
+        at `first`; padding rows hold MASK_VALUE."""
+        z_BTC = jnp.einsum("BTD,CD->BTC", h_BTD, self.w_VD.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
+        if self.b_V is not None:
+            z_BTC = z_BTC + self.b_V.astype(jnp.float32)
+        z_BTC = softcap(z_BTC, self.softcap)
+        if isinstance(first, int) and isinstance(self.vocab_size, int) and first + z_BTC.shape[-1] <= self.vocab_size:
+            return z_BTC  # statically no padding row
+        return jnp.where(self.real(first), z_BTC, MASK_VALUE)
 
 
 def _split(n_rows: int, batch: int):
@@ -67,24 +109,24 @@ def lookup(table_VD, tokens_BT):
                          out_specs=P(batch, None, None))(table_VD, tokens_BT)
 
 
-def split_parts(parts, h_BTD, w_VD, b_V, targets_BT):
-    """`parts(h, w, b, targets, first) -> (max, sum exp(z - max), target logit, max |z|)` over the
-    rows of `w` (global ids from `first`), combined over the vocab shards when the mesh splits them."""
-    split = _split(w_VD.shape[0], targets_BT.shape[0])
+def split_parts(parts, h_BTD, head: Head, targets_BT):
+    """`parts(h, head, targets, first) -> (max, sum exp(z - max), target logit, max |z|)` over the
+    rows of `head` (global ids from `first`), combined over the vocab shards when the mesh splits them."""
+    split = _split(head.w_VD.shape[0], targets_BT.shape[0])
     if split is None:
-        return parts(h_BTD, w_VD, b_V, targets_BT, 0)
+        return parts(h_BTD, head, targets_BT, 0)
     mesh, vocab, batch = split
 
     def per_device(h_BTD, w_VD, targets_BT, *b_V):
-        m_BT, s_BT, z_target_BT, max_abs = parts(h_BTD, w_VD, b_V[0] if b_V else None, targets_BT,
-                                                 _first_row(vocab, w_VD.shape[0]))
+        m_BT, s_BT, z_target_BT, max_abs = parts(h_BTD, head.replace(w_VD=w_VD, b_V=b_V[0] if b_V else None),
+                                                 targets_BT, _first_row(vocab, w_VD.shape[0]))
         m_all_BT = jax.lax.pmax(jax.lax.stop_gradient(m_BT), vocab)  # a stabiliser: lse does not depend on it
         s_all_BT = jax.lax.psum(s_BT * jnp.exp(m_BT - m_all_BT), vocab)
         every = tuple(vocab) + tuple(batch or ())
         return m_all_BT, s_all_BT, jax.lax.psum(z_target_BT, vocab), jax.lax.pmax(jax.lax.stop_gradient(max_abs), every)
 
-    specs = (P(batch, None, None), P(vocab, None), P(batch, None)) + (() if b_V is None else (P(vocab),))
-    args = (h_BTD, w_VD, targets_BT) + (() if b_V is None else (b_V,))
+    specs = (P(batch, None, None), P(vocab, None), P(batch, None)) + (() if head.b_V is None else (P(vocab),))
+    args = (h_BTD, head.w_VD, targets_BT) + (() if head.b_V is None else (head.b_V,))
     m_BT, s_BT, z_target_BT, max_abs = jax.shard_map(
         per_device, mesh=mesh, in_specs=specs,
         out_specs=(P(batch, None), P(batch, None), P(batch, None), P()))(*args)

@@ -2,10 +2,9 @@
 
 from modern_jax.training.config import RunConfig, TrainConfig, load_run_config, run_config_from_dict
 from modern_jax.training.loop import TrainingDiverged, TrainResult, evaluate_batches, train
-from modern_jax.training.step import LOGICAL_RULES, Trainer, make_mesh, param_shardings
+from modern_jax.training.step import Trainer
 
 __all__ = [
-    "LOGICAL_RULES",
     "RunConfig",
     "TrainConfig",
     "TrainResult",
@@ -13,8 +12,6 @@ __all__ = [
     "TrainingDiverged",
     "evaluate_batches",
     "load_run_config",
-    "make_mesh",
-    "param_shardings",
     "run_config_from_dict",
     "train",
 ]

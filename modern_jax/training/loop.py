@@ -38,7 +38,6 @@ from modern_jax.training import outputs
 from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, Checkpointer, read_config
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import MetricsLog, Progress, plot_losses, read_metrics
-from modern_jax.training import step as step_module
 from modern_jax.training.step import Trainer
 
 
@@ -176,22 +175,12 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
     token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
     periodic_eval = list(eval_batches(val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
                                       max_windows=tc.eval_windows, host_index=host, host_count=hosts))
-    probe = None
-    if tc.diagnostics:
-        from modern_jax.training.diagnostics import attention_logit_probe
-
-        probe = attention_logit_probe(model_cfg)
 
     # compile everything before the clock starts; `data_state` is always the iterator's
     # position for the step after the last one run (a pulled-ahead batch is not counted)
     data_state = iterator.get_state()
     next_batch = trainer.put_batch(next(iterator))
     compile_s = trainer.compile(state, next_batch, trainer.put_batch(periodic_eval[0]), token_bytes)
-    if probe is not None:
-        t0 = time.perf_counter()
-        options = dict(step_module.COMPILER_OPTIONS) or None
-        probe = probe.lower(state["params"], jax.tree.map(lambda x: x[0], next_batch)).compile(compiler_options=options)
-        compile_s += time.perf_counter() - t0
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     log(f"model: {n_params:,} parameters | train {len(train_stream):,} tokens, validation {len(val_stream):,} "
         f"tokens | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {compile_s:.1f}s")
@@ -233,8 +222,6 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
                 fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
                 rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
                 record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, progress)
-                if probe is not None:
-                    record["max_attention_logit"] = float(probe(state["params"], jax.tree.map(lambda x: x[0], batch)))
                 metrics_log.write(step, "train", record)
                 progress.update(step, record["loss"], rate)
                 pending.clear()
@@ -316,6 +303,8 @@ def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, pro
         "tokens_per_s": rate,
         "model_flops_per_s": rate * flops,
     }
+    if "max_attention_logit" in rows[0]:  # train.diagnostics: measured by the steps' own attention
+        record["max_attention_logit"] = max(r["max_attention_logit"] for r in rows)
     if any(r["moe_aux_loss"] for r in rows):
         record["moe_aux_loss"] = float(np.mean([r["moe_aux_loss"] for r in rows]))
     if peak_flops:

@@ -23,53 +23,39 @@ import jax.numpy as jnp
 
 from modern_jax.ops import vocab
 
-NEG = jnp.finfo(jnp.float32).min
 
-
-def output_head(model):
-    """`(w[V, D], bias[V] or None, final softcap)` of the model's output head (V may include
-    padding rows past `cfg.vocab_size`; the loss masks them)."""
-    if model.lm_head is None:
-        return model.embed_tokens[...], None, model.cfg.final_softcap
-    bias = None if model.lm_head.bias is None else model.lm_head.bias[...]
-    return model.lm_head.kernel[...].T, bias, model.cfg.final_softcap
-
-
-def _chunk(h_BTD, w_CD, b_C, first, targets_BT, softcap, vocab_size):
-    """Max, sum of exp(z - max), the target's logit (0 if not in this chunk) and max |z|."""
-    C = w_CD.shape[0]
-    z_BTC = jnp.einsum("BTD,CD->BTC", h_BTD, w_CD.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
-    if b_C is not None:
-        z_BTC = z_BTC + b_C.astype(jnp.float32)
-    if softcap is not None:
-        z_BTC = softcap * jnp.tanh(z_BTC / softcap)
-    real_C = first + jnp.arange(C) < vocab_size  # chunk padding, and the model's padding rows
-    z_BTC = jnp.where(real_C, z_BTC, NEG)
+def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
+    """Max, sum of exp(z - max), the target's logit (0 if not in this chunk) and max |z| over
+    the rows of `head`, whose global ids start at `first`."""
+    C = head.w_VD.shape[0]
+    z_BTC = head.logits(h_BTD, first)
+    real_C = head.real(first)  # chunk padding, and the model's padding rows
     m_BT = jnp.max(z_BTC, axis=-1)
     s_BT = jnp.sum(jnp.exp(z_BTC - m_BT[..., None]), axis=-1)
     local_BT = targets_BT - first
-    here_BT = (local_BT >= 0) & (local_BT < C) & (targets_BT < vocab_size)  # not in padding rows
+    here_BT = (local_BT >= 0) & (local_BT < C) & (targets_BT < head.vocab_size)  # not in padding rows
     z_target_BT = jnp.take_along_axis(z_BTC, jnp.clip(local_BT, 0, C - 1)[..., None], axis=-1)[..., 0]
     z_target_BT = jnp.where(here_BT, z_target_BT, 0.0)
     max_abs = jnp.max(jnp.where(real_C, jnp.abs(z_BTC), 0.0))
     return m_BT, s_BT, z_target_BT, max_abs
 
 
-def vocab_parts(h_BTD, w_VD, b_V, targets_BT, first, *, softcap=None, chunk: int = 8192, vocab_size: int):
-    """Max, sum of exp(z - max), the target's logit and max |z| over the rows of `w`, whose
-    global ids start at `first`, made `chunk` rows at a time (rows >= `vocab_size` are padding)."""
-    if w_VD.shape[0] <= chunk:
-        return _chunk(h_BTD, w_VD, b_V, first, targets_BT, softcap, vocab_size)
-    n = -(-w_VD.shape[0] // chunk)
-    w_PD = jnp.pad(w_VD, ((0, n * chunk - w_VD.shape[0]), (0, 0)))
-    b_P = None if b_V is None else jnp.pad(b_V, (0, n * chunk - w_VD.shape[0]))
+def vocab_parts(h_BTD, head: vocab.Head, targets_BT, first, *, chunk: int = 8192):
+    """Max, sum of exp(z - max), the target's logit and max |z| over the rows of `head`, whose
+    global ids start at `first`, made `chunk` rows at a time."""
+    rows = head.w_VD.shape[0]
+    if rows <= chunk:
+        return _chunk(h_BTD, head, first, targets_BT)
+    n = -(-rows // chunk)
+    w_PD = jnp.pad(head.w_VD, ((0, n * chunk - rows), (0, 0)))
+    b_P = None if head.b_V is None else jnp.pad(head.b_V, (0, n * chunk - rows))
     # rows past this shard's own are chunk padding: mask them as if they were past the vocabulary
-    real = jnp.minimum(vocab_size, first + w_VD.shape[0])
+    real = jnp.minimum(head.vocab_size, first + rows)
 
     def chunk_i(i):
         w_CD = jax.lax.dynamic_slice_in_dim(w_PD, i * chunk, chunk)
         b_C = None if b_P is None else jax.lax.dynamic_slice_in_dim(b_P, i * chunk, chunk)
-        return _chunk(h_BTD, w_CD, b_C, first + i * chunk, targets_BT, softcap, real)
+        return _chunk(h_BTD, head.replace(w_VD=w_CD, b_V=b_C, vocab_size=real), first + i * chunk, targets_BT)
 
     @jax.checkpoint
     def body(carry, i):
@@ -85,14 +71,15 @@ def vocab_parts(h_BTD, w_VD, b_V, targets_BT, first, *, softcap=None, chunk: int
 
 def loss_sums(h_BTD, w_VD, b_V, targets_BT, weights_BT, *, softcap=None, chunk: int = 8192,
               vocab_size: int | None = None) -> dict:
-    """Sums over the batch: `ce`, `z_loss` (sum of w lse^2), `weight`, and `max_abs_logit`.
+    """Sums over the batch: `ce`, `z_loss` (sum of w lse^2), `weight`, and `max_abs_logit`, for
+    the output head `w[V, D]`, bias `b[V]` or None and final `softcap` (`ops.vocab.Head`).
 
     `vocab_size`: the real vocabulary when `w` has padding rows after it. Under a mesh that
     splits the vocabulary, each device works on its own rows (`ops.vocab.split_parts`).
     """
-    V = w_VD.shape[0] if vocab_size is None else vocab_size
-    parts = functools.partial(vocab_parts, softcap=softcap, chunk=chunk, vocab_size=V)
-    m_BT, s_BT, z_target_BT, max_abs = vocab.split_parts(parts, h_BTD, w_VD, b_V, targets_BT)
+    head = vocab.Head(w_VD, b_V, softcap, w_VD.shape[0] if vocab_size is None else vocab_size)
+    parts = functools.partial(vocab_parts, chunk=chunk)
+    m_BT, s_BT, z_target_BT, max_abs = vocab.split_parts(parts, h_BTD, head, targets_BT)
     lse_BT = m_BT + jnp.log(s_BT)
     w_BT = weights_BT.astype(jnp.float32)
     return {
@@ -103,10 +90,11 @@ def loss_sums(h_BTD, w_VD, b_V, targets_BT, weights_BT, *, softcap=None, chunk: 
     }
 
 
-def model_loss_sums(model, batch: dict, *, chunk: int = 8192, dropout_rng=None) -> dict:
-    """Forward a packed batch (`[B, T]` arrays) and return the `loss_sums`."""
+def model_loss_sums(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, diagnostics: bool = False) -> dict:
+    """Forward a packed batch (`[B, T]` arrays) and return the `loss_sums` (`diagnostics`: the
+    model also sows its max attention logit, see `Transformer.hidden_states`)."""
     h_BTD, _ = model.hidden_states(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                   dropout_rng=dropout_rng)
-    w_VD, b_V, softcap = output_head(model)
-    return loss_sums(h_BTD, w_VD, b_V, batch["targets"], batch["weights"], softcap=softcap, chunk=chunk,
-                     vocab_size=model.cfg.vocab_size)
+                                   dropout_rng=dropout_rng, diagnostics=diagnostics)
+    head = model.head()
+    return loss_sums(h_BTD, head.w_VD, head.b_V, batch["targets"], batch["weights"], softcap=head.softcap,
+                     chunk=chunk, vocab_size=head.vocab_size)

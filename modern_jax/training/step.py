@@ -10,9 +10,9 @@ The train state is a plain pytree of arrays:
 
 `train_step(state, batch) -> (state, metrics)` is one `jax.jit` of a pure function with the
 state donated; batch and state carry `NamedSharding`s on a mesh with axes
-`('data', 'fsdp', 'tensor')` (1 x 1 x 1 on one CPU). Parameter shardings come from each
-parameter's logical axes through `LOGICAL_RULES` (`param_shardings`), so the sharding
-layer only has to supply rules.
+`('data', 'fsdp', 'tensor')` (`parallel.mesh.make_mesh`; 1 x 1 x 1 on one CPU). Parameter
+shardings come from each parameter's logical axes through the rules table
+(`sharding.state_shardings`), so the sharding layer only has to supply rules.
 """
 
 from __future__ import annotations
@@ -26,37 +26,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from modern_jax.config import ModelConfig
-from modern_jax.model import Transformer, aux_loss
-from modern_jax.parallel.mesh import make_mesh as parallel_mesh
-from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec
+from modern_jax.model import Transformer, aux_loss, max_attention_logit
+from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec, state_shardings
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 
-MESH_AXES = ("data", "fsdp", "tensor")
-# Logical axis -> mesh axes: the sharding layer's table (Megatron tensor parallelism, FSDP
-# over `embed`, the batch over data x fsdp).
-LOGICAL_RULES: tuple = RULES
-
-
-def make_mesh(devices=None) -> Mesh:
-    """All `devices` (default: every device) on the `data` axis."""
-    return parallel_mesh(data=-1, devices=devices)
-
-
-def param_shardings(mesh: Mesh, abstract_params, rules=LOGICAL_RULES):
-    """A `NamedSharding` per parameter, from its logical axes (`out_sharding`) and `rules`."""
-    specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
-    shapes = nnx.to_pure_dict(abstract_params)
-
-    def one(path, spec, shape):
-        where = "/".join(str(getattr(p, "key", p)) for p in path)
-        return NamedSharding(mesh, logical_to_spec(spec, rules, mesh, shape.shape, where=where))
-
-    return jax.tree_util.tree_map_with_path(one, specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def batch_sharding(mesh: Mesh, rules=LOGICAL_RULES) -> NamedSharding:
+def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
     """Batches `[A, B, T]` (micro-batches, rows, tokens): rows split as `activation_batch` is."""
     return NamedSharding(mesh, logical_to_spec((None, "activation_batch", "activation_length"), rules))
 
@@ -82,14 +58,14 @@ class Trainer:
     whatever the step closes over that changes it gives a new executable).
     """
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=LOGICAL_RULES):
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES):
         check_mesh(model_cfg, mesh, rules)
         self.model_cfg, self.cfg, self.mesh, self.rules = model_cfg, train_cfg, mesh, tuple(rules)
         self.graphdef, abstract_params = abstract_model(model_cfg)
         self.tx = make_optimizer(train_cfg)
         self.schedule = learning_rate_schedule(train_cfg)
         replicated = NamedSharding(mesh, PartitionSpec())
-        params_sh = param_shardings(mesh, abstract_params, rules)
+        params_sh = nnx.to_pure_dict(state_shardings(abstract_params, mesh, rules))
         abstract_pure = nnx.to_pure_dict(abstract_params)
         opt_abstract = jax.eval_shape(self.tx.init, abstract_pure)
         opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, params_sh,
@@ -163,13 +139,18 @@ class Trainer:
     # ----- steps ---------------------------------------------------------------
 
     def _loss(self, params, batch, rng):
+        diagnostics = self.cfg.diagnostics
+
         def loss_sums(model):
             return model_loss_sums(model, batch, chunk=self.cfg.loss_vocab_chunk,
-                                   dropout_rng=rng if self.uses_dropout else None)
+                                   dropout_rng=rng if self.uses_dropout else None, diagnostics=diagnostics)
 
         sums, sown = nnx.capture(loss_sums, nnx.Intermediate)(self.model(params))
         aux = aux_loss(sown)  # what the layers sowed (a mixture-of-experts router's balance loss)
         aux = jnp.zeros((), jnp.float32) if aux is None else aux
+        if diagnostics:  # sown by the attention layers of this very forward pass
+            max_logit = max_attention_logit(sown)
+            sums = dict(sums, max_attention_logit=jnp.zeros((), jnp.float32) if max_logit is None else max_logit)
         return sums, aux
 
     def _step(self, state, batch):
@@ -189,8 +170,10 @@ class Trainer:
             (loss, (sums, aux)), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), step_rng)
         else:  # gradient accumulation: the micro-batches' gradients add up to the full batch's
             zero = jnp.zeros((), jnp.float32)
-            init = (zero, {"ce": zero, "z_loss": zero, "weight": zero, "max_abs_logit": zero}, zero,
-                    jax.tree.map(jnp.zeros_like, params))
+            sums0 = {"ce": zero, "z_loss": zero, "weight": zero, "max_abs_logit": zero}
+            if cfg.diagnostics:
+                sums0["max_attention_logit"] = zero
+            init = (zero, sums0, zero, jax.tree.map(jnp.zeros_like, params))
 
             def micro_step(carry, xs):
                 micro, i = xs
@@ -228,6 +211,8 @@ class Trainer:
             "finite": finite,
             "nonfinite_streak": new_state["nonfinite"],
         }
+        if cfg.diagnostics:
+            metrics["max_attention_logit"] = sums["max_attention_logit"]
         return new_state, metrics
 
     def train_step(self, state, batch):
@@ -255,13 +240,15 @@ class Trainer:
         return time.perf_counter() - start
 
 
+_MAXIMA = ("max_abs_logit", "max_attention_logit")
+
+
 def _accumulate(carry, result, n_micro):
-    """Add one micro-batch's loss, sums and gradients (max |logit| takes the max)."""
+    """Add one micro-batch's loss, sums and gradients (the max |logit|s take the max)."""
     (loss, (sums, aux)), grads = result
     c_loss, c_sums, c_aux, c_grads = carry
-    new_sums = {k: (jnp.maximum if k == "max_abs_logit" else jnp.add)(c_sums[k], sums[k]) for k in c_sums}
+    new_sums = {k: (jnp.maximum if k in _MAXIMA else jnp.add)(c_sums[k], sums[k]) for k in c_sums}
     return c_loss + loss, new_sums, c_aux + aux / n_micro, jax.tree.map(jnp.add, c_grads, grads)
 
 
-__all__ = ["LOGICAL_RULES", "MESH_AXES", "Trainer", "abstract_model", "batch_sharding", "make_mesh",
-           "param_shardings"]
+__all__ = ["Trainer", "abstract_model", "batch_sharding"]
