@@ -121,6 +121,7 @@ class Stage(nnx.Module):
             caches.append(jax.tree.map(lambda a: jnp.repeat(a[None], self.repeats, axis=0), layer))
         return caches
 
+    @jax.named_scope("stage")
     def __call__(self, x_BTD, pos_BT, seg_BT, caches, rng, diagnostics: bool = False):
         """`(x, caches, summed moe_aux_loss or None, max attention logit or None without diagnostics)`."""
         cfg, period = self.cfg, len(self.unit)

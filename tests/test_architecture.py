@@ -83,3 +83,27 @@ def test_the_package_names_load_on_first_use():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"JAX_PLATFORMS": "cpu", "PATH": ""})
     assert out.stdout.split() == ["False", "True", "modern_jax.model"]
+
+
+def test_profiles_name_the_stages_blocks_attention_ffn_head_and_loss():
+    """Every sub-block runs inside a `jax.named_scope`, so a profile (and the lowered program's
+    locations) names it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from modern_jax.config import ModelConfig
+    from modern_jax.model import Transformer
+    from modern_jax.training.loss import model_loss_sums
+
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=32)
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens, "positions": jnp.arange(8)[None], "weights": jnp.ones((1, 8)),
+             "segment_ids": jnp.ones((1, 8), jnp.int32)}
+    loss = lambda state: model_loss_sums(nnx.merge(graphdef, state), batch)["ce"]  # noqa: E731
+    text = jax.jit(jax.grad(loss)).lower(state).as_text(debug_info=True)
+    import re
+
+    for name in ("loss", "stage", "block", "attention", "ffn", "norm", "head"):  # e.g. .../jvp(loss)/stage/...
+        assert re.search(rf"[/(]{name}[/)]", text), name

@@ -91,6 +91,7 @@ class Attention(nnx.Module):
         return {"k": jnp.zeros((batch, S, K, H), dtype), "v": jnp.zeros((batch, S, K, H), dtype),
                 "pos": jnp.full((batch, S), -1, jnp.int32)}
 
+    @jax.named_scope("attention")
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False):
         cfg, spec = self.cfg, self.spec
         B, T, _ = x_BTD.shape
@@ -160,6 +161,7 @@ class MLAttention(nnx.Module):
             scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
         return scale
 
+    @jax.named_scope("mla_attention")
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False, absorb=None):
         cfg, spec = self.cfg, self.spec
         B, T, _ = x_BTD.shape

@@ -60,8 +60,6 @@ class Block(nnx.Module):
     def sublayer(self, x, f, norm_in, norm_out, rng):
         f_dropped = lambda h: dropout(f(h), self.resid_dropout, rng)  # noqa: E731
         match self.placement:
-            case "pre":
-                return x + f_dropped(norm_in(x))
             case "post":
                 return norm_out(x + f_dropped(x))
             case "sandwich":
@@ -72,6 +70,7 @@ class Block(nnx.Module):
                 return norm_out(self.alpha * x + f_dropped(x))
         raise AssertionError(self.placement)
 
+    @jax.named_scope("block")
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False):
         rngs = [None] * 4 if rng is None else list(jax.random.split(rng, 4))
         new_cache = cache
@@ -87,6 +86,10 @@ class Block(nnx.Module):
             x_BTD = (x_BTD + dropout(attn(h_attn_BTD), self.resid_dropout, rngs[1])
                      + dropout(self.mlp(h_ffn_BTD), self.resid_dropout, rngs[2]))
             return x_BTD, new_cache
+        if self.placement == "pre":  # the residual add between the sublayers runs fused into the FFN's norm
+            a_BTD = dropout(attn(self.input_layernorm(x_BTD)), self.resid_dropout, rngs[1])
+            x_BTD, h_BTD = self.pre_feedforward_layernorm.add_norm(a_BTD, x_BTD)  # x + a, Norm(x + a)
+            return x_BTD + dropout(self.mlp(h_BTD), self.resid_dropout, rngs[2]), new_cache
         x_BTD = self.sublayer(x_BTD, attn, self.input_layernorm, self.post_attention_layernorm, rngs[1])
         x_BTD = self.sublayer(x_BTD, self.mlp, self.pre_feedforward_layernorm, self.post_feedforward_layernorm, rngs[2])
         return x_BTD, new_cache

@@ -37,6 +37,7 @@ class FFN(nnx.Module):
             self.up_proj = Proj(cfg, (D, F), ("embed", "mlp"), role="in", bias=bias, rngs=rngs)
         self.down_proj = Proj(cfg, (F, D), ("mlp", "embed"), role="out", bias=bias, rngs=rngs)
 
+    @jax.named_scope("ffn")
     def __call__(self, x_BTD):
         if self.fused:
             gate_up_BT2F = self.gate_up_proj("BTD,DIF->BTIF", x_BTD)

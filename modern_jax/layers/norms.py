@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from modern_jax.config import ModelConfig
-from modern_jax.ops.norm import norm
+from modern_jax.ops.norm import add_norm, norm
 from modern_jax.layers.linear import param
 
 
@@ -27,6 +27,12 @@ class Norm(nnx.Module):
         self.weight = param(rngs, gamma_init, shape, axes, dtype)
         self.bias = param(rngs, jax.nn.initializers.zeros, shape, axes, dtype) if cfg.norm_bias else None
 
+    @jax.named_scope("norm")
     def __call__(self, x):
         bias = None if self.bias is None else self.bias[...]
         return norm(x, self.weight[...], bias, kind=self.kind, eps=self.eps, impl=self.impl)
+
+    def add_norm(self, x, residual):
+        """`(h, Norm(h))` with `h = residual + x`: the residual add fused into the norm's kernel."""
+        bias = None if self.bias is None else self.bias[...]
+        return add_norm(x, residual, self.weight[...], bias, kind=self.kind, eps=self.eps, impl=self.impl)

@@ -20,15 +20,30 @@ from jax.sharding import PartitionSpec as P
 
 from modern_jax.kernels.backend import UnsupportedFeatureError
 from modern_jax.kernels.norm import NormImpl, resolve
+from modern_jax.kernels.norm import add_norm as kernel_add_norm
 from modern_jax.kernels.norm import norm as kernel_norm
 from modern_jax.sharding import active, live_axes
 
 
 def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference"):
     """`kernels.norm.norm`, per device under shard_map when a mesh is active and a kernel runs."""
+    return _per_device(x, None, weight, bias, kind, eps, impl)
+
+
+def add_norm(x, residual, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference"):
+    """`(h, norm(h))` with `h = residual + x` (`kernels.norm.add_norm`), per device like `norm`."""
+    return _per_device(x, residual, weight, bias, kind, eps, impl)
+
+
+def _per_device(x, residual, weight, bias, kind, eps, impl):
+    def kernel(x, residual, weight, bias, impl=impl):
+        if residual is None:
+            return kernel_norm(x, weight, bias, kind=kind, eps=eps, impl=impl)
+        return kernel_add_norm(x, residual, weight, bias, kind=kind, eps=eps, impl=impl)
+
     state = active()
     if state is None or resolve(impl) is NormImpl.REFERENCE:
-        return kernel_norm(x, weight, bias, kind=kind, eps=eps, impl=impl)
+        return kernel(x, residual, weight, bias)
     mesh, rules = state
     x_spec = [live_axes("activation_batch", rules, mesh, x.shape[0])] + [None] * (x.ndim - 1)
     if x.ndim == 4:  # QK-norm of q/k [B, T, N, H]: on the head shards of the projections
@@ -39,11 +54,15 @@ def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference"):
                     "norm_impl='pallas' cannot run qk_norm='full' with its heads split over the mesh (each row's "
                     "statistics span devices, which a per-device kernel cannot sum): use norm_impl='default', "
                     "which runs the reference norm there, or keep the heads on one device")
-            return kernel_norm(x, weight, bias, kind=kind, eps=eps, impl=NormImpl.REFERENCE)
-    specs = (P(*x_spec), P()) + (() if bias is None else (P(),))
+            return kernel(x, residual, weight, bias, impl=NormImpl.REFERENCE)
+    rows = P(*x_spec)
+    arrays = {"x": (x, rows), "residual": (residual, rows), "weight": (weight, P()), "bias": (bias, P())}
+    names = [name for name, (value, _) in arrays.items() if value is not None]
 
-    def per_device(x, weight, *bias):
-        return kernel_norm(x, weight, *(bias or (None,)), kind=kind, eps=eps, impl=impl)
+    def per_device(*values):
+        given = dict(zip(names, values))
+        return kernel(given["x"], given.get("residual"), given["weight"], given.get("bias"))
 
-    args = (x, weight) + (() if bias is None else (bias,))
-    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(*x_spec), check_vma=False)(*args)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(arrays[n][1] for n in names),
+                         out_specs=rows if residual is None else (rows, rows),
+                         check_vma=False)(*(arrays[n][0] for n in names))

@@ -57,6 +57,7 @@ class Head:
         """[C] True on the rows whose global ids `first .. first + C` are real vocabulary entries."""
         return first + jnp.arange(self.w_VD.shape[0]) < self.vocab_size
 
+    @jax.named_scope("head")
     def logits(self, h_BTD, first=0):
         """`softcap(h w^T + b)` [B, T, C] in float32 for this head's C rows, whose global ids start
         at `first`; padding rows hold MASK_VALUE."""

@@ -141,6 +141,52 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
 
 def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log, stop_after,
            stop: _StopSignal) -> TrainResult:
+    session = _set_up(run, out_dir, mesh, checkpointer, log)
+    result = _loop(session, mesh, stop_after, stop)
+    if not result.interrupted:
+        _finish(session, result, log)
+    return result
+
+
+@dataclasses.dataclass
+class _Session:
+    """What one call of `train` works with, made by `_set_up`; `state` and `data_state` (the
+    iterator's position for the step after the last one run) advance with the loop."""
+
+    run: RunConfig
+    out_dir: pathlib.Path
+    checkpointer: Checkpointer
+    trainer: Trainer
+    tokenizer: object
+    val_stream: object
+    iterator: object
+    token_bytes: jax.Array
+    periodic_eval: list
+    state: dict
+    data_state: dict
+    next_batch: dict
+    start: int
+    saved_step: int | None
+    compile_s: float
+
+    def save(self, step: int, log) -> None:
+        meta = {"step": step, "data": self.data_state}
+        if self.saved_step != step and save_if_finite(self.checkpointer, self.trainer, self.state, meta, log):
+            self.saved_step = step
+
+    def evaluate(self, metrics_log: MetricsLog, step: int, batches) -> dict:
+        values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes)
+        metrics_log.write(step, "val", values)
+        return values
+
+    def eval_batches(self, max_windows):
+        tc = self.run.train
+        return eval_batches(self.val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
+                            max_windows=max_windows, host_index=jax.process_index(), host_count=jax.process_count())
+
+
+def _set_up(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log) -> _Session:
+    """Check everything, restore or initialise the state, write the run's files, compile."""
     tc = run.train
     steps = checkpointer.all_steps()
     if steps and not tc.resume:
@@ -157,6 +203,7 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
     _check_divisible("batch_size / grad_accum", tc.batch_size // tc.grad_accum, mesh, rules)
     _check_divisible("eval_batch_size", tc.eval_batch_size, mesh, rules)
     trainer = Trainer(model_cfg, tc, mesh, rules=rules)
+    latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log)
         data_state, start = meta["data"], int(meta["step"])
@@ -168,57 +215,47 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
     config_path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
     tokenizer.save(out_dir)
 
-    host, hosts = jax.process_index(), jax.process_count()
     iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size, grad_accum=tc.grad_accum,
-                              seed=tc.seed, host_index=host, host_count=hosts, num_threads=run.data.num_threads,
-                              prefetch=run.data.prefetch, state=data_state)
-    token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
-    periodic_eval = list(eval_batches(val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
-                                      max_windows=tc.eval_windows, host_index=host, host_count=hosts))
-
-    # compile everything before the clock starts; `data_state` is always the iterator's
-    # position for the step after the last one run (a pulled-ahead batch is not counted)
-    data_state = iterator.get_state()
-    next_batch = trainer.put_batch(next(iterator))
-    compile_s = trainer.compile(state, next_batch, trainer.put_batch(periodic_eval[0]), token_bytes)
+                              seed=tc.seed, host_index=jax.process_index(), host_count=jax.process_count(),
+                              num_threads=run.data.num_threads, prefetch=run.data.prefetch, state=data_state)
+    session = _Session(run, out_dir, checkpointer, trainer, tokenizer, val_stream, iterator,
+                       jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
+                       iterator.get_state(), {}, start, latest, 0.0)
+    session.periodic_eval = list(session.eval_batches(tc.eval_windows))
+    # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
+    session.next_batch = trainer.put_batch(next(iterator))
+    session.compile_s = trainer.compile(state, session.next_batch, trainer.put_batch(session.periodic_eval[0]),
+                                        session.token_bytes)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     log(f"model: {n_params:,} parameters | train {len(train_stream):,} tokens, validation {len(val_stream):,} "
-        f"tokens | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {compile_s:.1f}s")
+        f"tokens | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
+    return session
 
-    flops = flops_per_token(model_cfg, tc.seq_len)["total"]
+
+def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
+    """Steps until `train.steps` (or a signal, or `stop_after`), with logging, evaluation and saves."""
+    tc = s.run.train
+    flops = flops_per_token(s.run.model, tc.seq_len)["total"]
     tokens_per_step = tc.batch_size * tc.seq_len
-    metrics_log = MetricsLog(out_dir, tensorboard=tc.tensorboard)
-    progress = Progress(tc.steps, start, enabled=tc.progress)
+    metrics_log = MetricsLog(s.out_dir, tensorboard=tc.tensorboard)
+    progress = Progress(tc.steps, s.start, enabled=tc.progress)
     history: list[dict] = []
     pending: list[tuple[int, dict]] = []
-    saved_step = latest if steps else None
-    result = TrainResult(out_dir, start, history, compile_s=compile_s)
-
-    def save(step: int) -> None:
-        nonlocal saved_step  # (data_state is read from the enclosing scope at call time)
-        if saved_step != step and save_if_finite(checkpointer, trainer, state, {"step": step, "data": data_state},
-                                                 progress.message):
-            saved_step = step
-
-    def run_eval(step: int, batches, split="val") -> dict:
-        values = evaluate_batches(trainer, state["params"], batches, token_bytes)
-        metrics_log.write(step, split, values)
-        return values
-
+    result = TrainResult(s.out_dir, s.start, history, compile_s=s.compile_s)
     loop_start = time.perf_counter()
     interval_start, interval_tokens = loop_start, 0
-    step = start
+    step, next_batch = s.start, s.next_batch
     try:
         while step < tc.steps:
             batch, next_batch = next_batch, None
-            state, metrics = trainer.train_step(state, batch)
+            s.state, metrics = s.trainer.train_step(s.state, batch)
             step += 1
             interval_tokens += tokens_per_step
             pending.append((step, metrics))
-            data_state = iterator.get_state()
+            s.data_state = s.iterator.get_state()
             if step < tc.steps:
-                next_batch = trainer.put_batch(next(iterator))  # overlaps with the running step
-            if step % tc.log_every == 0 or step == tc.steps or stop.received or step - start == stop_after:
+                next_batch = s.trainer.put_batch(next(s.iterator))  # overlaps with the running step
+            if step % tc.log_every == 0 or step == tc.steps or stop.received or step - s.start == stop_after:
                 fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
                 rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
                 record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, progress)
@@ -229,57 +266,57 @@ def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoint
                     raise TrainingDiverged(
                         f"stopping at step {step}: {int(history[-1]['nonfinite_streak'])} non-finite steps in a "
                         f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
-                        f"skipped; the newest checkpoint is step {saved_step}. Lower train.lr or check the data.")
+                        f"skipped; the newest checkpoint is step {s.saved_step}. Lower train.lr or check the data.")
                 interval_start, interval_tokens = time.perf_counter(), 0
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                values = run_eval(step, periodic_eval)
+                values = s.evaluate(metrics_log, step, s.periodic_eval)
                 progress.message(f"step {step}: val_loss {values['loss']:.4f} | val_bpb {values['bpb']:.4f}")
-            if stop.received or (stop_after is not None and step - start >= stop_after and step < tc.steps):
-                save(step)
-                checkpointer.wait()
+            if stop.received or (stop_after is not None and step - s.start >= stop_after and step < tc.steps):
+                s.save(step, progress.message)
+                s.checkpointer.wait()
                 name = signal.Signals(stop.received).name if stop.received else f"stop_after={stop_after}"
                 progress.message(f"{name}: saved a checkpoint at step {step} and stopped")
                 result.interrupted = True
                 break
             if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                save(step)
+                s.save(step, progress.message)
         if not result.interrupted:
-            final = run_eval(step, eval_batches(val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
-                                                max_windows=tc.final_eval_windows, host_index=host,
-                                                host_count=hosts))
+            final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows))
             result.val_loss, result.val_bpb = final["loss"], final["bpb"]
-            save(step)
+            s.save(step, progress.message)
     finally:
         progress.close()
         metrics_log.close()
     result.wall_s = time.perf_counter() - loop_start
     result.step = step
-    result.tokens_per_s = (step - start) * tokens_per_step / max(result.wall_s, 1e-9)
-    checkpointer.wait()
-    if result.interrupted:
-        return result
+    result.tokens_per_s = (step - s.start) * tokens_per_step / max(result.wall_s, 1e-9)
+    s.checkpointer.wait()
+    return result
 
+
+def _finish(s: _Session, result: TrainResult, log) -> None:
+    """Samples and the loss plot of a run that reached `train.steps`."""
+    tc = s.run.train
     if tc.samples:
         from modern_jax.generate import sample_texts
 
         prompt = tc.sample_prompt
         try:
-            tokenizer.encode(prompt)
+            s.tokenizer.encode(prompt)
         except ValueError as e:
             log(f"train.sample_prompt={prompt!r} cannot be encoded ({e}); sampling from <bos>")
             prompt = ""
-        result.samples = sample_texts(trainer.graphdef, state["params"], tokenizer, prompt, n=tc.samples,
+        result.samples = sample_texts(s.trainer.graphdef, s.state["params"], s.tokenizer, prompt, n=tc.samples,
                                       max_new_tokens=tc.sample_tokens, seed=tc.seed,
                                       temperature=tc.sample_temperature, top_k=tc.sample_top_k, top_p=tc.sample_top_p)
-        (out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
+        (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
     if tc.plot:
-        writer = plot_losses(read_metrics(out_dir / "metrics.jsonl"), out_dir / "loss.png")
+        writer = plot_losses(read_metrics(s.out_dir / "metrics.jsonl"), s.out_dir / "loss.png")
         if writer == "builtin":
-            log(f"loss curve: {out_dir / 'loss.png'} (matplotlib not installed: plain curves, no labels; "
+            log(f"loss curve: {s.out_dir / 'loss.png'} (matplotlib not installed: plain curves, no labels; "
                 "`uv sync --extra plot` for a labelled plot)")
         else:
-            log(f"loss curve: {out_dir / 'loss.png'}")
-    return result
+            log(f"loss curve: {s.out_dir / 'loss.png'}")
 
 
 def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, progress) -> dict:

@@ -90,6 +90,7 @@ def loss_sums(h_BTD, w_VD, b_V, targets_BT, weights_BT, *, softcap=None, chunk: 
     }
 
 
+@jax.named_scope("loss")
 def model_loss_sums(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, diagnostics: bool = False) -> dict:
     """Forward a packed batch (`[B, T]` arrays) and return the `loss_sums` (`diagnostics`: the
     model also sows its max attention logit, see `Transformer.hidden_states`)."""
