@@ -11,7 +11,7 @@ refuses a prompt plus `max_new_tokens` longer than that, and `sample_texts` stop
 with a warning. Other models may run past it; `sample_texts` warns that it leaves the
 trained context.
 
-Letters: B batch, T prompt length, V vocab, N new tokens.
+Letters as in `modern_jax`: B batch, T prompt or generated length, V vocabulary.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _generate(graphdef, params, prompt_BT, rng, *, max_new_tokens, temperature, 
             done_B = done_B | (next_B == eos_id)
         return (next_B, done_B, cache), next_B
 
-    _, rest_NB = jax.lax.scan(step, (first_B, done_B, cache), jnp.arange(1, max_new_tokens))
-    return jnp.concatenate([first_B[:, None], rest_NB.T], axis=1)
+    _, rest_TB = jax.lax.scan(step, (first_B, done_B, cache), jnp.arange(1, max_new_tokens))
+    return jnp.concatenate([first_B[:, None], rest_TB.T], axis=1)
 
 
 def generate(graphdef, params, prompt_BT, *, max_new_tokens: int, rng=None, temperature: float = 1.0,
@@ -106,12 +106,12 @@ def _past_the_context(cfg, prompt_len: int, max_new_tokens: int) -> str:
             f"max_position_embeddings={P} (learned positions have no row past it): {fix}")
 
 
-def cut_at_eos(tokens_N, eos_id: int | None) -> np.ndarray:
-    tokens_N = np.asarray(tokens_N)
+def cut_at_eos(tokens_T, eos_id: int | None) -> np.ndarray:
+    tokens_T = np.asarray(tokens_T)
     if eos_id is None:
-        return tokens_N
-    hits = np.flatnonzero(tokens_N == eos_id)
-    return tokens_N[: hits[0]] if len(hits) else tokens_N
+        return tokens_T
+    hits = np.flatnonzero(tokens_T == eos_id)
+    return tokens_T[: hits[0]] if len(hits) else tokens_T
 
 
 def sample_texts(graphdef, params, tokenizer, prompt: str = "", *, n: int = 3, max_new_tokens: int = 200,
@@ -139,6 +139,6 @@ def sample_texts(graphdef, params, tokenizer, prompt: str = "", *, n: int = 3, m
         warnings.warn(f"generating past the trained context: {T} prompt + {max_new_tokens} new tokens exceed "
                       f"max_position_embeddings={P}; quality may degrade there", stacklevel=2)
     prompt_BT = np.tile(np.asarray(ids, np.int32)[None], (n, 1))
-    out_BN = generate(graphdef, params, prompt_BT, max_new_tokens=max_new_tokens, rng=jax.random.key(seed),
+    out_BT = generate(graphdef, params, prompt_BT, max_new_tokens=max_new_tokens, rng=jax.random.key(seed),
                       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id)
-    return [prompt + tokenizer.decode(cut_at_eos(row, tokenizer.eos_id)) for row in out_BN]
+    return [prompt + tokenizer.decode(cut_at_eos(row, tokenizer.eos_id)) for row in out_BT]

@@ -1,10 +1,10 @@
 """Attention core and its dispatch.
 
 Letters: B batch, T query length, S key length, K kv heads, G queries per kv head,
-H head dim (keys), V head dim (values).
+H head dim (keys), U head dim (values), as in `modern_jax`.
 
 Every implementation takes grouped queries `q[B, T, K, G, H]` against `k[B, S, K, H]`
-and `v[B, S, K, V]`, so grouped-query attention never materialises repeated K/V.
+and `v[B, S, K, U]`, so grouped-query attention never materialises repeated K/V.
 Masks are defined by positions, passed as one `masks.Visibility(q_pos, k_pos, q_seg,
 k_seg)`: a key is visible when it is valid (`k_pos >= 0`), not in the future
 (`k_pos <= q_pos`, if causal), inside the window (`q_pos - k_pos < window`) and in the
@@ -26,7 +26,7 @@ segment ids unless said otherwise:
 | chunked     | online softmax over blocks, O(T) memory (`chunked.py`) | everywhere         |
 | pallas_gpu  | flash attention kernels, Triton (`flash_gpu.py`)       | GPU, or interpret  |
 | pallas_tpu  | flash attention kernels, Mosaic (`flash_tpu.py`)       | TPU, or interpret  |
-| cudnn       | `jax.nn.dot_product_attention(implementation="cudnn")` | GPU; no sinks, no soft-cap, H == V, bf16/fp16 |
+| cudnn       | `jax.nn.dot_product_attention(implementation="cudnn")` | GPU; no sinks, no soft-cap, H == U, bf16/fp16 |
 
 `cudnn` gets the position mask as a dense `[B, 1, T, S]` array (cuDNN's own causal and
 window masks count indices, not positions), so it is there for comparison, not a default.
@@ -74,7 +74,7 @@ class AttentionSpec:
     dropout_rate: float = 0.0
 
 
-def attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec: AttentionSpec, sinks_KG=None, dropout_rng=None,
+def attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec: AttentionSpec, sinks_KG=None, dropout_rng=None,
                         return_max_logit: bool = False):
     """Plain einsum attention with fp32 softmax: the numerical oracle (`mask_BTS`: `Visibility.mask`).
 
@@ -96,10 +96,10 @@ def attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec: AttentionSpec, 
     if spec.dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - spec.dropout_rate, p_BKGTS.shape)
         p_BKGTS = jnp.where(keep, p_BKGTS / (1.0 - spec.dropout_rate), 0.0)
-    o_BTKGV = jnp.einsum("BKGTS,BSKV->BTKGV", p_BKGTS.astype(v_BSKV.dtype), v_BSKV)
+    o_BTKGU = jnp.einsum("BKGTS,BSKU->BTKGU", p_BKGTS.astype(v_BSKU.dtype), v_BSKU)
     if return_max_logit:
-        return o_BTKGV, jax.lax.stop_gradient(jnp.max(jnp.where(mask_BTS[:, None, None], jnp.abs(x_BKGTS), 0.0)))
-    return o_BTKGV
+        return o_BTKGU, jax.lax.stop_gradient(jnp.max(jnp.where(mask_BTS[:, None, None], jnp.abs(x_BKGTS), 0.0)))
+    return o_BTKGU
 
 
 DEFAULTS = {
@@ -109,7 +109,7 @@ DEFAULTS = {
 }
 
 
-def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, sinks_KG, dropout,
+def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, sinks_KG, dropout,
                     max_logit: bool = False) -> str | None:
     """What `impl` lacks to run this call, or None if it can."""
     if impl is AttentionImpl.REFERENCE:
@@ -123,7 +123,7 @@ def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: Attentio
     if impl is AttentionImpl.PALLAS_TPU:
         return can_run_pallas("tpu")
     if impl is AttentionImpl.CUDNN:
-        H, V = k_BSKH.shape[-1], v_BSKV.shape[-1]
+        H, U = k_BSKH.shape[-1], v_BSKU.shape[-1]
         if platform() != "gpu":
             return f"an NVIDIA GPU with cuDNN (this backend is {platform()!r})"
         if max_logit:
@@ -133,8 +133,8 @@ def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: Attentio
             return "attention sinks"
         if spec.softcap is not None:
             return "logit soft-cap"
-        if H != V:
-            return f"different key and value head dims (H={H}, V={V})"
+        if H != U:
+            return f"different key and value head dims (H={H}, U={U})"
         if q_BTKGH.dtype not in (jnp.bfloat16, jnp.float16):
             return f"{jnp.dtype(q_BTKGH.dtype).name} inputs (cuDNN flash attention takes bfloat16 or float16)"
         if H % 8 or H > 256:
@@ -143,11 +143,11 @@ def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKV, spec: Attentio
     raise AssertionError(impl)
 
 
-def resolve(impl: AttentionImpl | str, q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, sinks_KG=None,
+def resolve(impl: AttentionImpl | str, q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, sinks_KG=None,
             dropout: bool = False, max_logit: bool = False) -> AttentionImpl:
     """The implementation that runs this call (see the module docstring for the rules)."""
     impl = AttentionImpl(impl)
-    features = (q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG, dropout, max_logit)
+    features = (q_BTKGH, k_BSKH, v_BSKU, spec, sinks_KG, dropout, max_logit)
     if impl is AttentionImpl.DEFAULT or (q_BTKGH.shape[1] == 1 and impl is not AttentionImpl.REFERENCE):
         candidates = DEFAULTS.get(platform(), DEFAULTS["cpu"]) if q_BTKGH.shape[1] > 1 else DEFAULTS["cpu"]
         return next(c for c in candidates if missing_feature(c, *features) is None)
@@ -157,17 +157,17 @@ def resolve(impl: AttentionImpl | str, q_BTKGH, k_BSKH, v_BSKV, spec: AttentionS
     return impl
 
 
-def attention_cudnn(q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, mask_BTS):
+def attention_cudnn(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, mask_BTS):
     """cuDNN flash attention. Its causal and window masks count indices, not positions, so the
     position mask is passed whole (`[B, 1, T, S]`): exact for any layout, but O(T S) memory."""
     B, T, K, G, H = q_BTKGH.shape
     o_BTNH = jax.nn.dot_product_attention(
-        q_BTKGH.reshape(B, T, K * G, H), k_BSKH, v_BSKV, mask=mask_BTS[:, None], scale=spec.scale,
+        q_BTKGH.reshape(B, T, K * G, H), k_BSKH, v_BSKU, mask=mask_BTS[:, None], scale=spec.scale,
         implementation="cudnn")
     return o_BTNH.reshape(B, T, K, G, H)
 
 
-def attention(q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, vis: Visibility, *, sinks_KG=None, dropout_rng=None,
+def attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, *, sinks_KG=None, dropout_rng=None,
               impl: AttentionImpl | str = AttentionImpl.REFERENCE, return_max_logit: bool = False):
     """Scaled dot-product attention through the implementation `impl` (resolved by `resolve`).
 
@@ -177,17 +177,17 @@ def attention(q_BTKGH, k_BSKH, v_BSKV, spec: AttentionSpec, vis: Visibility, *, 
     implementation's own pass over the scores.
     """
     dropout = spec.dropout_rate > 0.0 and dropout_rng is not None
-    impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKV, spec, sinks_KG, dropout, return_max_logit)
+    impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKU, spec, sinks_KG, dropout, return_max_logit)
     kwargs = dict(sinks_KG=sinks_KG, return_max_logit=return_max_logit)
     interpret = interpret_target() is not None
     match impl:
         case AttentionImpl.CHUNKED:
-            return attention_chunked(q_BTKGH, k_BSKH, v_BSKV, spec, vis, **kwargs)
+            return attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis, **kwargs)
         case AttentionImpl.PALLAS_GPU:
-            return flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis, interpret=interpret, **kwargs)
+            return flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis, interpret=interpret, **kwargs)
         case AttentionImpl.PALLAS_TPU:
-            return flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis, interpret=interpret, **kwargs)
+            return flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis, interpret=interpret, **kwargs)
     mask_BTS = vis.mask(causal=spec.causal, window=spec.window)
     if impl is AttentionImpl.CUDNN:
-        return attention_cudnn(q_BTKGH, k_BSKH, v_BSKV, spec, mask_BTS)
-    return attention_reference(q_BTKGH, k_BSKH, v_BSKV, mask_BTS, spec, sinks_KG, dropout_rng, return_max_logit)
+        return attention_cudnn(q_BTKGH, k_BSKH, v_BSKU, spec, mask_BTS)
+    return attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec, sinks_KG, dropout_rng, return_max_logit)

@@ -1,7 +1,7 @@
 """Flash-attention tile math shared by the Pallas GPU and TPU kernels.
 
 Letters: R rows of a query tile, C columns (keys) of a key tile, H key head dim,
-V value head dim. Per-row statistics are columns `[R, 1]`; per-key ones rows `[1, C]`.
+U value head dim (letters as in `modern_jax`). Per-row statistics are columns `[R, 1]`; per-key ones rows `[1, C]`.
 
 Forward (FlashAttention-2): each query tile visits its key tiles keeping the running
 maximum `m`, the running denominator `l` and the unnormalised output `acc`; a sink
@@ -66,7 +66,7 @@ def init_state(rows: int, v_dim: int):
             jnp.zeros((rows, v_dim), jnp.float32))
 
 
-def forward_step(s_RC, mask_RC, v_CV, m_R1, l_R1, acc_RV, pv=matmul):
+def forward_step(s_RC, mask_RC, v_CU, m_R1, l_R1, acc_RU, pv=matmul):
     """Fold one key tile into the running (m, l, acc); keys on the last axis of `s`.
 
     `pv(p, v)` is the probabilities-times-values product (leading axes may batch it).
@@ -75,39 +75,39 @@ def forward_step(s_RC, mask_RC, v_CV, m_R1, l_R1, acc_RV, pv=matmul):
     p_RC = jnp.where(mask_RC, jnp.exp(s_RC - m_new_R1), 0.0)
     alpha_R1 = jnp.exp(m_R1 - m_new_R1)
     l_R1 = alpha_R1 * l_R1 + jnp.sum(p_RC, axis=-1, keepdims=True)
-    acc_RV = alpha_R1 * acc_RV + pv(p_RC.astype(v_CV.dtype), v_CV)
-    return m_new_R1, l_R1, acc_RV
+    acc_RU = alpha_R1 * acc_RU + pv(p_RC.astype(v_CU.dtype), v_CU)
+    return m_new_R1, l_R1, acc_RU
 
 
-def finish(m_R1, l_R1, acc_RV, sink=None):
-    """Normalise: output `o[R, V]` (fp32) and `lse[R, 1]` (+inf for a row that saw nothing)."""
+def finish(m_R1, l_R1, acc_RU, sink=None):
+    """Normalise: output `o[R, U]` (fp32) and `lse[R, 1]` (+inf for a row that saw nothing)."""
     if sink is not None:
         m_fin_R1 = jnp.maximum(m_R1, sink)
         alpha_R1 = jnp.exp(m_R1 - m_fin_R1)
         l_R1 = alpha_R1 * l_R1 + jnp.exp(sink - m_fin_R1)
-        acc_RV, m_R1 = alpha_R1 * acc_RV, m_fin_R1
+        acc_RU, m_R1 = alpha_R1 * acc_RU, m_fin_R1
     seen_R1 = l_R1 > 0.0
-    o_RV = acc_RV / jnp.where(seen_R1, l_R1, 1.0)
+    o_RU = acc_RU / jnp.where(seen_R1, l_R1, 1.0)
     lse_R1 = jnp.where(seen_R1, m_R1 + jnp.log(jnp.where(seen_R1, l_R1, 1.0)), jnp.inf)
-    return o_RV, lse_R1
+    return o_RU, lse_R1
 
 
-def dq_step(q_RH, k_CH, v_CV, do_RV, lse_R1, delta_R1, mask_RC, scale, softcap):
+def dq_step(q_RH, k_CH, v_CU, do_RU, lse_R1, delta_R1, mask_RC, scale, softcap):
     """This key tile's contribution to `dq[R, H]` (fp32)."""
     s_RC = scores(q_RH, k_CH, scale, softcap)
     p_RC = jnp.where(mask_RC, jnp.exp(s_RC - lse_R1), 0.0)
-    ds_RC = softcap_grad(p_RC * (matmul_nt(do_RV, v_CV) - delta_R1), s_RC, softcap)
+    ds_RC = softcap_grad(p_RC * (matmul_nt(do_RU, v_CU) - delta_R1), s_RC, softcap)
     return matmul(ds_RC.astype(k_CH.dtype), k_CH) * scale
 
 
-def dkdv_step(q_RH, k_CH, v_CV, do_RV, lse_1R, delta_1R, mask_CR, scale, softcap):
-    """This query tile's contribution to `dk[C, H]` and `dv[C, V]` (fp32), on transposed tiles."""
+def dkdv_step(q_RH, k_CH, v_CU, do_RU, lse_1R, delta_1R, mask_CR, scale, softcap):
+    """This query tile's contribution to `dk[C, H]` and `dv[C, U]` (fp32), on transposed tiles."""
     s_CR = scores(k_CH, q_RH, scale, softcap)
     p_CR = jnp.where(mask_CR, jnp.exp(s_CR - lse_1R), 0.0)
-    dv_CV = matmul(p_CR.astype(do_RV.dtype), do_RV)
-    ds_CR = softcap_grad(p_CR * (matmul_nt(v_CV, do_RV) - delta_1R), s_CR, softcap)
+    dv_CU = matmul(p_CR.astype(do_RU.dtype), do_RU)
+    ds_CR = softcap_grad(p_CR * (matmul_nt(v_CU, do_RU) - delta_1R), s_CR, softcap)
     dk_CH = matmul(ds_CR.astype(q_RH.dtype), q_RH) * scale
-    return dk_CH, dv_CV
+    return dk_CH, dv_CU
 
 
 def recompute_vjp(forward, backward, stat, sink_stat):

@@ -1,7 +1,7 @@
 """Flash attention for GPUs in Pallas (Triton lowering): forward and backward.
 
 Letters: B batch, T query length, S key length, K kv heads, G queries per kv head
-(N = K * G), H key head dim, V value head dim; R rows of a query tile, C keys of a key tile.
+(N = K * G), H key head dim, U value head dim; R rows of a query tile, C keys of a key tile.
 
 The kernels read the attention contract's own layout (`q[B, T, K, G, H]`, `k[B, S, K, H]`)
 through their block specs, so nothing is transposed or repeated:
@@ -12,7 +12,7 @@ through their block specs, so nothing is transposed or repeated:
 - dk / dv: grid `(S / C, B, K)`, one program per key tile of one kv head; it loops over
   the G query heads of its group and their visible query tiles, accumulating in fp32.
 
-Triton needs power-of-two tiles: T and S are padded to whole tiles, H and V to a power of
+Triton needs power-of-two tiles: T and S are padded to whole tiles, H and U to a power of
 two (zeros, which change no score), and everything is sliced back. Sinks' gradient is
 `-sum_t exp(sink - lse_t) * delta_t` and is computed outside the kernels.
 """
@@ -62,7 +62,7 @@ class _Call:
     max_logit: bool = False
 
 
-def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis: Visibility, *, sinks_KG=None,
+def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None,
                         blocks: GpuBlocks | None = None, interpret: bool = False, return_max_logit: bool = False):
     """Attention through the Pallas GPU kernels; the contract of `kernels.attention`.
 
@@ -71,23 +71,23 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis: Visibility, *, sinks
     out as it writes the log-sum-exp.
     """
     B, T, K, G, H = q_BTKGH.shape
-    S, V = k_BSKH.shape[1], v_BSKV.shape[-1]
+    S, U = k_BSKH.shape[1], v_BSKU.shape[-1]
     blocks = (blocks or GpuBlocks()).fit(T, S)
-    Hp, Vp = max(16, pl.next_power_of_2(H)), max(16, pl.next_power_of_2(V))
+    Hp, Up = max(16, pl.next_power_of_2(H)), max(16, pl.next_power_of_2(U))
     Tp = round_up(T, max(blocks.block_q, blocks.block_q_bwd))
     Sp = round_up(S, max(blocks.block_k, blocks.block_k_bwd))
     dtype = q_BTKGH.dtype
     q = pad_axis(pad_axis(q_BTKGH, 4, Hp), 1, Tp)
     k = pad_axis(pad_axis(k_BSKH.astype(dtype), 3, Hp), 1, Sp)
-    v = pad_axis(pad_axis(v_BSKV.astype(dtype), 3, Vp), 1, Sp)
+    v = pad_axis(pad_axis(v_BSKU.astype(dtype), 3, Up), 1, Sp)
     vis = vis.padded(Tp, Sp)
     sinks_KG = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
     call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret, return_max_logit)
     q, k, v, sinks_KG = vary_over((q, k, v, sinks_KG), varying_axes(q, k, v, sinks_KG, vis))
-    o_BTKGV, max_logit_BKGT = _flash(call, q, k, v, sinks_KG, vis)
+    o_BTKGU, max_logit_BKGT = _flash(call, q, k, v, sinks_KG, vis)
     if return_max_logit:
-        return o_BTKGV[:, :T, :, :, :V], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T]))
-    return o_BTKGV[:, :T, :, :, :V]
+        return o_BTKGU[:, :T, :, :, :U], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T]))
+    return o_BTKGU[:, :T, :, :, :U]
 
 
 def _compiler_params(call: _Call, head_dim: int):
@@ -105,7 +105,7 @@ def _split_refs(refs, has_seg: bool):
 def _forward(call, q, k, v, sinks_KG, vis):
     sinks_N = None if sinks_KG is None else sinks_KG.reshape(-1)  # one sink per query head
     B, Tp, K, G, H = q.shape
-    Sp, V = k.shape[1], v.shape[-1]
+    Sp, U = k.shape[1], v.shape[-1]
     R, C = call.blocks.block_q, call.blocks.block_k
     lo_BI, hi_BI = visible_range(vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C), axis=2)
     has_seg, has_sink = vis.q_seg is not None, sinks_N is not None
@@ -128,10 +128,10 @@ def _forward(call, q, k, v, sinks_KG, vis):
             softmax = flash.forward_step(softcap(x_RC, call.softcap), mask_RC, v_ref[cols, :], *state[:3])
             return (*softmax, flash.fold_max_logit(state[3], x_RC, mask_RC)) if call.max_logit else softmax
 
-        init = flash.init_state(R, V) + ((jnp.zeros((R, 1), jnp.float32),) if call.max_logit else ())
+        init = flash.init_state(R, U) + ((jnp.zeros((R, 1), jnp.float32),) if call.max_logit else ())
         state = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, init)
-        o_RV, lse_R1 = flash.finish(*state[:3], sink_ref[...] if has_sink else None)
-        o_ref[...] = o_RV.astype(o_ref.dtype)
+        o_RU, lse_R1 = flash.finish(*state[:3], sink_ref[...] if has_sink else None)
+        o_ref[...] = o_RU.astype(o_ref.dtype)
         lse_ref[...] = lse_R1.reshape(R)
         if call.max_logit:
             max_ref[0][...] = state[3].reshape(R)
@@ -141,7 +141,7 @@ def _forward(call, q, k, v, sinks_KG, vis):
         scalar, scalar,
         pl.BlockSpec((None, R, None, None, H), lambda i, b, n: (b, i, n // G, n % G, 0)),
         pl.BlockSpec((None, Sp, None, H), lambda i, b, n: (b, 0, n // G, 0)),
-        pl.BlockSpec((None, Sp, None, V), lambda i, b, n: (b, 0, n // G, 0)),
+        pl.BlockSpec((None, Sp, None, U), lambda i, b, n: (b, 0, n // G, 0)),
         pl.BlockSpec((None, R), lambda i, b, n: (b, i)),
         pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0)),
     ]
@@ -158,11 +158,11 @@ def _forward(call, q, k, v, sinks_KG, vis):
         kernel,
         grid=(Tp // R, B, K * G),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, R, None, None, V), lambda i, b, n: (b, i, n // G, n % G, 0)),
+        out_specs=[pl.BlockSpec((None, R, None, None, U), lambda i, b, n: (b, i, n // G, n % G, 0)),
                    *[row_stat] * n_stats],
-        out_shape=[out_struct((B, Tp, K, G, V), q.dtype, q),
+        out_shape=[out_struct((B, Tp, K, G, U), q.dtype, q),
                    *[out_struct((B, K, G, Tp), jnp.float32, q)] * n_stats],
-        compiler_params=_compiler_params(call, max(H, V)),
+        compiler_params=_compiler_params(call, max(H, U)),
         interpret=call.interpret,
         name="flash_attention_gpu_fwd",
     )(*args)
@@ -171,20 +171,20 @@ def _forward(call, q, k, v, sinks_KG, vis):
 
 def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     B, Tp, K, G, H = q.shape
-    Sp, V = k.shape[1], v.shape[-1]
+    Sp, U = k.shape[1], v.shape[-1]
     R, C = call.blocks.block_q_bwd, call.blocks.block_k_bwd
     tiles = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C)
     k_lo_BI, k_hi_BI = visible_range(tiles, axis=2)
     q_lo_BJ, q_hi_BJ = visible_range(tiles, axis=1)
     q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
     has_seg = q_seg is not None
-    params = _compiler_params(call, max(H, V))
+    params = _compiler_params(call, max(H, U))
     mask_kw = dict(causal=call.causal, window=call.window)
 
     # ---- dq: one program per query tile of one head, looping over visible key tiles ----
     def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
         (qseg_ref, kseg_ref), (dq_ref,) = _split_refs(refs, has_seg)
-        q_RH, do_RV = q_ref[...], do_ref[...]
+        q_RH, do_RU = q_ref[...], do_ref[...]
         lse_R1, delta_R1 = lse_ref[...].reshape(R, 1), delta_ref[...].reshape(R, 1)
         qpos_R1 = qpos_ref[...].reshape(R, 1)
         qseg_R1 = qseg_ref[...].reshape(R, 1) if has_seg else None
@@ -193,7 +193,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
             cols = pl.ds(pl.multiple_of(j * C, C), C)
             kseg_1C = kseg_ref[cols].reshape(1, C) if has_seg else None
             mask_RC = Visibility(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C).pairs(**mask_kw)
-            return dq_RH + flash.dq_step(q_RH, k_ref[cols, :], v_ref[cols, :], do_RV, lse_R1, delta_R1, mask_RC,
+            return dq_RH + flash.dq_step(q_RH, k_ref[cols, :], v_ref[cols, :], do_RU, lse_R1, delta_R1, mask_RC,
                                          call.scale, call.softcap)
 
         dq_RH = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, jnp.zeros((R, H), jnp.float32))
@@ -203,7 +203,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     q_tile = lambda D: pl.BlockSpec((None, R, None, None, D), lambda i, b, n: (b, i, n // G, n % G, 0))  # noqa: E731
     kv_full = lambda D: pl.BlockSpec((None, Sp, None, D), lambda i, b, n: (b, 0, n // G, 0))  # noqa: E731
     row_stat = pl.BlockSpec((None, None, None, R), lambda i, b, n: (b, n // G, n % G, i))
-    in_specs = [scalar, scalar, q_tile(H), kv_full(H), kv_full(V), q_tile(V), row_stat, row_stat,
+    in_specs = [scalar, scalar, q_tile(H), kv_full(H), kv_full(U), q_tile(U), row_stat, row_stat,
                 pl.BlockSpec((None, R), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
     args = [k_lo_BI, k_hi_BI, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos]
     if has_seg:
@@ -218,7 +218,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     # ---- dk, dv: one program per key tile of one kv head, looping over its G heads' query tiles ----
     def dkdv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
         (qseg_ref, kseg_ref), (dk_ref, dv_ref) = _split_refs(refs, has_seg)
-        k_CH, v_CV = k_ref[...], v_ref[...]
+        k_CH, v_CU = k_ref[...], v_ref[...]
         kpos_C1 = kpos_ref[...].reshape(C, 1)
         kseg_C1 = kseg_ref[...].reshape(C, 1) if has_seg else None
         lo = lo_ref[...]
@@ -229,34 +229,34 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
             rows = pl.ds(pl.multiple_of(i * R, R), R)
             qseg_1R = qseg_ref[rows].reshape(1, R) if has_seg else None
             mask_CR = Visibility(qpos_ref[rows].reshape(1, R), kpos_C1, qseg_1R, kseg_C1).pairs(**mask_kw)
-            dk_CH, dv_CV = flash.dkdv_step(q_ref[rows, g, :], k_CH, v_CV, do_ref[rows, g, :],
+            dk_CH, dv_CU = flash.dkdv_step(q_ref[rows, g, :], k_CH, v_CU, do_ref[rows, g, :],
                                            lse_ref[g, rows].reshape(1, R), delta_ref[g, rows].reshape(1, R),
                                            mask_CR, call.scale, call.softcap)
-            return grads[0] + dk_CH, grads[1] + dv_CV
+            return grads[0] + dk_CH, grads[1] + dv_CU
 
-        init = (jnp.zeros((C, H), jnp.float32), jnp.zeros((C, V), jnp.float32))
-        dk_CH, dv_CV = jax.lax.fori_loop(0, G * n_tiles, body, init)
+        init = (jnp.zeros((C, H), jnp.float32), jnp.zeros((C, U), jnp.float32))
+        dk_CH, dv_CU = jax.lax.fori_loop(0, G * n_tiles, body, init)
         dk_ref[...] = dk_CH.astype(dk_ref.dtype)
-        dv_ref[...] = dv_CV.astype(dv_ref.dtype)
+        dv_ref[...] = dv_CU.astype(dv_ref.dtype)
 
     scalar = pl.BlockSpec((None, None), lambda j, b, h: (b, j))
     q_full = lambda D: pl.BlockSpec((None, Tp, None, G, D), lambda j, b, h: (b, 0, h, 0, 0))  # noqa: E731
     kv_tile = lambda D: pl.BlockSpec((None, C, None, D), lambda j, b, h: (b, j, h, 0))  # noqa: E731
     stats = pl.BlockSpec((None, None, G, Tp), lambda j, b, h: (b, h, 0, 0))
-    in_specs = [scalar, scalar, q_full(H), kv_tile(H), kv_tile(V), q_full(V), stats, stats,
+    in_specs = [scalar, scalar, q_full(H), kv_tile(H), kv_tile(U), q_full(U), stats, stats,
                 pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), pl.BlockSpec((None, C), lambda j, b, h: (b, j))]
     args = [q_lo_BJ, q_hi_BJ, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos]
     if has_seg:
         in_specs += [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), pl.BlockSpec((None, C), lambda j, b, h: (b, j))]
         args += [q_seg, k_seg]
     dk, dv = pl.pallas_call(
-        dkdv_kernel, grid=(Sp // C, B, K), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(V)],
+        dkdv_kernel, grid=(Sp // C, B, K), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(U)],
         out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
         compiler_params=params, interpret=call.interpret, name="flash_attention_gpu_dkdv",
     )(*args)
     return dq, dk, dv
 
 
-# o[B, T, K, G, V], lse[B, K, G, T], sinks[K, G]
+# o[B, T, K, G, U], lse[B, K, G, T], sinks[K, G]
 _flash = flash.recompute_vjp(_forward, _backward, stat=lambda r_BTKG: r_BTKG.transpose(0, 2, 3, 1),
                              sink_stat=lambda s_KG: s_KG[None, :, :, None])

@@ -1,7 +1,7 @@
 """Flash attention for TPUs in Pallas (Mosaic lowering): forward and backward.
 
 Letters: B batch, T query length, S key length, K kv heads, G queries per kv head,
-H key head dim, V value head dim; I query tiles, J key tiles, R rows of a query tile,
+H key head dim, U value head dim; I query tiles, J key tiles, R rows of a query tile,
 C keys of a key tile.
 
 Mosaic tiles the two minor dimensions of every block, so the wrapper moves heads in
@@ -64,7 +64,7 @@ class _Call:
     max_logit: bool = False
 
 
-def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis: Visibility, *, sinks_KG=None,
+def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None,
                         blocks: TpuBlocks | None = None, interpret: bool = False, return_max_logit: bool = False):
     """Attention through the Pallas TPU kernels; the contract of `kernels.attention`.
 
@@ -80,17 +80,17 @@ def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKV, spec, vis: Visibility, *, sinks
     dtype = q_BTKGH.dtype
     q_BKGTH = pad_axis(q_BTKGH.transpose(0, 2, 3, 1, 4), 3, Tp)
     k_BKSH = pad_axis(k_BSKH.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
-    v_BKSV = pad_axis(v_BSKV.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
+    v_BKSU = pad_axis(v_BSKU.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
     vis = vis.padded(Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
     call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret, return_max_logit)
-    q_BKGTH, k_BKSH, v_BKSV, sinks = vary_over((q_BKGTH, k_BKSH, v_BKSV, sinks),
-                                               varying_axes(q_BKGTH, k_BKSH, v_BKSV, sinks, vis))
-    o_BKGTV, max_logit_BKGT1 = _flash(call, q_BKGTH, k_BKSH, v_BKSV, sinks, vis)
-    o_BTKGV = o_BKGTV[:, :, :, :T].transpose(0, 3, 1, 2, 4)
+    q_BKGTH, k_BKSH, v_BKSU, sinks = vary_over((q_BKGTH, k_BKSH, v_BKSU, sinks),
+                                               varying_axes(q_BKGTH, k_BKSH, v_BKSU, sinks, vis))
+    o_BKGTU, max_logit_BKGT1 = _flash(call, q_BKGTH, k_BKSH, v_BKSU, sinks, vis)
+    o_BTKGU = o_BKGTU[:, :, :, :T].transpose(0, 3, 1, 2, 4)
     if return_max_logit:
-        return o_BTKGV, jax.lax.stop_gradient(jnp.max(max_logit_BKGT1[:, :, :, :T]))
-    return o_BTKGV
+        return o_BTKGU, jax.lax.stop_gradient(jnp.max(max_logit_BKGT1[:, :, :, :T]))
+    return o_BTKGU
 
 
 def _column(x_BT):
@@ -150,7 +150,7 @@ def _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, *, causal, window):
 
 def _forward(call, q, k, v, sinks_KG, vis):
     B, K, G, Tp, H = q.shape
-    Sp, V = k.shape[2], v.shape[-1]
+    Sp, U = k.shape[2], v.shape[-1]
     R, C = call.blocks.block_q, call.blocks.block_k
     I, J = Tp // R, Sp // C
     lo_BI, hi_BI = visible_range(vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C), axis=2)
@@ -168,7 +168,7 @@ def _forward(call, q, k, v, sinks_KG, vis):
 
         @pl.when(j == 0)
         def _init():
-            m_scr[...], l_scr[...], acc_scr[...] = flash.init_state(R, V)
+            m_scr[...], l_scr[...], acc_scr[...] = flash.init_state(R, U)
             if call.max_logit:
                 max_scr[...] = jnp.zeros((R, 1), jnp.float32)
 
@@ -184,14 +184,14 @@ def _forward(call, q, k, v, sinks_KG, vis):
         @pl.when(j == J - 1)
         def _finish():
             sink = sinks_ref[h, g] if has_sink else None
-            o_RV, lse_R1 = flash.finish(m_scr[...], l_scr[...], acc_scr[...], sink)
-            o_ref[...] = o_RV.astype(o_ref.dtype)
+            o_RU, lse_R1 = flash.finish(m_scr[...], l_scr[...], acc_scr[...], sink)
+            o_ref[...] = o_RU.astype(o_ref.dtype)
             lse_ref[...] = lse_R1
             if call.max_logit:
                 max_ref[...] = max_scr[...]
 
     q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, R, C)
-    in_specs = [q_tile(H), kv_tile(H), kv_tile(V), q_col, k_row]
+    in_specs = [q_tile(H), kv_tile(H), kv_tile(U), q_col, k_row]
     args = [q, k, v, _column(vis.q_pos), _row(vis.k_pos)]
     if has_seg:
         in_specs += [q_col, k_row]
@@ -206,11 +206,11 @@ def _forward(call, q, k, v, sinks_KG, vis):
             num_scalar_prefetch=2,
             grid=(B, K, G, I, J),
             in_specs=in_specs,
-            out_specs=[q_tile(V), *[q_stat] * n_stats],
+            out_specs=[q_tile(U), *[q_stat] * n_stats],
             scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
-                            pltpu.VMEM((R, V), jnp.float32), *[pltpu.VMEM((R, 1), jnp.float32)] * (n_stats - 1)],
+                            pltpu.VMEM((R, U), jnp.float32), *[pltpu.VMEM((R, 1), jnp.float32)] * (n_stats - 1)],
         ),
-        out_shape=[out_struct((B, K, G, Tp, V), q.dtype, q),
+        out_shape=[out_struct((B, K, G, Tp, U), q.dtype, q),
                    *[out_struct((B, K, G, Tp, 1), jnp.float32, q)] * n_stats],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
         interpret=call.interpret,
@@ -221,7 +221,7 @@ def _forward(call, q, k, v, sinks_KG, vis):
 
 def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     B, K, G, Tp, H = q.shape
-    Sp, V = k.shape[2], v.shape[-1]
+    Sp, U = k.shape[2], v.shape[-1]
     R, C = call.blocks.block_q_bwd, call.blocks.block_k_bwd
     I, J = Tp // R, Sp // C
     tiles = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C)
@@ -253,7 +253,7 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
             dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
 
     q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, R, C)
-    in_specs = [q_tile(H), kv_tile(H), kv_tile(V), q_tile(V), q_stat, q_stat, q_col, k_row]
+    in_specs = [q_tile(H), kv_tile(H), kv_tile(U), q_tile(U), q_stat, q_stat, q_col, k_row]
     args = [q, k, v, do, lse_BKGT1, delta_BKGT1, _column(q_pos), _row(k_pos)]
     if has_seg:
         in_specs += [q_col, k_row]
@@ -279,15 +279,15 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
         @pl.when((g == 0) & (i == 0))
         def _init():
             dk_scr[...] = jnp.zeros((C, H), jnp.float32)
-            dv_scr[...] = jnp.zeros((C, V), jnp.float32)
+            dv_scr[...] = jnp.zeros((C, U), jnp.float32)
 
         @pl.when((i >= lo_ref[b * J + j]) & (i < hi_ref[b * J + j]))
         def _step():
             mask_CR = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **mask_kw)
-            dk_CH, dv_CV = flash.dkdv_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
+            dk_CH, dv_CU = flash.dkdv_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
                                            delta_ref[...], mask_CR, call.scale, call.softcap)
             dk_scr[...] += dk_CH
-            dv_scr[...] += dv_CV
+            dv_scr[...] += dv_CU
 
         @pl.when((g == G - 1) & (i == I - 1))
         def _finish():
@@ -295,7 +295,7 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
             dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
     q_tile, q_stat, q_row, kv_tile, k_col = _key_major_specs(J, R, C)
-    in_specs = [q_tile(H), kv_tile(H), kv_tile(V), q_tile(V), q_stat, q_stat, q_row, k_col]
+    in_specs = [q_tile(H), kv_tile(H), kv_tile(U), q_tile(U), q_stat, q_stat, q_row, k_col]
     lse_BKG1T, delta_BKG1T = (x.reshape(B, K, G, 1, Tp) for x in (lse_BKGT1, delta_BKGT1))
     args = [q, k, v, do, lse_BKG1T, delta_BKG1T, _row(q_pos), _column(k_pos)]
     if has_seg:
@@ -304,8 +304,8 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     dk, dv = pl.pallas_call(
         dkdv_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, K, J, G, I), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(V)],
-            scratch_shapes=[pltpu.VMEM((C, H), jnp.float32), pltpu.VMEM((C, V), jnp.float32)]),
+            num_scalar_prefetch=2, grid=(B, K, J, G, I), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(U)],
+            scratch_shapes=[pltpu.VMEM((C, H), jnp.float32), pltpu.VMEM((C, U), jnp.float32)]),
         out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",) * 2),
         interpret=call.interpret,
@@ -314,6 +314,6 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     return dq, dk, dv
 
 
-# o[B, K, G, T, V], lse[B, K, G, T, 1], sinks[K, G]
+# o[B, K, G, T, U], lse[B, K, G, T, 1], sinks[K, G]
 _flash = flash.recompute_vjp(_forward, _backward, stat=lambda r_BKGT: r_BKGT[..., None],
                              sink_stat=lambda s_KG: s_KG[None, :, :, None, None])

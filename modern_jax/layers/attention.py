@@ -1,8 +1,9 @@
 """Self-attention: MHA / GQA / MQA and DeepSeek's multi-head latent attention (MLA).
 
 Letters: B batch, T query length, S key length, D model, N query heads, K kv heads,
-G query heads per kv head (N = K * G), H head dim, C MLA latent (d_c), R rotary dim
-of MLA's decoupled key (d_R), V value head dim, Q MLA query rank.
+G query heads per kv head (N = K * G), H head dim, U value head dim (MLA), Z MLA latent
+(d_c), Y the rotary dim of MLA's decoupled key (d_R), X the two side by side (Z + Y), Q MLA
+query rank (as in `modern_jax`).
 
 Decoding caches are dicts of arrays `[B, S, ...]` plus `pos[B, S]` (the position held
 by each slot, -1 when empty). Local layers keep a ring of `sliding_window` slots.
@@ -124,27 +125,27 @@ class Attention(nnx.Module):
 
 
 class MLAttention(nnx.Module):
-    """Multi-head latent attention: keys and values come from a shared latent c[C].
+    """Multi-head latent attention: keys and values come from a shared latent c[Z].
 
-    The cache holds only `c[C]` and the decoupled rotary key `k_pe[R]` per token. With a
+    The cache holds only `c[Z]` and the decoupled rotary key `k_pe[Y]` per token. With a
     cache the up-projections are absorbed: queries move into latent space
     (`q_nope @ W_uk`), attention runs as MQA over `[c, k_pe]`, and `W_uv` maps back.
     """
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs):
-        D, N, C, R = cfg.d_model, cfg.n_heads, cfg.mla_kv_rank, cfg.mla_rope_dim
-        Hn, V, Q = cfg.mla_nope_dim, cfg.mla_v_dim, cfg.mla_q_rank
+        D, N, Z, Y = cfg.d_model, cfg.n_heads, cfg.mla_kv_rank, cfg.mla_rope_dim
+        Hn, U, Q = cfg.mla_nope_dim, cfg.mla_v_dim, cfg.mla_q_rank
         self.cfg, self.spec = cfg, spec
         if Q:
             self.q_a_proj = Proj(cfg, (D, Q), ("embed", "q_lora"), role="in", rngs=rngs)
             self.q_a_layernorm = Norm(cfg, (Q,), ("q_lora",), rngs=rngs)
-            self.q_b_proj = Proj(cfg, (Q, N, Hn + R), ("q_lora", "q_heads", "head_dim"), role="qk", rngs=rngs)
+            self.q_b_proj = Proj(cfg, (Q, N, Hn + Y), ("q_lora", "q_heads", "head_dim"), role="qk", rngs=rngs)
         else:
-            self.q_proj = Proj(cfg, (D, N, Hn + R), ("embed", "q_heads", "head_dim"), role="qk", rngs=rngs)
-        self.kv_a_proj_with_mqa = Proj(cfg, (D, C + R), ("embed", "kv_lora"), role="in", rngs=rngs)
-        self.kv_a_layernorm = Norm(cfg, (C,), ("kv_lora",), rngs=rngs)
-        self.kv_b_proj = Proj(cfg, (C, N, Hn + V), ("kv_lora", "q_heads", "head_dim"), role="v", rngs=rngs)
-        self.o_proj = Proj(cfg, (N, V, D), ("q_heads", "head_dim", "embed"), role="out", in_dims=2, rngs=rngs)
+            self.q_proj = Proj(cfg, (D, N, Hn + Y), ("embed", "q_heads", "head_dim"), role="qk", rngs=rngs)
+        self.kv_a_proj_with_mqa = Proj(cfg, (D, Z + Y), ("embed", "kv_lora"), role="in", rngs=rngs)
+        self.kv_a_layernorm = Norm(cfg, (Z,), ("kv_lora",), rngs=rngs)
+        self.kv_b_proj = Proj(cfg, (Z, N, Hn + U), ("kv_lora", "q_heads", "head_dim"), role="v", rngs=rngs)
+        self.o_proj = Proj(cfg, (N, U, D), ("q_heads", "head_dim", "embed"), role="out", in_dims=2, rngs=rngs)
         self.sinks = param(rngs, jax.nn.initializers.zeros, (N,), ("q_heads",), jnp.float32) if cfg.attention_sinks else None
 
     def init_cache(self, batch: int, max_len: int, dtype):
@@ -165,48 +166,48 @@ class MLAttention(nnx.Module):
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False, absorb=None):
         cfg, spec = self.cfg, self.spec
         B, T, _ = x_BTD.shape
-        N, C, Hn = cfg.n_heads, cfg.mla_kv_rank, cfg.mla_nope_dim
+        N, Z, Hn = cfg.n_heads, cfg.mla_kv_rank, cfg.mla_nope_dim
         if cfg.mla_q_rank:
             q_BTNH = self.q_b_proj("BTQ,QNH->BTNH", self.q_a_layernorm(self.q_a_proj("BTD,DQ->BTQ", x_BTD)))
         else:
             q_BTNH = self.q_proj("BTD,DNH->BTNH", x_BTD)
-        q_nope_BTNH, q_pe_BTNR = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
+        q_nope_BTNH, q_pe_BTNY = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
         ckv_BTX = self.kv_a_proj_with_mqa("BTD,DX->BTX", x_BTD)
-        c_BTC = checkpoint_name(self.kv_a_layernorm(ckv_BTX[..., :C]), "key_proj")
-        k_pe_BTR = ckv_BTX[..., C:]
+        c_BTZ = checkpoint_name(self.kv_a_layernorm(ckv_BTX[..., :Z]), "key_proj")
+        k_pe_BTY = ckv_BTX[..., Z:]
         if spec.rope is not None:  # a NoPE layer leaves the decoupled query / key parts unrotated
-            q_pe_BTNR = apply_rope(q_pe_BTNR, pos_BT, spec.rope)
-            k_pe_BTR = apply_rope(k_pe_BTR[:, :, None], pos_BT, spec.rope)[:, :, 0]
+            q_pe_BTNY = apply_rope(q_pe_BTNY, pos_BT, spec.rope)
+            k_pe_BTY = apply_rope(k_pe_BTY[:, :, None], pos_BT, spec.rope)[:, :, 0]
         k_pos_BS, k_seg_BS = pos_BT, seg_BT
         if cache is None:
-            c_BSC, k_pe_BSR = c_BTC, k_pe_BTR
+            c_BSZ, k_pe_BSY = c_BTZ, k_pe_BTY
         else:
-            keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTC, "k_pe": k_pe_BTR}, pos_BT, spec.window)
-            c_BSC, k_pe_BSR = keys["c"].astype(x_BTD.dtype), keys["k_pe"].astype(x_BTD.dtype)
+            keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTZ, "k_pe": k_pe_BTY}, pos_BT, spec.window)
+            c_BSZ, k_pe_BSY = keys["c"].astype(x_BTD.dtype), keys["k_pe"].astype(x_BTD.dtype)
         absorb = cache is not None if absorb is None else absorb
-        w_CNX = self.kv_b_proj.kernel[...].astype(x_BTD.dtype)
-        w_uk_CNH, w_uv_CNV = w_CNX[..., :Hn], w_CNX[..., Hn:]
+        w_ZNX = self.kv_b_proj.kernel[...].astype(x_BTD.dtype)
+        w_uk_ZNH, w_uv_ZNU = w_ZNX[..., :Hn], w_ZNX[..., Hn:]
         spec_ = AttentionSpec(scale=self.scale(), window=spec.window, softcap=cfg.attn_softcap,
                               dropout_rate=cfg.attn_dropout)
         vis = Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS)
         kwargs = dict(dropout_rng=rng, impl=cfg.attention_impl, return_max_logit=diagnostics)
-        if absorb:  # MQA over the latent: one shared "kv head" of width C + R, N queries per group
-            q_lat_BTNC = jnp.einsum("BTNH,CNH->BTNC", q_nope_BTNH, w_uk_CNH)
-            q_BT1NX = jnp.concatenate([q_lat_BTNC, q_pe_BTNR], axis=-1)[:, :, None]
-            k_BS1X = jnp.concatenate([c_BSC, k_pe_BSR], axis=-1)[:, :, None]
+        if absorb:  # MQA over the latent: one shared "kv head" of width Z + Y, N queries per group
+            q_lat_BTNZ = jnp.einsum("BTNH,ZNH->BTNZ", q_nope_BTNH, w_uk_ZNH)
+            q_BT1NX = jnp.concatenate([q_lat_BTNZ, q_pe_BTNY], axis=-1)[:, :, None]
+            k_BS1X = jnp.concatenate([c_BSZ, k_pe_BSY], axis=-1)[:, :, None]
             sinks_1N = None if self.sinks is None else self.sinks[...][None]
-            o_BT1NC = sow_max_logit(self, attention(q_BT1NX, k_BS1X, c_BSC[:, :, None], spec_, vis, sinks_KG=sinks_1N,
+            o_BT1NZ = sow_max_logit(self, attention(q_BT1NX, k_BS1X, c_BSZ[:, :, None], spec_, vis, sinks_KG=sinks_1N,
                                                     **kwargs), diagnostics)
-            o_BTNV = jnp.einsum("BTNC,CNV->BTNV", o_BT1NC[:, :, 0], w_uv_CNV)
+            o_BTNU = jnp.einsum("BTNZ,ZNU->BTNU", o_BT1NZ[:, :, 0], w_uv_ZNU)
         else:  # expand the latent into per-head keys and values (training)
-            S = c_BSC.shape[1]
-            k_nope_BSNH = jnp.einsum("BSC,CNH->BSNH", c_BSC, w_uk_CNH)
-            v_BSNV = jnp.einsum("BSC,CNV->BSNV", c_BSC, w_uv_CNV)
-            k_BSNX = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_pe_BSR[:, :, None], (B, S, N, k_pe_BSR.shape[-1]))], -1)
-            q_BTN1X = jnp.concatenate([q_nope_BTNH, q_pe_BTNR], axis=-1)[:, :, :, None]
+            S = c_BSZ.shape[1]
+            k_nope_BSNH = jnp.einsum("BSZ,ZNH->BSNH", c_BSZ, w_uk_ZNH)
+            v_BSNU = jnp.einsum("BSZ,ZNU->BSNU", c_BSZ, w_uv_ZNU)
+            k_BSNX = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_pe_BSY[:, :, None], (B, S, N, k_pe_BSY.shape[-1]))], -1)
+            q_BTN1X = jnp.concatenate([q_nope_BTNH, q_pe_BTNY], axis=-1)[:, :, :, None]
             sinks_N1 = None if self.sinks is None else self.sinks[...][:, None]
-            o_BTN1V = sow_max_logit(self, attention(q_BTN1X, k_BSNX, v_BSNV, spec_, vis, sinks_KG=sinks_N1, **kwargs),
+            o_BTN1U = sow_max_logit(self, attention(q_BTN1X, k_BSNX, v_BSNU, spec_, vis, sinks_KG=sinks_N1, **kwargs),
                                     diagnostics)
-            o_BTNV = o_BTN1V[:, :, :, 0]
-        o_BTNV = checkpoint_name(o_BTNV, "attention_out")
-        return self.o_proj("BTNV,NVD->BTD", o_BTNV), cache
+            o_BTNU = o_BTN1U[:, :, :, 0]
+        o_BTNU = checkpoint_name(o_BTNU, "attention_out")
+        return self.o_proj("BTNU,NUD->BTD", o_BTNU), cache

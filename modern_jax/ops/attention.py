@@ -1,7 +1,7 @@
 """Attention under `shard_map`: KV heads split across the tensor axis.
 
 Letters as in `modern_jax.kernels.attention`: B batch, T/S query/key length, K kv heads,
-G queries per kv head, H/V head dims.
+G queries per kv head, H/U key/value head dims.
 
 Each device owns `K / TP` KV heads and exactly their query groups, so no K/V is
 gathered. When the tensor axis has more devices than KV heads (2 KV heads on TP=8, MQA),
@@ -33,7 +33,7 @@ def kv_replication(n_kv: int, group: int, tp: int) -> int:
     return r
 
 
-def attention(q_BTKGH, k_BSKH, v_BSKV, spec, vis, *, sinks_KG=None, dropout_rng=None, impl="reference",
+def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=None, impl="reference",
               return_max_logit: bool = False):
     """`kernels.attention`, run per device under shard_map when a mesh is active.
 
@@ -43,7 +43,7 @@ def attention(q_BTKGH, k_BSKH, v_BSKV, spec, vis, *, sinks_KG=None, dropout_rng=
     kwargs = dict(impl=impl, return_max_logit=return_max_logit)
     state = active()
     if state is None:
-        return kernels.attention(q_BTKGH, k_BSKH, v_BSKV, spec, vis, sinks_KG=sinks_KG, dropout_rng=dropout_rng,
+        return kernels.attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, sinks_KG=sinks_KG, dropout_rng=dropout_rng,
                                  **kwargs)
     mesh, rules = state
     B, T, K, G, H = q_BTKGH.shape
@@ -52,13 +52,13 @@ def attention(q_BTKGH, k_BSKH, v_BSKV, spec, vis, *, sinks_KG=None, dropout_rng=
     r = kv_replication(K, G, tp) if tp > 1 else 1
     if r > 1:  # split each query group in r and give each part its own copy of the KV head
         q_BTKGH = q_BTKGH.reshape(B, T, K * r, G // r, H)
-        k_BSKH, v_BSKV = jnp.repeat(k_BSKH, r, axis=2), jnp.repeat(v_BSKV, r, axis=2)
+        k_BSKH, v_BSKU = jnp.repeat(k_BSKH, r, axis=2), jnp.repeat(v_BSKU, r, axis=2)
         if sinks_KG is not None:
             sinks_KG = sinks_KG.reshape(K * r, G // r)
     batch = live_axes("activation_batch", rules, mesh, B)
     heads = tp_axes or None
     split = tuple(batch or ()) + tuple(heads or ())  # the axes each device's share differs over
-    args = [q_BTKGH, k_BSKH, v_BSKV, vis]
+    args = [q_BTKGH, k_BSKH, v_BSKU, vis]
     specs = [P(batch, None, heads, None, None), P(batch, None, heads, None), P(batch, None, heads, None),
              jax.tree.map(lambda _: P(batch, None), vis)]
     optional = {"sinks": (sinks_KG, P(heads, None)), "rng": (dropout_rng, P())}
@@ -80,6 +80,6 @@ def attention(q_BTKGH, k_BSKH, v_BSKV, spec, vis, *, sinks_KG=None, dropout_rng=
     o_spec = P(batch, None, heads, None, None)
     out = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
                         out_specs=(o_spec, P()) if return_max_logit else o_spec, check_vma=False)(*args)
-    o_BTKGV, max_logit = out if return_max_logit else (out, None)
-    o_BTKGV = o_BTKGV.reshape(B, T, K, G, o_BTKGV.shape[-1])
-    return (o_BTKGV, jax.lax.stop_gradient(max_logit)) if return_max_logit else o_BTKGV
+    o_BTKGU, max_logit = out if return_max_logit else (out, None)
+    o_BTKGU = o_BTKGU.reshape(B, T, K, G, o_BTKGU.shape[-1])
+    return (o_BTKGU, jax.lax.stop_gradient(max_logit)) if return_max_logit else o_BTKGU
