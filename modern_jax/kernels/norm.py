@@ -78,10 +78,11 @@ def norm_reference(x, weight, bias=None, *, kind: str = "rmsnorm", eps: float = 
     if kind == "layernorm":
         x32 = x32 - jnp.mean(x32, axis=axes, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
-    w32 = weight.astype(jnp.float32)
+    lead = (1,) * (x.ndim - weight.ndim)  # the weight and bias broadcast over every leading axis
+    w32 = weight.astype(jnp.float32).reshape(lead + weight.shape)
     y = y * (1.0 + w32 if kind == "gemma_rmsnorm" else w32)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + bias.astype(jnp.float32).reshape(lead + bias.shape)
     return y.astype(x.dtype)
 
 

@@ -52,5 +52,6 @@ class Proj(nnx.Module):
     def __call__(self, equation: str, x):
         y = jnp.einsum(equation, x, self.kernel[...].astype(x.dtype))
         if self.bias is not None:
-            y = y + self.bias[...].astype(x.dtype)
+            b = self.bias[...].astype(x.dtype)
+            y = y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)  # over every leading (batch, length) axis
         return y

@@ -63,7 +63,7 @@ def rope_frequencies(spec: RopeSpec) -> tuple[np.ndarray, float]:
 def apply_rope(x_BTNH, pos_BT, spec: RopeSpec):
     """Rotate the first `spec.rotary_dim` features of every head of `x` by its position."""
     inv_freq, attention_factor = rope_frequencies(spec)
-    angle_BTR = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)
+    angle_BTR = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
     cos_BT1R = (jnp.cos(angle_BTR) * attention_factor)[:, :, None, :]
     sin_BT1R = (jnp.sin(angle_BTR) * attention_factor)[:, :, None, :]
     rot, rest = x_BTNH[..., : spec.rotary_dim].astype(jnp.float32), x_BTNH[..., spec.rotary_dim :]
@@ -80,6 +80,6 @@ def apply_rope(x_BTNH, pos_BT, spec: RopeSpec):
 def sinusoidal(pos_BT, d_model: int, dtype):
     """Vaswani et al. 2017: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...)."""
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, d_model, 2, dtype=np.float32) / d_model))
-    angle_BTF = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)
+    angle_BTF = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
     pe_BTD = jnp.stack([jnp.sin(angle_BTF), jnp.cos(angle_BTF)], axis=-1).reshape(*pos_BT.shape, d_model)
     return pe_BTD.astype(dtype)

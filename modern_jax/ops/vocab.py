@@ -63,11 +63,11 @@ class Head:
         at `first`; padding rows hold MASK_VALUE."""
         z_BTC = jnp.einsum("BTD,CD->BTC", h_BTD, self.w_VD.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
         if self.b_V is not None:
-            z_BTC = z_BTC + self.b_V.astype(jnp.float32)
+            z_BTC = z_BTC + self.b_V.astype(jnp.float32)[None, None, :]
         z_BTC = softcap(z_BTC, self.softcap)
         if isinstance(first, int) and isinstance(self.vocab_size, int) and first + z_BTC.shape[-1] <= self.vocab_size:
             return z_BTC  # statically no padding row
-        return jnp.where(self.real(first), z_BTC, MASK_VALUE)
+        return jnp.where(self.real(first)[None, None, :], z_BTC, MASK_VALUE)
 
 
 def _split(n_rows: int, batch: int):

@@ -36,7 +36,7 @@ def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
     here_BT = (local_BT >= 0) & (local_BT < C) & (targets_BT < head.vocab_size)  # not in padding rows
     z_target_BT = jnp.take_along_axis(z_BTC, jnp.clip(local_BT, 0, C - 1)[..., None], axis=-1)[..., 0]
     z_target_BT = jnp.where(here_BT, z_target_BT, 0.0)
-    max_abs = jnp.max(jnp.where(real_C, jnp.abs(z_BTC), 0.0))
+    max_abs = jnp.max(jnp.where(real_C[None, None, :], jnp.abs(z_BTC), 0.0))
     return m_BT, s_BT, z_target_BT, max_abs
 
 
