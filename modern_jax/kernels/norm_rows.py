@@ -37,3 +37,19 @@ def rows_backward(h, w, dy, kind, eps, D, valid=None):
     if kind == "layernorm":
         dx = dx - jnp.sum(g, axis=-1, keepdims=True) / D
     return dx * rstd, dy * xhat
+
+
+def forward_refs(refs, fused_add: bool, has_bias: bool):
+    """A forward kernel's refs in pallas_call order, as `(x, residual, w, b, h, y)` (absent ones None)."""
+    refs = list(refs)
+    x, res = refs.pop(0), refs.pop(0) if fused_add else None
+    w, b = refs.pop(0), refs.pop(0) if has_bias else None
+    h, y = refs if fused_add else (None, refs[0])
+    return x, res, w, b, h, y
+
+
+def backward_refs(refs, fused_add: bool):
+    """A backward kernel's refs in pallas_call order, as `(h, dy, dh, w, dx, dw, db)` (dh None unless fused)."""
+    refs = list(refs)
+    h, dy, dh = refs.pop(0), refs.pop(0), refs.pop(0) if fused_add else None
+    return (h, dy, dh, *refs)

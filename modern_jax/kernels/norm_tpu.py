@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from modern_jax.kernels.backend import out_struct
-from modern_jax.kernels.norm_rows import rows_backward, rows_forward
+from modern_jax.kernels.norm_rows import backward_refs, forward_refs, rows_backward, rows_forward
 
 
 def _rows(M, D):
@@ -28,12 +28,7 @@ def forward(call, x_MD, res_MD, w_D, b_D):
     fused_add, has_bias = res_MD is not None, b_D is not None
 
     def kernel(*refs):
-        refs = list(refs)
-        x_ref = refs.pop(0)
-        res_ref = refs.pop(0) if fused_add else None
-        w_ref = refs.pop(0)
-        b_ref = refs.pop(0) if has_bias else None
-        h_ref, y_ref = refs if fused_add else (None, refs[0])
+        x_ref, res_ref, w_ref, b_ref, h_ref, y_ref = forward_refs(refs, fused_add, has_bias)
         h = x_ref[...]
         if fused_add:
             h = (res_ref[...] + h).astype(h_ref.dtype)
@@ -62,10 +57,7 @@ def backward(call, h_MD, dy_MD, dh_MD, w_D, has_bias):
     fused_add = dh_MD is not None
 
     def kernel(*refs):
-        refs = list(refs)
-        h_ref, dy_ref = refs.pop(0), refs.pop(0)
-        dh_ref = refs.pop(0) if fused_add else None
-        w_ref, dx_ref, dw_ref, db_ref = refs
+        h_ref, dy_ref, dh_ref, w_ref, dx_ref, dw_ref, db_ref = backward_refs(refs, fused_add)
         valid = pl.program_id(0) * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < M
         dy = jnp.where(valid, dy_ref[...].astype(jnp.float32), 0.0)
         h = jnp.where(valid, h_ref[...].astype(jnp.float32), 0.0)

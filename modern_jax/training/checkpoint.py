@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
+from modern_jax.training.outputs import step_numbers
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -273,7 +274,7 @@ def resolve_checkpoint(path) -> tuple[pathlib.Path, pathlib.Path, str, str]:
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} is not a directory")
     if (path / CHECKPOINTS).is_dir():  # a run directory: its newest step
-        steps = sorted(int(p.name) for p in (path / CHECKPOINTS).iterdir() if p.name.isdigit())
+        steps = step_numbers(path / CHECKPOINTS)
         if not steps:
             raise ValueError(f"run directory {str(path)!r} holds no checkpoint yet")
         step_dir = path / CHECKPOINTS / str(steps[-1])

@@ -31,7 +31,8 @@ class Contents:
     description: str  # e.g. "a training run (checkpoints at steps 2, 4)"
 
 
-def _steps(checkpoints: pathlib.Path) -> list[int]:
+def step_numbers(checkpoints: pathlib.Path) -> list[int]:
+    """The steps under a run's `checkpoints/` (directories named by their step), ascending."""
     return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
 
 
@@ -57,7 +58,7 @@ def describe(path) -> Contents:
     entries = set(names)
     sections = _config_sections(path / "config.yaml") if "config.yaml" in entries else {}
     if "checkpoints" in entries or "train" in sections or "metrics.jsonl" in entries:
-        steps = _steps(path / "checkpoints")
+        steps = step_numbers(path / "checkpoints")
         listed = ", ".join(map(str, steps[-LISTED:]))
         return Contents(RUN, f"a training run ({'checkpoints at steps ' + listed if steps else 'no checkpoint yet'})")
     if "params" in entries and ({"state", "meta", "_CHECKPOINT_METADATA"} & entries or
