@@ -26,7 +26,6 @@ damaged one; it never falls back to an older step by itself.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import pathlib
@@ -136,19 +135,39 @@ def describe_error(error: Exception, directory) -> str:
 
 
 def _orbax_read(read, directory):
-    """`(read(), None)`, or `(None, what is wrong)` when Orbax fails. Its failed reads leave
-    coroutines that raise again when collected: they are collected here, off stderr."""
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda *_: None
+    """`(read(), None)`, or `(None, what is wrong)` when Orbax fails."""
     try:
-        try:
-            return read(), None
-        except Exception as e:  # Orbax / TensorStore raise many kinds; each means a damaged checkpoint
-            problem = describe_error(e, directory)
-        return None, problem  # the exception and the frames it holds are released by now
-    finally:
-        gc.collect()
-        sys.unraisablehook = hook
+        return read(), None
+    except Exception as e:  # Orbax / TensorStore raise many kinds; each means a damaged checkpoint
+        _quiet_orbax_leftovers()
+        return None, describe_error(e, directory)
+
+
+def _orbax_leftover(unraisable) -> bool:
+    """A failed Orbax read leaves reads in flight whose coroutines raise again when they finish
+    or are collected, some after its event loop has closed."""
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None and "orbax" in code.co_filename:
+        return True
+    text = str(unraisable.exc_value)
+    return isinstance(unraisable.exc_value, RuntimeError) and ("Event loop is closed" in text or
+                                                                "cannot schedule new futures" in text)
+
+
+def _quiet_orbax_leftovers() -> None:
+    """From the first failed read on, keep Orbax's leftovers (and only those) off stderr. They
+    are left to finish on their own: collecting them while TensorStore still calls back into
+    them can crash the process."""
+    hook = sys.unraisablehook
+    if getattr(hook, "quiets_orbax", False):
+        return
+
+    def quiet(unraisable):
+        if not _orbax_leftover(unraisable):
+            hook(unraisable)
+
+    quiet.quiets_orbax = True
+    sys.unraisablehook = quiet
 
 
 # ----- the run's checkpoints ---------------------------------------------------------
