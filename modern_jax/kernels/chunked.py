@@ -1,15 +1,15 @@
 """Blockwise attention in pure JAX: memory linear in the sequence length, on every backend.
 
 Letters: B batch, T query length, S key length, K kv heads, G queries per kv head,
-H key head dim, U value head dim; I query blocks of R rows, J key blocks of C keys (the
-tile letters R and C, as in `kernels.flash`).
+H key head dim, U value head dim; I query blocks of `tile_t` rows, J key blocks of `tile_s` keys; a tile carries the
+letter of the axis it slices (T for a query tile, S for a key tile), as in `kernels.flash`.
 
 The same online softmax as the flash kernels (`kernels.flash`), written with `lax`
 loops: the forward maps over query blocks and scans over key blocks carrying the running
 max, denominator and output; the custom backward scans over key blocks (carrying dq)
 and, inside, over query blocks (carrying dk, dv), recomputing the probabilities from the
-saved log-sum-exp. Only `[B, K, G, R, C]` tiles ever exist, so memory grows linearly
-with T. Blocks that no query of a block can see (causal, window, segments; see
+saved log-sum-exp. Only `[B, K, G, T, S]` tiles ever exist, so memory grows linearly
+with T. Blocks that no query of a block can see (causal, window, chunks, segments; see
 `Visibility.tiles`) are skipped with `lax.cond`.
 """
 
@@ -30,10 +30,16 @@ class _Call:
     scale: float
     causal: bool
     window: int | None
+    chunk: int | None
     softcap: float | None
     block_q: int
     block_k: int
     max_logit: bool = False
+
+    @property
+    def rule(self) -> dict:
+        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
+        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
 
 
 def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None, block_q: int = 512,
@@ -45,14 +51,14 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_K
     """
     B, T, K, G, H = q_BTKGH.shape
     S = k_BSKH.shape[1]
-    R, C = min(block_q, round_up(T, 8)), min(block_k, round_up(S, 8))
-    Tp, Sp = round_up(T, R), round_up(S, C)
+    tile_t, tile_s = min(block_q, round_up(T, 8)), min(block_k, round_up(S, 8))
+    Tp, Sp = round_up(T, tile_t), round_up(S, tile_s)
     dtype = q_BTKGH.dtype
     q = pad_axis(q_BTKGH, 1, Tp)
     k, v = pad_axis(k_BSKH.astype(dtype), 1, Sp), pad_axis(v_BSKU.astype(dtype), 1, Sp)
     vis = vis.padded(Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, R, C, return_max_logit)
+    call = _Call(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, tile_t, tile_s, return_max_logit)
     q, k, v, sinks = vary_over((q, k, v, sinks), varying_axes(q, k, v, sinks, vis))
     o, max_logit_BKGT = _chunked(call, q, k, v, sinks, vis)
     if return_max_logit:
@@ -74,119 +80,119 @@ def _unblock(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _tile_mask(call, q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC):
-    """Visibility `[B, 1, 1, R, C]` of one tile (broadcasts over K and G)."""
-    mask_BRC = Visibility(q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC).mask(causal=call.causal, window=call.window)
-    return mask_BRC[:, None, None]
+def _tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
+    """Visibility `[B, 1, 1, T, S]` of one tile (broadcasts over K and G)."""
+    mask_BTS = Visibility(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS).mask(**call.rule)
+    return mask_BTS[:, None, None]
 
 
-def _logits(call, q_BRKGH, k_BCKH):
-    return jnp.einsum("BRKGH,BCKH->BKGRC", q_BRKGH, k_BCKH, preferred_element_type=jnp.float32) * call.scale
+def _logits(call, q_BTKGH, k_BSKH):
+    return jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * call.scale
 
 
-def _scores(call, q_BRKGH, k_BCKH):
-    return softcap(_logits(call, q_BRKGH, k_BCKH), call.softcap)
+def _scores(call, q_BTKGH, k_BSKH):
+    return softcap(_logits(call, q_BTKGH, k_BSKH), call.softcap)
 
 
-def _pv(p_BKGRC, v_BCKU):
-    return jnp.einsum("BKGRC,BCKU->BKGRU", p_BKGRC, v_BCKU, preferred_element_type=jnp.float32)
+def _pv(p_BKGTS, v_BSKU):
+    return jnp.einsum("BKGTS,BSKU->BKGTU", p_BKGTS, v_BSKU, preferred_element_type=jnp.float32)
 
 
 def _forward(call, q, k, v, sinks_KG, vis):
     B, Tp, K, G, H = q.shape
     U = v.shape[-1]
-    R, C = call.block_q, call.block_k
+    tile_t, tile_s = call.block_q, call.block_k
     # Tie the positions to the queries. Under a scan over layers, reverse-mode AD hoists out of
     # the loop whatever depends only on loop invariants (JAX's scan partial eval); the positions
-    # are invariant, so every tile's mask would be precomputed at once, [I, J, R, C]: O(T^2).
+    # are invariant, so every tile's mask would be precomputed at once, [I, J, T, S]: O(T^2).
     # Behind the barrier the masks stay in the loops, one tile at a time.
     q, vis = jax.lax.optimization_barrier((q, vis))
     q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
-    vis_IJ = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C).any(0)
-    keys = (_blocks(k, C), _blocks(v, C), _blocks(k_pos, C), _blocks(k_seg, C))
+    vis_IJ = vis.tiles(**call.rule, block_q=tile_t, block_k=tile_s).any(0)
+    keys = (_blocks(k, tile_s), _blocks(v, tile_s), _blocks(k_pos, tile_s), _blocks(k_seg, tile_s))
     inputs = (q, k, v, sinks_KG, vis)
 
     def query_block(xs):
-        q_BRKGH, q_pos_BR, q_seg_BR, vis_J = xs
+        q_BTKGH, q_pos_BT, q_seg_BT, vis_J = xs
 
         def key_block(state, ys):
-            k_BCKH, v_BCKU, k_pos_BC, k_seg_BC, visited = ys
+            k_BSKH, v_BSKU, k_pos_BS, k_seg_BS, visited = ys
 
             def fold(state):
-                mask = _tile_mask(call, q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC)
-                x_BKGRC = _logits(call, q_BRKGH, k_BCKH)
-                softmax = flash.forward_step(softcap(x_BKGRC, call.softcap), mask, v_BCKU, *state[:3], pv=_pv)
+                mask = _tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
+                x_BKGTS = _logits(call, q_BTKGH, k_BSKH)
+                softmax = flash.forward_step(softcap(x_BKGTS, call.softcap), mask, v_BSKU, *state[:3], pv=_pv)
                 if not call.max_logit:
                     return softmax
-                return (*softmax, flash.fold_max_logit(state[3], x_BKGRC, mask))
+                return (*softmax, flash.fold_max_logit(state[3], x_BKGTS, mask))
 
             return jax.lax.cond(visited, fold, lambda state: state, state), None
 
-        init = (jnp.full((B, K, G, R, 1), MASK_VALUE, jnp.float32), jnp.zeros((B, K, G, R, 1), jnp.float32),
-                jnp.zeros((B, K, G, R, U), jnp.float32))
+        init = (jnp.full((B, K, G, tile_t, 1), MASK_VALUE, jnp.float32), jnp.zeros((B, K, G, tile_t, 1), jnp.float32),
+                jnp.zeros((B, K, G, tile_t, U), jnp.float32))
         if call.max_logit:
-            init += (jnp.zeros((B, K, G, R, 1), jnp.float32),)
+            init += (jnp.zeros((B, K, G, tile_t, 1), jnp.float32),)
         state, _ = jax.lax.scan(key_block, vary_over(init, varying_axes(inputs)), (*keys, vis_J))
         sink = None if sinks_KG is None else sinks_KG[None, :, :, None, None]
-        o_BKGRU, lse_BKGR1 = flash.finish(*state[:3], sink)
-        max_logit_BKGR = state[3][..., 0] if call.max_logit else None
-        return o_BKGRU.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse_BKGR1[..., 0], max_logit_BKGR
+        o_BKGTU, lse_BKGT1 = flash.finish(*state[:3], sink)
+        max_logit_BKGT = state[3][..., 0] if call.max_logit else None
+        return o_BKGTU.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse_BKGT1[..., 0], max_logit_BKGT
 
-    o_IBRKGU, lse_IBKGR, max_logit_IBKGR = jax.lax.map(query_block, (_blocks(q, R), _blocks(q_pos, R),
-                                                                      _blocks(q_seg, R), vis_IJ))
-    def per_row(x_IBKGR):
-        return None if x_IBKGR is None else jnp.moveaxis(x_IBKGR, 0, 3).reshape(B, K, G, Tp)
+    o_IBTKGU, lse_IBKGT, max_logit_IBKGT = jax.lax.map(query_block, (_blocks(q, tile_t), _blocks(q_pos, tile_t),
+                                                                      _blocks(q_seg, tile_t), vis_IJ))
+    def per_row(x_IBKGT):
+        return None if x_IBKGT is None else jnp.moveaxis(x_IBKGT, 0, 3).reshape(B, K, G, Tp)
 
-    return _unblock(o_IBRKGU), per_row(lse_IBKGR), per_row(max_logit_IBKGR)
+    return _unblock(o_IBTKGU), per_row(lse_IBKGT), per_row(max_logit_IBKGT)
 
 
 def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     B, Tp, K, G, H = q.shape
     U = v.shape[-1]
-    R, C = call.block_q, call.block_k
-    I = Tp // R
+    tile_t, tile_s = call.block_q, call.block_k
+    I = Tp // tile_t
     q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
-    vis_JI = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C).any(0).T
-    stats_IBKGR = tuple(jnp.moveaxis(x.reshape(B, K, G, I, R), 3, 0) for x in (lse_BKGT, delta_BKGT))
+    vis_JI = vis.tiles(**call.rule, block_q=tile_t, block_k=tile_s).any(0).T
+    stats_IBKGT = tuple(jnp.moveaxis(x.reshape(B, K, G, I, tile_t), 3, 0) for x in (lse_BKGT, delta_BKGT))
     inputs = (q, k, v, do, lse_BKGT, delta_BKGT, vis)
-    queries = (_blocks(q, R), _blocks(do, R), *stats_IBKGR, _blocks(q_pos, R), _blocks(q_seg, R))
+    queries = (_blocks(q, tile_t), _blocks(do, tile_t), *stats_IBKGT, _blocks(q_pos, tile_t), _blocks(q_seg, tile_t))
 
-    def key_block(dq_IBRKGH, xs):
-        k_BCKH, v_BCKU, k_pos_BC, k_seg_BC, vis_I = xs
+    def key_block(dq_IBTKGH, xs):
+        k_BSKH, v_BSKU, k_pos_BS, k_seg_BS, vis_I = xs
 
         def query_block(dkv, ys):
-            q_BRKGH, do_BRKGU, lse_BKGR, delta_BKGR, q_pos_BR, q_seg_BR, vis = ys
+            q_BTKGH, do_BTKGU, lse_BKGT, delta_BKGT, q_pos_BT, q_seg_BT, vis = ys
 
             def grads(_):
-                s_BKGRC = _scores(call, q_BRKGH, k_BCKH)
-                mask = _tile_mask(call, q_pos_BR, k_pos_BC, q_seg_BR, k_seg_BC)
-                p_BKGRC = jnp.where(mask, jnp.exp(s_BKGRC - lse_BKGR[..., None]), 0.0)
-                dv_BCKU = jnp.einsum("BKGRC,BRKGU->BCKU", p_BKGRC.astype(do.dtype), do_BRKGU,
+                s_BKGTS = _scores(call, q_BTKGH, k_BSKH)
+                mask = _tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
+                p_BKGTS = jnp.where(mask, jnp.exp(s_BKGTS - lse_BKGT[..., None]), 0.0)
+                dv_BSKU = jnp.einsum("BKGTS,BTKGU->BSKU", p_BKGTS.astype(do.dtype), do_BTKGU,
                                      preferred_element_type=jnp.float32)
-                dp_BKGRC = jnp.einsum("BRKGU,BCKU->BKGRC", do_BRKGU, v_BCKU, preferred_element_type=jnp.float32)
-                ds_BKGRC = flash.softcap_grad(p_BKGRC * (dp_BKGRC - delta_BKGR[..., None]), s_BKGRC, call.softcap)
-                ds_BKGRC = (ds_BKGRC * call.scale).astype(q.dtype)
-                dq_BRKGH = jnp.einsum("BKGRC,BCKH->BRKGH", ds_BKGRC, k_BCKH, preferred_element_type=jnp.float32)
-                dk_BCKH = jnp.einsum("BKGRC,BRKGH->BCKH", ds_BKGRC, q_BRKGH, preferred_element_type=jnp.float32)
-                return dq_BRKGH, dk_BCKH, dv_BCKU
+                dp_BKGTS = jnp.einsum("BTKGU,BSKU->BKGTS", do_BTKGU, v_BSKU, preferred_element_type=jnp.float32)
+                ds_BKGTS = flash.softcap_grad(p_BKGTS * (dp_BKGTS - delta_BKGT[..., None]), s_BKGTS, call.softcap)
+                ds_BKGTS = (ds_BKGTS * call.scale).astype(q.dtype)
+                dq_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", ds_BKGTS, k_BSKH, preferred_element_type=jnp.float32)
+                dk_BSKH = jnp.einsum("BKGTS,BTKGH->BSKH", ds_BKGTS, q_BTKGH, preferred_element_type=jnp.float32)
+                return dq_BTKGH, dk_BSKH, dv_BSKU
 
             def nothing(_):
-                zeros = (jnp.zeros((B, R, K, G, H), jnp.float32), jnp.zeros((B, C, K, H), jnp.float32),
-                         jnp.zeros((B, C, K, U), jnp.float32))
+                zeros = (jnp.zeros((B, tile_t, K, G, H), jnp.float32), jnp.zeros((B, tile_s, K, H), jnp.float32),
+                         jnp.zeros((B, tile_s, K, U), jnp.float32))
                 return vary_over(zeros, varying_axes(inputs))
 
-            dq_BRKGH, dk_BCKH, dv_BCKU = jax.lax.cond(vis, grads, nothing, None)
-            return (dkv[0] + dk_BCKH, dkv[1] + dv_BCKU), dq_BRKGH
+            dq_BTKGH, dk_BSKH, dv_BSKU = jax.lax.cond(vis, grads, nothing, None)
+            return (dkv[0] + dk_BSKH, dkv[1] + dv_BSKU), dq_BTKGH
 
-        init = vary_over((jnp.zeros((B, C, K, H), jnp.float32), jnp.zeros((B, C, K, U), jnp.float32)),
+        init = vary_over((jnp.zeros((B, tile_s, K, H), jnp.float32), jnp.zeros((B, tile_s, K, U), jnp.float32)),
                          varying_axes(inputs))
-        (dk_BCKH, dv_BCKU), dq_part_IBRKGH = jax.lax.scan(query_block, init, (*queries, vis_I))
-        return dq_IBRKGH + dq_part_IBRKGH, (dk_BCKH.astype(k.dtype), dv_BCKU.astype(v.dtype))
+        (dk_BSKH, dv_BSKU), dq_part_IBTKGH = jax.lax.scan(query_block, init, (*queries, vis_I))
+        return dq_IBTKGH + dq_part_IBTKGH, (dk_BSKH.astype(k.dtype), dv_BSKU.astype(v.dtype))
 
-    keys = (_blocks(k, C), _blocks(v, C), _blocks(k_pos, C), _blocks(k_seg, C), vis_JI)
-    dq_init = vary_over(jnp.zeros((I, B, R, K, G, H), jnp.float32), varying_axes(inputs))
-    dq_IBRKGH, (dk_JBCKH, dv_JBCKU) = jax.lax.scan(key_block, dq_init, keys)
-    return _unblock(dq_IBRKGH).astype(q.dtype), _unblock(dk_JBCKH), _unblock(dv_JBCKU)
+    keys = (_blocks(k, tile_s), _blocks(v, tile_s), _blocks(k_pos, tile_s), _blocks(k_seg, tile_s), vis_JI)
+    dq_init = vary_over(jnp.zeros((I, B, tile_t, K, G, H), jnp.float32), varying_axes(inputs))
+    dq_IBTKGH, (dk_JBSKH, dv_JBSKU) = jax.lax.scan(key_block, dq_init, keys)
+    return _unblock(dq_IBTKGH).astype(q.dtype), _unblock(dk_JBSKH), _unblock(dv_JBSKU)
 
 
 # o[B, T, K, G, U], lse[B, K, G, T], sinks[K, G]

@@ -1,7 +1,7 @@
 """Flash-attention tile math shared by the Pallas GPU and TPU kernels.
 
-Letters: R rows of a query tile, C columns (keys) of a key tile, H key head dim,
-U value head dim (letters as in `modern_jax`). Per-row statistics are columns `[R, 1]`; per-key ones rows `[1, C]`.
+Letters (as in `modern_jax`): T rows of a query tile, S columns (keys) of a key tile, H key head
+dim, U value head dim. Per-row statistics are columns `[T, 1]`; per-key ones rows `[1, S]`.
 
 Forward (FlashAttention-2): each query tile visits its key tiles keeping the running
 maximum `m`, the running denominator `l` and the unnormalised output `acc`; a sink
@@ -39,26 +39,26 @@ def matmul_nt(a, b):
     return jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
 
 
-def logits(q_RH, k_CH, scale: float):
+def logits(q_TH, k_SH, scale: float):
     """`scale * q k^T` in fp32 (before any soft-cap)."""
-    return matmul_nt(q_RH, k_CH) * scale
+    return matmul_nt(q_TH, k_SH) * scale
 
 
-def scores(q_RH, k_CH, scale: float, cap: float | None):
+def scores(q_TH, k_SH, scale: float, cap: float | None):
     """`s = softcap(scale * q k^T)` in fp32."""
-    return softcap(logits(q_RH, k_CH, scale), cap)
+    return softcap(logits(q_TH, k_SH, scale), cap)
 
 
-def fold_max_logit(mx_R1, x_RC, mask_RC):
+def fold_max_logit(mx_T1, x_TS, mask_TS):
     """The running per-row max |logit| over visible keys, with this tile's logits `x` folded in."""
-    return jnp.maximum(mx_R1, jnp.max(jnp.where(mask_RC, jnp.abs(x_RC), 0.0), axis=-1, keepdims=True))
+    return jnp.maximum(mx_T1, jnp.max(jnp.where(mask_TS, jnp.abs(x_TS), 0.0), axis=-1, keepdims=True))
 
 
-def softcap_grad(ds_RC, s_RC, softcap: float | None):
+def softcap_grad(ds_TS, s_TS, softcap: float | None):
     """Chain `ds` through the soft-cap: d(c tanh(x / c))/dx = 1 - (s / c)^2."""
     if softcap is None:
-        return ds_RC
-    return ds_RC * (1.0 - jnp.square(s_RC / softcap))
+        return ds_TS
+    return ds_TS * (1.0 - jnp.square(s_TS / softcap))
 
 
 def init_state(rows: int, v_dim: int):
@@ -66,48 +66,48 @@ def init_state(rows: int, v_dim: int):
             jnp.zeros((rows, v_dim), jnp.float32))
 
 
-def forward_step(s_RC, mask_RC, v_CU, m_R1, l_R1, acc_RU, pv=matmul):
+def forward_step(s_TS, mask_TS, v_SU, m_T1, l_T1, acc_TU, pv=matmul):
     """Fold one key tile into the running (m, l, acc); keys on the last axis of `s`.
 
     `pv(p, v)` is the probabilities-times-values product (leading axes may batch it).
     """
-    m_new_R1 = jnp.maximum(m_R1, jnp.max(jnp.where(mask_RC, s_RC, MASK_VALUE), axis=-1, keepdims=True))
-    p_RC = jnp.where(mask_RC, jnp.exp(s_RC - m_new_R1), 0.0)
-    alpha_R1 = jnp.exp(m_R1 - m_new_R1)
-    l_R1 = alpha_R1 * l_R1 + jnp.sum(p_RC, axis=-1, keepdims=True)
-    acc_RU = alpha_R1 * acc_RU + pv(p_RC.astype(v_CU.dtype), v_CU)
-    return m_new_R1, l_R1, acc_RU
+    m_new_T1 = jnp.maximum(m_T1, jnp.max(jnp.where(mask_TS, s_TS, MASK_VALUE), axis=-1, keepdims=True))
+    p_TS = jnp.where(mask_TS, jnp.exp(s_TS - m_new_T1), 0.0)
+    alpha_T1 = jnp.exp(m_T1 - m_new_T1)
+    l_T1 = alpha_T1 * l_T1 + jnp.sum(p_TS, axis=-1, keepdims=True)
+    acc_TU = alpha_T1 * acc_TU + pv(p_TS.astype(v_SU.dtype), v_SU)
+    return m_new_T1, l_T1, acc_TU
 
 
-def finish(m_R1, l_R1, acc_RU, sink=None):
-    """Normalise: output `o[R, U]` (fp32) and `lse[R, 1]` (+inf for a row that saw nothing)."""
+def finish(m_T1, l_T1, acc_TU, sink=None):
+    """Normalise: output `o[T, U]` (fp32) and `lse[T, 1]` (+inf for a row that saw nothing)."""
     if sink is not None:
-        m_fin_R1 = jnp.maximum(m_R1, sink)
-        alpha_R1 = jnp.exp(m_R1 - m_fin_R1)
-        l_R1 = alpha_R1 * l_R1 + jnp.exp(sink - m_fin_R1)
-        acc_RU, m_R1 = alpha_R1 * acc_RU, m_fin_R1
-    seen_R1 = l_R1 > 0.0
-    o_RU = acc_RU / jnp.where(seen_R1, l_R1, 1.0)
-    lse_R1 = jnp.where(seen_R1, m_R1 + jnp.log(jnp.where(seen_R1, l_R1, 1.0)), jnp.inf)
-    return o_RU, lse_R1
+        m_fin_T1 = jnp.maximum(m_T1, sink)
+        alpha_T1 = jnp.exp(m_T1 - m_fin_T1)
+        l_T1 = alpha_T1 * l_T1 + jnp.exp(sink - m_fin_T1)
+        acc_TU, m_T1 = alpha_T1 * acc_TU, m_fin_T1
+    seen_T1 = l_T1 > 0.0
+    o_TU = acc_TU / jnp.where(seen_T1, l_T1, 1.0)
+    lse_T1 = jnp.where(seen_T1, m_T1 + jnp.log(jnp.where(seen_T1, l_T1, 1.0)), jnp.inf)
+    return o_TU, lse_T1
 
 
-def dq_step(q_RH, k_CH, v_CU, do_RU, lse_R1, delta_R1, mask_RC, scale, softcap):
-    """This key tile's contribution to `dq[R, H]` (fp32)."""
-    s_RC = scores(q_RH, k_CH, scale, softcap)
-    p_RC = jnp.where(mask_RC, jnp.exp(s_RC - lse_R1), 0.0)
-    ds_RC = softcap_grad(p_RC * (matmul_nt(do_RU, v_CU) - delta_R1), s_RC, softcap)
-    return matmul(ds_RC.astype(k_CH.dtype), k_CH) * scale
+def dq_step(q_TH, k_SH, v_SU, do_TU, lse_T1, delta_T1, mask_TS, scale, softcap):
+    """This key tile's contribution to `dq[T, H]` (fp32)."""
+    s_TS = scores(q_TH, k_SH, scale, softcap)
+    p_TS = jnp.where(mask_TS, jnp.exp(s_TS - lse_T1), 0.0)
+    ds_TS = softcap_grad(p_TS * (matmul_nt(do_TU, v_SU) - delta_T1), s_TS, softcap)
+    return matmul(ds_TS.astype(k_SH.dtype), k_SH) * scale
 
 
-def dkdv_step(q_RH, k_CH, v_CU, do_RU, lse_1R, delta_1R, mask_CR, scale, softcap):
-    """This query tile's contribution to `dk[C, H]` and `dv[C, U]` (fp32), on transposed tiles."""
-    s_CR = scores(k_CH, q_RH, scale, softcap)
-    p_CR = jnp.where(mask_CR, jnp.exp(s_CR - lse_1R), 0.0)
-    dv_CU = matmul(p_CR.astype(do_RU.dtype), do_RU)
-    ds_CR = softcap_grad(p_CR * (matmul_nt(v_CU, do_RU) - delta_1R), s_CR, softcap)
-    dk_CH = matmul(ds_CR.astype(q_RH.dtype), q_RH) * scale
-    return dk_CH, dv_CU
+def dkdv_step(q_TH, k_SH, v_SU, do_TU, lse_1T, delta_1T, mask_ST, scale, softcap):
+    """This query tile's contribution to `dk[S, H]` and `dv[S, U]` (fp32), on transposed tiles."""
+    s_ST = scores(k_SH, q_TH, scale, softcap)
+    p_ST = jnp.where(mask_ST, jnp.exp(s_ST - lse_1T), 0.0)
+    dv_SU = matmul(p_ST.astype(do_TU.dtype), do_TU)
+    ds_ST = softcap_grad(p_ST * (matmul_nt(v_SU, do_TU) - delta_1T), s_ST, softcap)
+    dk_SH = matmul(ds_ST.astype(q_TH.dtype), q_TH) * scale
+    return dk_SH, dv_SU
 
 
 def recompute_vjp(forward, backward, stat, sink_stat):

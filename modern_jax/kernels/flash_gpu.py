@@ -1,15 +1,16 @@
 """Flash attention for GPUs in Pallas (Triton lowering): forward and backward.
 
 Letters: B batch, T query length, S key length, K kv heads, G queries per kv head
-(N = K * G), H key head dim, U value head dim; R rows of a query tile, C keys of a key tile.
+(N = K * G), H key head dim, U value head dim; a query tile of `tile_t` rows is
+written T, a key tile of `tile_s` keys S.
 
 The kernels read the attention contract's own layout (`q[B, T, K, G, H]`, `k[B, S, K, H]`)
 through their block specs, so nothing is transposed or repeated:
 
-- forward and dq: grid `(T / R, B, N)`, one program per query tile of one head; it loops
+- forward and dq: grid `(T / tile_t, B, N)`, one program per query tile of one head; it loops
   over the key tiles `[lo, hi)` that the positions make visible (`Visibility.tiles`),
-  so causal and sliding-window attention skip the tiles they never see;
-- dk / dv: grid `(S / C, B, K)`, one program per key tile of one kv head; it loops over
+  so causal, sliding-window and chunked attention skip the tiles they never see;
+- dk / dv: grid `(S / tile_s, B, K)`, one program per key tile of one kv head; it loops over
   the G query heads of its group and their visible query tiles, accumulating in fp32.
 
 Triton needs power-of-two tiles: T and S are padded to whole tiles, H and U to a power of
@@ -56,10 +57,16 @@ class _Call:
     scale: float
     causal: bool
     window: int | None
+    chunk: int | None
     softcap: float | None
     blocks: GpuBlocks
     interpret: bool
     max_logit: bool = False
+
+    @property
+    def rule(self) -> dict:
+        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
+        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
 
 
 def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None,
@@ -82,7 +89,7 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
     v = pad_axis(pad_axis(v_BSKU.astype(dtype), 3, Up), 1, Sp)
     vis = vis.padded(Tp, Sp)
     sinks_KG = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret, return_max_logit)
+    call = _Call(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, blocks, interpret, return_max_logit)
     q, k, v, sinks_KG = vary_over((q, k, v, sinks_KG), varying_axes(q, k, v, sinks_KG, vis))
     o_BTKGU, max_logit_BKGT = _flash(call, q, k, v, sinks_KG, vis)
     if return_max_logit:
@@ -106,8 +113,9 @@ def _forward(call, q, k, v, sinks_KG, vis):
     sinks_N = None if sinks_KG is None else sinks_KG.reshape(-1)  # one sink per query head
     B, Tp, K, G, H = q.shape
     Sp, U = k.shape[1], v.shape[-1]
-    R, C = call.blocks.block_q, call.blocks.block_k
-    lo_BI, hi_BI = visible_range(vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C), axis=2)
+    tile_t, tile_s = call.blocks.block_q, call.blocks.block_k
+    tiles = vis.tiles(**call.rule, block_q=tile_t, block_k=tile_s)
+    lo_BI, hi_BI = visible_range(tiles, axis=2)
     has_seg, has_sink = vis.q_seg is not None, sinks_N is not None
 
     def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs):
@@ -115,50 +123,50 @@ def _forward(call, q, k, v, sinks_KG, vis):
         refs = list(refs)
         sink_ref = refs.pop(0) if has_sink else None
         o_ref, lse_ref, *max_ref = refs
-        q_RH = q_ref[...]
-        qpos_R1 = qpos_ref[...].reshape(R, 1)
-        qseg_R1 = qseg_ref[...].reshape(R, 1) if has_seg else None
+        q_TH = q_ref[...]
+        qpos_T1 = qpos_ref[...].reshape(tile_t, 1)
+        qseg_T1 = qseg_ref[...].reshape(tile_t, 1) if has_seg else None
 
         def body(j, state):
-            cols = pl.ds(pl.multiple_of(j * C, C), C)
-            kseg_1C = kseg_ref[cols].reshape(1, C) if has_seg else None
-            mask_RC = Visibility(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C).pairs(
-                causal=call.causal, window=call.window)
-            x_RC = flash.logits(q_RH, k_ref[cols, :], call.scale)
-            softmax = flash.forward_step(softcap(x_RC, call.softcap), mask_RC, v_ref[cols, :], *state[:3])
-            return (*softmax, flash.fold_max_logit(state[3], x_RC, mask_RC)) if call.max_logit else softmax
+            cols = pl.ds(pl.multiple_of(j * tile_s, tile_s), tile_s)
+            kseg_1S = kseg_ref[cols].reshape(1, tile_s) if has_seg else None
+            mask_TS = Visibility(qpos_T1, kpos_ref[cols].reshape(1, tile_s), qseg_T1, kseg_1S).pairs(**call.rule)
+            x_TS = flash.logits(q_TH, k_ref[cols, :], call.scale)
+            softmax = flash.forward_step(softcap(x_TS, call.softcap), mask_TS, v_ref[cols, :], *state[:3])
+            return (*softmax, flash.fold_max_logit(state[3], x_TS, mask_TS)) if call.max_logit else softmax
 
-        init = flash.init_state(R, U) + ((jnp.zeros((R, 1), jnp.float32),) if call.max_logit else ())
+        init = flash.init_state(tile_t, U) + ((jnp.zeros((tile_t, 1), jnp.float32),) if call.max_logit else ())
         state = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, init)
-        o_RU, lse_R1 = flash.finish(*state[:3], sink_ref[...] if has_sink else None)
-        o_ref[...] = o_RU.astype(o_ref.dtype)
-        lse_ref[...] = lse_R1.reshape(R)
+        o_TU, lse_T1 = flash.finish(*state[:3], sink_ref[...] if has_sink else None)
+        o_ref[...] = o_TU.astype(o_ref.dtype)
+        lse_ref[...] = lse_T1.reshape(tile_t)
         if call.max_logit:
-            max_ref[0][...] = state[3].reshape(R)
+            max_ref[0][...] = state[3].reshape(tile_t)
 
     scalar = pl.BlockSpec((None, None), lambda i, b, n: (b, i))
     in_specs = [
         scalar, scalar,
-        pl.BlockSpec((None, R, None, None, H), lambda i, b, n: (b, i, n // G, n % G, 0)),
+        pl.BlockSpec((None, tile_t, None, None, H), lambda i, b, n: (b, i, n // G, n % G, 0)),
         pl.BlockSpec((None, Sp, None, H), lambda i, b, n: (b, 0, n // G, 0)),
         pl.BlockSpec((None, Sp, None, U), lambda i, b, n: (b, 0, n // G, 0)),
-        pl.BlockSpec((None, R), lambda i, b, n: (b, i)),
+        pl.BlockSpec((None, tile_t), lambda i, b, n: (b, i)),
         pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0)),
     ]
     args = [lo_BI, hi_BI, q, k, v, vis.q_pos, vis.k_pos]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, R), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
+        in_specs += [pl.BlockSpec((None, tile_t), lambda i, b, n: (b, i)),
+                     pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
         args += [vis.q_seg, vis.k_seg]
     if has_sink:
         in_specs.append(pl.BlockSpec((None,), lambda i, b, n: (n,)))
         args.append(sinks_N)
-    row_stat = pl.BlockSpec((None, None, None, R), lambda i, b, n: (b, n // G, n % G, i))
+    row_stat = pl.BlockSpec((None, None, None, tile_t), lambda i, b, n: (b, n // G, n % G, i))
     n_stats = 2 if call.max_logit else 1  # the log-sum-exp, and the max |logit| when asked
     o, lse_BKGT, *max_logit_BKGT = pl.pallas_call(
         kernel,
-        grid=(Tp // R, B, K * G),
+        grid=(Tp // tile_t, B, K * G),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, R, None, None, U), lambda i, b, n: (b, i, n // G, n % G, 0)),
+        out_specs=[pl.BlockSpec((None, tile_t, None, None, U), lambda i, b, n: (b, i, n // G, n % G, 0)),
                    *[row_stat] * n_stats],
         out_shape=[out_struct((B, Tp, K, G, U), q.dtype, q),
                    *[out_struct((B, K, G, Tp), jnp.float32, q)] * n_stats],
@@ -172,45 +180,46 @@ def _forward(call, q, k, v, sinks_KG, vis):
 def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     B, Tp, K, G, H = q.shape
     Sp, U = k.shape[1], v.shape[-1]
-    R, C = call.blocks.block_q_bwd, call.blocks.block_k_bwd
-    tiles = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C)
+    tile_t, tile_s = call.blocks.block_q_bwd, call.blocks.block_k_bwd
+    tiles = vis.tiles(**call.rule, block_q=tile_t, block_k=tile_s)
     k_lo_BI, k_hi_BI = visible_range(tiles, axis=2)
     q_lo_BJ, q_hi_BJ = visible_range(tiles, axis=1)
     q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
     has_seg = q_seg is not None
     params = _compiler_params(call, max(H, U))
-    mask_kw = dict(causal=call.causal, window=call.window)
 
     # ---- dq: one program per query tile of one head, looping over visible key tiles ----
     def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
         (qseg_ref, kseg_ref), (dq_ref,) = _split_refs(refs, has_seg)
-        q_RH, do_RU = q_ref[...], do_ref[...]
-        lse_R1, delta_R1 = lse_ref[...].reshape(R, 1), delta_ref[...].reshape(R, 1)
-        qpos_R1 = qpos_ref[...].reshape(R, 1)
-        qseg_R1 = qseg_ref[...].reshape(R, 1) if has_seg else None
+        q_TH, do_TU = q_ref[...], do_ref[...]
+        lse_T1, delta_T1 = lse_ref[...].reshape(tile_t, 1), delta_ref[...].reshape(tile_t, 1)
+        qpos_T1 = qpos_ref[...].reshape(tile_t, 1)
+        qseg_T1 = qseg_ref[...].reshape(tile_t, 1) if has_seg else None
 
-        def body(j, dq_RH):
-            cols = pl.ds(pl.multiple_of(j * C, C), C)
-            kseg_1C = kseg_ref[cols].reshape(1, C) if has_seg else None
-            mask_RC = Visibility(qpos_R1, kpos_ref[cols].reshape(1, C), qseg_R1, kseg_1C).pairs(**mask_kw)
-            return dq_RH + flash.dq_step(q_RH, k_ref[cols, :], v_ref[cols, :], do_RU, lse_R1, delta_R1, mask_RC,
+        def body(j, dq_TH):
+            cols = pl.ds(pl.multiple_of(j * tile_s, tile_s), tile_s)
+            kseg_1S = kseg_ref[cols].reshape(1, tile_s) if has_seg else None
+            mask_TS = Visibility(qpos_T1, kpos_ref[cols].reshape(1, tile_s), qseg_T1, kseg_1S).pairs(**call.rule)
+            return dq_TH + flash.dq_step(q_TH, k_ref[cols, :], v_ref[cols, :], do_TU, lse_T1, delta_T1, mask_TS,
                                          call.scale, call.softcap)
 
-        dq_RH = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, jnp.zeros((R, H), jnp.float32))
-        dq_ref[...] = dq_RH.astype(dq_ref.dtype)
+        dq_TH = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, jnp.zeros((tile_t, H), jnp.float32))
+        dq_ref[...] = dq_TH.astype(dq_ref.dtype)
 
     scalar = pl.BlockSpec((None, None), lambda i, b, n: (b, i))
-    q_tile = lambda D: pl.BlockSpec((None, R, None, None, D), lambda i, b, n: (b, i, n // G, n % G, 0))  # noqa: E731
+    q_tile = lambda D: pl.BlockSpec((None, tile_t, None, None, D),  # noqa: E731
+                                    lambda i, b, n: (b, i, n // G, n % G, 0))
     kv_full = lambda D: pl.BlockSpec((None, Sp, None, D), lambda i, b, n: (b, 0, n // G, 0))  # noqa: E731
-    row_stat = pl.BlockSpec((None, None, None, R), lambda i, b, n: (b, n // G, n % G, i))
+    row_stat = pl.BlockSpec((None, None, None, tile_t), lambda i, b, n: (b, n // G, n % G, i))
     in_specs = [scalar, scalar, q_tile(H), kv_full(H), kv_full(U), q_tile(U), row_stat, row_stat,
-                pl.BlockSpec((None, R), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
+                pl.BlockSpec((None, tile_t), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
     args = [k_lo_BI, k_hi_BI, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, R), lambda i, b, n: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
+        in_specs += [pl.BlockSpec((None, tile_t), lambda i, b, n: (b, i)),
+                     pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
         args += [q_seg, k_seg]
     dq = pl.pallas_call(
-        dq_kernel, grid=(Tp // R, B, K * G), in_specs=in_specs, out_specs=q_tile(H),
+        dq_kernel, grid=(Tp // tile_t, B, K * G), in_specs=in_specs, out_specs=q_tile(H),
         out_shape=out_struct(q.shape, q.dtype, q), compiler_params=params, interpret=call.interpret,
         name="flash_attention_gpu_dq",
     )(*args)
@@ -218,39 +227,40 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     # ---- dk, dv: one program per key tile of one kv head, looping over its G heads' query tiles ----
     def dkdv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
         (qseg_ref, kseg_ref), (dk_ref, dv_ref) = _split_refs(refs, has_seg)
-        k_CH, v_CU = k_ref[...], v_ref[...]
-        kpos_C1 = kpos_ref[...].reshape(C, 1)
-        kseg_C1 = kseg_ref[...].reshape(C, 1) if has_seg else None
+        k_SH, v_SU = k_ref[...], v_ref[...]
+        kpos_S1 = kpos_ref[...].reshape(tile_s, 1)
+        kseg_S1 = kseg_ref[...].reshape(tile_s, 1) if has_seg else None
         lo = lo_ref[...]
         n_tiles = hi_ref[...] - lo
 
         def body(step, grads):
             g, i = step // n_tiles, lo + step % n_tiles
-            rows = pl.ds(pl.multiple_of(i * R, R), R)
-            qseg_1R = qseg_ref[rows].reshape(1, R) if has_seg else None
-            mask_CR = Visibility(qpos_ref[rows].reshape(1, R), kpos_C1, qseg_1R, kseg_C1).pairs(**mask_kw)
-            dk_CH, dv_CU = flash.dkdv_step(q_ref[rows, g, :], k_CH, v_CU, do_ref[rows, g, :],
-                                           lse_ref[g, rows].reshape(1, R), delta_ref[g, rows].reshape(1, R),
-                                           mask_CR, call.scale, call.softcap)
-            return grads[0] + dk_CH, grads[1] + dv_CU
+            rows = pl.ds(pl.multiple_of(i * tile_t, tile_t), tile_t)
+            qseg_1T = qseg_ref[rows].reshape(1, tile_t) if has_seg else None
+            mask_ST = Visibility(qpos_ref[rows].reshape(1, tile_t), kpos_S1, qseg_1T, kseg_S1).pairs(**call.rule)
+            dk_SH, dv_SU = flash.dkdv_step(q_ref[rows, g, :], k_SH, v_SU, do_ref[rows, g, :],
+                                           lse_ref[g, rows].reshape(1, tile_t), delta_ref[g, rows].reshape(1, tile_t),
+                                           mask_ST, call.scale, call.softcap)
+            return grads[0] + dk_SH, grads[1] + dv_SU
 
-        init = (jnp.zeros((C, H), jnp.float32), jnp.zeros((C, U), jnp.float32))
-        dk_CH, dv_CU = jax.lax.fori_loop(0, G * n_tiles, body, init)
-        dk_ref[...] = dk_CH.astype(dk_ref.dtype)
-        dv_ref[...] = dv_CU.astype(dv_ref.dtype)
+        init = (jnp.zeros((tile_s, H), jnp.float32), jnp.zeros((tile_s, U), jnp.float32))
+        dk_SH, dv_SU = jax.lax.fori_loop(0, G * n_tiles, body, init)
+        dk_ref[...] = dk_SH.astype(dk_ref.dtype)
+        dv_ref[...] = dv_SU.astype(dv_ref.dtype)
 
     scalar = pl.BlockSpec((None, None), lambda j, b, h: (b, j))
     q_full = lambda D: pl.BlockSpec((None, Tp, None, G, D), lambda j, b, h: (b, 0, h, 0, 0))  # noqa: E731
-    kv_tile = lambda D: pl.BlockSpec((None, C, None, D), lambda j, b, h: (b, j, h, 0))  # noqa: E731
+    kv_tile = lambda D: pl.BlockSpec((None, tile_s, None, D), lambda j, b, h: (b, j, h, 0))  # noqa: E731
     stats = pl.BlockSpec((None, None, G, Tp), lambda j, b, h: (b, h, 0, 0))
     in_specs = [scalar, scalar, q_full(H), kv_tile(H), kv_tile(U), q_full(U), stats, stats,
-                pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), pl.BlockSpec((None, C), lambda j, b, h: (b, j))]
+                pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), pl.BlockSpec((None, tile_s), lambda j, b, h: (b, j))]
     args = [q_lo_BJ, q_hi_BJ, q, k, v, do, lse_BKGT, delta_BKGT, q_pos, k_pos]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), pl.BlockSpec((None, C), lambda j, b, h: (b, j))]
+        in_specs += [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
+                     pl.BlockSpec((None, tile_s), lambda j, b, h: (b, j))]
         args += [q_seg, k_seg]
     dk, dv = pl.pallas_call(
-        dkdv_kernel, grid=(Sp // C, B, K), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(U)],
+        dkdv_kernel, grid=(Sp // tile_s, B, K), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(U)],
         out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
         compiler_params=params, interpret=call.interpret, name="flash_attention_gpu_dkdv",
     )(*args)

@@ -1,8 +1,8 @@
 """Flash attention for TPUs in Pallas (Mosaic lowering): forward and backward.
 
 Letters: B batch, T query length, S key length, K kv heads, G queries per kv head,
-H key head dim, U value head dim; I query tiles, J key tiles, R rows of a query tile,
-C keys of a key tile.
+H key head dim, U value head dim; I query tiles, J key tiles; a query tile of
+`tile_t` rows is written T, a key tile of `tile_s` keys S.
 
 Mosaic tiles the two minor dimensions of every block, so the wrapper moves heads in
 front of the sequence (`q[B, K, G, T, H]`, `k[B, K, S, H]`) and keeps per-row
@@ -17,7 +17,7 @@ the running state in VMEM scratch:
 The visible tile range of every row of tiles (`Visibility.tiles`) is prefetched
 into SMEM: invisible tiles are skipped, and their index maps repeat the previous block
 so no copy is issued either. Sinks' gradient is computed outside the kernels.
-Tiles must be multiples of 128 on hardware (rows of `[1, R]` are lane-tiled); the
+Tiles must be multiples of 128 on hardware (rows of `[1, T]` are lane-tiled); the
 default is 512 for the forward and 256 for the backward, shrunk to short sequences.
 """
 
@@ -58,10 +58,16 @@ class _Call:
     scale: float
     causal: bool
     window: int | None
+    chunk: int | None
     softcap: float | None
     blocks: TpuBlocks
     interpret: bool
     max_logit: bool = False
+
+    @property
+    def rule(self) -> dict:
+        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
+        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
 
 
 def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None,
@@ -83,7 +89,7 @@ def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
     v_BKSU = pad_axis(v_BSKU.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
     vis = vis.padded(Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.softcap, blocks, interpret, return_max_logit)
+    call = _Call(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, blocks, interpret, return_max_logit)
     q_BKGTH, k_BKSH, v_BKSU, sinks = vary_over((q_BKGTH, k_BKSH, v_BKSU, sinks),
                                                varying_axes(q_BKGTH, k_BKSH, v_BKSU, sinks, vis))
     o_BKGTU, max_logit_BKGT1 = _flash(call, q_BKGTH, k_BKSH, v_BKSU, sinks, vis)
@@ -106,54 +112,57 @@ def _clamp(n, lo, hi):
     return jnp.maximum(jnp.minimum(n, hi - 1), lo)
 
 
-def _query_major_specs(I: int, R: int, C: int):
+def _query_major_specs(I: int, tile_t: int, tile_s: int):
     """Block specs for grid `(b, h, g, i, j)` with key tiles clamped to `[lo, hi)` of row `b * I + i`."""
 
     def j_(b, i, j, lo, hi):
         return _clamp(j, lo[b * I + i], hi[b * I + i])
 
     def q_tile(D):
-        return pl.BlockSpec((None, None, None, R, D), lambda b, h, g, i, j, lo, hi: (b, h, g, i, 0))
+        return pl.BlockSpec((None, None, None, tile_t, D), lambda b, h, g, i, j, lo, hi: (b, h, g, i, 0))
 
     def kv_tile(D):
-        return pl.BlockSpec((None, None, C, D), lambda b, h, g, i, j, lo, hi: (b, h, j_(b, i, j, lo, hi), 0))
+        return pl.BlockSpec((None, None, tile_s, D), lambda b, h, g, i, j, lo, hi: (b, h, j_(b, i, j, lo, hi), 0))
 
-    q_stat = pl.BlockSpec((None, None, None, R, 1), lambda b, h, g, i, j, lo, hi: (b, h, g, i, 0))
-    q_col = pl.BlockSpec((None, R, 1), lambda b, h, g, i, j, lo, hi: (b, i, 0))
-    k_row = pl.BlockSpec((None, 1, C), lambda b, h, g, i, j, lo, hi: (b, 0, j_(b, i, j, lo, hi)))
+    q_stat = pl.BlockSpec((None, None, None, tile_t, 1), lambda b, h, g, i, j, lo, hi: (b, h, g, i, 0))
+    q_col = pl.BlockSpec((None, tile_t, 1), lambda b, h, g, i, j, lo, hi: (b, i, 0))
+    k_row = pl.BlockSpec((None, 1, tile_s), lambda b, h, g, i, j, lo, hi: (b, 0, j_(b, i, j, lo, hi)))
     return q_tile, q_stat, q_col, kv_tile, k_row
 
 
-def _key_major_specs(J: int, R: int, C: int):
+def _key_major_specs(J: int, tile_t: int, tile_s: int):
     """Block specs for grid `(b, h, j, g, i)` with query tiles clamped to `[lo, hi)` of column `b * J + j`."""
 
     def i_(b, j, i, lo, hi):
         return _clamp(i, lo[b * J + j], hi[b * J + j])
 
     def q_tile(D):
-        return pl.BlockSpec((None, None, None, R, D), lambda b, h, j, g, i, lo, hi: (b, h, g, i_(b, j, i, lo, hi), 0))
+        return pl.BlockSpec((None, None, None, tile_t, D),
+                            lambda b, h, j, g, i, lo, hi: (b, h, g, i_(b, j, i, lo, hi), 0))
 
     def kv_tile(D):
-        return pl.BlockSpec((None, None, C, D), lambda b, h, j, g, i, lo, hi: (b, h, j, 0))
+        return pl.BlockSpec((None, None, tile_s, D), lambda b, h, j, g, i, lo, hi: (b, h, j, 0))
 
-    q_stat = pl.BlockSpec((None, None, None, 1, R), lambda b, h, j, g, i, lo, hi: (b, h, g, 0, i_(b, j, i, lo, hi)))
-    q_row = pl.BlockSpec((None, 1, R), lambda b, h, j, g, i, lo, hi: (b, 0, i_(b, j, i, lo, hi)))
-    k_col = pl.BlockSpec((None, C, 1), lambda b, h, j, g, i, lo, hi: (b, j, 0))
+    q_stat = pl.BlockSpec((None, None, None, 1, tile_t),
+                          lambda b, h, j, g, i, lo, hi: (b, h, g, 0, i_(b, j, i, lo, hi)))
+    q_row = pl.BlockSpec((None, 1, tile_t), lambda b, h, j, g, i, lo, hi: (b, 0, i_(b, j, i, lo, hi)))
+    k_col = pl.BlockSpec((None, tile_s, 1), lambda b, h, j, g, i, lo, hi: (b, j, 0))
     return q_tile, q_stat, q_row, kv_tile, k_col
 
 
-def _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, *, causal, window):
+def _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **rule):
     """One tile's visibility from its position (and segment) blocks, laid out as column and row."""
     seg = lambda ref: None if ref is None else ref[...]  # noqa: E731
-    return Visibility(qpos_ref[...], kpos_ref[...], seg(qseg_ref), seg(kseg_ref)).pairs(causal=causal, window=window)
+    return Visibility(qpos_ref[...], kpos_ref[...], seg(qseg_ref), seg(kseg_ref)).pairs(**rule)
 
 
 def _forward(call, q, k, v, sinks_KG, vis):
     B, K, G, Tp, H = q.shape
     Sp, U = k.shape[2], v.shape[-1]
-    R, C = call.blocks.block_q, call.blocks.block_k
-    I, J = Tp // R, Sp // C
-    lo_BI, hi_BI = visible_range(vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C), axis=2)
+    tile_t, tile_s = call.blocks.block_q, call.blocks.block_k
+    I, J = Tp // tile_t, Sp // tile_s
+    tiles = vis.tiles(**call.rule, block_q=tile_t, block_k=tile_s)
+    lo_BI, hi_BI = visible_range(tiles, axis=2)
     has_seg, has_sink = vis.q_seg is not None, sinks_KG is not None
 
     def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, *refs):
@@ -168,29 +177,29 @@ def _forward(call, q, k, v, sinks_KG, vis):
 
         @pl.when(j == 0)
         def _init():
-            m_scr[...], l_scr[...], acc_scr[...] = flash.init_state(R, U)
+            m_scr[...], l_scr[...], acc_scr[...] = flash.init_state(tile_t, U)
             if call.max_logit:
-                max_scr[...] = jnp.zeros((R, 1), jnp.float32)
+                max_scr[...] = jnp.zeros((tile_t, 1), jnp.float32)
 
         @pl.when((j >= lo_ref[b * I + i]) & (j < hi_ref[b * I + i]))
         def _step():
-            mask_RC = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, causal=call.causal, window=call.window)
-            x_RC = flash.logits(q_ref[...], k_ref[...], call.scale)
+            mask_TS = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **call.rule)
+            x_TS = flash.logits(q_ref[...], k_ref[...], call.scale)
             m_scr[...], l_scr[...], acc_scr[...] = flash.forward_step(
-                softcap(x_RC, call.softcap), mask_RC, v_ref[...], m_scr[...], l_scr[...], acc_scr[...])
+                softcap(x_TS, call.softcap), mask_TS, v_ref[...], m_scr[...], l_scr[...], acc_scr[...])
             if call.max_logit:
-                max_scr[...] = flash.fold_max_logit(max_scr[...], x_RC, mask_RC)
+                max_scr[...] = flash.fold_max_logit(max_scr[...], x_TS, mask_TS)
 
         @pl.when(j == J - 1)
         def _finish():
             sink = sinks_ref[h, g] if has_sink else None
-            o_RU, lse_R1 = flash.finish(m_scr[...], l_scr[...], acc_scr[...], sink)
-            o_ref[...] = o_RU.astype(o_ref.dtype)
-            lse_ref[...] = lse_R1
+            o_TU, lse_T1 = flash.finish(m_scr[...], l_scr[...], acc_scr[...], sink)
+            o_ref[...] = o_TU.astype(o_ref.dtype)
+            lse_ref[...] = lse_T1
             if call.max_logit:
                 max_ref[...] = max_scr[...]
 
-    q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, R, C)
+    q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, tile_t, tile_s)
     in_specs = [q_tile(H), kv_tile(H), kv_tile(U), q_col, k_row]
     args = [q, k, v, _column(vis.q_pos), _row(vis.k_pos)]
     if has_seg:
@@ -207,8 +216,9 @@ def _forward(call, q, k, v, sinks_KG, vis):
             grid=(B, K, G, I, J),
             in_specs=in_specs,
             out_specs=[q_tile(U), *[q_stat] * n_stats],
-            scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
-                            pltpu.VMEM((R, U), jnp.float32), *[pltpu.VMEM((R, 1), jnp.float32)] * (n_stats - 1)],
+            scratch_shapes=[pltpu.VMEM((tile_t, 1), jnp.float32), pltpu.VMEM((tile_t, 1), jnp.float32),
+                            pltpu.VMEM((tile_t, U), jnp.float32),
+                            *[pltpu.VMEM((tile_t, 1), jnp.float32)] * (n_stats - 1)],
         ),
         out_shape=[out_struct((B, K, G, Tp, U), q.dtype, q),
                    *[out_struct((B, K, G, Tp, 1), jnp.float32, q)] * n_stats],
@@ -222,14 +232,13 @@ def _forward(call, q, k, v, sinks_KG, vis):
 def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     B, K, G, Tp, H = q.shape
     Sp, U = k.shape[2], v.shape[-1]
-    R, C = call.blocks.block_q_bwd, call.blocks.block_k_bwd
-    I, J = Tp // R, Sp // C
-    tiles = vis.tiles(causal=call.causal, window=call.window, block_q=R, block_k=C)
+    tile_t, tile_s = call.blocks.block_q_bwd, call.blocks.block_k_bwd
+    I, J = Tp // tile_t, Sp // tile_s
+    tiles = vis.tiles(**call.rule, block_q=tile_t, block_k=tile_s)
     k_lo_BI, k_hi_BI = visible_range(tiles, axis=2)
     q_lo_BJ, q_hi_BJ = visible_range(tiles, axis=1)
     q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
     has_seg = q_seg is not None
-    mask_kw = dict(causal=call.causal, window=call.window)
 
     # ---- dq: grid (B, K, G, I, J), reducing over the visible key tiles ----
     def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
@@ -240,19 +249,19 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
 
         @pl.when(j == 0)
         def _init():
-            dq_scr[...] = jnp.zeros((R, H), jnp.float32)
+            dq_scr[...] = jnp.zeros((tile_t, H), jnp.float32)
 
         @pl.when((j >= lo_ref[b * I + i]) & (j < hi_ref[b * I + i]))
         def _step():
-            mask_RC = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **mask_kw)
+            mask_TS = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **call.rule)
             dq_scr[...] += flash.dq_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
-                                         delta_ref[...], mask_RC, call.scale, call.softcap)
+                                         delta_ref[...], mask_TS, call.scale, call.softcap)
 
         @pl.when(j == J - 1)
         def _finish():
             dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
 
-    q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, R, C)
+    q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, tile_t, tile_s)
     in_specs = [q_tile(H), kv_tile(H), kv_tile(U), q_tile(U), q_stat, q_stat, q_col, k_row]
     args = [q, k, v, do, lse_BKGT1, delta_BKGT1, _column(q_pos), _row(k_pos)]
     if has_seg:
@@ -262,7 +271,7 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
         dq_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, K, G, I, J), in_specs=in_specs, out_specs=q_tile(H),
-            scratch_shapes=[pltpu.VMEM((R, H), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((tile_t, H), jnp.float32)]),
         out_shape=out_struct(q.shape, q.dtype, q),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
         interpret=call.interpret,
@@ -278,23 +287,23 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
 
         @pl.when((g == 0) & (i == 0))
         def _init():
-            dk_scr[...] = jnp.zeros((C, H), jnp.float32)
-            dv_scr[...] = jnp.zeros((C, U), jnp.float32)
+            dk_scr[...] = jnp.zeros((tile_s, H), jnp.float32)
+            dv_scr[...] = jnp.zeros((tile_s, U), jnp.float32)
 
         @pl.when((i >= lo_ref[b * J + j]) & (i < hi_ref[b * J + j]))
         def _step():
-            mask_CR = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **mask_kw)
-            dk_CH, dv_CU = flash.dkdv_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
-                                           delta_ref[...], mask_CR, call.scale, call.softcap)
-            dk_scr[...] += dk_CH
-            dv_scr[...] += dv_CU
+            mask_ST = _tile_mask(qpos_ref, kpos_ref, qseg_ref, kseg_ref, **call.rule)
+            dk_SH, dv_SU = flash.dkdv_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
+                                           delta_ref[...], mask_ST, call.scale, call.softcap)
+            dk_scr[...] += dk_SH
+            dv_scr[...] += dv_SU
 
         @pl.when((g == G - 1) & (i == I - 1))
         def _finish():
             dk_ref[...] = dk_scr[...].astype(dk_ref.dtype)
             dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
-    q_tile, q_stat, q_row, kv_tile, k_col = _key_major_specs(J, R, C)
+    q_tile, q_stat, q_row, kv_tile, k_col = _key_major_specs(J, tile_t, tile_s)
     in_specs = [q_tile(H), kv_tile(H), kv_tile(U), q_tile(U), q_stat, q_stat, q_row, k_col]
     lse_BKG1T, delta_BKG1T = (x.reshape(B, K, G, 1, Tp) for x in (lse_BKGT1, delta_BKGT1))
     args = [q, k, v, do, lse_BKG1T, delta_BKG1T, _row(q_pos), _column(k_pos)]
@@ -305,7 +314,7 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
         dkdv_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, K, J, G, I), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(U)],
-            scratch_shapes=[pltpu.VMEM((C, H), jnp.float32), pltpu.VMEM((C, U), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((tile_s, H), jnp.float32), pltpu.VMEM((tile_s, U), jnp.float32)]),
         out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",) * 2),
         interpret=call.interpret,

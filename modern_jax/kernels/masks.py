@@ -3,8 +3,9 @@
 Letters: B batch, T query length, S key length, I query blocks, J key blocks.
 
 A key is visible to a query when it is valid (`k_pos >= 0`), not in the future
-(`k_pos <= q_pos`, if causal), inside the window (`q_pos - k_pos < window`) and in the
-same segment. Blocked kernels pad T and S up to whole blocks: padded keys get position
+(`k_pos <= q_pos`, if causal), inside the window (`q_pos - k_pos < window`), in the same
+chunk (`q_pos // chunk == k_pos // chunk`: chunked attention, Llama 4) and in the same
+segment. Blocked kernels pad T and S up to whole blocks: padded keys get position
 -1 (never visible), padded queries repeat the last real position (their rows are dropped).
 """
 
@@ -39,23 +40,25 @@ class Visibility:
     q_seg: jax.Array | None = None
     k_seg: jax.Array | None = None
 
-    def pairs(self, *, causal: bool, window: int | None):
+    def pairs(self, *, causal: bool, window: int | None, chunk: int | None = None):
         """Elementwise visibility; the fields are already laid out on broadcasting axes."""
         ok = self.k_pos >= 0
         if causal:
             ok = ok & (self.k_pos <= self.q_pos)
         if window is not None:
             ok = ok & (self.q_pos - self.k_pos < window)
+        if chunk is not None:
+            ok = ok & (self.q_pos // chunk == self.k_pos // chunk)
         if self.q_seg is not None:
             ok = ok & (self.q_seg == self.k_seg)
         return ok
 
-    def mask(self, *, causal: bool, window: int | None):
+    def mask(self, *, causal: bool, window: int | None, chunk: int | None = None):
         """The dense mask `[..., T, S]` from `[..., T]` queries and `[..., S]` keys."""
         q = lambda x: None if x is None else x[..., :, None]  # noqa: E731
         k = lambda x: None if x is None else x[..., None, :]  # noqa: E731
         mask = Visibility(q(self.q_pos), k(self.k_pos), q(self.q_seg), k(self.k_seg)).pairs(causal=causal,
-                                                                                            window=window)
+                                                                                            window=window, chunk=chunk)
         return jnp.broadcast_to(mask, (*self.q_pos.shape, self.k_pos.shape[-1]))
 
     def padded(self, Tp: int, Sp: int) -> Visibility:
@@ -64,31 +67,35 @@ class Visibility:
         return Visibility(pad_axis(i32(self.q_pos), 1, Tp, "edge"), pad_axis(i32(self.k_pos), 1, Sp, value=-1),
                           pad_axis(i32(self.q_seg), 1, Tp, "edge"), pad_axis(i32(self.k_seg), 1, Sp, value=0))
 
-    def tiles(self, *, causal: bool, window: int | None, block_q: int, block_k: int):
+    def tiles(self, *, causal: bool, window: int | None, block_q: int, block_k: int, chunk: int | None = None):
         """`vis[B, I, J]`: may any query of tile I see any key of tile J? (conservative)
 
         Decided from each tile's range of positions and segment ids, so it holds for any
-        position layout (ring caches, packed documents); it is exact for increasing positions.
+        position layout (ring caches, packed documents); it is exact for runs of consecutive
+        positions without segments, chunks included (two runs whose ranges of chunk ids overlap
+        share a chunk, and its earliest key is at or before its latest query).
         """
         B, T = self.q_pos.shape
         S = self.k_pos.shape[1]
-        q_BIR = self.q_pos.reshape(B, T // block_q, block_q)
-        k_BJC = self.k_pos.reshape(B, S // block_k, block_k)
-        valid_BJC = k_BJC >= 0
-        q_min_BI1, q_max_BI1 = q_BIR.min(-1)[:, :, None], q_BIR.max(-1)[:, :, None]
-        k_min_B1J = jnp.where(valid_BJC, k_BJC, _NO_KEY).min(-1)[:, None, :]
-        k_max_B1J = jnp.where(valid_BJC, k_BJC, -1).max(-1)[:, None, :]
+        q_BIT = self.q_pos.reshape(B, T // block_q, block_q)
+        k_BJS = self.k_pos.reshape(B, S // block_k, block_k)
+        valid_BJS = k_BJS >= 0
+        q_min_BI1, q_max_BI1 = q_BIT.min(-1)[:, :, None], q_BIT.max(-1)[:, :, None]
+        k_min_B1J = jnp.where(valid_BJS, k_BJS, _NO_KEY).min(-1)[:, None, :]
+        k_max_B1J = jnp.where(valid_BJS, k_BJS, -1).max(-1)[:, None, :]
         vis_BIJ = jnp.broadcast_to(k_max_B1J >= 0, (B, T // block_q, S // block_k))
         if causal:
             vis_BIJ &= k_min_B1J <= q_max_BI1
         if window is not None:
             vis_BIJ &= q_min_BI1 - k_max_B1J < window
+        if chunk is not None:  # the tiles' ranges of chunk ids overlap
+            vis_BIJ &= (q_min_BI1 // chunk <= k_max_B1J // chunk) & (k_min_B1J // chunk <= q_max_BI1 // chunk)
         if self.q_seg is not None:
-            qs_BIR = self.q_seg.reshape(B, T // block_q, block_q)
-            ks_BJC = self.k_seg.reshape(B, S // block_k, block_k)
-            ks_min_B1J = jnp.where(valid_BJC, ks_BJC, _NO_KEY).min(-1)[:, None, :]
-            ks_max_B1J = jnp.where(valid_BJC, ks_BJC, jnp.iinfo(jnp.int32).min).max(-1)[:, None, :]
-            vis_BIJ &= (qs_BIR.min(-1)[:, :, None] <= ks_max_B1J) & (ks_min_B1J <= qs_BIR.max(-1)[:, :, None])
+            qs_BIT = self.q_seg.reshape(B, T // block_q, block_q)
+            ks_BJS = self.k_seg.reshape(B, S // block_k, block_k)
+            ks_min_B1J = jnp.where(valid_BJS, ks_BJS, _NO_KEY).min(-1)[:, None, :]
+            ks_max_B1J = jnp.where(valid_BJS, ks_BJS, jnp.iinfo(jnp.int32).min).max(-1)[:, None, :]
+            vis_BIJ &= (qs_BIT.min(-1)[:, :, None] <= ks_max_B1J) & (ks_min_B1J <= qs_BIT.max(-1)[:, :, None])
         return vis_BIJ
 
 

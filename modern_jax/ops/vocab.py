@@ -1,10 +1,11 @@
 """The vocabulary: the output head, and the table split across the mesh (embedding lookup
 and loss without full logits).
 
-Letters: B batch, T length, D model, V vocabulary rows, C rows of a slice.
+Letters (the package legend): B batch, T length, D model, V vocabulary rows (all of them, or a
+slice of them).
 
 `Head` is the one output head, over the model's own parameters (the tied embedding or
-`lm_head`): `logits = softcap(h w^T + b)` in float32 for the rows `[first, first + C)` it
+`lm_head`): `logits = softcap(h w^T + b)` in float32 for the rows `[first, first + V)` it
 is given, with padding rows (ids >= the real vocabulary) held at MASK_VALUE.
 `Transformer.logits` runs it over the whole vocabulary, the chunked loss over chunks of
 each device's rows.
@@ -54,20 +55,20 @@ class Head:
         return dataclasses.replace(self, **fields)
 
     def real(self, first=0):
-        """[C] True on the rows whose global ids `first .. first + C` are real vocabulary entries."""
+        """[V] True on the rows whose global ids `first .. first + V` are real vocabulary entries."""
         return first + jnp.arange(self.w_VD.shape[0]) < self.vocab_size
 
     @jax.named_scope("head")
     def logits(self, h_BTD, first=0):
-        """`softcap(h w^T + b)` [B, T, C] in float32 for this head's C rows, whose global ids start
+        """`softcap(h w^T + b)` [B, T, V] in float32 for this head's V rows, whose global ids start
         at `first`; padding rows hold MASK_VALUE."""
-        z_BTC = jnp.einsum("BTD,CD->BTC", h_BTD, self.w_VD.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
+        z_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, self.w_VD.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
         if self.b_V is not None:
-            z_BTC = z_BTC + self.b_V.astype(jnp.float32)[None, None, :]
-        z_BTC = softcap(z_BTC, self.softcap)
-        if isinstance(first, int) and isinstance(self.vocab_size, int) and first + z_BTC.shape[-1] <= self.vocab_size:
-            return z_BTC  # statically no padding row
-        return jnp.where(self.real(first)[None, None, :], z_BTC, MASK_VALUE)
+            z_BTV = z_BTV + self.b_V.astype(jnp.float32)[None, None, :]
+        z_BTV = softcap(z_BTV, self.softcap)
+        if isinstance(first, int) and isinstance(self.vocab_size, int) and first + z_BTV.shape[-1] <= self.vocab_size:
+            return z_BTV  # statically no padding row
+        return jnp.where(self.real(first)[None, None, :], z_BTV, MASK_VALUE)
 
 
 def _split(n_rows: int, batch: int):

@@ -1,13 +1,13 @@
 """Next-token cross-entropy plus z-loss, over vocabulary chunks.
 
-Letters: B batch, T length, D model, V vocab, C vocabulary chunk.
+Letters (the package legend): B batch, T length, D model, V vocabulary (a chunk of it is V too).
 
     lse    = logsumexp_v z[b, t, v]                     z = the output logits (float32)
     ce     = sum_{b,t} w[b, t] (lse - z[b, t, target])   w: 1 on real targets, 0 on padding
     z_loss = sum_{b,t} w[b, t] lse^2                     (PaLM; weighted by beta_z ~ 1e-4)
     loss   = (ce + beta_z z_loss) / sum w
 
-The logits are made `C` vocabulary entries at a time: a running max and sum give the
+The logits are made `chunk` vocabulary entries at a time: a running max and sum give the
 logsumexp (the online softmax), the target's logit is picked from the chunk that holds
 it, and the chunk body is rematerialised in the backward pass, so the float32 logits of
 the whole batch (`B T V` numbers) never exist at once. The same pass records
@@ -27,16 +27,16 @@ from modern_jax.ops import vocab
 def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
     """Max, sum of exp(z - max), the target's logit (0 if not in this chunk) and max |z| over
     the rows of `head`, whose global ids start at `first`."""
-    C = head.w_VD.shape[0]
-    z_BTC = head.logits(h_BTD, first)
-    real_C = head.real(first)  # chunk padding, and the model's padding rows
-    m_BT = jnp.max(z_BTC, axis=-1)
-    s_BT = jnp.sum(jnp.exp(z_BTC - m_BT[..., None]), axis=-1)
+    rows = head.w_VD.shape[0]
+    z_BTV = head.logits(h_BTD, first)
+    real_V = head.real(first)  # chunk padding, and the model's padding rows
+    m_BT = jnp.max(z_BTV, axis=-1)
+    s_BT = jnp.sum(jnp.exp(z_BTV - m_BT[..., None]), axis=-1)
     local_BT = targets_BT - first
-    here_BT = (local_BT >= 0) & (local_BT < C) & (targets_BT < head.vocab_size)  # not in padding rows
-    z_target_BT = jnp.take_along_axis(z_BTC, jnp.clip(local_BT, 0, C - 1)[..., None], axis=-1)[..., 0]
+    here_BT = (local_BT >= 0) & (local_BT < rows) & (targets_BT < head.vocab_size)  # not in padding rows
+    z_target_BT = jnp.take_along_axis(z_BTV, jnp.clip(local_BT, 0, rows - 1)[..., None], axis=-1)[..., 0]
     z_target_BT = jnp.where(here_BT, z_target_BT, 0.0)
-    max_abs = jnp.max(jnp.where(real_C[None, None, :], jnp.abs(z_BTC), 0.0))
+    max_abs = jnp.max(jnp.where(real_V[None, None, :], jnp.abs(z_BTV), 0.0))
     return m_BT, s_BT, z_target_BT, max_abs
 
 
@@ -47,15 +47,16 @@ def vocab_parts(h_BTD, head: vocab.Head, targets_BT, first, *, chunk: int = 8192
     if rows <= chunk:
         return _chunk(h_BTD, head, first, targets_BT)
     n = -(-rows // chunk)
-    w_PD = jnp.pad(head.w_VD, ((0, n * chunk - rows), (0, 0)))
-    b_P = None if head.b_V is None else jnp.pad(head.b_V, (0, n * chunk - rows))
+    w_pad_VD = jnp.pad(head.w_VD, ((0, n * chunk - rows), (0, 0)))
+    b_pad_V = None if head.b_V is None else jnp.pad(head.b_V, (0, n * chunk - rows))
     # rows past this shard's own are chunk padding: mask them as if they were past the vocabulary
     real = jnp.minimum(head.vocab_size, first + rows)
 
     def chunk_i(i):
-        w_CD = jax.lax.dynamic_slice_in_dim(w_PD, i * chunk, chunk)
-        b_C = None if b_P is None else jax.lax.dynamic_slice_in_dim(b_P, i * chunk, chunk)
-        return _chunk(h_BTD, head.replace(w_VD=w_CD, b_V=b_C, vocab_size=real), first + i * chunk, targets_BT)
+        w_chunk_VD = jax.lax.dynamic_slice_in_dim(w_pad_VD, i * chunk, chunk)
+        b_chunk_V = None if b_pad_V is None else jax.lax.dynamic_slice_in_dim(b_pad_V, i * chunk, chunk)
+        chunk_head = head.replace(w_VD=w_chunk_VD, b_V=b_chunk_V, vocab_size=real)
+        return _chunk(h_BTD, chunk_head, first + i * chunk, targets_BT)
 
     @jax.checkpoint
     def body(carry, i):
