@@ -8,6 +8,7 @@ Tolerances, as max |kernel - reference| / max |reference| per tensor: 2e-5 in fl
 3e-2 in bfloat16 (the reference itself rounds p and the grads to bfloat16).
 """
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -24,6 +25,7 @@ from modern_jax.kernels.attention import attention_reference, resolve
 from modern_jax.kernels.chunked import attention_chunked
 from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
 from modern_jax.kernels.flash_tpu import TpuBlocks, flash_attention_tpu
+from modern_jax.kernels.masks import round_up
 
 attention_module = importlib.import_module("modern_jax.kernels.attention")  # the package's `attention` is the function
 backend_module = importlib.import_module("modern_jax.kernels.backend")
@@ -314,3 +316,146 @@ def test_tile_sizes_fit_short_sequences():
     assert GpuBlocks().fit(37, 1).block_q == 64 and GpuBlocks().fit(37, 1).block_k == 16
     assert TpuBlocks().fit(1000, 100).block_k == 128 and TpuBlocks().fit(1000, 100).block_q == 512
     assert math.log2(GpuBlocks().fit(300, 300).block_q).is_integer()
+
+
+# ----- chunked local attention (Llama 4): every implementation against a dense NumPy rule ------
+
+
+def chunk_rule(vis, chunk, causal=True):
+    """[B, T, S] in NumPy, the rule as stated: a query at p sees the keys of its own block
+    `[p // c * c, (p // c + 1) * c)` (at or before p if causal), valid and in its segment."""
+    q, k = np.asarray(vis.q_pos)[:, :, None], np.asarray(vis.k_pos)[:, None, :]
+    start = (q // chunk) * chunk
+    ok = (k >= 0) & (k >= start) & (k < start + chunk)
+    if causal:
+        ok = ok & (k <= q)
+    if vis.q_seg is not None:
+        ok = ok & (np.asarray(vis.q_seg)[:, :, None] == np.asarray(vis.k_seg)[:, None, :])
+    return ok
+
+
+def dense_attention(q, k, v, sinks_KG, ok_BTS, scale, cap=None):
+    """Softmax attention over a given boolean mask, in float32 jnp (differentiable), no kernel code;
+    the output in q's dtype."""
+    f32 = jnp.float32
+    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q.astype(f32), k.astype(f32)) * scale
+    if cap is not None:
+        s_BKGTS = cap * jnp.tanh(s_BKGTS / cap)
+    s_BKGTS = jnp.where(jnp.asarray(ok_BTS)[:, None, None], s_BKGTS, -jnp.inf)
+    if sinks_KG is not None:
+        sink = jnp.broadcast_to(sinks_KG.astype(f32)[None, :, :, None, None], (*s_BKGTS.shape[:4], 1))
+        p_BKGTS = jax.nn.softmax(jnp.concatenate([s_BKGTS, sink], -1), axis=-1)[..., :-1]
+    else:
+        p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
+    return jnp.einsum("bkgts,bskv->btkgv", p_BKGTS, v.astype(f32)).astype(q.dtype)
+
+
+# name: (chunk, make_inputs(B, T, S, K, G, H, V, causal, window, softcap, sinks, segments, dtype, positions))
+CHUNK_CASES = {
+    "chunk5_gqa": (5, (2, 37, 37, 2, 2, 64, 64, True, None, None, False, False, "float32", "arange")),
+    "chunk12_segments_sinks_mqa": (12, (2, 45, 45, 1, 4, 64, 64, True, None, None, True, True, "float32", "arange")),
+    "chunk16_tile_aligned_segments_bf16": (16, (1, 50, 50, 2, 2, 128, 128, True, None, None, False, True, "bfloat16",
+                                                "arange")),
+    "chunk7_noncausal_softcap": (7, (1, 29, 29, 2, 1, 64, 64, False, None, 5.0, False, False, "float32", "arange")),
+    "chunk6_ring_cache": (6, (2, 8, 32, 2, 2, 64, 64, True, None, None, False, False, "float32", "ring")),
+}
+CHUNK_IMPLS = {"reference": lambda q, k, v, spec, vis, **kw: attention(q, k, v, spec, vis, impl="reference", **kw),
+               **IMPLS}
+
+
+def chunk_inputs(case):
+    chunk, args = CHUNK_CASES[case]
+    inputs, spec, vis, do = make_inputs(*args)
+    return inputs, dataclasses.replace(spec, chunk=chunk), vis, do
+
+
+@functools.cache
+def chunk_oracle(case):
+    (q, k, v, sinks), spec, vis, do = chunk_inputs(case)
+    ok = chunk_rule(vis, spec.chunk, spec.causal)
+    assert ok.any(-1).all()  # every query sees a key: no empty softmax in the oracle
+
+    return outputs_and_grads(lambda q, k, v, s: dense_attention(q, k, v, s, ok, spec.scale, spec.softcap),
+                             (q, k, v, sinks), do)
+
+
+@pytest.mark.parametrize("impl", list(CHUNK_IMPLS))
+@pytest.mark.parametrize("case", list(CHUNK_CASES))
+def test_chunked_attention_matches_the_numpy_rule(case, impl):
+    """Outputs and dq, dk, dv, dsinks of every implementation equal dense attention over the
+    NumPy mask (chunks of 5, 6, 7 and 12 are no multiple of the tiles; 16 is), within 2e-5 of
+    each tensor's max in float32 and 3e-2 in bfloat16 (the kernels round p to bfloat16)."""
+    args, spec, vis, do = chunk_inputs(case)
+    fn = CHUNK_IMPLS[impl]
+    got = outputs_and_grads(lambda q, k, v, s: fn(q, k, v, spec, vis, sinks_KG=s), args, do)
+    want = chunk_oracle(case)
+    tol = TOL[CHUNK_CASES[case][1][12]]
+    for name in ("o", "dq", "dk", "dv", "dsinks"):
+        if want[name] is None:
+            assert got[name] is None
+            continue
+        assert_close(name, got[name], want[name], tol)
+
+
+@pytest.mark.parametrize(("chunk", "block_q", "block_k"), [(5, 8, 8), (12, 16, 8), (16, 16, 32), (7, 32, 16),
+                                                           (40, 8, 16)])
+def test_chunk_tiles_are_exactly_the_visible_ones(chunk, block_q, block_k):
+    """For consecutive positions `Visibility.tiles` marks exactly the tiles holding a visible
+    pair of the NumPy rule, so the kernels visit only those; with segments and a shuffled ring
+    it may mark more (conservative), never fewer."""
+    T = 70
+    Tp, Sp = round_up(T, block_q), round_up(T, block_k)
+    I, J = Tp // block_q, Sp // block_k
+    pos = jnp.asarray(np.arange(T)[None].repeat(2, 0), jnp.int32)
+    vis = Visibility(pos, pos).padded(Tp, Sp)
+    want_BIJ = chunk_rule(vis, chunk).reshape(2, I, block_q, J, block_k).any((2, 4))
+    got_BIJ = np.asarray(vis.tiles(causal=True, window=None, chunk=chunk, block_q=block_q, block_k=block_k))
+    np.testing.assert_array_equal(got_BIJ, want_BIJ)
+    causal_only = np.asarray(vis.tiles(causal=True, window=None, block_q=block_q, block_k=block_k))
+    assert got_BIJ.sum() < causal_only.sum() or chunk >= T  # chunks skip tiles causal attention visits
+
+    rng = np.random.default_rng(chunk)
+    seg = jnp.asarray(np.cumsum(rng.random((2, T)) < 0.1, axis=1), jnp.int32)
+    ring = jnp.asarray(np.stack([rng.permutation(T) - 3, rng.permutation(T) - 3]).clip(-1), jnp.int32)
+    for vis in (Visibility(pos, pos, seg, seg).padded(Tp, Sp), Visibility(pos + 30, ring).padded(Tp, Sp)):
+        want_BIJ = chunk_rule(vis, chunk).reshape(2, I, block_q, J, block_k).any((2, 4))
+        got_BIJ = np.asarray(vis.tiles(causal=True, window=None, chunk=chunk, block_q=block_q, block_k=block_k))
+        assert np.all(got_BIJ >= want_BIJ)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_blocked_implementations_skip_other_chunks(impl):
+    """NaN values in the first 8 keys reach every query that visits their tile (p = 0 times NaN
+    is NaN); queries of the second chunk (32..63, every tile of every implementation lies inside
+    one chunk) never visit it, so their outputs stay finite, while the reference's turn NaN."""
+    T, chunk = 64, 32
+    (q, k, v, _), spec, vis, _ = make_inputs(1, T, T, 1, 2, 64, 64, True, None, None, False, False, "float32",
+                                             "arange")
+    spec = dataclasses.replace(spec, chunk=chunk)
+    v = v.at[:, :8].set(jnp.nan)
+    o = np.asarray(IMPLS[impl](q, k, v, spec, vis))
+    assert np.isfinite(o[:, chunk:]).all()
+    assert np.isnan(o[:, :chunk]).any()
+    assert np.isnan(np.asarray(attention(q, k, v, spec, vis, impl="reference"))[:, chunk:]).all()
+
+
+def test_cudnn_takes_the_chunk_rule_in_its_dense_mask(monkeypatch):
+    """cuDNN gets chunks through its dense position mask (nothing to refuse): the mask it is
+    handed equals the NumPy rule, and the result equals dense attention over that rule."""
+    on_gpu(monkeypatch)
+    (q, k, v, _), spec, vis, _ = make_inputs(1, 40, 40, 2, 2, 64, 64, True, None, None, False, True, "bfloat16",
+                                             "arange")
+    spec = dataclasses.replace(spec, chunk=9)
+    assert resolve("cudnn", q, k, v, spec) is AttentionImpl.CUDNN
+    seen, xla = {}, jax.nn.dot_product_attention
+
+    def fake_cudnn(*args, mask, implementation, **kw):  # cuDNN's call, run by XLA on this CPU
+        assert implementation == "cudnn"
+        seen["mask"] = mask
+        return xla(*args, mask=mask, implementation="xla", **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+    o = attention(q, k, v, spec, vis, impl="cudnn")
+    ok = chunk_rule(vis, spec.chunk)
+    np.testing.assert_array_equal(np.asarray(seen["mask"])[:, 0], ok)
+    assert_close("o", o, dense_attention(q, k, v, None, ok, spec.scale), TOL["bfloat16"])

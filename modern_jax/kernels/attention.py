@@ -7,8 +7,9 @@ Every implementation takes grouped queries `q[B, T, K, G, H]` against `k[B, S, K
 and `v[B, S, K, U]`, so grouped-query attention never materialises repeated K/V.
 Masks are defined by positions, passed as one `masks.Visibility(q_pos, k_pos, q_seg,
 k_seg)`: a key is visible when it is valid (`k_pos >= 0`), not in the future
-(`k_pos <= q_pos`, if causal), inside the window (`q_pos - k_pos < window`) and in the
-same segment (packed sequences).
+(`k_pos <= q_pos`, if causal), inside the window (`q_pos - k_pos < window`), in the same
+chunk (`q_pos // chunk == k_pos // chunk`, chunked local attention) and in the same segment
+(packed sequences).
 
 Asked with `return_max_logit=True`, every implementation but `cudnn` also returns the max
 of |q.k| * scale over the visible pairs (before any soft-cap; an instability diagnostic)
@@ -17,8 +18,8 @@ per-row max beside the softmax's. It has no gradient, and the backward pass is t
 cuDNN does not expose its scores, so `cudnn` reports it as a missing feature (`default`
 falls back; an explicit `cudnn` raises).
 
-Implementations (`AttentionImpl`), all with causal, GQA/MQA, window, soft-cap, sinks and
-segment ids unless said otherwise:
+Implementations (`AttentionImpl`), all with causal, GQA/MQA, window, chunks, soft-cap, sinks
+and segment ids unless said otherwise:
 
 | impl        | what                                                   | runs on            |
 |-------------|--------------------------------------------------------|--------------------|
@@ -29,7 +30,8 @@ segment ids unless said otherwise:
 | cudnn       | `jax.nn.dot_product_attention(implementation="cudnn")` | GPU; no sinks, no soft-cap, H == U, bf16/fp16 |
 
 `cudnn` gets the position mask as a dense `[B, 1, T, S]` array (cuDNN's own causal and
-window masks count indices, not positions), so it is there for comparison, not a default.
+window masks count indices, not positions), so it is there for comparison, not a default;
+the dense mask carries every rule (windows, chunks, segments) exactly.
 
 `default` resolves by platform to the first implementation that can run the call:
 GPU `pallas_gpu`, TPU `pallas_tpu`, CPU `chunked`, then `chunked`, then `reference`.
@@ -72,6 +74,7 @@ class AttentionSpec:
     window: int | None = None
     softcap: float | None = None
     dropout_rate: float = 0.0
+    chunk: int | None = None  # chunked local attention: only keys of the query's own block of positions
 
 
 def attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec: AttentionSpec, sinks_KG=None, dropout_rng=None,
@@ -187,7 +190,7 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, *, 
             return flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis, interpret=interpret, **kwargs)
         case AttentionImpl.PALLAS_TPU:
             return flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis, interpret=interpret, **kwargs)
-    mask_BTS = vis.mask(causal=spec.causal, window=spec.window)
+    mask_BTS = vis.mask(causal=spec.causal, window=spec.window, chunk=spec.chunk)
     if impl is AttentionImpl.CUDNN:
         return attention_cudnn(q_BTKGH, k_BSKH, v_BSKU, spec, mask_BTS)
     return attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec, sinks_KG, dropout_rng, return_max_logit)
