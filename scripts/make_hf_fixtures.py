@@ -12,11 +12,14 @@ Runs in its own Python 3.11 environment (torch is never a dependency of modern_j
 Writes under tests/fixtures/hf/:
 - `param_counts.json`: for each config (tiny ones and the published sizes of the presets),
   the config dict and transformers' exact parameter count (model built on the `meta`
-  device, tied weights counted once).
+  device, tied weights counted once); for a mixture of experts also `active_count`, the
+  parameters one token uses (embedding and head included), and where the config names
+  multi-token-prediction layers (DeepSeek-V3) `mtp_count`, theirs, which `count` leaves out
+  as transformers' model does.
 - `<name>/`: a tiny randomly initialised checkpoint per family as transformers saves it
   (`config.json`, safetensors), and `reference.npz` with the prompt tokens, the fp32
   logits of a forward pass over them, 32 greedily generated tokens (KV cache) and the
-  logits each was chosen from.
+  logits each was chosen from. `manifest.json` lists them with their seeds and margins.
 
 The tests read only these files, so the default test run needs neither torch nor
 transformers. `tests/test_convert_live.py` runs the same comparisons live, through this
@@ -27,6 +30,7 @@ that has them, e.g. .hfvenv/bin/python).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_layers import MtpLayer
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
@@ -141,6 +146,69 @@ PUBLISHED = {
     "Phi-2": dict(model_type="phi", vocab_size=51200, hidden_size=2560, intermediate_size=10240,
                   num_hidden_layers=32, num_attention_heads=32, partial_rotary_factor=0.4,
                   max_position_embeddings=2048, layer_norm_eps=1e-5, hidden_act="gelu_new", qk_layernorm=False),
+    # mixtures of experts (quantization_config and auto_map left out: the count is of the unquantized model)
+    "Mixtral-8x7B-v0.1": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                              num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+                              rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+                              router_aux_loss_coef=0.02, tie_word_embeddings=False),
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+                          attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=48,
+                          router_aux_loss_coef=0.001, tie_word_embeddings=False),
+    "Qwen3-235B-A22B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                            max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                            rope_scaling=None, attention_bias=False, use_sliding_window=False, sliding_window=None,
+                            max_window_layers=94, router_aux_loss_coef=0.001, tie_word_embeddings=False),
+    # the count leaves out the multi-token-prediction layer (model.layers.61.*, num_nextn_predict_layers):
+    # DeepseekV3ForCausalLM does not build it, and ignores its weights on loading
+    "DeepSeek-V3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+                        num_experts_per_tok=8, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
+                        norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=3, moe_layer_freq=1,
+                        aux_loss_alpha=0.001, seq_aux=True, num_nextn_predict_layers=1,
+                        max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+                        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+                        attention_bias=False, tie_word_embeddings=False),
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_local_experts=32, num_experts_per_tok=4, experts_per_token=4,
+                        layer_types=["sliding_attention", "full_attention"] * 12, sliding_window=128,
+                        attention_bias=True, swiglu_limit=7.0, max_position_embeddings=131072,
+                        initial_context_length=4096, rms_norm_eps=1e-5, rope_theta=150000,
+                        rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                      "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+                        router_aux_loss_coef=0.9, tie_word_embeddings=False),
+    "gpt-oss-120b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                         num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                         num_local_experts=128, num_experts_per_tok=4, experts_per_token=4,
+                         layer_types=["sliding_attention", "full_attention"] * 18, sliding_window=128,
+                         attention_bias=True, swiglu_limit=7.0, max_position_embeddings=131072,
+                         initial_context_length=4096, rms_norm_eps=1e-5, rope_theta=150000,
+                         rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "rope_type": "yarn",
+                                       "original_max_position_embeddings": 4096, "truncate": False},
+                         router_aux_loss_coef=0.9, tie_word_embeddings=False),
+    # a multimodal config: the count is of its text model (Llama4ForCausalLM on text_config); config.json spells
+    # attn_temperature_tuning 4, which transformers reads as true (its config now takes only a bool)
+    "Llama-4-Scout-17B-16E (text)": dict(
+        model_type="llama4_text", vocab_size=202048, hidden_size=5120, intermediate_size=8192,
+        intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1,
+        moe_layers=list(range(48)), no_rope_layers=[1, 1, 1, 0] * 12, attention_chunk_size=8192, use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, max_position_embeddings=262144,
+        rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        attention_bias=False, router_aux_loss_coef=0.001, router_jitter_noise=0.0, tie_word_embeddings=False),
 }
 
 # Tiny configurations: every family with its switches (GQA, biases, windows, softcaps, ...).
@@ -196,6 +264,45 @@ TINY = {
     "phi_qk_layernorm": dict(model_type="phi", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
                              num_hidden_layers=2, num_attention_heads=2, qk_layernorm=True,
                              partial_rotary_factor=0.25, max_position_embeddings=128),
+    # mixtures of experts, with dense layers among them where the family has any (see ROUTER_MARGIN)
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
+                      moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                      rope_theta=1000000.0, max_position_embeddings=128),
+    "qwen3_moe_unnormalized": dict(model_type="qwen3_moe", vocab_size=TINY_V, hidden_size=32, intermediate_size=48,
+                                   moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=1, head_dim=8, num_experts=6, num_experts_per_tok=2,
+                                   norm_topk_prob=False, decoder_sparse_step=2, tie_word_embeddings=True,
+                                   max_position_embeddings=128),
+    "mixtral": dict(model_type="mixtral", vocab_size=TINY_V, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                    num_experts_per_tok=2, sliding_window=8, rope_theta=1000000.0, max_position_embeddings=128),
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=TINY_V, hidden_size=32, intermediate_size=64,
+                        moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        num_nextn_predict_layers=0, rope_theta=10000.0, max_position_embeddings=64,
+                        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}),
+    # swiglu_limit low enough (7.0 when published) that the clamps act on a good share of activations
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=TINY_V, hidden_size=32, intermediate_size=32,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"] * 2, swiglu_limit=1.0,
+                    rope_theta=150000.0, max_position_embeddings=64,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 16}),
+    # RoPE and chunked attention on layers 0 and 3, NoPE, full attention and temperature tuning on 1 and 2;
+    # MoE on 1 and 3 (interleave_moe_layer_step); the tuning's scale steps up every floor_scale positions
+    "llama4_text": dict(model_type="llama4_text", vocab_size=TINY_V, hidden_size=32, intermediate_size=32,
+                        intermediate_size_mlp=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                        no_rope_layers=[1, 0, 0, 1], attention_chunk_size=8, use_qk_norm=True,
+                        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                        max_position_embeddings=128),
 }
 for _config in TINY.values():  # token ids inside the tiny vocabulary
     _config.update(bos_token_id=1, eos_token_id=2, pad_token_id=None)
@@ -213,19 +320,41 @@ def hf_config(config: dict):
     return AutoConfig.for_model(model_type, **config)
 
 
-def param_count(config: dict) -> tuple[int, str]:
+def param_count(config: dict) -> tuple[int, int, int, str]:
+    """The model's parameters (tied weights once); those one token uses, the embedding and the head included:
+    all but the routed experts it is not sent to (num_experts - num_experts_per_tok of each mixture's experts,
+    stacked [E, ...] in a module named *Experts); and those of the multi-token-prediction layers the config
+    names (num_nextn_predict_layers), which the model itself leaves out."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(config))
-    return sum(p.numel() for p in model.parameters()), type(model).__name__
+        text = model.config.get_text_config()
+        idle = 0
+        for module in model.modules():
+            if type(module).__name__.endswith("Experts"):
+                per_expert = sum(p.numel() for p in module.parameters()) // module.num_experts
+                idle += (module.num_experts - text.num_experts_per_tok) * per_expert
+        mtp = 0
+        if getattr(text, "num_mtp_layers", 0):  # as generate(use_mtp=True) would build them
+            layer_cls, norm_cls = type(model.model.layers[-1]), type(model.model.norm)
+            for k in range(text.num_mtp_layers):
+                layer = MtpLayer(text, layer_cls, norm_cls, text.num_hidden_layers + k)
+                mtp += sum(p.numel() for p in layer.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return total, total - idle, mtp, type(model).__name__
 
 
 def make_counts(out: Path) -> None:
     entries = []
     for group, configs in (("published", PUBLISHED), ("tiny", TINY)):
         for name, config in configs.items():
-            count, cls = param_count(config)
-            entries.append({"name": name, "group": group, "model_class": cls, "count": count, "config": config})
-            print(f"{name:24s} {cls:28s} {count:>16,d}")
+            count, active, mtp, cls = param_count(config)
+            entry = {"name": name, "group": group, "model_class": cls, "count": count, "config": config}
+            if active != count:
+                entry["active_count"] = active
+            if mtp:
+                entry["mtp_count"] = mtp
+            entries.append(entry)
+            print(f"{name:28s} {cls:28s} {count:>16,d} {active:>16,d}" + (f"  (+{mtp:,d} MTP)" if mtp else ""))
     payload = {"transformers": transformers.__version__, "torch": torch.__version__, "entries": entries}
     (out / "param_counts.json").write_text(json.dumps(payload, indent=1) + "\n")
 
@@ -235,22 +364,79 @@ def make_counts(out: Path) -> None:
 PROMPT_LEN, NEW_TOKENS, BATCH = 12, 32, 2
 
 
+TRANSPOSED_EXPERTS = {"gpt_oss", "llama4_text"}  # stacked experts [E, in, out]; the others' are [E, out, in]
+
+
 def randomise(model: torch.nn.Module, seed: int) -> None:
     """Weights of O(1) effect so logits are well separated: matrices ~ N(0, 1/fan_in), vectors
-    (norm scales, biases) perturbed by N(0, 0.1) around their init, embeddings ~ N(0, 1), or
-    N(0, 0.25) when the head is tied (else a token's own embedding dominates its logits and
-    greedy decoding only repeats it)."""
+    (norm scales, biases, gpt-oss's per-expert biases [E, ...]) perturbed by N(0, 0.1) around their init,
+    embeddings ~ N(0, 1), or N(0, 0.25) when the head is tied (else a token's own embedding dominates
+    its logits and greedy decoding only repeats it). gpt-oss's attention sinks ~ N(0, 1), so that some
+    heads give the sink a real share; DeepSeek's routing bias (a buffer, e_score_correction_bias)
+    ~ N(0, 0.2), of the order of the sigmoid scores it shifts."""
     g = torch.Generator().manual_seed(seed)
-    embed_std = 0.25 if model.config.get_text_config().tie_word_embeddings else 1.0
+    text = model.config.get_text_config()
+    embed_std = 0.25 if text.tie_word_embeddings else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            if p.ndim == 1:
+            if name.endswith("sinks"):
+                p.copy_(noise)
+            elif p.ndim == 1 or name.endswith("_bias"):
                 p.add_(0.1 * noise)
             elif "emb" in name or name.endswith(("wte.weight", "wpe.weight")):
                 p.copy_(embed_std * noise)
+            elif p.ndim == 3:  # a mixture's stacked experts
+                p.copy_(noise / p.shape[1 if text.model_type in TRANSPOSED_EXPERTS else 2] ** 0.5)
             else:  # torch Linear [out, in]; GPT-2's Conv1D (c_attn, c_fc, c_proj) [in, out]
                 p.copy_(noise / (p.shape[0] if ".c_" in name else p.shape[-1]) ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
+
+
+def _gap(scores: torch.Tensor, k: int) -> float:
+    """The smallest gap, over rows, between the k-th and the (k+1)-th largest score."""
+    if k >= scores.shape[-1]:
+        return float("inf")
+    top = scores.topk(k + 1, dim=-1).values
+    return float((top[:, k - 1] - top[:, k]).min())
+
+
+def _routing(router: torch.nn.Module, logits: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """A router's choice from its logits [tokens, E]: the smallest margin of any choice it made, in the
+    scores it ranks, and the experts it picked [tokens, k]."""
+    scores = logits.float()
+    margin = float("inf")
+    if hasattr(router, "e_score_correction_bias"):  # DeepSeek: the topk_group groups first, by their top two
+        scores = scores.sigmoid() + router.e_score_correction_bias
+        groups = scores.view(len(scores), router.num_group, -1).topk(2, dim=-1).values.sum(-1)
+        margin = _gap(groups, router.topk_group)
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(router.topk_group, dim=-1).indices, 1.0)
+        keep = keep.bool().repeat_interleave(router.num_experts // router.num_group, dim=1)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return min(margin, _gap(scores, router.top_k)), scores.topk(router.top_k, dim=-1).indices
+
+
+def watch_routers(model) -> dict:
+    """Hooks on each router of a mixture of experts (the modules transformers records router logits from)
+    that keep, over every forward pass: `margin`, the smallest gap between the last expert a choice
+    picked and the first it left out (a near tie would let float rounding reroute a token), and `picked`,
+    the set of experts each router chose."""
+    base = getattr(model, "model", model)
+    recorder = (getattr(base, "_can_record_outputs", None) or {}).get("router_logits")
+    routers = [m for m in model.modules() if isinstance(m, recorder.target_class)] if recorder else []
+    stats = {"margin": float("inf"), "picked": [set() for _ in routers],
+             "experts": [router.num_experts for router in routers]}
+
+    def hook(i, router, inputs, output):
+        margin, picked = _routing(router, output[recorder.index])
+        stats["margin"] = min(stats["margin"], margin)
+        stats["picked"][i].update(picked.flatten().tolist())
+
+    for i, router in enumerate(routers):
+        router.register_forward_hook(functools.partial(hook, i))
+    return stats
 
 
 @torch.no_grad()
@@ -272,11 +458,14 @@ def greedy(model, tokens: torch.Tensor, steps: int) -> tuple[np.ndarray, np.ndar
 
 
 MIN_MARGIN = 2e-3  # greedy tokens must not hinge on logit differences near float32 noise
+ROUTER_MARGIN = 1e-3  # nor any token's experts on a near tie of router scores
 
 
 def make_checkpoint(name: str, config: dict, out: Path, seed: int, dtype=torch.float32) -> dict:
     """Save a tiny random model of `config` with its reference outputs; the first seed from `seed`
-    whose greedy continuation never has its top two logits closer than MIN_MARGIN."""
+    whose greedy continuation never has its top two logits closer than MIN_MARGIN, and, for a mixture
+    of experts, whose routers never choose by less than ROUTER_MARGIN and each pick at least half
+    their experts."""
     directory = out / name
     for seed in range(seed, seed + 100):
         torch.manual_seed(seed)
@@ -288,19 +477,26 @@ def make_checkpoint(name: str, config: dict, out: Path, seed: int, dtype=torch.f
         # the reference: transformers loading what it saved, computing in float32
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
+        routing = watch_routers(model)
         tokens = torch.randint(0, config["vocab_size"], (BATCH, PROMPT_LEN),
                                generator=torch.Generator().manual_seed(seed))
         logits = model(tokens).logits.float().numpy()
         generated, step_logits, margin = greedy(model, tokens, NEW_TOKENS)
-        if margin >= MIN_MARGIN:
+        used = [len(picked) for picked in routing["picked"]]
+        if (margin >= MIN_MARGIN and routing["margin"] >= ROUTER_MARGIN
+                and all(2 * n >= e for n, e in zip(used, routing["experts"]))):
             break
     np.savez_compressed(directory / "reference.npz", tokens=tokens.numpy().astype(np.int32),
                         logits=logits.astype(np.float32), greedy=generated.astype(np.int32),
                         step_logits=step_logits.astype(np.float32))
     files = sorted(p.name for p in directory.iterdir())
-    print(f"{name:22s} seed {seed:10d}  greedy margin {margin:.4f}  {files}")
-    return {"name": name, "seed": seed, "dtype": str(dtype).removeprefix("torch."), "greedy_margin": margin,
-            "files": files}
+    entry = {"name": name, "seed": seed, "dtype": str(dtype).removeprefix("torch."), "greedy_margin": margin,
+             "files": files}
+    if used:  # per MoE layer, the experts its router picked at least once
+        entry.update(router_margin=routing["margin"], experts_used=used)
+    print(f"{name:22s} seed {seed:10d}  greedy margin {margin:.4f}  {files}"
+          + (f"  router margin {routing['margin']:.4f}, experts used {used}" if used else ""))
+    return entry
 
 
 def make_checkpoints(out: Path, only: list[str] | None) -> None:
