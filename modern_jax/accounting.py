@@ -18,12 +18,14 @@ from modern_jax.config import ModelConfig
 @lru_cache(maxsize=64)
 def param_counts(cfg: ModelConfig) -> dict:
     """Exact counts: total, embedding, head, final_norm, and per_block (one per layer)."""
+    from modern_jax.layers.moe import SelectionBias
     from modern_jax.model import Transformer
 
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    counted = nnx.All(nnx.Param, nnx.Not(SelectionBias))  # the selection bias is no weight (transformers: a buffer)
 
     def size(node) -> int:
-        return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(node, nnx.Param)))
+        return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(node, counted)))
 
     per_block = [0] * cfg.n_layers
     for stage in model.stages:

@@ -19,6 +19,7 @@ from modern_jax.config import ModelConfig, RopeScaling
 from modern_jax.convert import config_from_hf, config_to_hf
 from modern_jax.convert.hf_config import architecture
 from modern_jax.convert.hf_keys import cycle_pattern
+from modern_jax.layers.moe import SelectionBias
 from modern_jax.model import Transformer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -27,9 +28,11 @@ PARAM_COUNTS = json.loads((FIXTURES / "param_counts.json").read_text())["entries
 
 
 def model_param_count(cfg: ModelConfig) -> int:
-    """The parameters the model allocates, counted without allocating them."""
+    """The weights the model allocates, counted without allocating them: its parameters but DeepSeek's
+    selection bias (`e_score_correction_bias`, a buffer in transformers, outside our optimiser)."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    weights = nnx.All(nnx.Param, nnx.Not(SelectionBias))
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(abstract, weights)))
 
 
 @pytest.mark.parametrize("entry", PARAM_COUNTS, ids=[e["name"] for e in PARAM_COUNTS])
@@ -41,6 +44,29 @@ def test_param_count_matches_transformers(entry):
     except ImportError:
         return
     assert param_counts(cfg)["total"] == entry["count"], f"accounting.param_counts: {entry['name']}"
+
+
+MOE_COUNTS = [e for e in PARAM_COUNTS if "active_count" in e]
+
+
+@pytest.mark.parametrize("entry", MOE_COUNTS, ids=[e["name"] for e in MOE_COUNTS])
+def test_active_param_count_matches_transformers(entry):
+    """The parameters one token uses: all but the E - k routed experts of each mixture it is not sent to."""
+    from modern_jax.accounting import param_counts
+
+    cfg = config_from_hf(entry["config"])
+    assert cfg.ffn_type == "moe"
+    counts = param_counts(cfg)
+    assert (counts["total"], counts["active"]) == (entry["count"], entry["active_count"]), entry["name"]
+
+
+def test_the_published_mixtures_are_covered():
+    names = {e["name"] for e in MOE_COUNTS if e["group"] == "published"}
+    assert {"Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "Qwen3-235B-A22B", "DeepSeek-V3", "gpt-oss-20b", "gpt-oss-120b",
+            "Llama-4-Scout-17B-16E (text)"} <= names
+    counts = {e["name"]: (e["count"], e["active_count"]) for e in MOE_COUNTS}
+    assert counts["DeepSeek-V3"] == (671_026_404_352, 37_552_282_624)  # without the multi-token-prediction layer
+    assert counts["Mixtral-8x7B-v0.1"] == (46_702_792_704, 12_879_925_248)
 
 
 def test_fixture_covers_every_family_and_the_oracles():
@@ -138,6 +164,54 @@ def test_olmo2_gpt2_neox_gptj_phi():
     assert (phi.rotary_dim, phi.head_bias, phi.qk_norm) == (32, True, "none")
 
 
+def test_mixtures_of_experts():
+    qwen = config_from_hf(published("Qwen3-30B-A3B"))
+    assert (qwen.ffn_type, qwen.n_experts, qwen.experts_per_token, qwen.expert_width, qwen.router_score,
+            qwen.router_norm_topk, qwen.qk_norm, qwen.moe_pattern) == ("moe", 128, 8, 768, "softmax", True, "head", "E")
+    sparse = dict(published("Qwen3-30B-A3B"), num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[5])
+    assert [s.moe for s in config_from_hf(sparse).layer_specs()] == [False, True, False, True, False, False]
+    saved = {k: v for k, v in published("Qwen3-30B-A3B").items() if k != "num_experts"}  # 5.x saves the alias
+    assert config_from_hf(dict(saved, num_local_experts=128)) == qwen
+    mixtral = config_from_hf(published("Mixtral-8x7B-v0.1"))
+    assert (mixtral.n_experts, mixtral.experts_per_token, mixtral.expert_width, mixtral.router_score,
+            mixtral.router_norm_topk, mixtral.attention_pattern) == (8, 2, 14336, "softmax", True, "G")
+    deepseek = config_from_hf(published("DeepSeek-V3"))
+    assert (deepseek.attention_type, deepseek.mla_q_rank, deepseek.mla_kv_rank, deepseek.mla_rope_dim,
+            deepseek.rope_layout) == ("mla", 1536, 512, 64, "interleaved")
+    assert (deepseek.moe_first_dense, deepseek.moe_pattern, deepseek.router_score, deepseek.router_selection_bias,
+            deepseek.router_groups, deepseek.router_topk_groups, deepseek.router_norm_topk, deepseek.router_scale,
+            deepseek.shared_width) == (3, "E", "sigmoid", True, 8, 4, True, 2.5, 2048)
+    assert deepseek.rope_scaling == RopeScaling("yarn", 40.0, original_max_position_embeddings=4096, mscale=1.0,
+                                                mscale_all_dim=1.0)
+    oss = config_from_hf(published("gpt-oss-20b"))
+    assert (oss.attention_pattern, oss.sliding_window, oss.attention_sinks, oss.qkv_bias, oss.out_bias) == (
+        "LG", 128, True, True, True)
+    assert (oss.router_score, oss.router_bias, oss.expert_bias, oss.expert_swiglu_limit, oss.expert_swiglu_alpha) == (
+        "topk_softmax", True, True, 7.0, 1.702)
+    assert oss.rope_scaling == RopeScaling("yarn", 32.0, original_max_position_embeddings=4096, truncate=False)
+    unnamed = {k: v for k, v in published("gpt-oss-20b").items() if k not in ("rope_scaling", "layer_types")}
+    assert config_from_hf(unnamed) == oss  # GptOssConfig's default rope and layer types
+
+
+def test_llama4():
+    scout = config_from_hf(published("Llama-4-Scout-17B-16E (text)"))
+    assert (scout.attention_pattern, scout.rope_pattern, scout.attention_chunk_size, scout.qk_norm,
+            scout.attn_temperature_floor, scout.attn_temperature_scale, scout.rope_layout) == (
+        "CCCG", "RRRN", 8192, "l2", 8192, 0.1, "interleaved")
+    assert (scout.router_score, scout.router_on_input, scout.experts_per_token, scout.n_shared_experts,
+            scout.moe_pattern, scout.expert_width, scout.ffn_width) == ("sigmoid", True, 1, 1, "E", 8192, 16384)
+    specs = scout.layer_specs()
+    assert (specs[0].chunk, specs[0].qk_norm, specs[0].temperature) == (8192, "l2", None)
+    assert (specs[3].chunk, specs[3].qk_norm, specs[3].rope, specs[3].temperature.floor) == (None, "none", None, 8192)
+    assert config_from_hf(dict(published("Llama-4-Scout-17B-16E (text)"), attn_temperature_tuning=4)) == scout
+    # unnamed: MoE layers from interleave_moe_layer_step, NoPE every 4th layer, layer types from both
+    derived = dict(published("Llama-4-Scout-17B-16E (text)"), moe_layers=None, interleave_moe_layer_step=2,
+                   no_rope_layers=None, attn_temperature_tuning=False)
+    got = config_from_hf(derived)
+    assert (got.moe_pattern, got.rope_pattern, got.attention_pattern, got.attn_temperature_floor) == (
+        "DE", "RRRN", "CCCG", None)
+
+
 def test_cycle_pattern():
     assert cycle_pattern("LGLGLG") == "LG"
     assert cycle_pattern("LLLLLGLLLLLGLL") == "LLLLLG"
@@ -166,6 +240,15 @@ def test_config_to_hf_refuses_what_the_family_cannot_express():
         config_to_hf(llama, "bert")
     with pytest.raises(ValueError, match="gemma3_text"):
         config_to_hf(llama, "gemma3")
+    deepseek = config_from_hf(published("DeepSeek-V3"))
+    with pytest.raises(ValueError, match=r"qwen3_moe cannot express this model: .*router_score='sigmoid'"):
+        config_to_hf(deepseek, "qwen3_moe")
+    with pytest.raises(ValueError, match=r"deepseek_v3 cannot express this model: .*moe_pattern='DEDE"):
+        config_to_hf(deepseek.replace(moe_first_dense=0, moe_pattern="DE"), "deepseek_v3")
+    scout = config_from_hf(published("Llama-4-Scout-17B-16E (text)"))
+    with pytest.raises(ValueError, match=r"mixtral cannot express this model: .*router_on_input=True.*"
+                                         r"shared_width=8192"):
+        config_to_hf(scout, "mixtral")
 
 
 # ----- errors -----------------------------------------------------------------------
@@ -189,6 +272,13 @@ def test_unsupported_llama_settings(change, match):
     ("Gemma-3-1B", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     ("GPT-J-6B", {"rotary_dim": None}, "rotary_dim=None"),
     ("Gemma-2-2B", {"layer_types": ["sliding_attention", "chunked_attention"] * 13}, "chunked_attention"),
+    ("DeepSeek-V3", {"attention_bias": True}, r"attention_bias=True .*no biases"),
+    ("DeepSeek-V3", {"num_key_value_heads": 8}, "num_key_value_heads=8"),
+    ("DeepSeek-V3", {"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05 .*latent norms"),
+    ("Llama-4-Scout-17B-16E (text)", {"num_experts_per_tok": 2}, r"num_experts_per_tok=2 .*one expert per token"),
+    ("Llama-4-Scout-17B-16E (text)", {"layer_types": ["sliding_attention"] * 48}, "sliding_attention"),
+    ("Llama-4-Scout-17B-16E (text)", {"no_rope_layers": [1, 0]}, "no_rope_layers"),
+    ("Qwen3-30B-A3B", {"mlp_only_layers": [48]}, "mlp_only_layers"),
 ])
 def test_unsupported_family_settings(name, change, match):
     with pytest.raises(ValueError, match=match):

@@ -8,6 +8,7 @@ no torch is needed here. tests/test_convert_live.py repeats the parity checks li
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -108,8 +109,96 @@ def test_greedy_generation_matches_transformers(name, loaded):
 def test_the_fixtures_cover_every_family():
     types = {json.loads((FIXTURES / n / "config.json").read_text())["model_type"] for n in NAMES}
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "gpt2", "gpt_neox", "gptj",
-            "phi"} <= types
+            "phi", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4_text"} <= types
     assert (FIXTURES / "qwen2" / "model.safetensors.index.json").exists()  # a sharded checkpoint
+
+
+# ----- mixtures of experts ------------------------------------------------------------------
+
+def test_expert_tensors_land_in_their_expert_and_layer(loaded):
+    """Per-expert tensors (qwen3_moe), fused interleaved ones (gpt-oss) and fused halves (Llama 4) fill
+    the stacked `[E, D, F]` kernels; DeepSeek's e_score_correction_bias is the router's selection bias."""
+    def moe_block(model, layer):
+        (_, s, i, j), = [m for m in model.moe_layers() if m[0] == layer]
+        return model.stages[s].blocks[j].mlp, i
+
+    _, qwen = loaded("qwen3_moe")
+    mlp, i = moe_block(qwen, 2)
+    up = hf_tensors(FIXTURES / "qwen3_moe")["model.layers.2.mlp.experts.5.up_proj.weight"]  # [F, D]
+    np.testing.assert_array_equal(np.asarray(mlp.experts.up_proj.kernel[i, 5]), up.T)
+
+    _, oss = loaded("gpt_oss")
+    mlp, i = moe_block(oss, 1)
+    gate_up = hf_tensors(FIXTURES / "gpt_oss")["model.layers.1.mlp.experts.gate_up_proj"]  # [E, D, 2F]
+    np.testing.assert_array_equal(np.asarray(mlp.experts.gate_proj.kernel[i]), gate_up[..., 0::2])
+    np.testing.assert_array_equal(np.asarray(mlp.experts.up_proj.kernel[i]), gate_up[..., 1::2])
+
+    _, llama4 = loaded("llama4_text")
+    mlp, i = moe_block(llama4, 3)
+    gate_up = hf_tensors(FIXTURES / "llama4_text")["model.layers.3.feed_forward.experts.gate_up_proj"]
+    F = gate_up.shape[-1] // 2
+    np.testing.assert_array_equal(np.asarray(mlp.experts.gate_proj.kernel[i]), gate_up[..., :F])
+    np.testing.assert_array_equal(np.asarray(mlp.experts.up_proj.kernel[i]), gate_up[..., F:])
+    assert [m[0] for m in llama4.moe_layers()] == [1, 3]
+
+    _, deepseek = loaded("deepseek_v3")
+    tensors = hf_tensors(FIXTURES / "deepseek_v3")
+    assert [m[0] for m in deepseek.moe_layers()] == [1, 2]  # first_k_dense_replace=1
+    for layer in (1, 2):
+        mlp, i = moe_block(deepseek, layer)
+        bias = tensors[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+        assert np.any(bias)
+        np.testing.assert_array_equal(np.asarray(mlp.router.selection_bias[i]), bias)
+
+
+def test_deepseek_multi_token_prediction_layer_is_skipped(tmp_path, loaded, caplog):
+    """`model.layers.{num_hidden_layers}.*` (DeepSeek's MTP layer) is not part of the model: loading
+    skips it and says so; the same tensors without `num_nextn_predict_layers` are an error."""
+    directory = copy_fixture("deepseek_v3", tmp_path)
+
+    def change(t):
+        t["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)
+        t["model.layers.3.mlp.experts.0.up_proj.weight"] = np.zeros((16, 32), np.float32)
+
+    rewrite(directory, change)
+    with pytest.raises(CheckpointError, match=r"2 tensor\(s\) the deepseek_v3 model has no place for: "
+                                              r"model\.layers\.3\.eh_proj\.weight"):
+        from_hf(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    with caplog.at_level(logging.INFO, logger="modern_jax.convert.hf_checkpoint"):
+        _, model = from_hf(directory)
+    assert "skipping 2 tensor(s) of the multi-token-prediction layer" in caplog.text
+    ref = reference("deepseek_v3")
+    np.testing.assert_array_equal(np.asarray(_forward(model, jnp.asarray(ref["tokens"]))),
+                                  np.asarray(_forward(loaded("deepseek_v3")[1], jnp.asarray(ref["tokens"]))))
+    to_hf(model, tmp_path / "out", model_type="deepseek_v3")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert sorted(hf_tensors(tmp_path / "out")) == sorted(hf_tensors(FIXTURES / "deepseek_v3"))
+
+
+def test_quantised_checkpoint_is_refused_naming_the_fix(tmp_path):
+    """gpt-oss as published: MXFP4 experts (`gate_up_proj_blocks` / `_scales`), which from_hf does not
+    dequantise; the error says how transformers does."""
+    directory = copy_fixture("gpt_oss", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"quant_method='mxfp4'.*Mxfp4Config\(dequantize=True\)"):
+        from_hf(directory)
+
+
+def test_to_hf_refuses_a_mixture_the_family_cannot_express(loaded, tmp_path):
+    _, deepseek = loaded("deepseek_v3")  # MLA, a dense first layer, sigmoid routing
+    with pytest.raises(ValueError, match=r"mixtral cannot express this model: .*attention_type='mla'"):
+        to_hf(deepseek, tmp_path / "a", model_type="mixtral")
+    _, qwen = loaded("qwen3_moe")  # a dense layer between the mixtures
+    with pytest.raises(ValueError, match=r"mixtral cannot express this model: .*moe_pattern='EDE'"):
+        to_hf(qwen, tmp_path / "b", model_type="mixtral")
+    _, oss = loaded("gpt_oss")
+    with pytest.raises(ValueError, match=r"llama4_text cannot express this model: .*layer types are full_attention"):
+        to_hf(oss, tmp_path / "c", model_type="llama4_text")  # sliding layers
+    assert not any(tmp_path.iterdir())
 
 
 # ----- dtypes -------------------------------------------------------------------------------
@@ -242,8 +331,8 @@ def test_unused_tensor_is_named(tmp_path):
 def test_unknown_family_lists_the_supported_ones(tmp_path):
     directory = copy_fixture("llama", tmp_path)
     config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps(dict(config, model_type="mixtral")))
-    with pytest.raises(ValueError, match=r"model_type 'mixtral' is not supported; supported: llama, mistral, "
+    (directory / "config.json").write_text(json.dumps(dict(config, model_type="falcon")))
+    with pytest.raises(ValueError, match=r"model_type .falcon. is not supported; supported: llama, mistral, "
                                          r"qwen2, qwen3, gemma2"):
         from_hf(directory)
 

@@ -4,8 +4,10 @@
     to_hf(model, "path/to/out_dir", model_type="llama")
 
 Loading builds the model abstractly (no random initialisation), checks the checkpoint
-against it before reading any data (every expected tensor present, no tensor left over,
-every shape right; errors name the tensors and both shapes), then streams the tensors
+against it before reading any data (every expected tensor present, no tensor left over but
+those the family says its network does not use, such as DeepSeek's multi-token-prediction
+layer, which are skipped and logged; every shape right; errors name the tensors and both
+shapes; a quantised checkpoint is refused, naming how to dequantise it), then streams the tensors
 from the (possibly sharded) safetensors files into one preallocated array per stacked
 parameter. A parameter is handed to JAX as soon as its last layer is filled, so the
 host holds about one copy of the model, never two. Writing fetches one slot (a layer, an
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +39,7 @@ from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_json
 from modern_jax.convert.hf_config import config_from_hf, config_to_hf, family_of
 from modern_jax.convert.hf_families import FAMILIES, Family
+from modern_jax.convert.hf_keys import Reader
 from modern_jax.convert.hf_weights import Rule
 from modern_jax.model import Transformer
 
@@ -42,6 +47,10 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 * 2**30
 LISTED = 8  # names shown per kind of error
+# how transformers dequantises a checkpoint of each `quantization_config.quant_method` on loading
+DEQUANTISE = {"mxfp4": "quantization_config=Mxfp4Config(dequantize=True)",
+              "fp8": "quantization_config=FineGrainedFP8Config(dequantize=True)"}
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -151,6 +160,20 @@ def _open_safetensors(file: Path):
         yield f
 
 
+def refuse_quantised(path: Path, hf: dict[str, Any]) -> None:
+    """A quantised checkpoint (gpt-oss's MXFP4 `*_blocks` / `*_scales`, DeepSeek-V3's FP8) is refused,
+    naming the fix: transformers dequantises it, and the unquantised copy it saves loads here."""
+    quant = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    how = DEQUANTISE.get(method, "quantization_config=<its config class>(dequantize=True), where it has one")
+    raise CheckpointError(
+        f"{path}: a quantised checkpoint (quantization_config.quant_method={method!r}); from_hf reads unquantised "
+        f"tensors only. Dequantise it with transformers first: AutoModelForCausalLM.from_pretrained(path, {how}, "
+        f"dtype=torch.bfloat16).save_pretrained(out), then load `out`")
+
+
 def _listed(names) -> str:
     names = sorted(names)
     more = f" ... and {len(names) - LISTED} more" if len(names) > LISTED else ""
@@ -174,7 +197,9 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     except ValueError as e:
         raise (CheckpointError if isinstance(e, CheckpointError) else ValueError)(f"{path / 'config.json'}: {e}") \
             from None
+    refuse_quantised(path, hf)
     model_type, table = family.model_type, family.weights
+    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(model_type, hf, family.defaults))}
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
@@ -198,7 +223,11 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
             for name in f.keys():
                 canonical = table.canonical(name)
                 if canonical not in sources:
-                    if not (table.ignored(name) or table.ignored(canonical) or canonical == tied_head):
+                    skip = next((names for pattern, (_, names) in skipped.items() if re.search(pattern, canonical)),
+                                None)
+                    if skip is not None:
+                        skip.append(name)
+                    elif not (table.ignored(name) or table.ignored(canonical) or canonical == tied_head):
                         unused.append(name)
                     continue
                 if canonical in found:
@@ -223,6 +252,10 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
         problems.append(f"{len(wrong)} tensor(s) with the wrong shape: " + "; ".join(wrong[:LISTED]))
     if problems:
         raise CheckpointError(f"{path} does not fit the {model_type} model of its config.json: " + ". ".join(problems))
+    for what, names in skipped.values():
+        if names:
+            log.info("%s: skipping %d tensor(s) of %s, which the model does not use: %s", path, len(names), what,
+                     _listed(names))
 
     # 2. stream the data, file by file, into one preallocated buffer per parameter
     by_file: dict[Path, list[tuple[str, str]]] = {}

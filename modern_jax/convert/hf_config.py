@@ -49,7 +49,13 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
 
 # fields that do not change the network: not compared when checking a round trip
 NON_ARCHITECTURE_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "init", "init_std", "attn_dropout",
-                           "resid_dropout", "ffn_multiple_of", "vocab_pad_to")  # and every "*_impl"
+                           "resid_dropout", "ffn_multiple_of", "vocab_pad_to", "moe_dispatch", "moe_capacity_factor",
+                           "moe_aux_per_sequence")  # and every "*_impl"
+# the fields of a mixture of experts: moot unless ffn_type is "moe"
+MOE_FIELDS = ("n_experts", "experts_per_token", "expert_d_ff", "n_shared_experts", "shared_expert_d_ff", "moe_pattern",
+              "moe_first_dense", "router_score", "router_norm_topk", "router_scale", "router_bias",
+              "router_selection_bias", "router_groups", "router_topk_groups", "router_on_input", "expert_bias",
+              "expert_swiglu_limit", "expert_swiglu_alpha")
 
 
 def architecture(cfg: ModelConfig) -> dict[str, Any]:
@@ -72,6 +78,24 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.attention_type != "mla":
         for k in ("mla_rope_dim", "mla_nope_dim", "mla_v_dim"):
             out.pop(k)
+    else:  # MLA's heads have their own sizes
+        out.pop("head_dim")
+    if cfg.ffn_type != "moe":
+        for k in MOE_FIELDS:
+            out.pop(k)
+        return out
+    # a mixture: which layers have experts, spelled out; the shared experts as the one FFN they run as
+    specs = cfg.layer_specs()
+    out.update(moe_pattern="".join("E" if s.moe else "D" for s in specs), expert_d_ff=cfg.expert_width,
+               shared_width=cfg.shared_width)
+    for k in ("moe_first_dense", "n_shared_experts", "shared_expert_d_ff"):
+        out.pop(k)
+    if all(s.moe for s in specs):  # no dense layer: its width is moot
+        out["d_ff"] = None
+    if cfg.expert_swiglu_limit is None:
+        out.pop("expert_swiglu_alpha")
+    if cfg.router_score == "topk_softmax":  # the k weights sum to 1 already
+        out.pop("router_norm_topk")
     return out
 
 
@@ -88,9 +112,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         written = [t for t, f in FAMILIES.items() if not f.read_only]
         raise ValueError(f"config_to_hf: model_type {model_type!r} is not supported; "
                          f"supported: {', '.join(written)}")
-    hf = {"model_type": model_type, "architectures": [family.architecture], **family.to_hf(cfg),
-          "torch_dtype": cfg.param_dtype}
     try:
+        hf = {"model_type": model_type, "architectures": [family.architecture], **family.to_hf(cfg),
+              "torch_dtype": cfg.param_dtype}
         back = config_from_hf(hf)
     except ValueError as e:
         raise ValueError(f"config_to_hf: {model_type} cannot express this model: {e}") from e

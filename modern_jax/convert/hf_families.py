@@ -5,7 +5,9 @@ the defaults of its config class (they mirror transformers 5.x, which agree with
 every key used here), the translation of its `config.json` into `ModelConfig` fields and
 back, and its tensor-name table. Families that share logic share the helpers and tables
 below, not copies: Llama's descendants (mistral, qwen2, qwen3, olmo2) derive from Llama's,
-Gemma 3 from Gemma 2's. `hf_config.py` and `hf_checkpoint.py` read only these records;
+Gemma 3 from Gemma 2's, and the mixtures of experts (qwen3_moe, mixtral, deepseek_v3,
+gpt_oss, llama4_text) add a router and experts (per-expert or fused tensors) to attention
+tables of the same kind. `hf_config.py` and `hf_checkpoint.py` read only these records;
 the machinery they are written in is in `hf_keys.py` (config keys) and `hf_weights.py`
 (tensor rules).
 
@@ -26,8 +28,8 @@ from typing import Any
 from modern_jax.config import ModelConfig, RopeScaling
 from modern_jax.convert.hf_keys import (ACTIVATION_TO_HF, Reader, cycle_pattern, expand_pattern, layer_types_to_hf,
                                         rope_scaling_to_hf, unsupported)
-from modern_jax.convert.hf_weights import (Rule, WeightTable, attention, fused_qkv, gated_mlp, linear, mlp, norm,
-                                           top_level)
+from modern_jax.convert.hf_weights import (Rule, WeightTable, attention, experts, fused_experts, fused_qkv, gated_mlp,
+                                           latent_attention, linear, mlp, norm, router, top_level)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Family:
     to_hf: Callable[[ModelConfig], dict[str, Any]] | None  # ModelConfig -> config.json keys; None: never written
     weights: WeightTable  # our parameter names -> its tensors
     read_only: str = ""  # why `config_to_hf` does not write this model_type
+    # checkpoint tensors the network of a config does not use, skipped on loading: (regex, what they are)
+    skipped: Callable[[Reader], tuple[tuple[str, str], ...]] = lambda r: ()
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", types.MappingProxyType(dict(self.defaults)))
@@ -546,7 +550,347 @@ PHI = Family(
 )
 
 
+# ----- mixtures of experts: qwen3_moe, mixtral, deepseek_v3, gpt_oss, llama4_text -----------
+
+def _moe(per_layer: list[bool], d_ff: int, **fields) -> dict:
+    """The FFN fields of a model whose layers have experts (`per_layer` True) or a dense gated FFN of
+    width `d_ff`; `fields` are the mixture's. Leading dense layers followed only by mixtures are
+    `moe_first_dense`, any other arrangement a `moe_pattern`; no mixture at all is a dense model."""
+    if not any(per_layer):
+        return dict(ffn_type="gated", d_ff=d_ff)
+    first = per_layer.index(True)
+    if all(per_layer[first:]):
+        layout = dict(moe_first_dense=first, moe_pattern="E")
+    else:
+        layout = dict(moe_pattern=cycle_pattern("".join("E" if m else "D" for m in per_layer)))
+    return dict(ffn_type="moe", d_ff=d_ff, **layout, **fields)
+
+
+def _moe_layers(cfg: ModelConfig) -> list[int]:
+    return [i for i, spec in enumerate(cfg.layer_specs()) if spec.moe]
+
+
+def _aliased(r: Reader, key: str, alias: str) -> Any:
+    """A key transformers also accepts under another name (its config's `attribute_map`)."""
+    return r(alias) if alias in r.hf and key not in r.hf else r(key)
+
+
+def _qwen3_moe(r: Reader) -> dict:
+    # QK-norm attention as Qwen3's; `use_sliding_window` slides every layer (max_window_layers is not read)
+    n, step = r("num_hidden_layers"), r("decoder_sparse_step")
+    r.require("decoder_sparse_step", lambda v: isinstance(v, int) and v > 0, "a positive layer interval")
+    dense, n_experts = r.layer_indices("mlp_only_layers", n), _aliased(r, "num_experts", "num_local_experts")
+    per_layer = [i not in dense and (n_experts or 0) > 0 and (i + 1) % step == 0 for i in range(n)]
+    return _llama_like(r, pattern="L" if r("use_sliding_window") else "G") | dict(mlp_bias=False, qk_norm="head") | _moe(
+        per_layer, r("intermediate_size"), n_experts=n_experts, experts_per_token=r("num_experts_per_tok"),
+        expert_d_ff=r("moe_intermediate_size"), router_score="softmax", router_norm_topk=bool(r("norm_topk_prob")))
+
+
+def _qwen3_moe_to_hf(cfg: ModelConfig) -> dict:
+    window, moe = "L" in cfg.attention_pattern, _moe_layers(cfg)
+    return _llama_like_to_hf(cfg) | dict(
+        attention_bias=cfg.qkv_bias, use_sliding_window=window, sliding_window=cfg.sliding_window if window else None,
+        num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_width,
+        norm_topk_prob=cfg.router_norm_topk, decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(cfg.n_layers) if i not in moe],
+    )
+
+
+QWEN3_MOE = Family(
+    "qwen3_moe", "Qwen3MoeForCausalLM",
+    defaults=dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=None, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, rope_theta=10000.0, use_sliding_window=False,
+        sliding_window=4096, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
+        num_experts=128, norm_topk_prob=False, mlp_only_layers=None,
+    ),
+    from_hf=_qwen3_moe, to_hf=_qwen3_moe_to_hf,
+    weights=WeightTable(
+        top=LLAMA.weights.top,
+        layer={**LLAMA.weights.layer, **router(f"{L}.mlp.gate"), **experts(f"{L}.mlp.experts")},
+        ignore=ROTARY_BUFFERS,
+    ),
+)
+
+
+def _mixtral(r: Reader) -> dict:
+    # Mistral's attention; every layer a mixture whose experts are `intermediate_size` wide; the k
+    # softmax weights renormalised (the same as a softmax over the k chosen logits)
+    return _mistral(r) | _moe(
+        [True] * r("num_hidden_layers"), r("intermediate_size"), n_experts=_aliased(r, "num_local_experts", "num_experts"),
+        experts_per_token=r("num_experts_per_tok"), router_score="softmax", router_norm_topk=True)
+
+
+def _mixtral_to_hf(cfg: ModelConfig) -> dict:
+    return _mistral_to_hf(cfg) | dict(intermediate_size=cfg.expert_width, num_local_experts=cfg.n_experts,
+                                      num_experts_per_tok=cfg.experts_per_token)
+
+
+MIXTRAL = Family(
+    "mixtral", "MixtralForCausalLM",
+    defaults={**MISTRAL.defaults, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0, "sliding_window": None,
+              "num_local_experts": 8, "num_experts_per_tok": 2},
+    from_hf=_mixtral, to_hf=_mixtral_to_hf,
+    weights=WeightTable(
+        top=LLAMA.weights.top,
+        layer={
+            **norm(f"{L}.input_layernorm", "input_layernorm"),
+            **norm(f"{L}.post_attention_layernorm", "pre_feedforward_layernorm"),
+            **attention(f"{L}.self_attn"),
+            **router(f"{L}.block_sparse_moe.gate"),
+            **experts(f"{L}.block_sparse_moe.experts", gate="w1", up="w3", down="w2"),
+        },
+        ignore=ROTARY_BUFFERS,
+    ),
+)
+
+
+def _deepseek_v3(r: Reader) -> dict:
+    """MLA, then a dense FFN on the first `first_k_dense_replace` layers and a mixture on the rest:
+    sigmoid scores, chosen with the selection bias (`e_score_correction_bias`) among the best
+    `topk_group` of `n_group` groups, plus the shared experts. transformers reads neither
+    `scoring_func` nor `topk_method` (it is always sigmoid, noaux_tc), and neither do we."""
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
+        r.require(key, lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "expected a positive integer")
+    n, N = r("num_hidden_layers"), r("num_attention_heads")
+    r.require("num_key_value_heads", lambda v: v in (None, N),
+              f"MLA expands one latent into every head: num_key_value_heads equals num_attention_heads={N}")
+    r.require("attention_bias", lambda v: not v, "the model's latent attention has no biases")
+    r.require("rms_norm_eps", lambda v: v == 1e-6,
+              "the latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6, and the model has one epsilon")
+    theta, scaling, _ = r.rope()
+    first_dense = r("first_k_dense_replace") or 0
+    return dict(
+        vocab_size=r("vocab_size"), d_model=r("hidden_size"), n_layers=n, n_heads=N,
+        max_position_embeddings=r("max_position_embeddings"), attention_type="mla", mla_kv_rank=r("kv_lora_rank"),
+        mla_q_rank=r("q_lora_rank") or 0, mla_rope_dim=r("qk_rope_head_dim"), mla_nope_dim=r("qk_nope_head_dim"),
+        mla_v_dim=r("v_head_dim"), position_embedding="rope", rope_theta=theta, rope_scaling=scaling,
+        # interleaved pairs (x0, x1), (x2, x3), ... rotated; transformers then de-interleaves q and k alike,
+        # which leaves q.k as it is
+        rope_layout="interleaved" if r("rope_interleave") else "half",
+        norm_type="rmsnorm", norm_eps=float(r("rms_norm_eps")), norm_placement="pre",
+        activation=r.activation("hidden_act"), tie_embeddings=bool(r("tie_word_embeddings")),
+        **_moe([i >= first_dense for i in range(n)], r("intermediate_size"),
+               n_experts=_aliased(r, "n_routed_experts", "num_local_experts"),
+               experts_per_token=r("num_experts_per_tok"), expert_d_ff=r("moe_intermediate_size"),
+               n_shared_experts=r("n_shared_experts") or 0, router_score="sigmoid", router_selection_bias=True,
+               router_groups=r("n_group") or 1, router_topk_groups=r("topk_group") or 1,
+               router_norm_topk=bool(r("norm_topk_prob")), router_scale=float(r("routed_scaling_factor"))),
+    )
+
+
+def _deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
+    moe, F = _moe_layers(cfg), cfg.expert_width
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+        max_position_embeddings=cfg.max_position_embeddings, intermediate_size=cfg.ffn_width,
+        moe_intermediate_size=F, n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+        n_shared_experts=cfg.shared_width // F, first_k_dense_replace=moe[0] if moe else cfg.n_layers,
+        n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, norm_topk_prob=cfg.router_norm_topk,
+        routed_scaling_factor=cfg.router_scale, topk_method="noaux_tc", scoring_func="sigmoid",
+        kv_lora_rank=cfg.mla_kv_rank, q_lora_rank=cfg.mla_q_rank or None, qk_rope_head_dim=cfg.mla_rope_dim,
+        qk_nope_head_dim=cfg.mla_nope_dim, v_head_dim=cfg.mla_v_dim, rope_interleave=cfg.rope_layout == "interleaved",
+        rope_theta=cfg.rope_theta, rope_scaling=rope_scaling_to_hf(cfg.rope_scaling), rms_norm_eps=cfg.norm_eps,
+        hidden_act=ACTIVATION_TO_HF.get(cfg.activation, cfg.activation), attention_bias=False,
+        tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std, attention_dropout=cfg.attn_dropout,
+        num_nextn_predict_layers=0,  # the multi-token-prediction layers are not part of the model
+    )
+
+
+def _mtp_layers(r: Reader) -> tuple[tuple[str, str], ...]:
+    """DeepSeek's multi-token-prediction layers, saved as `model.layers.{n}.*` past the last decoder
+    layer: transformers' DeepseekV3ForCausalLM does not build them either."""
+    n, mtp = r("num_hidden_layers"), _aliased(r, "num_nextn_predict_layers", "num_mtp_layers") or 0
+    layers = "|".join(str(n + k) for k in range(mtp))
+    if not mtp:
+        return ()
+    return ((rf"^model\.layers\.({layers})\.", f"the multi-token-prediction layer (num_nextn_predict_layers={mtp})"),)
+
+
+DEEPSEEK_V3 = Family(
+    "deepseek_v3", "DeepseekV3ForCausalLM",
+    defaults=dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+        first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu", max_position_embeddings=4096,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, rope_interleave=True, attention_bias=False,
+        num_nextn_predict_layers=1,
+    ),
+    from_hf=_deepseek_v3, to_hf=_deepseek_v3_to_hf,
+    weights=WeightTable(
+        top=LLAMA.weights.top,
+        layer={
+            **norm(f"{L}.input_layernorm", "input_layernorm"),
+            **norm(f"{L}.post_attention_layernorm", "pre_feedforward_layernorm"),
+            **latent_attention(f"{L}.self_attn"),
+            **gated_mlp(f"{L}.mlp"),  # the first dense layers
+            **router(f"{L}.mlp.gate"),
+            "mlp.router.selection_bias": Rule(f"{L}.mlp.gate.e_score_correction_bias", "E", "E"),
+            **experts(f"{L}.mlp.experts"),
+            **gated_mlp(f"{L}.mlp.shared_experts", "mlp.shared_experts"),
+        },
+        ignore=ROTARY_BUFFERS,
+    ),
+    skipped=_mtp_layers,
+)
+
+# GptOssConfig's rope when a config.json names none
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss(r: Reader) -> dict:
+    """Biased attention with a sink per head, sliding / full layers (`layer_types`, by default layer 0
+    slides), and a mixture on every layer: the softmax of the k best biased logits, experts with
+    biases and the clamped SwiGLU (it ignores `hidden_act`)."""
+    if not (r.hf.get("rope_parameters") or r.hf.get("rope_scaling")):
+        r = Reader(r.model_type, {**r.hf, "rope_parameters": dict(_GPT_OSS_ROPE)}, r.defaults)
+    n, bias = r("num_hidden_layers"), bool(r("attention_bias"))
+    pattern = r.layer_pattern(n) if r("layer_types") is not None else cycle_pattern(expand_pattern("LG", n))
+    return dict(
+        **_sizes(r), norm_type="rmsnorm", norm_eps=float(r("rms_norm_eps")), norm_placement="pre",
+        qkv_bias=bias, out_bias=bias, attention_sinks=True, tie_embeddings=bool(r("tie_word_embeddings")),
+        **_rope_fields(r), **_window(r, pattern),
+        **_moe([True] * n, r("intermediate_size"), n_experts=_aliased(r, "num_local_experts", "num_experts"),
+               experts_per_token=r("num_experts_per_tok"), router_score="topk_softmax", router_bias=True,
+               expert_bias=True, expert_swiglu_limit=float(r("swiglu_limit")),
+               expert_swiglu_alpha=float(r("swiglu_alpha"))),
+    )
+
+
+def _gpt_oss_to_hf(cfg: ModelConfig) -> dict:
+    window = "L" in cfg.attention_pattern
+    return _common_to_hf(cfg) | dict(
+        intermediate_size=cfg.expert_width, num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+        rms_norm_eps=cfg.norm_eps, attention_bias=cfg.qkv_bias, hidden_act="silu",
+        sliding_window=cfg.sliding_window if window else None, layer_types=layer_types_to_hf(cfg),
+        swiglu_limit=cfg.expert_swiglu_limit, swiglu_alpha=cfg.expert_swiglu_alpha, rope_theta=cfg.rope_theta,
+        # without one, transformers gives gpt-oss its YaRN rope
+        rope_scaling=rope_scaling_to_hf(cfg.rope_scaling) or {"rope_type": "default"},
+    )
+
+
+GPT_OSS = Family(
+    "gpt_oss", "GptOssForCausalLM",
+    defaults=dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attention_bias=True, sliding_window=128, layer_types=None, rope_theta=150000.0,
+        num_local_experts=128, num_experts_per_tok=4, swiglu_limit=7.0, swiglu_alpha=1.702,
+    ),
+    from_hf=_gpt_oss, to_hf=_gpt_oss_to_hf,
+    weights=WeightTable(
+        top=LLAMA.weights.top,
+        layer={
+            **norm(f"{L}.input_layernorm", "input_layernorm"),
+            **norm(f"{L}.post_attention_layernorm", "pre_feedforward_layernorm"),
+            **attention(f"{L}.self_attn"),
+            "self_attn.sinks": Rule(f"{L}.self_attn.sinks", "N", "N"),
+            **router(f"{L}.mlp.router"),
+            **fused_experts(f"{L}.mlp.experts", "(F 2)"),  # gate and up interleaved
+        },
+        ignore=ROTARY_BUFFERS,
+    ),
+)
+
+LLAMA4_LAYER_TYPES = {"full_attention": "G", "chunked_attention": "C"}
+
+
+def _llama4_text(r: Reader) -> dict:
+    """iRoPE: RoPE layers (`no_rope_layers` 1) with chunked attention and the weightless QK-norm, NoPE
+    layers (0) with full attention and temperature tuning; a mixture (one routed expert, its sigmoid
+    score scaling the expert's input, and a shared expert) on `moe_layers`, a dense FFN of width
+    `intermediate_size_mlp` elsewhere. Complex rotary pairs: the interleaved layout."""
+    n = r("num_hidden_layers")
+    interval = r("no_rope_layer_interval")
+    rope = r.layer_list("no_rope_layers", n, default=[int((i + 1) % interval != 0) for i in range(n)])
+    chunk = r("attention_chunk_size")
+    if r("layer_types") is not None:
+        pattern = r.layer_pattern(n, LLAMA4_LAYER_TYPES)
+    else:
+        pattern = cycle_pattern("".join("C" if uses and chunk is not None else "G" for uses in rope))
+    if "C" in pattern:
+        r.require("attention_chunk_size", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                  "chunked layers need a positive chunk size")
+    if r("moe_layers") is not None:
+        moe = r.layer_indices("moe_layers", n)
+    else:
+        step = r("interleave_moe_layer_step")
+        r.require("interleave_moe_layer_step", lambda v: isinstance(v, int) and v > 0, "a positive layer interval")
+        moe = set(range(step - 1, n, step))
+    if moe:
+        r.require("num_experts_per_tok", lambda v: v == 1,
+                  "Llama 4 scales the input of each chosen expert by its score, which the model does for one "
+                  "expert per token")
+    tuning = r.hf.get("attn_temperature_tuning", True)  # Scout's config.json says 4: transformers takes it as true
+    if not isinstance(tuning, (bool, int)):
+        raise unsupported(r.model_type, "attn_temperature_tuning", tuning, "expected true or false")
+    tuned = bool(tuning) and not all(rope)  # only the NoPE layers are tuned
+    bias = bool(r("attention_bias"))
+    return dict(
+        **_sizes(r), norm_type="rmsnorm", norm_eps=float(r("rms_norm_eps")), norm_placement="pre",
+        activation=r.activation("hidden_act"), qkv_bias=bias, out_bias=bias,
+        tie_embeddings=bool(r("tie_word_embeddings")), **_rope_fields(r, "interleaved"),
+        rope_pattern=cycle_pattern("".join("R" if uses else "N" for uses in rope)), attention_pattern=pattern,
+        attention_chunk_size=chunk if "C" in pattern else None,
+        qk_norm="l2" if r("use_qk_norm") and any(rope) else "none",
+        attn_temperature_floor=r("floor_scale") if tuned else None,
+        attn_temperature_scale=float(r("attn_scale")) if tuned else 0.1,
+        **_moe([i in moe for i in range(n)], r("intermediate_size_mlp"),
+               n_experts=r("num_local_experts"), experts_per_token=r("num_experts_per_tok"),
+               expert_d_ff=r("intermediate_size"), n_shared_experts=1, router_score="sigmoid", router_on_input=True),
+    )
+
+
+def _llama4_text_to_hf(cfg: ModelConfig) -> dict:
+    moe, n = _moe_layers(cfg), cfg.n_layers
+    step = next((s for s in range(1, n + 1) if moe == list(range(s - 1, n, s))), None)
+    return _common_to_hf(cfg) | dict(
+        intermediate_size=cfg.expert_width, intermediate_size_mlp=cfg.ffn_width,
+        hidden_act=ACTIVATION_TO_HF.get(cfg.activation, cfg.activation), rms_norm_eps=cfg.norm_eps,
+        attention_bias=cfg.qkv_bias, num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+        moe_layers=moe, interleave_moe_layer_step=step or 1,
+        no_rope_layers=[int(spec.rope is not None) for spec in cfg.layer_specs()],
+        layer_types=layer_types_to_hf(cfg, LLAMA4_LAYER_TYPES), attention_chunk_size=cfg.attention_chunk_size,
+        use_qk_norm=cfg.qk_norm == "l2", attn_temperature_tuning=cfg.attn_temperature_floor is not None,
+        floor_scale=cfg.attn_temperature_floor or 8192, attn_scale=cfg.attn_temperature_scale,
+        rope_theta=cfg.rope_theta, rope_scaling=rope_scaling_to_hf(cfg.rope_scaling),
+    )
+
+
+LLAMA4_TEXT = Family(
+    "llama4_text", "Llama4ForCausalLM",
+    defaults=dict(
+        vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+        rope_theta=500000.0, num_experts_per_tok=1, num_local_experts=16, moe_layers=None,
+        interleave_moe_layer_step=1, use_qk_norm=True, no_rope_layers=None, no_rope_layer_interval=4,
+        attention_chunk_size=8192, layer_types=None, floor_scale=8192, attn_scale=0.1,
+    ),
+    from_hf=_llama4_text, to_hf=_llama4_text_to_hf,
+    weights=WeightTable(
+        top=LLAMA.weights.top,
+        layer={
+            **norm(f"{L}.input_layernorm", "input_layernorm"),
+            **norm(f"{L}.post_attention_layernorm", "pre_feedforward_layernorm"),
+            **attention(f"{L}.self_attn"),
+            **gated_mlp(f"{L}.feed_forward"),  # the dense layers
+            **router(f"{L}.feed_forward.router"),
+            **fused_experts(f"{L}.feed_forward.experts", "(2 F)"),  # gate, then up
+            **gated_mlp(f"{L}.feed_forward.shared_expert", "mlp.shared_experts"),
+        },
+        ignore=ROTARY_BUFFERS,
+    ),
+)
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_TEXT, GEMMA3, OLMO2, GPT2, GPT_NEOX, GPTJ, PHI)}
+    LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_TEXT, GEMMA3, OLMO2, GPT2, GPT_NEOX, GPTJ, PHI,
+    QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, GPT_OSS, LLAMA4_TEXT)}
 # the model types `config_from_hf` reads (gemma3: the text model inside a multimodal config)
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

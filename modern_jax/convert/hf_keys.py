@@ -123,17 +123,33 @@ class Reader:
                 fields[key] = float(fields[key])
         return theta, RopeScaling(type=kind, **fields), fraction
 
-    def layer_pattern(self, n_layers: int) -> str:
-        """`attention_pattern` from `layer_types`, shortest repeating unit first."""
+    def layer_pattern(self, n_layers: int, letters: Mapping[str, str] = LAYER_TYPES) -> str:
+        """`attention_pattern` from `layer_types`, shortest repeating unit first; `letters`: the
+        layer types the family has, with their pattern letters."""
         types = self("layer_types")
         if types is None:
             return "G"
         if len(types) != n_layers:
             raise unsupported(self.model_type, "layer_types", types, f"expected one entry per layer ({n_layers})")
         for t in types:
-            if t not in LAYER_TYPES:
-                raise unsupported(self.model_type, "layer_types", t, f"supported: {', '.join(LAYER_TYPES)}")
-        return cycle_pattern("".join(LAYER_TYPES[t] for t in types))
+            if t not in letters:
+                raise unsupported(self.model_type, "layer_types", t, f"supported: {', '.join(letters)}")
+        return cycle_pattern("".join(letters[t] for t in types))
+
+    def layer_list(self, key: str, n_layers: int, values: tuple = (0, 1), default: list | None = None) -> list:
+        """A per-layer list (`no_rope_layers`: 0 or 1 for each layer); `default` when absent or empty."""
+        items = self(key) or default
+        if not isinstance(items, list) or len(items) < n_layers or any(v not in values for v in items):
+            raise unsupported(self.model_type, key, items, f"expected one of {values} for each of the {n_layers} layers")
+        return items[:n_layers]
+
+    def layer_indices(self, key: str, n_layers: int) -> set[int]:
+        """A list of layer indices (`mlp_only_layers`, `moe_layers`); None: none."""
+        items = self(key) or []
+        if not isinstance(items, list) or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_layers
+                                              for i in items):
+            raise unsupported(self.model_type, key, items, f"expected a list of layer indices in [0, {n_layers})")
+        return set(items)
 
 
 def cycle_pattern(per_layer: str) -> str:
@@ -158,6 +174,11 @@ def rope_scaling_to_hf(s: RopeScaling) -> dict | None:
     return {"rope_type": s.type, **fields}
 
 
-def layer_types_to_hf(cfg: ModelConfig) -> list[str]:
-    letters = {v: k for k, v in LAYER_TYPES.items()}
-    return [letters[c] for c in expand_pattern(cfg.attention_pattern, cfg.n_layers)]
+def layer_types_to_hf(cfg: ModelConfig, letters: Mapping[str, str] = LAYER_TYPES) -> list[str]:
+    """`layer_types` of `cfg.attention_pattern`; `letters`: the layer types the family has."""
+    names = {v: k for k, v in letters.items()}
+    pattern = expand_pattern(cfg.attention_pattern, cfg.n_layers)
+    if set(pattern) - set(names):
+        raise ValueError(f"attention_pattern={cfg.attention_pattern!r}: the family's layer types are "
+                         f"{', '.join(f'{k} ({v})' for k, v in letters.items())}")
+    return [names[c] for c in pattern]

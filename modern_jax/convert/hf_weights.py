@@ -13,8 +13,9 @@ layer (`model.layers.{i}.mlp.experts.down_proj`, `E F D`) has only `{i}`. `{i}` 
 numbered by the model's layer (a stage's slot k is some layer i); any other variable
 counts from 0.
 
-Axis letters: V vocab, P positions, D model, N query heads, K kv heads, H head dim,
-F ffn width, E experts, X any single axis. A Hugging Face layout groups axes in
+Axis letters: V vocab, P positions, D model, N query heads, K kv heads, H head dim
+(U: MLA's value head dim), F ffn width, E experts, Q MLA's query rank, C its latent and X
+the latent with the rotary key (C + R). A Hugging Face layout groups axes in
 parentheses where the tensor flattens them, e.g. `q_proj.weight` is `(N H) D` (torch's
 Linear stores [out, in]) and our kernel is `D N H`. A digit is a fused axis: GPT-2's
 `c_attn.weight` is `D (3 N H)`, and q, k and v are its parts 0, 1 and 2; gate and up
@@ -151,12 +152,59 @@ def attention(prefix: str, o_name: str = "o_proj") -> dict:
     }
 
 
-def gated_mlp(prefix: str) -> dict:
+def latent_attention(prefix: str) -> dict:
+    """DeepSeek's multi-head latent attention: the low-rank query (or a full-rank `q_proj`), the
+    joint latent and rotary key `kv_a_proj_with_mqa`, and `kv_b_proj` (per head: the key's
+    non-rotary part, then the value)."""
     return {
-        **linear(f"{prefix}.gate_proj", "mlp.gate_proj", "F", "D", "D", "F"),
-        **linear(f"{prefix}.up_proj", "mlp.up_proj", "F", "D", "D", "F"),
-        **linear(f"{prefix}.down_proj", "mlp.down_proj", "D", "F", "F", "D"),
+        **linear(f"{prefix}.q_a_proj", "self_attn.q_a_proj", "Q", "D", "D", "Q"),
+        **norm(f"{prefix}.q_a_layernorm", "self_attn.q_a_layernorm", "Q"),
+        **linear(f"{prefix}.q_b_proj", "self_attn.q_b_proj", "(N H)", "Q", "Q", "N H"),
+        **linear(f"{prefix}.q_proj", "self_attn.q_proj", "(N H)", "D", "D", "N H"),
+        **linear(f"{prefix}.kv_a_proj_with_mqa", "self_attn.kv_a_proj_with_mqa", "X", "D", "D", "X"),
+        **norm(f"{prefix}.kv_a_layernorm", "self_attn.kv_a_layernorm", "C"),
+        **linear(f"{prefix}.kv_b_proj", "self_attn.kv_b_proj", "(N H)", "C", "C", "N H"),
+        **linear(f"{prefix}.o_proj", "self_attn.o_proj", "D", "(N U)", "N U", "D"),
     }
+
+
+def gated_mlp(prefix: str, ours: str = "mlp") -> dict:
+    """A gated FFN's three torch Linears; `ours`: where it is in a block (a mixture's shared experts)."""
+    return {
+        **linear(f"{prefix}.gate_proj", f"{ours}.gate_proj", "F", "D", "D", "F"),
+        **linear(f"{prefix}.up_proj", f"{ours}.up_proj", "F", "D", "D", "F"),
+        **linear(f"{prefix}.down_proj", f"{ours}.down_proj", "D", "F", "F", "D"),
+    }
+
+
+# ----- mixtures of experts ---------------------------------------------------------------
+
+def router(prefix: str) -> dict:
+    """A router's torch Linear `[E, D]` (+ bias `[E]`) <-> our `mlp.router.proj`."""
+    return linear(prefix, "mlp.router.proj", "E", "D", "D", "E")
+
+
+def experts(prefix: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> dict:
+    """Routed experts saved one torch Linear per expert (`{prefix}.{e}.gate_proj.weight [F, D]`)
+    <-> our stacked kernels `[E, D, F]` / `[E, F, D]`: `{e}` indexes the experts axis."""
+    return {
+        **linear(f"{prefix}.{{e}}.{gate}", "mlp.experts.gate_proj", "F", "D", "D", "F"),
+        **linear(f"{prefix}.{{e}}.{up}", "mlp.experts.up_proj", "F", "D", "D", "F"),
+        **linear(f"{prefix}.{{e}}.{down}", "mlp.experts.down_proj", "D", "F", "F", "D"),
+    }
+
+
+def fused_experts(prefix: str, gate_up: str) -> dict:
+    """Routed experts saved as one `[E, in, out]` tensor per layer and projection, gate and up
+    fused on the last axis: `gate_up="(F 2)"` interleaved (gpt-oss: even columns gate), `"(2 F)"`
+    in halves (Llama 4: gate first); biases, where the model has them, as `{name}_bias`."""
+    rules = {}
+    for part, name in enumerate(("gate_proj", "up_proj")):
+        rules[f"mlp.experts.{name}.kernel"] = Rule(f"{prefix}.gate_up_proj", f"E D {gate_up}", "E D F", part)
+        rules[f"mlp.experts.{name}.bias"] = Rule(f"{prefix}.gate_up_proj_bias", f"E {gate_up}", "E F", part)
+    rules["mlp.experts.down_proj.kernel"] = Rule(f"{prefix}.down_proj", "E F D", "E F D")
+    rules["mlp.experts.down_proj.bias"] = Rule(f"{prefix}.down_proj_bias", "E D", "E D")
+    return rules
 
 
 def mlp(prefix: str, fc_in: str, fc_out: str) -> dict:
