@@ -58,9 +58,10 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
 
 
 def kv_cache_bytes(cfg: ModelConfig, context: int, dtype_bytes: int = 2) -> int:
-    """Cache bytes for one sequence of `context` tokens; local layers hold at most their window."""
+    """Cache bytes for one sequence of `context` tokens; local (chunked) layers hold at most their
+    window (chunk)."""
     per_layer = kv_bytes_per_token_per_layer(cfg, dtype_bytes)
-    return sum(per_layer * (context if s.window is None else min(context, s.window)) for s in cfg.layer_specs())
+    return sum(per_layer * (context if s.span is None else min(context, s.span)) for s in cfg.layer_specs())
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
@@ -68,7 +69,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
 
     N counts the parameters used in matmuls (all but the embedding lookups; a tied
     head's matmul counts). The attention term is `6 * n_heads * (d_qk + d_v) * T_eff`
-    per layer (PaLM's `12 L H Q T` when d_qk = d_v = Q), with T_eff = min(T, window),
+    per layer (PaLM's `12 L H Q T` when d_qk = d_v = Q), with T_eff = min(T, window or chunk),
     counted as for full (non-causal) attention.
     """
     counts = param_counts(cfg)
@@ -80,7 +81,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     else:
         d_qk = d_v = cfg.head_size
     attention = sum(
-        6 * cfg.n_heads * (d_qk + d_v) * (seq_len if s.window is None else min(seq_len, s.window))
+        6 * cfg.n_heads * (d_qk + d_v) * (seq_len if s.span is None else min(seq_len, s.span))
         for s in cfg.layer_specs()
     )
     return {"weights": 6 * n_matmul, "attention": attention, "total": 6 * n_matmul + attention,

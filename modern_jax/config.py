@@ -5,10 +5,11 @@ values. `ModelConfig` knows nothing about training; the run configuration is a
 separate object (see `modern_jax.training`).
 
 Per-layer patterns are strings repeated cyclically over the depth:
-`attention_pattern` uses `G` (global) and `L` (local, `sliding_window` keys);
+`attention_pattern` uses `G` (global), `L` (local, `sliding_window` keys) and `C`
+(chunked: the keys of the query's own block of `attention_chunk_size` positions);
 `rope_pattern` uses `R` (RoPE) and `N` (no positions). Gemma 2 is `"LG"`,
-Gemma 3 `"LLLLLG"`, Mistral `"L"`, Llama 4 iRoPE `"RRRN"`. A pattern may also
-spell out every layer (its length is then `n_layers`).
+Gemma 3 `"LLLLLG"`, Mistral `"L"`, Llama 4 iRoPE `"RRRN"` with chunks `"CCCG"`. A pattern may
+also spell out every layer (its length is then `n_layers`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ POSITIONS = ("none", "rope", "sinusoidal", "learned")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ATTENTION_TYPES = ("mha", "mla")
-QK_NORMS = ("none", "head", "full")
+QK_NORMS = ("none", "head", "full", "l2")
 INITS = ("normal", "xavier")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_out")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -120,11 +121,28 @@ class RopeSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TemperatureSpec:
+    """Attention temperature tuning of a layer without positions (Llama 4's NoPE layers):
+    the queries at position p are scaled by `log(floor((p + 1) / floor) + 1) * scale + 1`."""
+
+    floor: int
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
 class LayerSpec:
     """What differs between layers without changing their parameters' shapes."""
 
-    window: int | None  # None: global attention
+    window: int | None  # sliding window: a query sees keys with q_pos - k_pos < window; None: no window
     rope: RopeSpec | None  # None: no positions in this layer (NoPE)
+    chunk: int | None = None  # chunked attention: a query sees keys in its own block of `chunk` positions
+    qk_norm: str = "none"  # ModelConfig.qk_norm, except that 'l2' applies to the RoPE layers only
+    temperature: TemperatureSpec | None = None  # None: queries unscaled (every layer with RoPE)
+
+    @property
+    def span(self) -> int | None:
+        """How many of the latest positions a query can see at most (window or chunk); None: all."""
+        return self.window if self.window is not None else self.chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +192,10 @@ class ModelConfig:
     attn_softcap: float | None = None
     attention_sinks: bool = False
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None  # the blocks of the chunked layers ('C'; Llama 4: 8192)
     attention_pattern: str = "G"
+    attn_temperature_floor: int | None = None  # temperature tuning of the NoPE layers (Llama 4: 8192); None: off
+    attn_temperature_scale: float = 0.1
     attention_impl: str = "reference"
     norm_impl: str = "reference"
     # MLA (attention_type="mla")
@@ -269,12 +290,35 @@ class ModelConfig:
             _fail("rope_local_theta", self.rope_local_theta, "applies to local layers; attention_pattern has no 'L'")
 
         # attention
-        self._check_pattern("attention_pattern", "GL")
+        self._check_pattern("attention_pattern", "GLC")
         if "L" in self.attention_pattern:
             if self.sliding_window is None or self.sliding_window <= 0:
                 _fail("sliding_window", self.sliding_window, "local layers ('L') need a positive window")
         elif self.sliding_window is not None:
             _fail("sliding_window", self.sliding_window, "set attention_pattern to 'L' (all local) or a mix like 'LG'")
+        if "C" in self.attention_pattern:
+            if self.attention_chunk_size is None or self.attention_chunk_size <= 0:
+                _fail("attention_chunk_size", self.attention_chunk_size,
+                      "chunked layers ('C') need a positive chunk size")
+        elif self.attention_chunk_size is not None:
+            _fail("attention_chunk_size", self.attention_chunk_size,
+                  "set attention_pattern to 'C' (all chunked) or a mix like 'CCCG'")
+        if self.qk_norm == "l2" and (not uses_rope or "R" not in self.rope_pattern):
+            _fail("qk_norm", self.qk_norm, "'l2' normalises the RoPE layers (Llama 4) and this model has none: "
+                  "set position_embedding='rope' with an 'R' in rope_pattern, or use 'head'")
+        if self.attn_temperature_floor is not None:
+            if self.attn_temperature_floor <= 0:
+                _fail("attn_temperature_floor", self.attn_temperature_floor,
+                      "expected a positive number of positions, or null (no temperature tuning)")
+            if self.position_embedding != "none" and "N" not in self.rope_pattern:
+                _fail("attn_temperature_floor", self.attn_temperature_floor,
+                      "tunes the layers without positions, and this model has none: add an 'N' to rope_pattern "
+                      "(Llama 4: 'RRRN') or use position_embedding='none'")
+        if not (math.isfinite(self.attn_temperature_scale) and self.attn_temperature_scale > 0):
+            _fail("attn_temperature_scale", self.attn_temperature_scale, "expected a positive float")
+        if self.attn_temperature_floor is None and self.attn_temperature_scale != 0.1:
+            _fail("attn_temperature_scale", self.attn_temperature_scale,
+                  "only applies with attn_temperature_floor set (temperature tuning is off)")
         for name in ("attn_softcap", "final_softcap", "attn_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -346,17 +390,27 @@ class ModelConfig:
         return self.norm_placement not in ("post", "deepnorm")
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
-        """The static per-layer choices (window, RoPE) the patterns spell out."""
+        """The static per-layer choices (window or chunk, RoPE, ...) the patterns spell out.
+
+        Llama 4's per-layer rules live here: `qk_norm: l2` normalises only the RoPE layers, and
+        temperature tuning scales the queries of only the layers without positions.
+        """
         specs = []
         for i in range(self.n_layers):
-            local = self.attention_pattern[i % len(self.attention_pattern)] == "L"
+            kind = self.attention_pattern[i % len(self.attention_pattern)]
+            local = kind == "L"
             rope = None
             if self.position_embedding == "rope" and self.rope_pattern[i % len(self.rope_pattern)] == "R":
                 if local and self.rope_local_theta is not None:
                     rope = RopeSpec(self.rope_local_theta, self.rotary_dim, self.rope_layout, RopeScaling())
                 else:
                     rope = RopeSpec(self.rope_theta, self.rotary_dim, self.rope_layout, self.rope_scaling)
-            specs.append(LayerSpec(self.sliding_window if local else None, rope))
+            temperature = (None if self.attn_temperature_floor is None or rope is not None
+                           else TemperatureSpec(self.attn_temperature_floor, self.attn_temperature_scale))
+            specs.append(LayerSpec(self.sliding_window if local else None, rope,
+                                   chunk=self.attention_chunk_size if kind == "C" else None,
+                                   qk_norm="none" if self.qk_norm == "l2" and rope is None else self.qk_norm,
+                                   temperature=temperature))
         return tuple(specs)
 
     # ----- (de)serialisation ---------------------------------------------------

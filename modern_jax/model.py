@@ -213,11 +213,12 @@ class Transformer(nnx.Module):
 
     def cache_length(self, cache: dict) -> int | None:
         """The most tokens `cache` holds: the slots of its global layers (and of any ring shorter
-        than its window); None when every layer is a full `sliding_window` ring, which wraps."""
+        than its window or chunk); None when every layer is a full ring (a `sliding_window` or an
+        `attention_chunk_size` one), which wraps."""
         lengths = [layer["pos"].shape[2]  # [repeats, B, S]
                    for stage, stage_cache in zip(self.stages, cache["stages"])
                    for spec, layer in zip(stage.unit, stage_cache)
-                   if spec.window is None or layer["pos"].shape[2] < spec.window]
+                   if spec.span is None or layer["pos"].shape[2] < spec.span]
         return min(lengths) if lengths else None
 
     def _check_cache(self, cache: dict, B: int, T: int) -> None:

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from modern_jax.config import ModelConfig, ffn_width_rule, model_config_from_file
+from modern_jax.config import ModelConfig, TemperatureSpec, ffn_width_rule, model_config_from_file
 from modern_jax.configfile import apply_overrides
 
 CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -44,6 +44,16 @@ BAD = [
     (dict(rope_local_theta=10.0), "rope_local_theta"),
     (dict(parallel_shared_norm=False), "parallel_shared_norm"),
     (dict(d_ff=-1), "d_ff"),
+    (dict(attention_pattern="CCCG"), "attention_chunk_size"),  # chunked layers without a chunk size
+    (dict(attention_pattern="C", attention_chunk_size=0), "attention_chunk_size"),
+    (dict(attention_pattern="C", attention_chunk_size=2.5), "attention_chunk_size"),
+    (dict(attention_chunk_size=64), "attention_chunk_size"),  # a chunk size without chunked layers
+    (dict(qk_norm="l2", position_embedding="none"), "qk_norm"),  # l2 normalises the RoPE layers: none here
+    (dict(qk_norm="l2", rope_pattern="N"), "qk_norm"),
+    (dict(attn_temperature_floor=8192), "attn_temperature_floor"),  # tunes the NoPE layers: none here
+    (dict(attn_temperature_floor=0, rope_pattern="RRRN"), "attn_temperature_floor"),
+    (dict(attn_temperature_floor=8192, rope_pattern="RRRN", attn_temperature_scale=0.0), "attn_temperature_scale"),
+    (dict(attn_temperature_scale=0.2), "attn_temperature_scale"),  # tuning is off
 ]
 
 
@@ -108,3 +118,26 @@ def test_layer_patterns_cycle_over_depth():
     assert [s.window for s in specs] == [16, 16, None, 16, 16, None, 16, 16]
     assert [s.rope is None for s in specs] == [False, False, False, True] * 2
     assert specs[0].rope.theta == 100.0 and specs[2].rope.theta == 1e6
+
+
+def test_llama4_layer_rules_are_per_layer_specs():
+    """`CCCG` / `RRRN`: chunks on the RoPE layers, the L2 QK-norm only there, the temperature only
+    on the NoPE layers; the errors say how to fix the config."""
+    cfg = ModelConfig(n_layers=8, attention_pattern="CCCG", attention_chunk_size=8192, rope_pattern="RRRN",
+                      qk_norm="l2", attn_temperature_floor=8192, attn_temperature_scale=0.1)
+    specs = cfg.layer_specs()
+    assert [s.chunk for s in specs] == [8192, 8192, 8192, None] * 2
+    assert [s.span for s in specs] == [8192, 8192, 8192, None] * 2
+    assert [s.qk_norm for s in specs] == ["l2", "l2", "l2", "none"] * 2
+    assert [s.temperature for s in specs] == [None, None, None, TemperatureSpec(8192, 0.1)] * 2
+    assert [s.window for s in specs] == [None] * 8
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert [s.qk_norm for s in cfg.replace(qk_norm="head").layer_specs()] == ["head"] * 8  # head / full: every layer
+    with pytest.raises(ValueError, match=r"attention_chunk_size=None.*chunked layers \('C'\) need a positive"):
+        ModelConfig(n_layers=4, attention_pattern="CCCG")
+    with pytest.raises(ValueError, match=r"attention_chunk_size=64.*set attention_pattern to 'C'"):
+        ModelConfig(attention_chunk_size=64)
+    with pytest.raises(ValueError, match=r"attn_temperature_floor=8192.*add an 'N' to rope_pattern"):
+        ModelConfig(attn_temperature_floor=8192)
+    with pytest.raises(ValueError, match=r"qk_norm='l2'.*RoPE layers"):
+        ModelConfig(qk_norm="l2", position_embedding="none")

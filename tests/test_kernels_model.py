@@ -2,7 +2,8 @@
 
 Each config switches on the features the kernels must carry through a real forward and
 backward pass: GQA, local/global layers (sliding window), soft-cap, sinks, QK-norm,
-packed segments; MLA brings a value head dim different from the key one. The Pallas
+packed segments; MLA brings a value head dim different from the key one; Llama 4's chunked
+layers (chunks of 5 over packed documents) with the L2 QK-norm and temperature tuning. The Pallas
 kernels run in interpret mode. Tolerance: 1e-4 relative to each tensor's largest entry.
 """
 
@@ -24,6 +25,8 @@ CONFIGS = {
                        attn_softcap=20.0, attention_sinks=True, sliding_window=6, attention_pattern="LG"),
     "mla_layernorm": dict(attention_type="mla", mla_kv_rank=16, mla_q_rank=8, mla_rope_dim=8, mla_nope_dim=8,
                           mla_v_dim=8, norm_type="layernorm", norm_bias=True, attention_sinks=True),
+    "llama4_chunked": dict(n_kv_heads=2, attention_pattern="CG", attention_chunk_size=5, rope_pattern="RN",
+                           qk_norm="l2", attn_temperature_floor=4, attn_temperature_scale=0.5),
 }
 IMPLS = {  # attention_impl, norm_impl, interpreted platform
     "chunked": ("chunked", "reference", None),

@@ -35,6 +35,11 @@ SWITCHES = {
                            rope_scaling=dict(type="llama3", factor=8.0, original_max_position_embeddings=16)),
     "yarn_reglu": dict(activation="relu", rope_scaling=dict(type="yarn", factor=4.0,
                                                             original_max_position_embeddings=16)),
+    # Llama 4's attention: chunks of 3 on the RoPE layers with the L2 QK-norm, a global NoPE layer
+    # whose queries are temperature-tuned (floor 2, so positions 1.. are scaled)
+    "llama4_chunked": dict(n_layers=4, n_kv_heads=2, attention_pattern="CCCG", attention_chunk_size=3,
+                           rope_pattern="RRRN", qk_norm="l2", attn_temperature_floor=2, attn_temperature_scale=0.5,
+                           rope_layout="interleaved"),
 }
 
 
@@ -65,7 +70,8 @@ def test_shapes_and_dtypes_jit_and_eager(name, dtype):
         assert float(jnp.max(jnp.abs(eager))) < model.cfg.final_softcap
 
 
-@pytest.mark.parametrize("name", ["llama", "sandwich_gemma", "parallel_neox", "mla", "post_layernorm_gelu_learned"])
+@pytest.mark.parametrize("name", ["llama", "sandwich_gemma", "parallel_neox", "mla", "post_layernorm_gelu_learned",
+                                  "llama4_chunked"])
 def test_causality_by_gradient(name):
     """d logits[t] / d input[t'] is zero for every t' > t and non-zero for some t' <= t."""
     model = make(name, tie_embeddings=False)
@@ -101,6 +107,9 @@ def decode_matches_forward(model, T_prompt=5, T=12, chunks=None):
     ("irope_bilinear", {}),  # NoPE / RoPE layer pattern
     ("sandwich_gemma", {}),  # local/global, two RoPE bases, softcaps
     ("post_layernorm_gelu_learned", {}),
+    ("llama4_chunked", {}),  # chunk rings of 3 slots, L2 QK-norm, temperature of the true positions
+    ("mla", dict(n_layers=4, attention_pattern="CCCG", attention_chunk_size=4, rope_pattern="RRRN",
+                 attn_temperature_floor=3)),
 ])
 def test_cached_decode_equals_full_forward(name, overrides):
     decode_matches_forward(make(name, **overrides))
@@ -109,6 +118,33 @@ def test_cached_decode_equals_full_forward(name, overrides):
 def test_chunked_prefill_across_a_ring_boundary():
     model = make("llama", sliding_window=4, attention_pattern="LG")
     decode_matches_forward(model, chunks=[3, 5, 2, 1, 1])  # chunks longer than the window's ring
+
+
+def test_attention_chunk_rings_hold_one_chunk_and_wrap():
+    """A chunked layer caches `attention_chunk_size` slots; prefills longer than the ring, starting
+    mid-chunk, and decoding past several chunk boundaries equal the full forward pass."""
+    model = make("llama4_chunked")
+    cache = model.init_cache(2, max_len=16)
+    assert [layer["pos"].shape[2] for stage in cache["stages"] for layer in stage] == [3, 16]
+    decode_matches_forward(model, chunks=[4, 5, 1, 2])
+    decode_matches_forward(model, chunks=[1, 7, 3, 1])
+    all_chunked = make("llama4_chunked", attention_pattern="C", rope_pattern="R", attn_temperature_floor=None,
+                       attn_temperature_scale=0.1)
+    assert all_chunked.cache_length(all_chunked.init_cache(2, max_len=16)) is None  # every layer a ring: it wraps
+    decode_matches_forward(all_chunked, chunks=[5, 4, 3])
+
+
+def test_chunked_layers_see_only_their_own_chunk():
+    """Every layer chunked (c = 4): d logits[t] / d input[t'] is non-zero exactly for the positions
+    t' of t's own block, t // 4 * 4 <= t' <= t (the blocks line up across layers)."""
+    model = make("llama4_chunked", attention_pattern="C", rope_pattern="R", attention_chunk_size=4,
+                 attn_temperature_floor=None, attn_temperature_scale=0.1, tie_embeddings=False)
+    T = 11
+    toks = jnp.arange(T, dtype=jnp.int32)[None] + 3
+    grad_of_logit = nnx.jit(lambda m, t: nnx.grad(lambda m: jnp.sum(m(toks)[0, t]))(m)["embed_tokens"][...])
+    for t in range(T):
+        per_position = np.abs(np.asarray(grad_of_logit(model, t))[np.asarray(toks[0])]).sum(-1)
+        np.testing.assert_array_equal(per_position > 0, (np.arange(T) >= t // 4 * 4) & (np.arange(T) <= t), str(t))
 
 
 def test_scan_equals_unrolled():

@@ -6,7 +6,15 @@ G query heads per kv head (N = K * G), H head dim, U value head dim (MLA), Z MLA
 query rank (as in `modern_jax`).
 
 Decoding caches are dicts of arrays `[B, S, ...]` plus `pos[B, S]` (the position held
-by each slot, -1 when empty). Local layers keep a ring of `sliding_window` slots.
+by each slot, -1 when empty). Local layers keep a ring of `sliding_window` slots, chunked
+layers one of `attention_chunk_size` slots: a query at p sees at most the positions
+`p - span + 1 .. p` (its window, or its chunk `[p // c * c, p]`), which are the ring's
+latest `span` writes; older positions in it are masked by the same rule.
+
+Per layer (`LayerSpec`): `qk_norm` `head` / `full` normalises q and k before RoPE, `l2`
+(Llama 4's weightless `x * rsqrt(mean(x^2) + eps)` per head) after it, on the RoPE layers
+only; temperature tuning scales the queries of the layers without positions by
+`log(floor((pos + 1) / floor) + 1) * scale + 1` of their true positions (the cache's too).
 
 Called with `diagnostics=True`, a layer sows `max_attention_logit` (`nnx.Intermediate`):
 max |q.k| * scale over its visible query-key pairs, measured by the attention kernel
@@ -24,19 +32,19 @@ from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.kernels import AttentionSpec, Visibility
 from modern_jax.ops.attention import attention
 from modern_jax.layers.linear import Proj, param
-from modern_jax.layers.norms import Norm
-from modern_jax.layers.positions import apply_rope, yarn_mscale
+from modern_jax.layers.norms import Norm, l2_norm
+from modern_jax.layers.positions import apply_rope, scale_queries, yarn_mscale
 from modern_jax.sharding import constrain
 
 MAX_LOGIT = "max_attention_logit"
 
 
-def attend_with_cache(cache, new, pos_BT, window):
+def attend_with_cache(cache, new, pos_BT, span):
     """Write `new` (dict of [B, T, ...]) into `cache`; return what the queries attend to.
 
-    Returns `(keys, k_pos_BS, updated_cache)`. A ring (local layer) that receives several
-    tokens at once attends over the old cache plus the new tokens, since writing first
-    could overwrite keys an earlier new query still sees.
+    Returns `(keys, k_pos_BS, updated_cache)`. A ring (a local or chunked layer, `span` its
+    window or chunk) that receives several tokens at once attends over the old cache plus the
+    new tokens, since writing first could overwrite keys an earlier new query still sees.
     """
     B, T = pos_BT.shape
     S = cache["pos"].shape[1]
@@ -46,7 +54,7 @@ def attend_with_cache(cache, new, pos_BT, window):
     slots_BT = pos_tail_BT % S
     updated = {name: cache[name].at[b_B1, slots_BT].set(tail[name].astype(cache[name].dtype)) for name in new}
     updated["pos"] = cache["pos"].at[b_B1, slots_BT].set(pos_tail_BT)
-    if window is None or T == 1:
+    if span is None or T == 1:
         keys = {name: updated[name] for name in new}
         return keys, updated["pos"], updated
     keys = {name: jnp.concatenate([cache[name], new[name].astype(cache[name].dtype)], axis=1) for name in new}
@@ -54,7 +62,7 @@ def attend_with_cache(cache, new, pos_BT, window):
 
 
 def cache_slots(cfg: ModelConfig, spec: LayerSpec, max_len: int) -> int:
-    return max_len if spec.window is None else min(spec.window, max_len)
+    return max_len if spec.span is None else min(spec.span, max_len)
 
 
 def sow_max_logit(layer: nnx.Module, out, diagnostics: bool):
@@ -77,13 +85,13 @@ class Attention(nnx.Module):
         self.v_proj = Proj(cfg, (D, K, H), ("embed", "kv_heads", "head_dim"), role="v", bias=cfg.qkv_bias, rngs=rngs)
         self.o_proj = Proj(cfg, (N, H, D), ("q_heads", "head_dim", "embed"), role="out", in_dims=2,
                            bias=cfg.out_bias, rngs=rngs)
-        if cfg.qk_norm == "head":  # one gamma over head_dim, shared by all heads
+        if spec.qk_norm == "head":  # one gamma over head_dim, shared by all heads
             self.q_norm = Norm(cfg, (H,), ("head_dim",), rngs=rngs)
             self.k_norm = Norm(cfg, (H,), ("head_dim",), rngs=rngs)
-        elif cfg.qk_norm == "full":  # over the whole projection (OLMo 2)
+        elif spec.qk_norm == "full":  # over the whole projection (OLMo 2)
             self.q_norm = Norm(cfg, (N, H), ("q_heads", "head_dim"), rngs=rngs)
             self.k_norm = Norm(cfg, (K, H), ("kv_heads", "head_dim"), rngs=rngs)
-        else:
+        else:  # none, or l2 (no weight: applied after RoPE in __call__)
             self.q_norm = self.k_norm = None
         self.sinks = param(rngs, jax.nn.initializers.zeros, (N,), ("q_heads",), jnp.float32) if cfg.attention_sinks else None
 
@@ -104,19 +112,24 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         if spec.rope is not None:
             q_BTNH, k_BTKH = apply_rope(q_BTNH, pos_BT, spec.rope), apply_rope(k_BTKH, pos_BT, spec.rope)
+        if spec.qk_norm == "l2":  # Llama 4: weightless, per head, after RoPE
+            q_BTNH, k_BTKH = l2_norm(q_BTNH, cfg.norm_eps), l2_norm(k_BTKH, cfg.norm_eps)
+        if spec.temperature is not None:
+            q_BTNH = scale_queries(q_BTNH, pos_BT, spec.temperature)
         q_BTKGH = constrain(q_BTNH.reshape(B, T, K, G, H), ("activation_batch", "activation_length",
                                                             "activation_kv_heads", None, None))
         k_pos_BS, k_seg_BS = pos_BT, seg_BT
         if cache is None:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
         else:
-            keys, k_pos_BS, cache = attend_with_cache(cache, {"k": k_BTKH, "v": v_BTKH}, pos_BT, spec.window)
+            keys, k_pos_BS, cache = attend_with_cache(cache, {"k": k_BTKH, "v": v_BTKH}, pos_BT, spec.span)
             k_BSKH, v_BSKH = keys["k"].astype(x_BTD.dtype), keys["v"].astype(x_BTD.dtype)
         scale = cfg.attn_scale if cfg.attn_scale is not None else H**-0.5
         sinks_KG = None if self.sinks is None else self.sinks[...].reshape(K, G)
         o_BTKGH = sow_max_logit(self, attention(
             q_BTKGH, k_BSKH, v_BSKH,
-            AttentionSpec(scale=scale, window=spec.window, softcap=cfg.attn_softcap, dropout_rate=cfg.attn_dropout),
+            AttentionSpec(scale=scale, window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
+                          dropout_rate=cfg.attn_dropout),
             Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS), sinks_KG=sinks_KG, dropout_rng=rng,
             impl=cfg.attention_impl, return_max_logit=diagnostics,
         ), diagnostics)
@@ -171,6 +184,8 @@ class MLAttention(nnx.Module):
             q_BTNH = self.q_b_proj("BTQ,QNH->BTNH", self.q_a_layernorm(self.q_a_proj("BTD,DQ->BTQ", x_BTD)))
         else:
             q_BTNH = self.q_proj("BTD,DNH->BTNH", x_BTD)
+        if spec.temperature is not None:  # a NoPE layer's queries, both parts
+            q_BTNH = scale_queries(q_BTNH, pos_BT, spec.temperature)
         q_nope_BTNH, q_pe_BTNY = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
         ckv_BTX = self.kv_a_proj_with_mqa("BTD,DX->BTX", x_BTD)
         c_BTZ = checkpoint_name(self.kv_a_layernorm(ckv_BTX[..., :Z]), "key_proj")
@@ -182,12 +197,12 @@ class MLAttention(nnx.Module):
         if cache is None:
             c_BSZ, k_pe_BSY = c_BTZ, k_pe_BTY
         else:
-            keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTZ, "k_pe": k_pe_BTY}, pos_BT, spec.window)
+            keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTZ, "k_pe": k_pe_BTY}, pos_BT, spec.span)
             c_BSZ, k_pe_BSY = keys["c"].astype(x_BTD.dtype), keys["k_pe"].astype(x_BTD.dtype)
         absorb = cache is not None if absorb is None else absorb
         w_ZNX = self.kv_b_proj.kernel[...].astype(x_BTD.dtype)
         w_uk_ZNH, w_uv_ZNU = w_ZNX[..., :Hn], w_ZNX[..., Hn:]
-        spec_ = AttentionSpec(scale=self.scale(), window=spec.window, softcap=cfg.attn_softcap,
+        spec_ = AttentionSpec(scale=self.scale(), window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
                               dropout_rate=cfg.attn_dropout)
         vis = Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS)
         kwargs = dict(dropout_rng=rng, impl=cfg.attention_impl, return_max_logit=diagnostics)

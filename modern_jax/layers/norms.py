@@ -1,4 +1,4 @@
-"""RMSNorm (plain and Gemma's (1 + w)) and LayerNorm, statistics in float32."""
+"""RMSNorm (plain and Gemma's (1 + w)), LayerNorm and the weightless L2 norm, statistics in float32."""
 
 from __future__ import annotations
 
@@ -36,3 +36,10 @@ class Norm(nnx.Module):
         """`(h, Norm(h))` with `h = residual + x`: the residual add fused into the norm's kernel."""
         bias = None if self.bias is None else self.bias[...]
         return add_norm(x, residual, self.weight[...], bias, kind=self.kind, eps=self.eps, impl=self.impl)
+
+
+def l2_norm(x, eps: float):
+    """`x * rsqrt(mean(x^2) + eps)` over the last axis, without a weight (Llama 4's QK-norm,
+    `Llama4TextL2Norm`); statistics in float32, the result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)

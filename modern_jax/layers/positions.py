@@ -1,4 +1,5 @@
-"""Positions: RoPE (both pair layouts, partial, linear / Llama-3 / YaRN scaling) and sinusoids.
+"""Positions: RoPE (both pair layouts, partial, linear / Llama-3 / YaRN scaling), sinusoids, and
+the attention temperature tuning of layers without positions (Llama 4).
 
 RoPE rotates pairs of query/key features by `position * inv_freq`; values are never
 rotated. `half` pairs feature i with i + R/2 (Llama, Hugging Face); `interleaved`
@@ -12,7 +13,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from modern_jax.config import RopeSpec
+from modern_jax.config import RopeSpec, TemperatureSpec
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -83,3 +84,12 @@ def sinusoidal(pos_BT, d_model: int, dtype):
     angle_BTF = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
     pe_BTD = jnp.stack([jnp.sin(angle_BTF), jnp.cos(angle_BTF)], axis=-1).reshape(*pos_BT.shape, d_model)
     return pe_BTD.astype(dtype)
+
+
+def scale_queries(q_BTNH, pos_BT, spec: TemperatureSpec):
+    """Temperature tuning (Llama 4's `attn_temperature_tuning`): the queries at position p times
+    `log(floor((p + 1) / floor) + 1) * scale + 1` (1 while p + 1 < floor, then growing like log p).
+    The floor is integer division, exact at any position."""
+    steps_BT = ((pos_BT.astype(jnp.int32) + 1) // spec.floor).astype(jnp.float32)
+    factor_BT11 = (jnp.log1p(steps_BT) * spec.scale + 1.0)[:, :, None, None]
+    return (q_BTNH.astype(jnp.float32) * factor_BT11).astype(q_BTNH.dtype)
