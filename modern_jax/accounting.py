@@ -17,7 +17,10 @@ from modern_jax.config import ModelConfig
 
 @lru_cache(maxsize=64)
 def param_counts(cfg: ModelConfig) -> dict:
-    """Exact counts: total, embedding, head, final_norm, and per_block (one per layer)."""
+    """Exact counts: total, embedding, head, final_norm, per_block (one per layer), and active.
+
+    `active`: the parameters one token uses: all of them less, in each mixture-of-experts
+    layer, the E - k routed experts it is not sent to (router and shared experts included)."""
     from modern_jax.layers.moe import SelectionBias
     from modern_jax.model import Transformer
 
@@ -28,11 +31,15 @@ def param_counts(cfg: ModelConfig) -> dict:
         return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(node, counted)))
 
     per_block = [0] * cfg.n_layers
+    unused = 0  # routed-expert parameters a token does not use
     for stage in model.stages:
         for j, block in enumerate(stage.blocks):
             per_layer = size(block) // stage.repeats
             for i in range(stage.repeats):
                 per_block[stage.first + i * len(stage.unit) + j] = per_layer
+            if hasattr(block.mlp, "experts"):
+                per_expert = size(block.mlp.experts) // (stage.repeats * cfg.n_experts)
+                unused += stage.repeats * (cfg.n_experts - cfg.experts_per_token) * per_expert
     embedding = math.prod(model.embed_tokens.shape)
     if model.embed_positions is not None:
         embedding += math.prod(model.embed_positions.shape)
@@ -40,9 +47,8 @@ def param_counts(cfg: ModelConfig) -> dict:
     final_norm = 0 if model.norm is None else size(model.norm)
     total = size(model)
     assert total == embedding + head + final_norm + sum(per_block)
-    return {"total": total, "embedding": embedding, "head": head, "final_norm": final_norm, "per_block": per_block}
-
-
+    return {"total": total, "embedding": embedding, "head": head, "final_norm": final_norm, "per_block": per_block,
+            "active": total - unused}
 
 
 def kv_bytes_per_token_per_layer(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -67,13 +73,13 @@ def kv_cache_bytes(cfg: ModelConfig, context: int, dtype_bytes: int = 2) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     """Training FLOPs per token: `6 N` for the weights plus the attention term.
 
-    N counts the parameters used in matmuls (all but the embedding lookups; a tied
-    head's matmul counts). The attention term is `6 * n_heads * (d_qk + d_v) * T_eff`
+    N counts the parameters one token uses in matmuls (the active ones, less the embedding
+    lookups; a tied head's matmul counts). The attention term is `6 * n_heads * (d_qk + d_v) * T_eff`
     per layer (PaLM's `12 L H Q T` when d_qk = d_v = Q), with T_eff = min(T, window or chunk),
     counted as for full (non-causal) attention.
     """
     counts = param_counts(cfg)
-    n_matmul = counts["total"] - counts["embedding"]
+    n_matmul = counts["active"] - counts["embedding"]
     if cfg.tie_embeddings:
         n_matmul += cfg.vocab_size * cfg.d_model
     if cfg.attention_type == "mla":

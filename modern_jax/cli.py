@@ -72,6 +72,10 @@ def cmd_info(args) -> None:
     counts = param_counts(cfg)
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[args.kv_dtype]
     print(f"parameters: {counts['total']}")
+    if cfg.ffn_type == "moe":
+        print(f"active parameters: {counts['active']}")
+        print(f"routed experts per token: {cfg.experts_per_token} of {cfg.n_experts}"
+              + (f", plus {cfg.n_shared_experts} shared" if cfg.n_shared_experts else ""))
     print(f"embedding parameters: {counts['embedding']}")
     print(f"head parameters: {counts['head']}" + (" (tied to the embedding)" if cfg.tie_embeddings else ""))
     print(f"non-embedding parameters: {counts['total'] - counts['embedding']}")

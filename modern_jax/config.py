@@ -25,7 +25,10 @@ from modern_jax.configfile import check_keys, fail, load_config_file
 
 NORM_TYPES = ("rmsnorm", "gemma_rmsnorm", "layernorm")
 PLACEMENTS = ("post", "pre", "sandwich", "output", "parallel", "deepnorm")
-FFN_TYPES = ("mlp", "gated")
+FFN_TYPES = ("mlp", "gated", "moe")
+ROUTER_SCORES = ("softmax", "topk_softmax", "sigmoid")
+MOE_DISPATCHES = ("grouped", "dense", "capacity")
+GROUPED_IMPLS = ("default", "ragged_dot", "megablox")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity")
 POSITIONS = ("none", "rope", "sinusoidal", "learned")
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -135,6 +138,7 @@ class LayerSpec:
 
     window: int | None  # sliding window: a query sees keys with q_pos - k_pos < window; None: no window
     rope: RopeSpec | None  # None: no positions in this layer (NoPE)
+    moe: bool = False  # the FFN is a mixture of experts
     chunk: int | None = None  # chunked attention: a query sees keys in its own block of `chunk` positions
     qk_norm: str = "none"  # ModelConfig.qk_norm, except that 'l2' applies to the RoPE layers only
     temperature: TemperatureSpec | None = None  # None: queries unscaled (every layer with RoPE)
@@ -173,6 +177,29 @@ class ModelConfig:
     activation: str = "silu"
     fused_gate_up: bool = False
     mlp_bias: bool = False
+    # mixture of experts (ffn_type="moe"; README: Mixture of experts)
+    n_experts: int = 0  # E routed experts
+    experts_per_token: int = 0  # k
+    expert_d_ff: int | None = None  # width of each routed expert; None: d_ff
+    n_shared_experts: int = 0  # always-on experts beside the routed ones
+    shared_expert_d_ff: int | None = None  # width of each shared expert; None: expert_d_ff
+    moe_pattern: str = "E"  # per layer: E experts, D a dense gated FFN of width d_ff (cyclic)
+    moe_first_dense: int = 0  # the first layers are dense whatever the pattern (DeepSeek)
+    router_score: str = "softmax"  # softmax over all then top-k | top-k then softmax over k | sigmoid
+    router_norm_topk: bool = False  # renormalise the k weights to sum to 1
+    router_scale: float = 1.0  # the routed output's scale (routed_scaling_factor)
+    router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    router_selection_bias: bool = False  # a bias that chooses experts but does not weight them (DeepSeek-V3)
+    router_groups: int = 1  # experts split into groups, each scored by the sum of its top 2 (DeepSeek-V3)
+    router_topk_groups: int = 1  # groups kept per token
+    router_on_input: bool = False  # the weight scales the expert's input, not its output (Llama 4)
+    moe_aux_per_sequence: bool = False  # the balance loss per sequence, not over the batch
+    expert_bias: bool = False  # biases on the expert projections (gpt-oss)
+    expert_swiglu_limit: float | None = None  # gpt-oss: clamp gate and up, (up + 1) * gate * sigmoid(alpha gate)
+    expert_swiglu_alpha: float = 1.702
+    moe_dispatch: str = "grouped"  # dropless grouped matmuls | every expert on every token | capacity
+    moe_capacity_factor: float = 1.0  # capacity dispatch: slots per expert = factor * tokens * k / E
+    moe_grouped_impl: str = "default"  # the grouped matmul: ragged_dot, or megablox (TPU kernel)
 
     # positions
     position_embedding: str = "rope"
@@ -230,6 +257,9 @@ class ModelConfig:
             ("norm_type", NORM_TYPES),
             ("norm_placement", PLACEMENTS),
             ("ffn_type", FFN_TYPES),
+            ("router_score", ROUTER_SCORES),
+            ("moe_dispatch", MOE_DISPATCHES),
+            ("moe_grouped_impl", GROUPED_IMPLS),
             ("activation", ACTIVATIONS),
             ("position_embedding", POSITIONS),
             ("rope_layout", ROPE_LAYOUTS),
@@ -349,6 +379,54 @@ class ModelConfig:
                   "set attention_type='mla' to use a latent")
         if self.position_embedding == "sinusoidal" and self.d_model % 2:
             _fail("d_model", self.d_model, "sinusoidal positions need an even d_model")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.ffn_type != "moe":
+            for name, default in (("n_experts", 0), ("experts_per_token", 0), ("n_shared_experts", 0),
+                                  ("router_selection_bias", False), ("router_bias", False), ("expert_bias", False),
+                                  ("expert_swiglu_limit", None), ("moe_pattern", "E"), ("moe_first_dense", 0),
+                                  ("expert_d_ff", None), ("shared_expert_d_ff", None)):
+                if getattr(self, name) != default:
+                    _fail(name, getattr(self, name), "applies to a mixture of experts: set ffn_type='moe'")
+            return
+        if self.activation in ("identity",):
+            _fail("activation", self.activation, "experts are gated FFNs: use silu, gelu, gelu_tanh, relu or sigmoid")
+        if self.fused_gate_up:
+            _fail("fused_gate_up", True, "a mixture of experts keeps gate and up apart; set fused_gate_up=false")
+        if self.n_experts < 2:
+            _fail("n_experts", self.n_experts, "a mixture of experts needs at least 2 routed experts")
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            _fail("experts_per_token", self.experts_per_token, f"expected 1 .. n_experts={self.n_experts}")
+        for name in ("expert_d_ff", "shared_expert_d_ff"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                _fail(name, getattr(self, name), "expected a positive width or null")
+        if self.n_shared_experts < 0:
+            _fail("n_shared_experts", self.n_shared_experts, "expected 0 or more shared experts")
+        self._check_pattern("moe_pattern", "DE")
+        if not 0 <= self.moe_first_dense <= self.n_layers:
+            _fail("moe_first_dense", self.moe_first_dense, f"expected 0 .. n_layers={self.n_layers}")
+        if not any(spec.moe for spec in self.layer_specs()):
+            _fail("moe_pattern", self.moe_pattern, f"with moe_first_dense={self.moe_first_dense} no layer has experts")
+        if self.router_groups < 1 or self.n_experts % self.router_groups:
+            _fail("router_groups", self.router_groups, f"must divide n_experts={self.n_experts}")
+        if not 1 <= self.router_topk_groups <= self.router_groups:
+            _fail("router_topk_groups", self.router_topk_groups, f"expected 1 .. router_groups={self.router_groups}")
+        per_group = self.n_experts // self.router_groups
+        if self.router_groups > 1 and per_group < 2:
+            _fail("router_groups", self.router_groups, "each group is scored by its top 2: needs 2 experts or more")
+        if self.router_groups > 1 and self.router_topk_groups * per_group < self.experts_per_token:
+            _fail("router_topk_groups", self.router_topk_groups,
+                  f"the kept groups hold {self.router_topk_groups * per_group} experts, fewer than "
+                  f"experts_per_token={self.experts_per_token}")
+        if self.router_on_input and self.experts_per_token != 1:
+            _fail("router_on_input", True, "scaling the input works for one expert per token (experts_per_token=1)")
+        if not self.router_scale > 0:
+            _fail("router_scale", self.router_scale, "expected a positive scale")
+        if self.expert_swiglu_limit is not None and not self.expert_swiglu_limit > 0:
+            _fail("expert_swiglu_limit", self.expert_swiglu_limit, "expected a positive limit or null")
+        if not self.moe_capacity_factor > 0:
+            _fail("moe_capacity_factor", self.moe_capacity_factor, "expected a positive factor")
 
     def _check_pattern(self, name: str, letters: str) -> None:
         pattern = getattr(self, name)
@@ -386,6 +464,16 @@ class ModelConfig:
         return ffn_width_rule(self.d_model, self.ffn_multiple_of)
 
     @property
+    def expert_width(self) -> int:
+        return self.expert_d_ff if self.expert_d_ff is not None else self.ffn_width
+
+    @property
+    def shared_width(self) -> int:
+        """The total width of the shared experts (0: none): they run as one gated FFN."""
+        each = self.shared_expert_d_ff if self.shared_expert_d_ff is not None else self.expert_width
+        return self.n_shared_experts * each
+
+    @property
     def has_final_norm(self) -> bool:
         return self.norm_placement not in ("post", "deepnorm")
 
@@ -405,9 +493,11 @@ class ModelConfig:
                     rope = RopeSpec(self.rope_local_theta, self.rotary_dim, self.rope_layout, RopeScaling())
                 else:
                     rope = RopeSpec(self.rope_theta, self.rotary_dim, self.rope_layout, self.rope_scaling)
+            moe = (self.ffn_type == "moe" and i >= self.moe_first_dense
+                   and self.moe_pattern[i % len(self.moe_pattern)] == "E")
             temperature = (None if self.attn_temperature_floor is None or rope is not None
                            else TemperatureSpec(self.attn_temperature_floor, self.attn_temperature_scale))
-            specs.append(LayerSpec(self.sliding_window if local else None, rope,
+            specs.append(LayerSpec(self.sliding_window if local else None, rope, moe=moe,
                                    chunk=self.attention_chunk_size if kind == "C" else None,
                                    qk_norm="none" if self.qk_norm == "l2" and rope is None else self.qk_norm,
                                    temperature=temperature))

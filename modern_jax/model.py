@@ -6,13 +6,14 @@ Letters: B batch, T length, D model, V vocab, L layers.
     for each block: h = Block(h)          (stacked and scanned over depth)
     logits = softcap(head(FinalNorm(h)))
 
-Auxiliary losses: a layer may sow `moe_aux_loss` values (`nnx.Intermediate`), e.g. a
-mixture-of-experts router's load-balancing loss; the stages capture and add them up through
-the scan, and the model sows their sum as its own `moe_aux_loss`, which the trainer
-captures and weights by `train.moe_aux_weight`. Diagnostics the same way: with
-`hidden_states(..., diagnostics=True)` every attention layer sows `max_attention_logit`
-(measured by its attention kernel), the stages carry the max through the scan, and the
-model sows the max over its layers (the trainer turns it on with `train.diagnostics`).
+What the layers sow (`nnx.Intermediate`) the stages capture and reduce through the scan, and
+the model sows the result as its own, for the trainer to capture:
+- summed over layers: a mixture of experts' `moe_aux_loss` (balance; weighted by
+  `train.moe_aux_weight`), `moe_router_z_loss` (`train.moe_router_z_weight`), `moe_dropped`;
+- the max over layers: `max_attention_logit`, with `hidden_states(..., diagnostics=True)`,
+  measured by every attention layer's kernel (`train.diagnostics`);
+- per layer: `moe_load`, the assignments per expert of each MoE layer, `[MoE layers, E]` in
+  layer order (`expert_loads`), which the metrics and auxiliary-loss-free balancing read.
 
 Layers with identical parameter shapes and static choices (window, RoPE) are stacked
 along a `layers` axis and run by `jax.lax.scan`. A per-layer pattern (Gemma's local /
@@ -41,6 +42,7 @@ from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.layers.attention import MAX_LOGIT
 from modern_jax.layers.block import Block
 from modern_jax.layers.linear import Proj, param
+from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS, MoE
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import sinusoidal
 from modern_jax.ops import vocab
@@ -56,7 +58,8 @@ REMAT_POLICIES = {
 }
 
 
-AUX_LOSS = "moe_aux_loss"
+SUMMED = (AUX_LOSS, ROUTER_Z_LOSS, DROPPED)  # what the layers sow, added up over the layers
+MAXED = (MAX_LOGIT,)  # ... and what takes the max over them
 
 
 def _sown(sown, name: str) -> list:
@@ -65,16 +68,27 @@ def _sown(sown, name: str) -> list:
             if name in map(str, path) for leaf in jax.tree.leaves(v)]
 
 
+def sown_value(sown, name: str):
+    """The reduced value sown under `name` (a sum, or the max for `max_attention_logit`; `moe_load`
+    as sown), or None if nothing was."""
+    values = _sown(sown, name)
+    if not values:
+        return None
+    if name in MAXED:
+        return functools.reduce(jnp.maximum, [jnp.max(x) for x in values])
+    if name in SUMMED:
+        return sum(jnp.sum(x) for x in values)
+    return values[0] if len(values) == 1 else values
+
+
 def aux_loss(sown):
     """The sum of the `moe_aux_loss` values in captured intermediates (`nnx.capture`), or None if none."""
-    values = [jnp.sum(x) for x in _sown(sown, AUX_LOSS)]
-    return sum(values) if values else None
+    return sown_value(sown, AUX_LOSS)
 
 
 def max_attention_logit(sown):
     """The max of the `max_attention_logit` values in captured intermediates, or None if none."""
-    values = [jnp.max(x) for x in _sown(sown, MAX_LOGIT)]
-    return functools.reduce(jnp.maximum, values) if values else None
+    return sown_value(sown, MAX_LOGIT)
 
 
 def plan_stages(specs: tuple[LayerSpec, ...]) -> list[tuple[tuple[LayerSpec, ...], int]]:
@@ -123,22 +137,25 @@ class Stage(nnx.Module):
 
     @jax.named_scope("stage")
     def __call__(self, x_BTD, pos_BT, seg_BT, caches, rng, diagnostics: bool = False):
-        """`(x, caches, summed moe_aux_loss or None, max attention logit or None without diagnostics)`."""
+        """`(x, caches, reduced, loads)`: `reduced` maps each SUMMED / MAXED name some layer sowed to
+        its sum / max over the stage's layers; `loads[j]` is `moe_load` of block j of the unit,
+        `[repeats, E]`, or None for a dense block."""
         cfg, period = self.cfg, len(self.unit)
         graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
         caches = [None] * period if caches is None else caches
         zero = jnp.zeros((), jnp.float32)  # the identity of both the sum and the max (of |logits|)
-
-        sown = []  # set while tracing when a block sows an auxiliary loss
+        moe = [isinstance(block.mlp, MoE) for block in self.blocks]
+        sown_names = set()  # filled while tracing: the names some block sowed
 
         def layer(j):
             def apply(x_BTD, state, cache, rng):
                 block = nnx.merge(graphdefs[j], state)
                 (x_BTD, cache), sown_j = nnx.capture(block, nnx.Intermediate)(x_BTD, pos_BT, seg_BT, cache, rng,
                                                                               diagnostics=diagnostics)
-                aux, max_logit = aux_loss(sown_j), max_attention_logit(sown_j)
-                sown.append(aux is not None)
-                return x_BTD, cache, zero if aux is None else aux, zero if max_logit is None else max_logit
+                reduced = {name: sown_value(sown_j, name) for name in SUMMED + MAXED}
+                sown_names.update(name for name, value in reduced.items() if value is not None)
+                reduced = {name: zero if value is None else value for name, value in reduced.items()}
+                return x_BTD, cache, reduced, sown_value(sown_j, LOAD) if moe[j] else None
 
             if cfg.remat == "none":
                 return apply
@@ -147,29 +164,33 @@ class Stage(nnx.Module):
         layers = [layer(j) for j in range(period)]
 
         def unit(carry, xs):
-            x_BTD, aux, max_logit = carry
+            x_BTD, reduced = carry
             states_i, caches_i, i = xs
-            new_caches = []
+            new_caches, loads = [], []
             for j in range(period):
                 rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
-                x_BTD, cache_j, aux_j, max_logit_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
+                x_BTD, cache_j, reduced_j, load_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
                 x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
                 new_caches.append(cache_j)
-                aux, max_logit = aux + aux_j, jnp.maximum(max_logit, max_logit_j)
-            return (x_BTD, aux, max_logit), new_caches
+                loads.append(load_j)
+                reduced = {name: (jnp.maximum if name in MAXED else jnp.add)(value, reduced_j[name])
+                           for name, value in reduced.items()}
+            return (x_BTD, reduced), (new_caches, loads)
 
         xs = (list(states), list(caches), jnp.arange(self.repeats))
-        carry = (x_BTD, zero, zero)
+        carry = (x_BTD, {name: zero for name in SUMMED + MAXED})
         if cfg.scan_layers:
-            carry, new_caches = jax.lax.scan(unit, carry, xs)
+            carry, (new_caches, loads) = jax.lax.scan(unit, carry, xs)
         else:
             outs = []
             for i in range(self.repeats):
                 carry, out = unit(carry, jax.tree.map(lambda a: a[i], xs))
                 outs.append(out)
-            new_caches = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        x_BTD, aux, max_logit = carry
-        return x_BTD, new_caches, aux if any(sown) else None, max_logit if diagnostics else None
+            new_caches, loads = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        x_BTD, reduced = carry
+        if diagnostics:
+            sown_names.add(MAX_LOGIT)
+        return x_BTD, new_caches, {name: reduced[name] for name in sown_names}, loads
 
 
 class Transformer(nnx.Module):
@@ -280,22 +301,42 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
         x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
-        new_stage_caches, aux_losses, max_logits = [], [], []
+        new_stage_caches, reduced, loads = [], {}, []
         for s, stage in enumerate(self.stages):
-            x_BTD, stage_cache, aux, max_logit = stage(x_BTD, pos_BT, segment_ids,
-                                                       None if cache is None else cache["stages"][s], dropout_rng,
-                                                       diagnostics)
+            x_BTD, stage_cache, reduced_s, loads_s = stage(x_BTD, pos_BT, segment_ids,
+                                                           None if cache is None else cache["stages"][s],
+                                                           dropout_rng, diagnostics)
             new_stage_caches.append(stage_cache)
-            aux_losses += [] if aux is None else [aux]
-            max_logits += [] if max_logit is None else [max_logit]
-        if aux_losses:
-            self.sow(nnx.Intermediate, AUX_LOSS, sum(aux_losses))
-        if max_logits:
-            self.sow(nnx.Intermediate, MAX_LOGIT, functools.reduce(jnp.maximum, max_logits))
+            loads.append(loads_s)
+            for name, value in reduced_s.items():
+                reduced[name] = value if name not in reduced else (
+                    jnp.maximum if name in MAXED else jnp.add)(reduced[name], value)
+        for name, value in reduced.items():
+            self.sow(nnx.Intermediate, name, value, capture_noop=True)  # read only when captured
+        if self.moe_layers():
+            self.sow(nnx.Intermediate, LOAD, jnp.stack([loads[s][j][i] for _, s, i, j in self.moe_layers()]),
+                     capture_noop=True)
         if self.norm is not None:
             x_BTD = self.norm(x_BTD)
         new_cache = None if cache is None else {"index": cache["index"] + T, "stages": new_stage_caches}
         return x_BTD, new_cache
+
+    def moe_layers(self) -> list[tuple[int, int, int, int]]:
+        """`(layer, stage, repeat, block)` of every mixture-of-experts layer, in layer order."""
+        found = [(stage.first + i * len(stage.unit) + j, s, i, j)
+                 for s, stage in enumerate(self.stages) for j, block in enumerate(stage.blocks)
+                 if isinstance(block.mlp, MoE) for i in range(stage.repeats)]
+        return sorted(found)
+
+    def balance_routers(self, loads_LE, rate: float) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): each MoE layer's selection bias moves by
+        `rate * sign(mean load - load_e)` (towards the under-loaded experts), then is re-centred
+        at zero. `loads_LE`: the `moe_load` rows, in `moe_layers()` order."""
+        for n, (_, s, i, j) in enumerate(self.moe_layers()):
+            bias = self.stages[s].blocks[j].mlp.router.selection_bias
+            load_E = loads_LE[n].astype(jnp.float32)
+            new_E = bias[...][i] + rate * jnp.sign(jnp.mean(load_E) - load_E)
+            bias[...] = bias[...].at[i].set(new_E - jnp.mean(new_E))
 
     def head(self) -> vocab.Head:
         """The output head over this model's parameters: `embed_tokens` when tied, else `lm_head`."""

@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes: one rules table for parameters and activations.
 
 Parameters carry logical names in their `out_sharding` metadata (`embed`, `vocab`,
-`q_heads`, `kv_heads`, `head_dim`, `mlp`, `norm`, `layers`, `q_lora`, `kv_lora`);
+`q_heads`, `kv_heads`, `head_dim`, `mlp`, `experts`, `norm`, `layers`, `q_lora`, `kv_lora`);
 key activations are constrained to `activation_*` names. Model code names no mesh
 axis: `RULES` maps logical names to mesh axes, a mesh axis is used at most once per
 array, and `constrain` does nothing unless `with logical_rules(mesh, rules):` is active,
@@ -34,6 +34,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("experts", None),  # a mixture's routed experts (replicated: every device holds them all)
     ("norm", None),
     ("q_lora", None),
     ("kv_lora", None),

@@ -40,6 +40,18 @@ SWITCHES = {
     "llama4_chunked": dict(n_layers=4, n_kv_heads=2, attention_pattern="CCCG", attention_chunk_size=3,
                            rope_pattern="RRRN", qk_norm="l2", attn_temperature_floor=2, attn_temperature_scale=0.5,
                            rope_layout="interleaved"),
+    # mixtures of experts (dropless grouped dispatch), one per routing family
+    "moe_qwen": dict(n_layers=3, n_kv_heads=2, qk_norm="head", ffn_type="moe", n_experts=4, experts_per_token=2,
+                     expert_d_ff=16, router_norm_topk=True, moe_first_dense=1),
+    "moe_deepseek_mla": dict(attention_type="mla", mla_kv_rank=16, mla_q_rank=8, mla_rope_dim=4, mla_nope_dim=8,
+                             mla_v_dim=8, ffn_type="moe", n_experts=8, experts_per_token=2, expert_d_ff=8,
+                             router_score="sigmoid", router_norm_topk=True, router_scale=2.5,
+                             router_selection_bias=True, router_groups=4, router_topk_groups=2, n_shared_experts=1),
+    "moe_gpt_oss": dict(n_layers=2, sliding_window=3, attention_pattern="LG", attention_sinks=True, qkv_bias=True,
+                        out_bias=True, ffn_type="moe", n_experts=4, experts_per_token=2, router_score="topk_softmax",
+                        router_bias=True, expert_bias=True, expert_swiglu_limit=1.0),
+    "moe_llama4": dict(n_layers=4, ffn_type="moe", n_experts=4, experts_per_token=1, router_score="sigmoid",
+                       router_on_input=True, n_shared_experts=1, moe_pattern="DE", expert_d_ff=16),
 }
 
 
@@ -71,7 +83,7 @@ def test_shapes_and_dtypes_jit_and_eager(name, dtype):
 
 
 @pytest.mark.parametrize("name", ["llama", "sandwich_gemma", "parallel_neox", "mla", "post_layernorm_gelu_learned",
-                                  "llama4_chunked"])
+                                  "llama4_chunked", "moe_qwen", "moe_deepseek_mla", "moe_gpt_oss", "moe_llama4"])
 def test_causality_by_gradient(name):
     """d logits[t] / d input[t'] is zero for every t' > t and non-zero for some t' <= t."""
     model = make(name, tie_embeddings=False)
@@ -110,6 +122,7 @@ def decode_matches_forward(model, T_prompt=5, T=12, chunks=None):
     ("llama4_chunked", {}),  # chunk rings of 3 slots, L2 QK-norm, temperature of the true positions
     ("mla", dict(n_layers=4, attention_pattern="CCCG", attention_chunk_size=4, rope_pattern="RRRN",
                  attn_temperature_floor=3)),
+    ("moe_qwen", {}), ("moe_deepseek_mla", {}), ("moe_gpt_oss", {}), ("moe_llama4", {}),  # dropless routing
 ])
 def test_cached_decode_equals_full_forward(name, overrides):
     decode_matches_forward(make(name, **overrides))

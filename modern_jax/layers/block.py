@@ -23,6 +23,7 @@ from flax import nnx
 from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.layers.attention import Attention, MLAttention
 from modern_jax.layers.ffn import FFN
+from modern_jax.layers.moe import MoE
 from modern_jax.layers.norms import Norm
 
 # which norms each placement owns: (before attention, after attention, before FFN, after FFN)
@@ -48,7 +49,7 @@ class Block(nnx.Module):
         self.placement, self.resid_dropout = cfg.norm_placement, cfg.resid_dropout
         self.alpha = (2 * cfg.n_layers) ** 0.25  # DeepNet's residual scale (deepnorm only)
         self.self_attn = (MLAttention if cfg.attention_type == "mla" else Attention)(cfg, spec, rngs=rngs)
-        self.mlp = FFN(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if spec.moe else FFN(cfg, rngs=rngs)
         attn_in, attn_out, ffn_in, ffn_out = NORMS[cfg.norm_placement]
         if cfg.norm_placement == "parallel" and not cfg.parallel_shared_norm:
             ffn_in = True  # GPT-NeoX: a second norm for the FFN branch

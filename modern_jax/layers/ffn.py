@@ -24,12 +24,12 @@ ACTIVATIONS = {
 }
 
 
-
-
 class FFN(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, F, bias = cfg.d_model, cfg.ffn_width, cfg.mlp_bias
-        self.act, self.gated, self.fused = ACTIVATIONS[cfg.activation], cfg.ffn_type == "gated", cfg.fused_gate_up
+    """The dense FFN of width `d_ff` (`width`: another width, e.g. a mixture's shared experts)."""
+
+    def __init__(self, cfg: ModelConfig, *, width: int | None = None, rngs: nnx.Rngs):
+        D, F, bias = cfg.d_model, cfg.ffn_width if width is None else width, cfg.mlp_bias
+        self.act, self.gated, self.fused = ACTIVATIONS[cfg.activation], cfg.ffn_type != "mlp", cfg.fused_gate_up
         if self.fused:  # gate and up as one GEMM
             self.gate_up_proj = Proj(cfg, (D, 2, F), ("embed", None, "mlp"), role="in", bias=bias, rngs=rngs)
         else:

@@ -58,6 +58,8 @@ class TrainConfig:
     # loss
     z_loss_weight: float = 1e-4
     moe_aux_weight: float = 0.0  # weight of sown `moe_aux_loss` values, if the model sows any
+    moe_router_z_weight: float = 0.0  # weight of a mixture of experts' router z-loss
+    moe_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing: the selection bias's step size
     loss_vocab_chunk: int = 8192  # vocabulary chunk of the loss; the whole batch's logits never exist at once
 
     # logging, evaluation, sampling
@@ -118,7 +120,8 @@ class TrainConfig:
         for name in ("b1", "b2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail(name, getattr(self, name), "expected a decay rate in [0, 1)")
-        for name in ("eps", "weight_decay", "z_loss_weight", "moe_aux_weight"):
+        for name in ("eps", "weight_decay", "z_loss_weight", "moe_aux_weight", "moe_router_z_weight",
+                     "moe_bias_update_rate"):
             if not getattr(self, name) >= 0:
                 _fail(name, getattr(self, name), "expected a non-negative float")
         unknown = set(self.no_decay) - set(NO_DECAY_GROUPS)

@@ -323,7 +323,7 @@ def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, pro
     """Record the fetched metrics of the pending steps, note skipped steps, and summarise."""
     rows = []
     for (step, _), values in zip(pending, fetched):
-        row = {"step": step, **{k: float(v) for k, v in values.items()}}
+        row = {"step": step, **{k: np.asarray(v, np.float64).tolist() for k, v in values.items()}}
         if not row["finite"]:
             progress.message(f"step {step}: non-finite loss or gradient (loss {row['loss']}, grad norm "
                              f"{row['grad_norm']}); update skipped")
@@ -344,6 +344,11 @@ def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, pro
         record["max_attention_logit"] = max(r["max_attention_logit"] for r in rows)
     if any(r["moe_aux_loss"] for r in rows):
         record["moe_aux_loss"] = float(np.mean([r["moe_aux_loss"] for r in rows]))
+    if "moe_load_max" in rows[0]:  # a mixture of experts: per MoE layer, the loads over the mean load
+        record["moe_router_z_loss"] = float(np.mean([r["moe_router_z_loss"] for r in rows]))
+        record["moe_dropped"] = float(np.sum([r["moe_dropped"] for r in rows]))
+        record["moe_load_max"] = np.max([r["moe_load_max"] for r in rows], axis=0).round(4).tolist()
+        record["moe_load_min"] = np.min([r["moe_load_min"] for r in rows], axis=0).round(4).tolist()
     if peak_flops:
         record["mfu"] = rate * flops / (peak_flops * n_devices)
     return record

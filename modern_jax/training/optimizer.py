@@ -46,16 +46,25 @@ def decay_mask(params, no_decay: tuple[str, ...]):
     return jax.tree_util.tree_map_with_path(lambda path, _: parameter_group(path) not in no_decay, params)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def is_frozen(path: tuple) -> bool:
+    """A router's selection bias: model state that no optimiser step moves (the trainer's
+    auxiliary-loss-free balancing does, `Transformer.balance_routers`)."""
+    return str(getattr(path[-1], "key", path[-1])) == "selection_bias"
+
+
+def make_optimizer(cfg: TrainConfig, frozen: bool = False) -> optax.GradientTransformation:
     """Clipping and AdamW at learning rate 1: the update direction, decoupled weight decay
     included. The train step scales it by `learning_rate_schedule(cfg)` at its step counter
     (optax's own count advances only on applied updates, so it would fall behind after a
-    skipped non-finite step)."""
+    skipped non-finite step). `frozen`: the model has selection biases (`is_frozen`), which
+    get neither updates nor weight decay."""
     adamw = optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         mask=lambda params: decay_mask(params, cfg.no_decay))
-    if cfg.clip_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+    tx = adamw if cfg.clip_norm is None else optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+    if not frozen:
+        return tx
+    frozen_mask = lambda params: jax.tree_util.tree_map_with_path(lambda path, _: is_frozen(path), params)  # noqa: E731
+    return optax.chain(tx, optax.masked(optax.set_to_zero(), frozen_mask))  # their gradient is zero anyway
 
 
 def global_norm(tree) -> jax.Array:

@@ -26,7 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from modern_jax.config import ModelConfig
-from modern_jax.model import Transformer, aux_loss, max_attention_logit
+from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
+from modern_jax.model import Transformer, max_attention_logit, sown_value
 from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec, state_shardings
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.loss import model_loss_sums
@@ -60,9 +61,14 @@ class Trainer:
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES):
         check_mesh(model_cfg, mesh, rules)
+        if train_cfg.moe_bias_update_rate and not model_cfg.router_selection_bias:
+            raise ValueError(f"train.moe_bias_update_rate={train_cfg.moe_bias_update_rate} balances experts through "
+                             f"the router's selection bias, which this model has none of: set "
+                             f"model.router_selection_bias=true (and ffn_type=moe), or the rate to 0")
         self.model_cfg, self.cfg, self.mesh, self.rules = model_cfg, train_cfg, mesh, tuple(rules)
+        self.moe = model_cfg.ffn_type == "moe"
         self.graphdef, abstract_params = abstract_model(model_cfg)
-        self.tx = make_optimizer(train_cfg)
+        self.tx = make_optimizer(train_cfg, frozen=model_cfg.router_selection_bias)
         self.schedule = learning_rate_schedule(train_cfg)
         replicated = NamedSharding(mesh, PartitionSpec())
         params_sh = nnx.to_pure_dict(state_shardings(abstract_params, mesh, rules))
@@ -146,11 +152,14 @@ class Trainer:
                                    dropout_rng=rng if self.uses_dropout else None, diagnostics=diagnostics)
 
         sums, sown = nnx.capture(loss_sums, nnx.Intermediate)(self.model(params))
-        aux = aux_loss(sown)  # what the layers sowed (a mixture-of-experts router's balance loss)
-        aux = jnp.zeros((), jnp.float32) if aux is None else aux
+        zero = jnp.zeros((), jnp.float32)
+        # what the layers sowed: a mixture of experts' balance and z-losses, drops and loads
+        aux = {name: sown_value(sown, name) for name in (AUX_LOSS,) + ((ROUTER_Z_LOSS, DROPPED, LOAD) if self.moe
+                                                                       else ())}
+        aux = {name: zero if value is None else value for name, value in aux.items()}
         if diagnostics:  # sown by the attention layers of this very forward pass
             max_logit = max_attention_logit(sown)
-            sums = dict(sums, max_attention_logit=jnp.zeros((), jnp.float32) if max_logit is None else max_logit)
+            sums = dict(sums, max_attention_logit=zero if max_logit is None else max_logit)
         return sums, aux
 
     def _step(self, state, batch):
@@ -161,19 +170,23 @@ class Trainer:
 
         def objective(params, micro, rng):
             sums, aux = self._loss(params, micro, rng)
-            loss = (sums["ce"] + cfg.z_loss_weight * sums["z_loss"]) / denom + cfg.moe_aux_weight * aux
+            loss = (sums["ce"] + cfg.z_loss_weight * sums["z_loss"]) / denom + cfg.moe_aux_weight * aux[AUX_LOSS]
+            if self.moe:
+                loss = loss + cfg.moe_router_z_weight * aux[ROUTER_Z_LOSS]
             return loss, (sums, aux)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         n_micro = batch["inputs"].shape[0]
+        batch_0 = jax.tree.map(lambda x: x[0], batch)
         if n_micro == 1:
-            (loss, (sums, aux)), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), step_rng)
+            (loss, (sums, aux)), grads = grad_fn(params, batch_0, step_rng)
         else:  # gradient accumulation: the micro-batches' gradients add up to the full batch's
             zero = jnp.zeros((), jnp.float32)
             sums0 = {"ce": zero, "z_loss": zero, "weight": zero, "max_abs_logit": zero}
             if cfg.diagnostics:
                 sums0["max_attention_logit"] = zero
-            init = (zero, sums0, zero, jax.tree.map(jnp.zeros_like, params))
+            aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: self._loss(params, batch_0, step_rng)[1]))
+            init = (zero, sums0, aux0, jax.tree.map(jnp.zeros_like, params))
 
             def micro_step(carry, xs):
                 micro, i = xs
@@ -190,7 +203,12 @@ class Trainer:
 
         def update(params, opt_state):
             direction, opt_state = self.tx.update(grads, opt_state, params)  # AdamW at learning rate 1
-            return optax.apply_updates(params, jax.tree.map(lambda u: u * lr.astype(u.dtype), direction)), opt_state
+            params = optax.apply_updates(params, jax.tree.map(lambda u: u * lr.astype(u.dtype), direction))
+            if cfg.moe_bias_update_rate:  # auxiliary-loss-free balancing, from this step's loads
+                model = self.model(params)
+                model.balance_routers(aux[LOAD], cfg.moe_bias_update_rate)
+                params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            return params, opt_state
 
         # a non-finite step changes nothing (and costs no optimiser update)
         new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, state["opt_state"])
@@ -204,7 +222,7 @@ class Trainer:
         metrics = {
             "loss": sums["ce"] / denom,
             "z_loss": sums["z_loss"] / denom,
-            "moe_aux_loss": aux,
+            "moe_aux_loss": aux[AUX_LOSS],
             "grad_norm": grad_norm,
             "lr": jnp.where(finite, lr, 0.0),  # what was applied: nothing on a skipped step
             "max_abs_logit": sums["max_abs_logit"],
@@ -213,6 +231,12 @@ class Trainer:
         }
         if cfg.diagnostics:
             metrics["max_attention_logit"] = sums["max_attention_logit"]
+        if self.moe:
+            load_LE = aux[LOAD]
+            mean_L = jnp.maximum(jnp.mean(load_LE, axis=-1), 1e-9)
+            metrics.update({"moe_router_z_loss": aux[ROUTER_Z_LOSS], "moe_dropped": aux[DROPPED],
+                            "moe_load_max": jnp.max(load_LE, axis=-1) / mean_L,  # per MoE layer, / the mean load
+                            "moe_load_min": jnp.min(load_LE, axis=-1) / mean_L})
         return new_state, metrics
 
     def train_step(self, state, batch):
@@ -244,11 +268,13 @@ _MAXIMA = ("max_abs_logit", "max_attention_logit")
 
 
 def _accumulate(carry, result, n_micro):
-    """Add one micro-batch's loss, sums and gradients (the max |logit|s take the max)."""
+    """Add one micro-batch's loss, sums and gradients (the max |logit|s take the max; the losses a
+    model sows are means over the micro-batches, its drops and loads sums)."""
     (loss, (sums, aux)), grads = result
     c_loss, c_sums, c_aux, c_grads = carry
     new_sums = {k: (jnp.maximum if k in _MAXIMA else jnp.add)(c_sums[k], sums[k]) for k in c_sums}
-    return c_loss + loss, new_sums, c_aux + aux / n_micro, jax.tree.map(jnp.add, c_grads, grads)
+    new_aux = {k: c_aux[k] + (aux[k] if k in (DROPPED, LOAD) else aux[k] / n_micro) for k in c_aux}
+    return c_loss + loss, new_sums, new_aux, jax.tree.map(jnp.add, c_grads, grads)
 
 
 __all__ = ["Trainer", "abstract_model", "batch_sharding"]

@@ -1,0 +1,57 @@
+"""Grouped matmul: rows sorted by group, each group multiplied by its own weight.
+
+Letters (the package legend): X rows (token-expert assignments, sorted by expert), I and O
+the contracted and output widths, E groups (experts).
+
+    y[x] = x[x] @ w[e(x)]      rows 0 .. n_0 - 1 use w[0], the next n_1 rows w[1], ...
+
+`impl`:
+- `ragged_dot`: `jax.lax.ragged_dot`, which XLA lowers to grouped GEMMs on GPU and TPU;
+  on CPU it masks, so it costs E times the dense work there.
+- `megablox`: the Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`),
+  forward and backward; rows are padded to whole tiles. In Pallas interpret mode
+  (`kernels.backend.pallas_interpret`) it runs on any backend.
+- `default`: megablox on TPU, ragged_dot elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from modern_jax.kernels.backend import UnsupportedFeatureError, interpret_target
+from modern_jax.kernels.masks import pad_axis, round_up
+
+IMPLS = ("default", "ragged_dot", "megablox")
+
+
+def _tile(n: int) -> int:
+    """A megablox tile along a dimension of size n: 128, or the whole (small) dimension."""
+    return 128 if n % 128 == 0 else n
+
+
+def grouped_matmul(x_XI, w_EIO, group_sizes_E, *, impl: str = "default"):
+    """`[X, O]` in x's dtype (accumulated in float32) for rows `x[X, I]` sorted by group."""
+    if impl == "default":
+        impl = "megablox" if jax.default_backend() == "tpu" else "ragged_dot"
+    if impl == "ragged_dot":
+        y_XO = jax.lax.ragged_dot(x_XI, w_EIO.astype(x_XI.dtype), group_sizes_E.astype(jnp.int32),
+                                  preferred_element_type=jnp.float32)
+        return y_XO.astype(x_XI.dtype)
+    if impl != "megablox":
+        raise ValueError(f"grouped matmul impl={impl!r}: expected one of {', '.join(IMPLS)}")
+    interpret = interpret_target() is not None
+    if not interpret and jax.default_backend() != "tpu":
+        raise UnsupportedFeatureError(f"moe_grouped_impl='megablox' is a TPU kernel; this backend is "
+                                      f"{jax.default_backend()}: use 'ragged_dot' or 'default'")
+    from jax.experimental.pallas.ops.tpu.megablox import ops
+
+    X, I = x_XI.shape
+    O = w_EIO.shape[-1]
+    tile_x = min(128, round_up(X, 8))
+    Xp = round_up(X, tile_x)
+    # padding rows join the last group: zero rows whose outputs are cut off below
+    sizes_E = group_sizes_E.astype(jnp.int32).at[-1].add(Xp - X)
+    y_XO = ops.gmm(pad_axis(x_XI, 0, Xp), w_EIO.astype(x_XI.dtype), sizes_E, preferred_element_type=jnp.float32,
+                   tiling=(tile_x, _tile(I), _tile(O)), interpret=interpret)
+    return y_XO[:X].astype(x_XI.dtype)

@@ -1,0 +1,164 @@
+"""A mixture of experts: a router picks k of E gated FFNs per token (README: Mixture of experts).
+
+Letters (the package legend): B batch, T length, M tokens (B T), D model, F expert width,
+E experts, K experts per token, G expert groups.
+
+    z      = x W_r [+ b_r]                                    router logits, float32
+    s      = softmax(z) | sigmoid(z)                          scores
+    chosen = top-k of (s + bias_sel) within the top groups    (bias_sel: selection only)
+    w      = s[chosen] [/ sum]  * router_scale                the combine weights
+             (topk_softmax: chosen = top-k of z, w = softmax(z[chosen]))
+    y      = sum_k w_k Expert_{chosen_k}(x)  [+ Shared(x)]    (router_on_input: Expert(w x))
+    Expert(x) = W_down (act(W_gate x) * W_up x)
+              | gpt-oss: W_down ((clip(up) + 1) * g sigmoid(alpha g)), g = min(gate, limit)
+
+Groups (DeepSeek-V3): the E experts form G groups; a group's score is the sum of its two
+best `s + bias_sel`, the best `router_topk_groups` groups stay, and the top-k is taken
+among their experts.
+
+The layer sows, for the trainer: `moe_aux_loss` (Switch / GShard balance,
+`E sum_e f_e P_e`, f_e the fraction of the M k assignments routed to e, P_e the mean
+normalised score of e; over the batch or per sequence), `moe_router_z_loss`
+(mean of logsumexp(z)^2), `moe_load` (assignments per expert) and `moe_dropped`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from modern_jax.config import ModelConfig
+from modern_jax.layers.ffn import ACTIVATIONS, FFN
+from modern_jax.layers.linear import Proj, init_std, param
+from modern_jax.ops.moe import dispatch
+
+AUX_LOSS, ROUTER_Z_LOSS, LOAD, DROPPED = "moe_aux_loss", "moe_router_z_loss", "moe_load", "moe_dropped"
+
+
+class SelectionBias(nnx.Param):
+    """The router's selection-only bias (DeepSeek-V3's `e_score_correction_bias`): not trained by
+    the optimiser nor decayed; the trainer's auxiliary-loss-free balancing updates it."""
+
+
+def route(cfg: ModelConfig, z_ME, bias_E=None):
+    """`(experts[M, K], weights[M, K] float32, normalised scores[M, E])` from router logits z."""
+    K = cfg.experts_per_token
+    if cfg.router_score == "topk_softmax":
+        choice_ME = z_ME if bias_E is None else z_ME + bias_E[None, :]
+        _, experts_MK = jax.lax.top_k(_group_limit(cfg, choice_ME), K)
+        weights_MK = jax.nn.softmax(jnp.take_along_axis(z_ME, experts_MK, axis=-1), axis=-1)
+        probs_ME = jax.nn.softmax(z_ME, axis=-1)
+    else:
+        s_ME = jax.nn.softmax(z_ME, axis=-1) if cfg.router_score == "softmax" else jax.nn.sigmoid(z_ME)
+        choice_ME = s_ME if bias_E is None else s_ME + bias_E[None, :]
+        _, experts_MK = jax.lax.top_k(_group_limit(cfg, choice_ME), K)
+        weights_MK = jnp.take_along_axis(s_ME, experts_MK, axis=-1)
+        if cfg.router_norm_topk:
+            weights_MK = weights_MK / (jnp.sum(weights_MK, axis=-1, keepdims=True) + 1e-20)
+        probs_ME = s_ME / jnp.sum(s_ME, axis=-1, keepdims=True)
+    return experts_MK, weights_MK * cfg.router_scale, probs_ME
+
+
+def _group_limit(cfg: ModelConfig, choice_ME):
+    """Keep the experts of each token's `router_topk_groups` best groups (the others can not be
+    chosen); a group scores the sum of its two best experts."""
+    G = cfg.router_groups
+    if G == 1:
+        return choice_ME
+    M, E = choice_ME.shape
+    choice_MGX = choice_ME.reshape(M, G, E // G)
+    group_MG = jnp.sum(jax.lax.top_k(choice_MGX, 2)[0], axis=-1)
+    _, top_groups = jax.lax.top_k(group_MG, cfg.router_topk_groups)
+    keep_MG = jnp.sum(jax.nn.one_hot(top_groups, G, dtype=jnp.int32), axis=1) > 0
+    return jnp.where(keep_MG[:, :, None], choice_MGX, -jnp.inf).reshape(M, E)
+
+
+class Router(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.proj = Proj(cfg, (cfg.d_model, cfg.n_experts), ("embed", None), role="in", bias=cfg.router_bias,
+                         rngs=rngs)
+        self.selection_bias = (SelectionBias(jnp.zeros((cfg.n_experts,), jnp.float32), out_sharding=(None,),
+                                             eager_sharding=False) if cfg.router_selection_bias else None)
+
+    def __call__(self, x_MD):
+        """`(experts[M, K], weights[M, K], normalised scores[M, E], logits[M, E])`, all in float32."""
+        z_ME = jnp.einsum("MD,DE->ME", x_MD.astype(jnp.float32), self.proj.kernel[...].astype(jnp.float32))
+        if self.proj.bias is not None:
+            z_ME = z_ME + self.proj.bias[...].astype(jnp.float32)[None, :]
+        bias_E = None if self.selection_bias is None else self.selection_bias[...].astype(jnp.float32)
+        return (*route(self.cfg, z_ME, bias_E), z_ME)
+
+
+class ExpertProj(nnx.Module):
+    """E stacked projections `kernel[E, I, O]` (+ `bias[E, O]`), applied by the dispatch's matmul."""
+
+    def __init__(self, cfg: ModelConfig, E: int, I: int, O: int, axes, *, role: str, bias: bool, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        std = init_std(cfg, role, I, O)
+        self.kernel = param(rngs, jax.nn.initializers.normal(std), (E, I, O), ("experts", *axes), dtype)
+        self.bias = param(rngs, jax.nn.initializers.zeros, (E, O), ("experts", axes[1]), dtype) if bias else None
+
+    def __call__(self, x, matmul):
+        return matmul(x, self.kernel[...], None if self.bias is None else self.bias[...])
+
+
+class Experts(nnx.Module):
+    """E gated FFNs with stacked weights; the dispatch decides which rows meet which expert."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        E, D, F, bias = cfg.n_experts, cfg.d_model, cfg.expert_width, cfg.expert_bias
+        self.act, self.limit, self.alpha = ACTIVATIONS[cfg.activation], cfg.expert_swiglu_limit, cfg.expert_swiglu_alpha
+        self.gate_proj = ExpertProj(cfg, E, D, F, ("embed", "mlp"), role="in", bias=bias, rngs=rngs)
+        self.up_proj = ExpertProj(cfg, E, D, F, ("embed", "mlp"), role="in", bias=bias, rngs=rngs)
+        self.down_proj = ExpertProj(cfg, E, F, D, ("mlp", "embed"), role="out", bias=bias, rngs=rngs)
+
+    def __call__(self, x, matmul):
+        gate, up = self.gate_proj(x, matmul), self.up_proj(x, matmul)
+        if self.limit is None:
+            h = self.act(gate) * up
+        else:  # gpt-oss: clamped, with the up branch shifted by one
+            gate = jnp.minimum(gate, self.limit)
+            up = jnp.clip(up, -self.limit, self.limit)
+            h = (up + 1) * (gate * jax.nn.sigmoid(self.alpha * gate))
+        return self.down_proj(h, matmul)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.router = Router(cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs)
+        self.shared_experts = FFN(cfg, width=cfg.shared_width, rngs=rngs) if cfg.n_shared_experts else None
+
+    @jax.named_scope("moe")
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        B, T, D = x_BTD.shape
+        x_MD = x_BTD.reshape(B * T, D)
+        experts_MK, weights_MK, probs_ME, z_ME = self.router(x_MD)
+        y_MD, dropped = dispatch(cfg.moe_dispatch, x_MD, experts_MK, weights_MK, self.experts,
+                                 n_experts=cfg.n_experts, on_input=cfg.router_on_input,
+                                 capacity_factor=cfg.moe_capacity_factor, grouped_impl=cfg.moe_grouped_impl)
+        y_BTD = y_MD.reshape(B, T, D).astype(x_BTD.dtype)
+        if self.shared_experts is not None:
+            y_BTD = y_BTD + self.shared_experts(x_BTD)
+
+        load_E = jnp.sum(jax.nn.one_hot(experts_MK, cfg.n_experts, dtype=jnp.float32), axis=(0, 1))
+        sown = {AUX_LOSS: balance_loss(experts_MK, probs_ME, cfg.n_experts, B if cfg.moe_aux_per_sequence else 1),
+                ROUTER_Z_LOSS: jnp.mean(jnp.square(jax.nn.logsumexp(z_ME, axis=-1))),
+                LOAD: jax.lax.stop_gradient(load_E), DROPPED: dropped.astype(jnp.float32)}
+        for name, value in sown.items():  # read by the stages (`nnx.capture`); nothing outside one
+            self.sow(nnx.Intermediate, name, value, capture_noop=True)
+        return y_BTD
+
+
+def balance_loss(experts_MK, probs_ME, E: int, n_groups: int = 1):
+    """`E sum_e f_e P_e`, averaged over `n_groups` equal runs of tokens (1: the batch; B: per
+    sequence): f_e the fraction of the group's assignments that chose e, P_e its mean score."""
+    M, K = experts_MK.shape
+    chosen_SMKE = jax.nn.one_hot(experts_MK, E, dtype=jnp.float32).reshape(n_groups, M // n_groups, K, E)
+    f_SE = jnp.mean(jnp.sum(chosen_SMKE, axis=2), axis=1) / K
+    P_SE = jnp.mean(probs_ME.reshape(n_groups, M // n_groups, E), axis=1)
+    return E * jnp.mean(jnp.sum(f_SE * P_SE, axis=-1))
