@@ -89,6 +89,9 @@ def published(name: str) -> dict:
     ("Llama-3-8B", "llama3_8b"), ("Mistral-7B-v0.1", "mistral_7b"), ("Qwen2-7B", "qwen2_7b"),
     ("Qwen3-0.6B", "qwen3_0_6b"), ("Qwen3-8B", "qwen3_8b"), ("Gemma-2-2B", "gemma2_2b"), ("Gemma-3-1B", "gemma3_1b"),
     ("OLMo-2-1124-7B", "olmo2_7b"), ("GPT-2 (124M)", "gpt2"), ("GPT-J-6B", "gptj_6b"), ("GPT-NeoX-20B", "gpt_neox_20b"),
+    ("DeepSeek-V3", "deepseek_v3"), ("Qwen3-30B-A3B", "qwen3_30b_a3b"), ("Qwen3-235B-A22B", "qwen3_235b_a22b"),
+    ("Mixtral-8x7B-v0.1", "mixtral_8x7b"), ("gpt-oss-20b", "gpt_oss_20b"), ("gpt-oss-120b", "gpt_oss_120b"),
+    ("Llama-4-Scout-17B-16E (text)", "llama4_scout"),
 ])
 def test_published_config_is_the_preset(name, preset):
     path = CONFIGS / f"{preset}.yaml"

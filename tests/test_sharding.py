@@ -34,16 +34,20 @@ TINY = {  # the switches that add or rename parameters
     "sandwich_local_global": dict(norm_placement="sandwich", sliding_window=4, attention_pattern="LG",
                                   final_softcap=30.0, embed_scale=True),
     "parallel_fused_gate_up": dict(norm_placement="parallel", parallel_shared_norm=False, fused_gate_up=True),
+    "moe_every_router_part": dict(ffn_type="moe", n_experts=4, experts_per_token=2, n_shared_experts=1,
+                                  router_bias=True, router_selection_bias=True, expert_bias=True, moe_pattern="DE"),
 }
 
 
 def grid():
-    """Every preset (cut to one repeat of its layer patterns, at least 2 layers) and every tiny
+    """Every preset (cut to one repeat of its layer patterns after any first dense layers, at least 2
+    layers) and every tiny
     switch config, by name."""
     configs = {}
     for path in PRESETS:
         cfg = model_config_from_file(path, ["model.vocab_size=256"])  # some say "auto" (the tokenizer's)
-        configs[path.stem] = cfg.replace(n_layers=max(2, len(cfg.attention_pattern), len(cfg.rope_pattern)))
+        layers = max(2, len(cfg.attention_pattern), len(cfg.rope_pattern), cfg.moe_first_dense + len(cfg.moe_pattern))
+        configs[path.stem] = cfg.replace(n_layers=layers)
     configs.update({name: ModelConfig(**BASE, **switches) for name, switches in TINY.items()})
     return configs
 
@@ -84,7 +88,7 @@ def test_every_logical_name_in_use_is_in_the_rules_table():
     for name, cfg in configs.items():
         for axis in parameter_names(cfg):
             used.setdefault(axis, name)
-    assert {"vocab", "embed", "layers", "q_heads", "kv_heads", "head_dim", "mlp", "norm", "q_lora",
+    assert {"vocab", "embed", "layers", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "norm", "q_lora",
             "kv_lora"} <= set(used), f"the grid misses parameter axes: {sorted(used)}"
     for axis in constrained_names():
         used.setdefault(axis, "constrain(...)")
@@ -95,8 +99,8 @@ def test_every_logical_name_in_use_is_in_the_rules_table():
 
 
 def test_an_unknown_logical_name_is_an_error_naming_it():
-    with pytest.raises(ValueError, match=r"logical axis 'experts' is not in the sharding rules"):
-        mesh_axes("experts", RULES)
+    with pytest.raises(ValueError, match=r"logical axis 'expert_groups' is not in the sharding rules"):
+        mesh_axes("expert_groups", RULES)
     without_vocab = tuple((name, axes) for name, axes in RULES if name != "vocab")
     with pytest.raises(ValueError, match=r"'vocab'"):  # a rules table missing a name the model uses
         logical_to_spec(("vocab", "embed"), without_vocab)
