@@ -347,6 +347,18 @@ def test_moe_tiny_trains_evaluates_generates_and_reports_its_counts_from_the_cli
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "alpha", "--greedy",
                  "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("alpha")
+    # to transformers' qwen3_moe layout and back: the same logits
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
+                 "--model-type", "qwen3_moe"]) == 0
+    assert json.loads((tmp_path / "hf/config.json").read_text())["model_type"] == "qwen3_moe"
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    capsys.readouterr()
+    logits = []
+    for path in (tmp_path / "run", tmp_path / "back"):
+        cfg, params, _, _ = load_params(path)
+        model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), params)
+        logits.append(np.asarray(model(jnp.arange(12, dtype=jnp.int32)[None] % cfg.vocab_size)))
+    np.testing.assert_array_equal(logits[0], logits[1])
     assert main(["info", "--config", str(REPO / "configs/moe_tiny.yaml")]) == 0
     out = capsys.readouterr().out
     counts = {line.split(": ")[0]: int(line.split(": ")[1]) for line in out.splitlines()
