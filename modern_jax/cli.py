@@ -212,7 +212,7 @@ def cmd_convert(args) -> int:
     if bool(args.from_hf) == bool(args.to_hf):
         raise ValueError("give exactly one of --from-hf HF_DIR or --to-hf CHECKPOINT")
     if args.from_hf:
-        convert_from_hf(args.from_hf, args.out, dtype=args.dtype or "float32", overwrite=args.overwrite)
+        convert_from_hf(args.from_hf, args.out, dtype=args.dtype or "float32", overwrite=args.overwrite, log=_note)
     else:
         convert_to_hf(args.to_hf, args.out, model_type=args.model_type, dtype=args.dtype, overwrite=args.overwrite,
                       log=_note)

@@ -169,6 +169,9 @@ def test_deepseek_multi_token_prediction_layer_is_skipped(tmp_path, loaded, capl
     with caplog.at_level(logging.INFO, logger="modern_jax.convert.hf_checkpoint"):
         _, model = from_hf(directory)
     assert "skipping 2 tensor(s) of the multi-token-prediction layer" in caplog.text
+    told = []  # the CLI passes its stderr note as `log`
+    from_hf(directory, log=told.append)
+    assert len(told) == 1 and "skipping 2 tensor(s) of the multi-token-prediction layer" in told[0]
     ref = reference("deepseek_v3")
     np.testing.assert_array_equal(np.asarray(_forward(model, jnp.asarray(ref["tokens"]))),
                                   np.asarray(_forward(loaded("deepseek_v3")[1], jnp.asarray(ref["tokens"]))))

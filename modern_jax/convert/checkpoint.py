@@ -64,11 +64,12 @@ def load_checkpoint(ckpt: str | os.PathLike, log=None, **overrides: Any) -> tupl
 
 
 def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32",
-                    overwrite: bool = False) -> Path:
-    """Hugging Face model directory `src` -> our checkpoint `out` (config.yaml + params/ + hf/)."""
+                    overwrite: bool = False, log=None) -> Path:
+    """Hugging Face model directory `src` -> our checkpoint `out` (config.yaml + params/ + hf/);
+    `log` is told of skipped tensors (`from_hf`)."""
     src = Path(src)
     outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite, dry_run=True)  # before reading
-    _, model = from_hf(src, dtype=dtype)
+    _, model = from_hf(src, dtype=dtype, log=log)
     out = save_checkpoint(model, out, overwrite=overwrite)
     (out / HF).mkdir(exist_ok=True)
     for name in HF_ASSETS:

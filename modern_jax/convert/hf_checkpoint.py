@@ -50,7 +50,7 @@ LISTED = 8  # names shown per kind of error
 # how transformers dequantises a checkpoint of each `quantization_config.quant_method` on loading
 DEQUANTISE = {"mxfp4": "quantization_config=Mxfp4Config(dequantize=True)",
               "fp8": "quantization_config=FineGrainedFP8Config(dequantize=True)"}
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -181,13 +181,16 @@ def _listed(names) -> str:
 
 
 def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None, *,
-            mesh: jax.sharding.Mesh | None = None, rules=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
+            mesh: jax.sharding.Mesh | None = None, rules=None, log=None,
+            **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as `(config, model)`.
 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameters' dtype;
     tensors are cast as they stream in. With a `mesh`, each parameter is placed sharded by
     the logical-axis `rules` (default `sharding.RULES`) as soon as it is complete.
     `overrides` set other non-architecture fields (remat, scan_layers, vocab_pad_to, ...).
+    `log(message)` is told of tensors the model does not use that are skipped (DeepSeek-V3's
+    multi-token-prediction layer); without it they go to the `logging` module at INFO.
     """
     path = Path(path)
     hf = read_hf_config(path)
@@ -254,8 +257,11 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
         raise CheckpointError(f"{path} does not fit the {model_type} model of its config.json: " + ". ".join(problems))
     for what, names in skipped.values():
         if names:
-            log.info("%s: skipping %d tensor(s) of %s, which the model does not use: %s", path, len(names), what,
-                     _listed(names))
+            message = f"{path}: skipping {len(names)} tensor(s) of {what}, which the model does not use: {_listed(names)}"
+            if log is None:
+                logger.info(message)
+            else:
+                log(message)
 
     # 2. stream the data, file by file, into one preallocated buffer per parameter
     by_file: dict[Path, list[tuple[str, str]]] = {}
