@@ -227,7 +227,7 @@ def cmd_plan(args) -> int:
 
     _check_flags(args, _positive("--batch"), _positive("--seq"),
                  ("--hbm-gib", lambda g: 0 < g < math.inf, "a positive number of GiB"))
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1, **parse_mesh(args.mesh)}
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **parse_mesh(args.mesh)}
     if any(v < 1 for v in sizes.values()):
         raise ValueError("plan needs explicit mesh sizes (no -1): the mesh is made of host CPU devices")
     from modern_jax.training.config import load_run_config

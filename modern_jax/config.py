@@ -29,6 +29,7 @@ FFN_TYPES = ("mlp", "gated", "moe")
 ROUTER_SCORES = ("softmax", "topk_softmax", "sigmoid")
 MOE_DISPATCHES = ("grouped", "dense", "capacity")
 GROUPED_IMPLS = ("default", "ragged_dot", "megablox")
+MOE_EXCHANGES = ("all_to_all", "all_gather")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity")
 POSITIONS = ("none", "rope", "sinusoidal", "learned")
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -200,6 +201,8 @@ class ModelConfig:
     moe_dispatch: str = "grouped"  # dropless grouped matmuls | every expert on every token | capacity
     moe_capacity_factor: float = 1.0  # capacity dispatch: slots per expert = factor * tokens * k / E
     moe_grouped_impl: str = "default"  # the grouped matmul: ragged_dot, or megablox (TPU kernel)
+    moe_exchange: str = "all_to_all"  # experts split over a mesh: tokens swapped all-to-all, or all-gathered
+    moe_exchange_factor: float | None = None  # all_to_all slots per destination: factor * local assignments / P
 
     # positions
     position_embedding: str = "rope"
@@ -260,6 +263,7 @@ class ModelConfig:
             ("router_score", ROUTER_SCORES),
             ("moe_dispatch", MOE_DISPATCHES),
             ("moe_grouped_impl", GROUPED_IMPLS),
+            ("moe_exchange", MOE_EXCHANGES),
             ("activation", ACTIVATIONS),
             ("position_embedding", POSITIONS),
             ("rope_layout", ROPE_LAYOUTS),
@@ -427,6 +431,8 @@ class ModelConfig:
             _fail("expert_swiglu_limit", self.expert_swiglu_limit, "expected a positive limit or null")
         if not self.moe_capacity_factor > 0:
             _fail("moe_capacity_factor", self.moe_capacity_factor, "expected a positive factor")
+        if self.moe_exchange_factor is not None and not self.moe_exchange_factor > 0:
+            _fail("moe_exchange_factor", self.moe_exchange_factor, "expected a positive factor or null (no drops)")
 
     def _check_pattern(self, name: str, letters: str) -> None:
         pattern = getattr(self, name)

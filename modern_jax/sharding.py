@@ -9,7 +9,8 @@ so the same model runs on one CPU and on a pod slice.
 
 Megatron layout by default: q/k/v/gate/up column-parallel and o/down row-parallel over
 `tensor`, embedding and head vocab-parallel over `tensor`, weights sharded over `fsdp`
-on their `embed` dimension, the batch over `data` x `fsdp`.
+on their `embed` dimension, a mixture's experts over `expert`, the batch over
+`data` x `fsdp` x `expert`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("activation_batch", ("data", "fsdp")),
+    ("activation_batch", ("data", "fsdp", "expert")),
     ("activation_length", None),
     ("activation_embed", None),
     ("activation_kv_heads", "tensor"),
@@ -34,7 +35,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
-    ("experts", None),  # a mixture's routed experts (replicated: every device holds them all)
+    ("experts", "expert"),  # a mixture's routed experts, split over the expert axis
     ("norm", None),
     ("q_lora", None),
     ("kv_lora", None),
@@ -144,6 +145,9 @@ def check_mesh(cfg, mesh, rules=RULES) -> None:
 
     checks = [("n_heads", cfg.n_heads, "q_heads"), ("d_ff", cfg.ffn_width, "mlp"),
               ("vocab_size", cfg.padded_vocab_size, "vocab"), ("d_model", cfg.d_model, "embed")]
+    if cfg.ffn_type == "moe":
+        checks += [("n_experts", cfg.n_experts, "experts"), ("expert_d_ff", cfg.expert_width, "mlp")]
+        checks += [("shared_expert_d_ff", cfg.shared_width, "mlp")] if cfg.n_shared_experts else []
     for field, value, logical in checks:
         n = size(logical)
         if value % n:

@@ -164,7 +164,7 @@ def test_capacity_drops_the_assignments_past_each_experts_slots_and_counts_them(
             kept[m, k] = taken[e] < C
             taken[e] += 1
     assert int(sown["moe_dropped"]) == int((~kept).sum()) > 0
-    def matmul(x_EMI, w_EIO, b_EO=None):  # every expert on every token, as the dense oracle
+    def matmul(x_EMI, w_EIO, b_EO=None, reduce=False):  # every expert on every token, as the dense oracle
         y_EMO = jnp.einsum("EMI,EIO->EMO", x_EMI, w_EIO)
         return y_EMO if b_EO is None else y_EMO + b_EO[:, None]
 

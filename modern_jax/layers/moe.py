@@ -95,13 +95,14 @@ class ExpertProj(nnx.Module):
     """E stacked projections `kernel[E, I, O]` (+ `bias[E, O]`), applied by the dispatch's matmul."""
 
     def __init__(self, cfg: ModelConfig, E: int, I: int, O: int, axes, *, role: str, bias: bool, rngs: nnx.Rngs):
+        self.reduces = axes[0] == "mlp"  # contracts the expert width (split over `tensor`): partial sums
         dtype = jnp.dtype(cfg.param_dtype)
         std = init_std(cfg, role, I, O)
         self.kernel = param(rngs, jax.nn.initializers.normal(std), (E, I, O), ("experts", *axes), dtype)
         self.bias = param(rngs, jax.nn.initializers.zeros, (E, O), ("experts", axes[1]), dtype) if bias else None
 
     def __call__(self, x, matmul):
-        return matmul(x, self.kernel[...], None if self.bias is None else self.bias[...])
+        return matmul(x, self.kernel[...], None if self.bias is None else self.bias[...], reduce=self.reduces)
 
 
 class Experts(nnx.Module):
@@ -140,7 +141,8 @@ class MoE(nnx.Module):
         experts_MK, weights_MK, probs_ME, z_ME = self.router(x_MD)
         y_MD, dropped = dispatch(cfg.moe_dispatch, x_MD, experts_MK, weights_MK, self.experts,
                                  n_experts=cfg.n_experts, on_input=cfg.router_on_input,
-                                 capacity_factor=cfg.moe_capacity_factor, grouped_impl=cfg.moe_grouped_impl)
+                                 capacity_factor=cfg.moe_capacity_factor, grouped_impl=cfg.moe_grouped_impl, batch=B,
+                                 exchange=cfg.moe_exchange, exchange_factor=cfg.moe_exchange_factor)
         y_BTD = y_MD.reshape(B, T, D).astype(x_BTD.dtype)
         if self.shared_experts is not None:
             y_BTD = y_BTD + self.shared_experts(x_BTD)

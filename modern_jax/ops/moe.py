@@ -18,8 +18,29 @@ expert. Each dispatch supplies its own `matmul`, so the expert FFN is written on
   order, are dropped (they add nothing) and counted.
 
 With `on_input` the weight scales the expert's input instead of its output (Llama 4), and
-the outputs of the chosen experts are added unweighted. Expert parallelism plugs in here:
-the same three functions over the devices' local experts, behind the same call.
+the outputs of the chosen experts are added unweighted.
+
+Under a mesh the dispatch runs under `shard_map`, each device on its own rows of the batch
+(split over data x fsdp x expert): sorting and grouped matmuls stay local, where a sharded
+sort would gather the batch (a capacity bound then counts each device's tokens). With the
+experts unsplit, that is all (the width split over `tensor` adds its partial sums). When the
+mesh splits `experts` (the `expert` axis, size P), each device holds E / P experts and
+`exchange` picks how tokens meet them:
+
+- `all_to_all`: route locally, sort the assignments by the device that owns their expert,
+  place them in `C` slots per destination (`C = ceil(factor * M_local K / P)`, or every
+  assignment with `exchange_factor=None`), swap the slots with one `all_to_all`, run the
+  grouped matmuls on the local experts, swap back and combine. Assignments past a
+  destination's C slots are dropped and counted; with enough slots the result is exactly
+  the unsharded one. (XLA's `ragged_all_to_all` would make the exchange dropless without
+  slots on TPU and GPU; XLA:CPU does not implement it, so the bounded exchange runs
+  everywhere.)
+- `all_gather`: gather every device's tokens along `expert`, run the local experts on the
+  assignments they own, and reduce-scatter the weighted outputs back (no drops; better when
+  a device holds few experts).
+
+Expert weights enter the shard_map gathered over `fsdp` (their model dimension) and split
+over `tensor` along their width: the down projection's partial sums add up by a `psum`.
 """
 
 from __future__ import annotations
@@ -29,17 +50,40 @@ import math
 import jax
 import jax.numpy as jnp
 
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
 from modern_jax.kernels.grouped import grouped_matmul
+from modern_jax.sharding import active, live_axes, logical_to_spec, mesh_axes
 
 DISPATCHES = ("grouped", "dense", "capacity")
+EXCHANGES = ("all_to_all", "all_gather")
 
 
 def dispatch(kind: str, x_MD, experts_MK, weights_MK, experts_fn, *, n_experts: int, on_input: bool = False,
-             capacity_factor: float = 1.0, grouped_impl: str = "default"):
+             capacity_factor: float = 1.0, grouped_impl: str = "default", batch: int | None = None,
+             exchange: str = "all_to_all", exchange_factor: float | None = None):
     """`(y[M, D], dropped)`: the weighted sum of each token's chosen experts' outputs and the
-    number of assignments a capacity bound dropped (0 for the dropless dispatches)."""
+    number of assignments a capacity bound dropped (0 for the dropless dispatches).
+
+    `experts_fn(x, matmul)`: the expert FFN, an `nnx.Module` when experts may be split over a
+    mesh (its weights enter the shard_map); `batch`: the B of the `M = B T` rows, whose
+    sharding the rows keep."""
+    local = dict(kind=kind, n_experts=n_experts, on_input=on_input, capacity_factor=capacity_factor,
+                 grouped_impl=grouped_impl)
+    split = _mesh_split(n_experts, batch or x_MD.shape[0])
+    if split is not None:
+        return _under_mesh(split, x_MD, experts_MK, weights_MK, experts_fn, local, exchange, exchange_factor)
+    return _local(x_MD, experts_MK, weights_MK, experts_fn, **local)
+
+
+def _local(x_MD, experts_MK, weights_MK, experts_fn, *, kind, n_experts, on_input, capacity_factor, grouped_impl,
+           psum_axes=()):
+    """The dispatch over every expert, on these rows (one device's, under a mesh). `psum_axes`:
+    the mesh axes that split the expert width, whose partial sums the row-parallel matmul adds."""
     if kind == "dense":
-        return _dense(x_MD, experts_MK, weights_MK, experts_fn, n_experts, on_input), jnp.zeros((), jnp.int32)
+        return _dense(x_MD, experts_MK, weights_MK, experts_fn, n_experts, on_input, psum_axes), jnp.zeros(
+            (), jnp.int32)
     if kind not in ("grouped", "capacity"):
         raise ValueError(f"moe_dispatch={kind!r}: expected one of {', '.join(DISPATCHES)}")
     M, K = experts_MK.shape
@@ -52,9 +96,10 @@ def dispatch(kind: str, x_MD, experts_MK, weights_MK, experts_fn, *, n_experts: 
         x_XD = x_XD * weights_MK.reshape(M * K)[order_X][:, None].astype(x_XD.dtype)
     sizes_E = jnp.zeros((E,), jnp.int32).at[expert_X].add(1)
     if kind == "grouped":
-        y_XD, kept_X = _grouped(x_XD, expert_X, sizes_E, experts_fn, grouped_impl), None
+        y_XD, kept_X = _grouped(x_XD, expert_X, sizes_E, experts_fn, grouped_impl, psum_axes), None
     else:
-        y_XD, kept_X = _capacity(x_XD, expert_X, sizes_E, experts_fn, E, math.ceil(capacity_factor * M * K / E))
+        C = math.ceil(capacity_factor * M * K / E)
+        y_XD, kept_X = _capacity(x_XD, expert_X, sizes_E, experts_fn, E, C, psum_axes)
     y_MKD = y_XD[jnp.argsort(order_X)].reshape(M, K, -1)  # back to token order
     combine_MK = jnp.ones_like(weights_MK) if on_input else weights_MK
     y_MD = jnp.einsum("MKD,MK->MD", y_MKD, combine_MK.astype(y_MKD.dtype))
@@ -62,7 +107,12 @@ def dispatch(kind: str, x_MD, experts_MK, weights_MK, experts_fn, *, n_experts: 
     return y_MD, dropped
 
 
-def _dense(x_MD, experts_MK, weights_MK, experts_fn, E: int, on_input: bool):
+def _reduced(y, reduce: bool, psum_axes):
+    """A row-parallel matmul's partial sums, added over the axes that split its contraction."""
+    return jax.lax.psum(y, psum_axes) if reduce and psum_axes else y
+
+
+def _dense(x_MD, experts_MK, weights_MK, experts_fn, E: int, on_input: bool, psum_axes=()):
     chosen_MKE = jax.nn.one_hot(experts_MK, E, dtype=jnp.float32)
     weight_ME = jnp.einsum("MKE,MK->ME", chosen_MKE, weights_MK.astype(jnp.float32))
     x_EMD = jnp.broadcast_to(x_MD[None], (E, *x_MD.shape))
@@ -70,33 +120,151 @@ def _dense(x_MD, experts_MK, weights_MK, experts_fn, E: int, on_input: bool):
         x_EMD = x_EMD * weight_ME.T[:, :, None].astype(x_MD.dtype)
         weight_ME = jnp.sum(chosen_MKE, axis=1)  # the chosen experts' outputs, unweighted
 
-    def matmul(x_EMI, w_EIO, b_EO=None):
-        y_EMO = jnp.einsum("EMI,EIO->EMO", x_EMI, w_EIO.astype(x_EMI.dtype))
+    def matmul(x_EMI, w_EIO, b_EO=None, reduce=False):
+        y_EMO = _reduced(jnp.einsum("EMI,EIO->EMO", x_EMI, w_EIO.astype(x_EMI.dtype)), reduce, psum_axes)
         return y_EMO if b_EO is None else y_EMO + b_EO.astype(y_EMO.dtype)[:, None, :]
 
     y_EMD = experts_fn(x_EMD, matmul)
     return jnp.einsum("EMD,ME->MD", y_EMD, weight_ME.astype(y_EMD.dtype))
 
 
-def _grouped(x_XD, expert_X, sizes_E, experts_fn, impl: str):
-    def matmul(x_XI, w_EIO, b_EO=None):
-        y_XO = grouped_matmul(x_XI, w_EIO, sizes_E, impl=impl)
+def _grouped(x_XD, expert_X, sizes_E, experts_fn, impl: str, psum_axes=()):
+    def matmul(x_XI, w_EIO, b_EO=None, reduce=False):
+        y_XO = _reduced(grouped_matmul(x_XI, w_EIO, sizes_E, impl=impl), reduce, psum_axes)
         return y_XO if b_EO is None else y_XO + b_EO.astype(y_XO.dtype)[expert_X]
 
     return experts_fn(x_XD, matmul)
 
 
-def _capacity(x_XD, expert_X, sizes_E, experts_fn, E: int, C: int):
+def _capacity(x_XD, expert_X, sizes_E, experts_fn, E: int, C: int, psum_axes=()):
     starts_E = jnp.cumsum(sizes_E) - sizes_E
     rank_X = jnp.arange(expert_X.shape[0]) - starts_E[expert_X]  # place in its expert's queue
     kept_X = rank_X < C
     slot_X = jnp.where(kept_X, expert_X * C + rank_X, E * C)  # dropped ones point past the end
     x_ECD = jnp.zeros((E * C, x_XD.shape[-1]), x_XD.dtype).at[slot_X].set(x_XD, mode="drop").reshape(E, C, -1)
 
-    def matmul(x_ECI, w_EIO, b_EO=None):
-        y_ECO = jnp.einsum("ECI,EIO->ECO", x_ECI, w_EIO.astype(x_ECI.dtype))
+    def matmul(x_ECI, w_EIO, b_EO=None, reduce=False):
+        y_ECO = _reduced(jnp.einsum("ECI,EIO->ECO", x_ECI, w_EIO.astype(x_ECI.dtype)), reduce, psum_axes)
         return y_ECO if b_EO is None else y_ECO + b_EO.astype(y_ECO.dtype)[:, None, :]
 
     y_ECD = experts_fn(x_ECD, matmul)
     y_XD = y_ECD.reshape(E * C, -1)[jnp.minimum(slot_X, E * C - 1)]
     return jnp.where(kept_X[:, None], y_XD, jnp.zeros((), y_XD.dtype)), kept_X
+
+
+# ----- expert parallelism ------------------------------------------------------------------
+
+def _mesh_split(n_experts: int, batch: int):
+    """`(mesh, rules, expert axes, batch axes, tensor axes)` when a mesh is active and splits the
+    rows, the experts or their width (so each device dispatches its own rows)."""
+    state = active()
+    if state is None:
+        return None
+    mesh, rules = state
+    experts = live_axes("experts", rules, mesh, n_experts) or ()
+    rows = live_axes("activation_batch", rules, mesh, batch) or ()
+    tensor = tuple(a for a in mesh_axes("mlp", rules) if mesh.shape[a] > 1)
+    if not (experts or rows or tensor):
+        return None
+    if not set(experts) <= set(rows):
+        raise ValueError(f"the experts are split over {'x'.join(experts)} but the batch ({batch} rows) is not "
+                         f"(batch axes: {'x'.join(rows) or 'none'}): map activation_batch to include "
+                         f"{'x'.join(experts)} and make the batch divisible by it")
+    return mesh, rules, experts, rows, tensor
+
+
+def _index(axes) -> jax.Array:
+    """This device's position along `axes` (row-major, as a PartitionSpec lays them out)."""
+    index = 0
+    for axis in axes:
+        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+    return index
+
+
+def _under_mesh(split, x_MD, experts_MK, weights_MK, experts_module, local, exchange, factor):
+    """The dispatch under `shard_map`: each device its own rows; with the experts split, the exchange."""
+    mesh, rules, ep_axes, row_axes, tensor_axes = split
+    E, on_input, impl = local["n_experts"], local["on_input"], local["grouped_impl"]
+    if exchange not in EXCHANGES:
+        raise ValueError(f"moe_exchange={exchange!r}: expected one of {', '.join(EXCHANGES)}")
+    EP = math.prod(mesh.shape[a] for a in ep_axes)
+    graphdef, state, rest = nnx.split(experts_module, nnx.Param, ...)  # rest: what nnx.capture attaches
+
+    def weight_spec(var):  # the model dimension whole (gathered over fsdp), experts and width split
+        axes = var.get_metadata()["out_sharding"]
+        if len(axes) > len(var.shape):  # one layer of a stack: its metadata still names the stacked axis
+            axes = tuple(a for a in axes if a != "layers")
+        axes = tuple(None if a == "embed" else a for a in axes)
+        return logical_to_spec(axes, rules, mesh, var.shape)
+
+    state_specs = jax.tree.map(weight_spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    rows = P(row_axes or None, None)
+
+    def per_device(state, x_mD, experts_mK, weights_mK):
+        experts = nnx.merge(graphdef, state, rest)
+        if EP == 1:  # every expert here: the single-device dispatch on this device's rows
+            y_mD, dropped = _local(x_mD, experts_mK, weights_mK, experts, psum_axes=tensor_axes, **local)
+            return y_mD, jax.lax.psum(dropped, row_axes) if row_axes else dropped
+        E_local = E // EP
+        first = _index(ep_axes) * E_local  # the first expert this device owns
+
+        def grouped(x_RD, local_R, n_groups):
+            """The local experts on rows sorted by local expert id (ids >= E_local: no expert, output 0)."""
+            sizes_E = jnp.zeros((n_groups,), jnp.int32).at[local_R].add(1, mode="drop")
+
+            def matmul(x_RI, w_EIO, b_EO=None, reduce=False):
+                y_RO = grouped_matmul(x_RI, w_EIO, sizes_E, impl=impl)
+                if reduce and tensor_axes:
+                    y_RO = jax.lax.psum(y_RO, tensor_axes)
+                if b_EO is None:
+                    return y_RO
+                return y_RO + b_EO.astype(y_RO.dtype)[jnp.minimum(local_R, n_groups - 1)]
+
+            return experts(x_RD, matmul)
+
+        def sort_and_run(x_RD, local_R):
+            order_R = jnp.argsort(local_R, stable=True)
+            y_RD = grouped(x_RD[order_R], local_R[order_R], E_local)
+            return y_RD[jnp.argsort(order_R)]
+
+        m, K = experts_mK.shape
+        combine_mK = jnp.ones_like(weights_mK) if on_input else weights_mK
+        scale = (lambda x, w: x * w[:, None].astype(x.dtype)) if on_input else (lambda x, w: x)  # noqa: E731
+        if exchange == "all_gather":
+            x_AD = jax.lax.all_gather(x_mD, ep_axes, tiled=True)  # every token of the expert group
+            experts_AK = jax.lax.all_gather(experts_mK, ep_axes, tiled=True)
+            weights_AK = jax.lax.all_gather(weights_mK, ep_axes, tiled=True)
+            local_X = experts_AK.reshape(-1) - first
+            mine_X = (local_X >= 0) & (local_X < E_local)
+            x_XD = scale(jnp.repeat(x_AD, K, axis=0), weights_AK.reshape(-1))
+            y_XD = sort_and_run(x_XD, jnp.where(mine_X, local_X, E_local))
+            combine_AK = (jnp.ones_like(weights_AK) if on_input else weights_AK) * mine_X.reshape(-1, K)
+            y_AD = jnp.einsum("AKD,AK->AD", y_XD.reshape(-1, K, y_XD.shape[-1]), combine_AK.astype(y_XD.dtype))
+            return jax.lax.psum_scatter(y_AD, ep_axes, scatter_dimension=0, tiled=True), jnp.zeros((), jnp.int32)
+
+        X = m * K
+        C = X if factor is None else min(X, math.ceil(factor * X / EP))  # slots per destination device
+        expert_X = experts_mK.reshape(X)
+        order_X = jnp.argsort(expert_X, stable=True)
+        expert_X = expert_X[order_X]
+        x_XD = scale(x_mD[order_X // K], weights_mK.reshape(X)[order_X])
+        dest_X = expert_X // E_local
+        counts_P = jnp.zeros((EP,), jnp.int32).at[dest_X].add(1)
+        rank_X = jnp.arange(X) - (jnp.cumsum(counts_P) - counts_P)[dest_X]
+        kept_X = rank_X < C
+        slot_X = jnp.where(kept_X, dest_X * C + rank_X, EP * C)
+        D = x_mD.shape[-1]
+        send_PCD = jnp.zeros((EP * C, D), x_XD.dtype).at[slot_X].set(x_XD, mode="drop").reshape(EP, C, D)
+        ids_PC = jnp.full((EP * C,), E_local, jnp.int32).at[slot_X].set(expert_X - dest_X * E_local,
+                                                                          mode="drop").reshape(EP, C)
+        recv_PCD = jax.lax.all_to_all(send_PCD, ep_axes, 0, 0, tiled=True)  # slot p: from device p
+        recv_ids_PC = jax.lax.all_to_all(ids_PC, ep_axes, 0, 0, tiled=True)
+        y_RD = sort_and_run(recv_PCD.reshape(EP * C, D), recv_ids_PC.reshape(EP * C))
+        back_PCD = jax.lax.all_to_all(y_RD.reshape(EP, C, D), ep_axes, 0, 0, tiled=True)
+        y_XD = jnp.where(kept_X[:, None], back_PCD.reshape(EP * C, D)[jnp.minimum(slot_X, EP * C - 1)], 0.0)
+        y_mKD = y_XD[jnp.argsort(order_X)].reshape(m, K, D)
+        y_mD = jnp.einsum("MKD,MK->MD", y_mKD, combine_mK.astype(y_mKD.dtype))
+        return y_mD, jax.lax.psum(X - jnp.sum(kept_X.astype(jnp.int32)), row_axes)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(state_specs, rows, rows, rows), out_specs=(rows, P()),
+                         check_vma=False)(state, x_MD, experts_MK, weights_MK)

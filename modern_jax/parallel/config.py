@@ -3,6 +3,7 @@
     parallel:
       data: -1          # -1: every device left over (one axis at most)
       fsdp: 1
+      expert: 1         # splits a mixture's experts; data parallelism everywhere else
       tensor: 4
       rules:            # entries replacing those of `sharding.RULES`
         embed: null     #   e.g. no FSDP of the model dimension
@@ -28,20 +29,21 @@ _fail = functools.partial(fail, "ParallelConfig")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh sizes (`data` x `fsdp` x `tensor`) and rule overrides (logical name -> mesh axes)."""
+    """Mesh sizes (`data` x `fsdp` x `expert` x `tensor`) and rule overrides (logical name -> mesh axes)."""
 
     data: int = -1
     fsdp: int = 1
+    expert: int = 1
     tensor: int = 1
     rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = field(default=())
 
     def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
         for name, size in sizes.items():
             if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
                 _fail(name, size, "expected a positive integer or -1 (fill with the remaining devices)")
         if sum(size == -1 for size in sizes.values()) > 1:
-            _fail("data", self.data, "only one of data, fsdp, tensor may be -1")
+            _fail("data", self.data, "only one of data, fsdp, expert, tensor may be -1")
         known = dict(RULES)
         for name, axes in self.rules:
             if name not in known:
@@ -57,7 +59,7 @@ class ParallelConfig:
     @classmethod
     def from_dict(cls, values: dict | None) -> ParallelConfig:
         values = dict(values or {})
-        check_keys("parallel", values, ["data", "fsdp", "tensor", "rules"])
+        check_keys("parallel", values, ["data", "fsdp", "expert", "tensor", "rules"])
         rules = values.pop("rules", None) or {}
         if not isinstance(rules, dict):
             _fail("rules", rules, "expected a mapping of logical axis -> mesh axes")
@@ -66,7 +68,7 @@ class ParallelConfig:
 
     def to_dict(self) -> dict:
         rules = {name: list(axes) if isinstance(axes, tuple) else axes for name, axes in self.rules}
-        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "rules": rules}
+        return {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor, "rules": rules}
 
     def rules_table(self) -> tuple:
         """`sharding.RULES` with this config's entries replaced."""
@@ -74,4 +76,4 @@ class ParallelConfig:
         return tuple((name, overrides.get(name, axes)) for name, axes in RULES)
 
     def mesh(self, devices=None):
-        return make_mesh(self.data, self.fsdp, self.tensor, devices=devices)
+        return make_mesh(self.data, self.fsdp, self.tensor, devices=devices, expert=self.expert)

@@ -1,0 +1,164 @@
+"""Expert parallelism on 8 host CPU devices: the experts split over the `expert` axis, tokens
+exchanged all-to-all (or all-gathered), against one device; the HLO's collectives, the expert
+shards, checkpoints across meshes, and dropped-token accounting against NumPy."""
+
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from modern_jax.cli import main
+from modern_jax.config import ModelConfig
+from modern_jax.layers.moe import MoE
+from modern_jax.model import Transformer
+from modern_jax.parallel.mesh import make_mesh
+from modern_jax.sharding import check_mesh, logical_rules, state_shardings
+from modern_jax.training import TrainConfig, Trainer, load_run_config, train
+from modern_jax.training.checkpoint import Checkpointer
+
+import modern_jax.training.step as step_module
+
+REPO = pathlib.Path(__file__).parent.parent
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, ffn_type="moe",
+                  n_experts=8, experts_per_token=2, expert_d_ff=16, n_shared_experts=1, router_score="sigmoid",
+                  router_selection_bias=True, router_norm_topk=True, max_position_embeddings=32)
+MESHES = {"data2_expert4": dict(data=2, expert=4), "expert8": dict(data=1, expert=8),
+          "fsdp2_expert2_tensor2": dict(fsdp=2, expert=2, tensor=2)}
+
+
+@pytest.fixture(autouse=True)
+def quick_compiles(monkeypatch):
+    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+
+
+def batch(B=8, T=16, V=64, seed=5):
+    toks = np.random.default_rng(seed).integers(0, V, (1, B, T + 1))
+    return {"inputs": toks[..., :-1].astype(np.int32), "targets": toks[..., 1:].astype(np.int32),
+            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (1, B, T)).copy(),
+            "segment_ids": np.ones((1, B, T), np.int32), "weights": np.ones((1, B, T), np.float32)}
+
+
+def one_step(cfg, mesh, tc):
+    trainer = Trainer(cfg, tc, mesh)
+    state, metrics = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch()))
+    return jax.device_get(state["params"]), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_gather"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_a_training_step_with_experts_split_equals_one_device(mesh_name, exchange):
+    """Loss, gradient norm, per-layer loads and every updated parameter (aux-free biases
+    included: the loads are global) equal the single-device step."""
+    cfg = CFG.replace(moe_exchange=exchange)
+    tc = TrainConfig(batch_size=8, seq_len=16, warmup_steps=0, lr=1e-2, moe_aux_weight=0.01,
+                     moe_bias_update_rate=0.01)
+    p1, m1 = one_step(cfg, make_mesh(devices=jax.devices()[:1]), tc)
+    p2, m2 = one_step(cfg, make_mesh(**MESHES[mesh_name]), tc)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-4)
+    np.testing.assert_allclose(m2["moe_aux_loss"], m1["moe_aux_loss"], rtol=1e-5)
+    np.testing.assert_array_equal(m2["moe_load_max"], m1["moe_load_max"])
+    assert float(m2["moe_dropped"]) == 0.0
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):  # Adam's first step: see test_parallel
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=0)
+
+
+def sharded_forward(model, mesh, tokens):
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, mesh))
+    with logical_rules(mesh):
+        forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+        return forward(state, tokens), forward.lower(state, tokens).compile().as_text(), state
+
+
+def test_the_hlo_exchanges_tokens_and_never_gathers_expert_weights():
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 12)), jnp.int32)
+    mesh = make_mesh(data=2, expert=4)
+    logits, hlo, state = sharded_forward(model, mesh, tokens)
+    np.testing.assert_allclose(logits, model(tokens), atol=1e-6, rtol=1e-6)
+    assert "all-to-all" in hlo
+    gathered = [line for line in hlo.splitlines() if " all-gather(" in line or " all-gather-start(" in line]
+    E, D, F = 8, 32, 16
+    for line in gathered:  # no gather returns an expert weight (whole or one layer of it)
+        shape = line.split("=")[1].split("all-gather")[0]
+        assert not any(f"[{dims}]" in shape for dims in (f"{E},{D},{F}", f"{E},{F},{D}", f"2,{E},{D},{F}")), line
+    # the expert weight shards: device at expert index j holds experts 2j, 2j + 1 of every layer
+    up = state["stages"][0]["blocks"][0]["mlp"]["experts"]["up_proj"]["kernel"].get_value()
+    full = np.asarray(model.stages[0].blocks[0].mlp.experts.up_proj.kernel[...])
+    expert_axis = list(mesh.axis_names).index("expert")
+    for shard in up.addressable_shards:
+        j = int(np.argwhere(mesh.devices == shard.device)[0][expert_axis])
+        np.testing.assert_array_equal(np.asarray(shard.data), full[:, 2 * j:2 * j + 2])
+
+
+def test_dropped_assignments_under_a_tight_bound_match_numpy():
+    """`moe_exchange_factor` bounds each (source device, destination device) pair to
+    C = ceil(factor * local assignments / P) slots, filled in token order."""
+    factor, P = 0.5, 4
+    cfg = CFG.replace(moe_exchange_factor=factor, n_shared_experts=0)
+    layer = MoE(cfg, rngs=nnx.Rngs(3))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 32)), jnp.float32)
+    mesh = make_mesh(data=2, expert=P)
+    with logical_rules(mesh):
+        _, sown = nnx.capture(layer, nnx.Intermediate)(x)
+    dropped = int([v.get_value()[0] for p, v in nnx.to_flat_state(sown) if "moe_dropped" in map(str, p)][0])
+    experts, _, _, _ = layer.router(x.reshape(-1, 32))
+    experts = np.asarray(experts).reshape(8, 6 * 2)  # rows of one sequence: its 6 tokens x k
+    devices = 2 * P  # the batch is split over data x expert: one sequence per device
+    per_device = experts.reshape(devices, -1)
+    C = math.ceil(factor * per_device.shape[1] / P)
+    want = sum(max(0, int(np.sum(row // 2 == dest)) - C) for row in per_device for dest in range(P))
+    assert dropped == want > 0
+
+
+def test_a_checkpoint_saved_on_expert4_restores_on_expert2_and_one_device(tmp_path):
+    tc = TrainConfig(batch_size=8, seq_len=16, warmup_steps=0, lr=1e-2)
+    trainer = Trainer(CFG, tc, make_mesh(data=2, expert=4))
+    state, _ = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch()))
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
+    checkpointer.save(state, {"step": 1})
+    checkpointer.close()
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (8, 12)), jnp.int32)
+    logits = []
+    for sizes in (dict(data=2, expert=4), dict(data=4, expert=2), dict(devices=jax.devices()[:1])):
+        other = Trainer(CFG, tc, make_mesh(**sizes))
+        checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
+        restored, _ = checkpointer.restore(other.abstract_state(), 1)
+        checkpointer.close()
+        model = other.model(restored["params"])
+        with logical_rules(other.mesh):
+            logits.append(np.asarray(jax.jit(lambda m, t: m(t))(model, tokens)))
+    np.testing.assert_allclose(logits[1], logits[0], atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(logits[2], logits[0], atol=1e-6, rtol=1e-6)
+
+
+def test_cli_train_on_data2_expert4_gives_the_one_device_losses(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(np.random.default_rng(0).choice(["alpha", "beta", "gamma", "\n"], 2000)))
+    small = {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64, "expert_d_ff": 16,
+             "max_position_embeddings": 32, "vocab_size": "auto"}
+    settings = {"steps": 3, "batch_size": 8, "seq_len": 16, "warmup_steps": 1, "log_every": 1, "eval_every": 0,
+                "eval_windows": 8, "eval_batch_size": 8, "final_eval_windows": 8, "checkpoint_every": 0,
+                "samples": 0, "progress": False, "plot": False, "tensorboard": False}
+    overrides = ["data.tokenizer=char", f"data.path={corpus}"] + [f"model.{k}={v}" for k, v in small.items()]
+    overrides += [f"train.{k}={json.dumps(v)}" for k, v in settings.items()]
+    config = str(REPO / "configs/moe_tiny.yaml")
+    one = train(load_run_config(config, overrides + [f"train.output_dir={tmp_path / 'one'}"]),
+                mesh=make_mesh(devices=jax.devices()[:1]), log=lambda *_: None)
+    assert main(["train", "--config", config, "--mesh", "data=2,expert=4", *overrides,
+                 f"train.output_dir={tmp_path / 'split'}"]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "split/metrics.jsonl").read_text().splitlines()]
+    losses = [[h["loss"] for h in one.history], [r["loss"] for r in rows if r["split"] == "train"]]
+    assert len(losses[1]) == 3
+    np.testing.assert_allclose(losses[1], losses[0], rtol=2e-5)
+
+
+def test_experts_the_expert_axis_does_not_divide_are_refused_before_compiling():
+    with pytest.raises(ValueError, match=r"model.n_experts=6 is not divisible by the mesh's expert=4"):
+        check_mesh(CFG.replace(n_experts=6), make_mesh(data=2, expert=4))
