@@ -80,7 +80,7 @@ def mesh_axes(name, rules) -> tuple[str, ...]:
 
 def live_axes(name, rules, mesh, size: int) -> tuple[str, ...] | None:
     """The mesh axes (of size > 1) that split a dimension `name` of `size`; None if they do not divide it."""
-    axes = tuple(a for a in mesh_axes(name, rules) if mesh.shape[a] > 1)
+    axes = tuple(a for a in mesh_axes(name, rules) if mesh.shape.get(a, 1) > 1)  # a mesh without an axis: size 1
     return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
 
 
@@ -92,7 +92,7 @@ def logical_to_spec(axes, rules, mesh=None, shape=None, where: str = "") -> Part
     """
     used, out = set(), []
     for i, name in enumerate(axes):
-        group = tuple(a for a in mesh_axes(name, rules) if a not in used)
+        group = tuple(a for a in mesh_axes(name, rules) if a not in used and (mesh is None or a in mesh.shape))
         if mesh is not None and shape is not None:
             group = tuple(a for a in group if mesh.shape[a] > 1)
             size = math.prod(mesh.shape[a] for a in group)

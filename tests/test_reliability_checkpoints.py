@@ -371,7 +371,7 @@ def test_batch_sharding_follows_the_rules_table():
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     tc = TrainConfig(batch_size=8, seq_len=8, warmup_steps=0)
     default = Trainer(cfg, tc, mesh)
-    assert tuple(default.batch_sharding.spec) == (None, ("data", "fsdp"), None)
+    assert tuple(default.batch_sharding.spec) == (None, ("data", "fsdp", "expert"), None)  # expert: size 1 here
     from modern_jax.sharding import RULES
 
     rules = tuple((k, "data" if k == "activation_batch" else v) for k, v in RULES)

@@ -47,7 +47,7 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
                                  **kwargs)
     mesh, rules = state
     B, T, K, G, H = q_BTKGH.shape
-    tp_axes = tuple(a for a in mesh_axes("activation_kv_heads", rules) if mesh.shape[a] > 1)
+    tp_axes = tuple(a for a in mesh_axes("activation_kv_heads", rules) if mesh.shape.get(a, 1) > 1)
     tp = math.prod(mesh.shape[a] for a in tp_axes)
     r = kv_replication(K, G, tp) if tp > 1 else 1
     if r > 1:  # split each query group in r and give each part its own copy of the KV head

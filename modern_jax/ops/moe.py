@@ -163,7 +163,7 @@ def _mesh_split(n_experts: int, batch: int):
     mesh, rules = state
     experts = live_axes("experts", rules, mesh, n_experts) or ()
     rows = live_axes("activation_batch", rules, mesh, batch) or ()
-    tensor = tuple(a for a in mesh_axes("mlp", rules) if mesh.shape[a] > 1)
+    tensor = tuple(a for a in mesh_axes("mlp", rules) if mesh.shape.get(a, 1) > 1)
     if not (experts or rows or tensor):
         return None
     if not set(experts) <= set(rows):

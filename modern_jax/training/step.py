@@ -35,7 +35,7 @@ from modern_jax.training.optimizer import global_norm, learning_rate_schedule, m
 
 def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
     """Batches `[A, B, T]` (micro-batches, rows, tokens): rows split as `activation_batch` is."""
-    return NamedSharding(mesh, logical_to_spec((None, "activation_batch", "activation_length"), rules))
+    return NamedSharding(mesh, logical_to_spec((None, "activation_batch", "activation_length"), rules, mesh))
 
 
 def abstract_model(cfg: ModelConfig):
