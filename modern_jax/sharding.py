@@ -84,6 +84,15 @@ def live_axes(name, rules, mesh, size: int) -> tuple[str, ...] | None:
     return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
 
 
+def axis_position(axes) -> jax.Array:
+    """Inside `shard_map`: this device's index along `axes`, row-major as a PartitionSpec lays a
+    dimension split over several axes out."""
+    index = 0
+    for axis in axes:
+        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+    return index
+
+
 def logical_to_spec(axes, rules, mesh=None, shape=None, where: str = "") -> PartitionSpec:
     """Map logical axis names to a PartitionSpec; a mesh axis is used at most once.
 

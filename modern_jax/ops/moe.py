@@ -54,7 +54,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from modern_jax.kernels.grouped import grouped_matmul
-from modern_jax.sharding import active, live_axes, logical_to_spec, mesh_axes
+from modern_jax.sharding import active, axis_position, live_axes, logical_to_spec, mesh_axes
 
 DISPATCHES = ("grouped", "dense", "capacity")
 EXCHANGES = ("all_to_all", "all_gather")
@@ -94,12 +94,11 @@ def _local(x_MD, experts_MK, weights_MK, experts_fn, *, kind, n_experts, on_inpu
     x_XD = x_MD[token_X]
     if on_input:
         x_XD = x_XD * weights_MK.reshape(M * K)[order_X][:, None].astype(x_XD.dtype)
-    sizes_E = jnp.zeros((E,), jnp.int32).at[expert_X].add(1)
     if kind == "grouped":
-        y_XD, kept_X = _grouped(x_XD, expert_X, sizes_E, experts_fn, grouped_impl, psum_axes), None
+        y_XD, kept_X = _grouped(x_XD, expert_X, E, experts_fn, grouped_impl, psum_axes), None
     else:
         C = math.ceil(capacity_factor * M * K / E)
-        y_XD, kept_X = _capacity(x_XD, expert_X, sizes_E, experts_fn, E, C, psum_axes)
+        y_XD, kept_X = _capacity(x_XD, expert_X, experts_fn, E, C, psum_axes)
     y_MKD = y_XD[jnp.argsort(order_X)].reshape(M, K, -1)  # back to token order
     combine_MK = jnp.ones_like(weights_MK) if on_input else weights_MK
     y_MD = jnp.einsum("MKD,MK->MD", y_MKD, combine_MK.astype(y_MKD.dtype))
@@ -128,28 +127,48 @@ def _dense(x_MD, experts_MK, weights_MK, experts_fn, E: int, on_input: bool, psu
     return jnp.einsum("EMD,ME->MD", y_EMD, weight_ME.astype(y_EMD.dtype))
 
 
-def _grouped(x_XD, expert_X, sizes_E, experts_fn, impl: str, psum_axes=()):
+def _grouped(x_XD, expert_X, E: int, experts_fn, impl: str, psum_axes=()):
+    """The E experts on rows sorted by expert; a row with id E or more belongs to none (output 0,
+    plus the last expert's bias: such rows are never read back)."""
+    sizes_E = jnp.zeros((E,), jnp.int32).at[expert_X].add(1, mode="drop")
+
     def matmul(x_XI, w_EIO, b_EO=None, reduce=False):
         y_XO = _reduced(grouped_matmul(x_XI, w_EIO, sizes_E, impl=impl), reduce, psum_axes)
-        return y_XO if b_EO is None else y_XO + b_EO.astype(y_XO.dtype)[expert_X]
+        return y_XO if b_EO is None else y_XO + b_EO.astype(y_XO.dtype)[jnp.minimum(expert_X, E - 1)]
 
     return experts_fn(x_XD, matmul)
 
 
-def _capacity(x_XD, expert_X, sizes_E, experts_fn, E: int, C: int, psum_axes=()):
-    starts_E = jnp.cumsum(sizes_E) - sizes_E
-    rank_X = jnp.arange(expert_X.shape[0]) - starts_E[expert_X]  # place in its expert's queue
+def _slots(group_X, n_groups: int, C: int):
+    """`(kept, slot)` of rows sorted by group: row x takes slot `group * C + its place in the
+    group's queue` if that place is below C, else it is dropped and points past the end."""
+    sizes_G = jnp.zeros((n_groups,), jnp.int32).at[group_X].add(1)
+    rank_X = jnp.arange(group_X.shape[0]) - (jnp.cumsum(sizes_G) - sizes_G)[group_X]
     kept_X = rank_X < C
-    slot_X = jnp.where(kept_X, expert_X * C + rank_X, E * C)  # dropped ones point past the end
-    x_ECD = jnp.zeros((E * C, x_XD.shape[-1]), x_XD.dtype).at[slot_X].set(x_XD, mode="drop").reshape(E, C, -1)
+    return kept_X, jnp.where(kept_X, group_X * C + rank_X, n_groups * C)
+
+
+def _place(x_XD, slot_X, n_slots: int, fill=0):
+    """Rows into their slots `[n_slots, ...]` (slots past the end dropped, empty ones `fill`)."""
+    return jnp.full((n_slots, *x_XD.shape[1:]), fill, x_XD.dtype).at[slot_X].set(x_XD, mode="drop")
+
+
+def _take(y_SD, kept_X, slot_X):
+    """Each row's output back from its slot; 0 for a dropped row."""
+    y_XD = y_SD[jnp.minimum(slot_X, y_SD.shape[0] - 1)]
+    return jnp.where(kept_X[:, None], y_XD, jnp.zeros((), y_XD.dtype))
+
+
+def _capacity(x_XD, expert_X, experts_fn, E: int, C: int, psum_axes=()):
+    kept_X, slot_X = _slots(expert_X, E, C)  # an expert's queue in token order
+    x_ECD = _place(x_XD, slot_X, E * C).reshape(E, C, -1)
 
     def matmul(x_ECI, w_EIO, b_EO=None, reduce=False):
         y_ECO = _reduced(jnp.einsum("ECI,EIO->ECO", x_ECI, w_EIO.astype(x_ECI.dtype)), reduce, psum_axes)
         return y_ECO if b_EO is None else y_ECO + b_EO.astype(y_ECO.dtype)[:, None, :]
 
     y_ECD = experts_fn(x_ECD, matmul)
-    y_XD = y_ECD.reshape(E * C, -1)[jnp.minimum(slot_X, E * C - 1)]
-    return jnp.where(kept_X[:, None], y_XD, jnp.zeros((), y_XD.dtype)), kept_X
+    return _take(y_ECD.reshape(E * C, -1), kept_X, slot_X), kept_X
 
 
 # ----- expert parallelism ------------------------------------------------------------------
@@ -171,14 +190,6 @@ def _mesh_split(n_experts: int, batch: int):
                          f"(batch axes: {'x'.join(rows) or 'none'}): map activation_batch to include "
                          f"{'x'.join(experts)} and make the batch divisible by it")
     return mesh, rules, experts, rows, tensor
-
-
-def _index(axes) -> jax.Array:
-    """This device's position along `axes` (row-major, as a PartitionSpec lays them out)."""
-    index = 0
-    for axis in axes:
-        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
-    return index
 
 
 def _under_mesh(split, x_MD, experts_MK, weights_MK, experts_module, local, exchange, factor):
@@ -206,25 +217,11 @@ def _under_mesh(split, x_MD, experts_MK, weights_MK, experts_module, local, exch
             y_mD, dropped = _local(x_mD, experts_mK, weights_mK, experts, psum_axes=tensor_axes, **local)
             return y_mD, jax.lax.psum(dropped, row_axes) if row_axes else dropped
         E_local = E // EP
-        first = _index(ep_axes) * E_local  # the first expert this device owns
+        first = axis_position(ep_axes) * E_local  # the first expert this device owns
 
-        def grouped(x_RD, local_R, n_groups):
-            """The local experts on rows sorted by local expert id (ids >= E_local: no expert, output 0)."""
-            sizes_E = jnp.zeros((n_groups,), jnp.int32).at[local_R].add(1, mode="drop")
-
-            def matmul(x_RI, w_EIO, b_EO=None, reduce=False):
-                y_RO = grouped_matmul(x_RI, w_EIO, sizes_E, impl=impl)
-                if reduce and tensor_axes:
-                    y_RO = jax.lax.psum(y_RO, tensor_axes)
-                if b_EO is None:
-                    return y_RO
-                return y_RO + b_EO.astype(y_RO.dtype)[jnp.minimum(local_R, n_groups - 1)]
-
-            return experts(x_RD, matmul)
-
-        def sort_and_run(x_RD, local_R):
+        def sort_and_run(x_RD, local_R):  # the local experts; ids >= E_local: no expert here
             order_R = jnp.argsort(local_R, stable=True)
-            y_RD = grouped(x_RD[order_R], local_R[order_R], E_local)
+            y_RD = _grouped(x_RD[order_R], local_R[order_R], E_local, experts, impl, tensor_axes)
             return y_RD[jnp.argsort(order_R)]
 
         m, K = experts_mK.shape
@@ -249,19 +246,15 @@ def _under_mesh(split, x_MD, experts_MK, weights_MK, experts_module, local, exch
         expert_X = expert_X[order_X]
         x_XD = scale(x_mD[order_X // K], weights_mK.reshape(X)[order_X])
         dest_X = expert_X // E_local
-        counts_P = jnp.zeros((EP,), jnp.int32).at[dest_X].add(1)
-        rank_X = jnp.arange(X) - (jnp.cumsum(counts_P) - counts_P)[dest_X]
-        kept_X = rank_X < C
-        slot_X = jnp.where(kept_X, dest_X * C + rank_X, EP * C)
+        kept_X, slot_X = _slots(dest_X, EP, C)  # a destination's slots in token order
         D = x_mD.shape[-1]
-        send_PCD = jnp.zeros((EP * C, D), x_XD.dtype).at[slot_X].set(x_XD, mode="drop").reshape(EP, C, D)
-        ids_PC = jnp.full((EP * C,), E_local, jnp.int32).at[slot_X].set(expert_X - dest_X * E_local,
-                                                                          mode="drop").reshape(EP, C)
+        send_PCD = _place(x_XD, slot_X, EP * C).reshape(EP, C, D)
+        ids_PC = _place((expert_X - dest_X * E_local).astype(jnp.int32), slot_X, EP * C, fill=E_local).reshape(EP, C)
         recv_PCD = jax.lax.all_to_all(send_PCD, ep_axes, 0, 0, tiled=True)  # slot p: from device p
         recv_ids_PC = jax.lax.all_to_all(ids_PC, ep_axes, 0, 0, tiled=True)
         y_RD = sort_and_run(recv_PCD.reshape(EP * C, D), recv_ids_PC.reshape(EP * C))
         back_PCD = jax.lax.all_to_all(y_RD.reshape(EP, C, D), ep_axes, 0, 0, tiled=True)
-        y_XD = jnp.where(kept_X[:, None], back_PCD.reshape(EP * C, D)[jnp.minimum(slot_X, EP * C - 1)], 0.0)
+        y_XD = _take(back_PCD.reshape(EP * C, D), kept_X, slot_X)
         y_mKD = y_XD[jnp.argsort(order_X)].reshape(m, K, D)
         y_mD = jnp.einsum("MKD,MK->MD", y_mKD, combine_mK.astype(y_mKD.dtype))
         return y_mD, jax.lax.psum(X - jnp.sum(kept_X.astype(jnp.int32)), row_axes)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from modern_jax.kernels.masks import MASK_VALUE, softcap
-from modern_jax.sharding import active, live_axes
+from modern_jax.sharding import active, axis_position, live_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +88,7 @@ def _split(n_rows: int, batch: int):
 
 def _first_row(vocab_axes, rows_per_device: int):
     """The global id of this device's first vocabulary row."""
-    index = 0
-    for axis in vocab_axes:  # row-major over the vocab axes, as a PartitionSpec lays them out
-        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
-    return index * rows_per_device
+    return axis_position(vocab_axes) * rows_per_device
 
 
 def lookup(table_VD, tokens_BT):
