@@ -8,6 +8,7 @@
     modern-jax convert --from-hf HF_DIR --out CKPT  |  --to-hf CKPT --out HF_DIR [--model-type llama]
     modern-jax plan --config configs/llama3_8b.yaml --mesh data=1,fsdp=8,tensor=1 --batch 8 --seq 8192 --hbm-gib 141
 """
+    modern-jax plan --config configs/llama3_8b.yaml --topology v5p:2x2x2 --mesh fsdp=8 --batch 8 --seq 8192
 
 from __future__ import annotations
 
@@ -225,27 +226,31 @@ def cmd_plan(args) -> int:
 
     from modern_jax.parallel.mesh import parse_mesh
 
-    _check_flags(args, _positive("--batch"), _positive("--seq"),
+    _check_flags(args, _positive("--batch"), _positive("--seq"), _positive("--slices"),
                  ("--hbm-gib", lambda g: 0 < g < math.inf, "a positive number of GiB"))
     sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **parse_mesh(args.mesh)}
     if any(v < 1 for v in sizes.values()):
-        raise ValueError("plan needs explicit mesh sizes (no -1): the mesh is made of host CPU devices")
+        raise ValueError("plan needs explicit mesh sizes (no -1)")
+    if args.slices > 1 and not args.topology:
+        raise ValueError("--slices needs --topology (the slices of a TPU topology)")
     from modern_jax.training.config import load_run_config
 
     overrides = list(args.overrides) + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"]
     run = load_run_config(args.config, overrides)  # config errors here, before any re-execution
     if not isinstance(run.model_dict.get("vocab_size"), int):
         raise ValueError("plan needs a numeric model.vocab_size (override model.vocab_size=N)")
-    n = math.prod(sizes.values())
-    flag = f"--xla_force_host_platform_device_count={n}"
-    if flag not in os.environ.get("XLA_FLAGS", ""):  # compile for n host CPU devices, in a fresh process
+    env = {"JAX_PLATFORMS": "cpu"}  # the TPU is only a compile target; host CPU devices otherwise
+    if not args.topology:
+        flag = f"--xla_force_host_platform_device_count={math.prod(sizes.values())}"
+        if flag not in os.environ.get("XLA_FLAGS", ""):
+            env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    if any(os.environ.get(k) != v for k, v in env.items()):  # set before JAX starts: in a fresh process
         import subprocess
 
-        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), "JAX_PLATFORMS": "cpu"}
-        return subprocess.call([sys.executable, "-m", "modern_jax.cli", *args.argv], env=env)
+        return subprocess.call([sys.executable, "-m", "modern_jax.cli", *args.argv], env={**os.environ, **env})
     from modern_jax.planner import format_plan, plan
 
-    print(format_plan(plan(run, sizes, args.hbm_gib)))
+    print(format_plan(plan(run, sizes, args.hbm_gib, topology=args.topology, slices=args.slices)))
     return 0
 
 
@@ -300,12 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 / as stored)")
     co.set_defaults(func=cmd_convert)
 
-    pl = sub.add_parser("plan", help="per-device memory of the training step on a mesh (no accelerator needed)")
+    pl = sub.add_parser("plan", help="per-device memory of the training step on a mesh or a TPU topology "
+                                     "(no accelerator needed)")
     pl.add_argument("--config", required=True, help="a YAML config (model:, optional train:)")
     pl.add_argument("--mesh", required=True, help="e.g. data=1,fsdp=8,tensor=1")
     pl.add_argument("--batch", type=int, required=True, help="sequences per step, all devices together")
     pl.add_argument("--seq", type=int, required=True, help="tokens per sequence")
-    pl.add_argument("--hbm-gib", type=float, help="device memory to check the plan against")
+    pl.add_argument("--topology", help="compile with the TPU compiler for this topology (libtpu), e.g. v5p:2x2x2, "
+                                       "v5e:2x2, v6e:4x4; without it, host CPU devices give an estimate")
+    pl.add_argument("--slices", type=int, default=1, help="--topology: the number of slices (multi-slice)")
+    pl.add_argument("--hbm-gib", type=float, help="device memory to check the plan against (default with "
+                                                  "--topology: the chip's)")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat=full model.dtype=bfloat16")
     pl.set_defaults(func=cmd_plan)
     parser.commands = sub.choices

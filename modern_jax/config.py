@@ -29,7 +29,7 @@ FFN_TYPES = ("mlp", "gated", "moe")
 ROUTER_SCORES = ("softmax", "topk_softmax", "sigmoid")
 MOE_DISPATCHES = ("grouped", "dense", "capacity")
 GROUPED_IMPLS = ("default", "ragged_dot", "megablox")
-MOE_EXCHANGES = ("all_to_all", "all_gather")
+MOE_EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity")
 POSITIONS = ("none", "rope", "sinusoidal", "learned")
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -201,8 +201,9 @@ class ModelConfig:
     moe_dispatch: str = "grouped"  # dropless grouped matmuls | every expert on every token | capacity
     moe_capacity_factor: float = 1.0  # capacity dispatch: slots per expert = factor * tokens * k / E
     moe_grouped_impl: str = "default"  # the grouped matmul: ragged_dot, or megablox (TPU kernel)
-    moe_exchange: str = "all_to_all"  # experts split over a mesh: tokens swapped all-to-all, or all-gathered
-    moe_exchange_factor: float | None = None  # all_to_all slots per destination: factor * local assignments / P
+    moe_exchange: str = "all_to_all"  # experts split over a mesh: tokens swapped all-to-all (slots or ragged), or all-gathered
+    moe_exchange_factor: float | None = None  # all_to_all slots per destination (factor * local assignments / P);
+    # ragged_all_to_all receive rows (factor * local assignments); None: room for all, no drops
 
     # positions
     position_embedding: str = "rope"

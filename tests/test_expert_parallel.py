@@ -43,6 +43,30 @@ def batch(B=8, T=16, V=64, seed=5):
             "segment_ids": np.ones((1, B, T), np.int32), "weights": np.ones((1, B, T), np.float32)}
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups=None):
+    """`jax.lax.ragged_all_to_all` as its docstring defines it, from all_gathers (XLA:CPU has no
+    ragged_all_to_all): source s's rows `[input_offsets[me], + send_sizes[me])` land in this
+    device's `output` at `output_offsets[me]` of source s."""
+    me = jax.lax.axis_index(axis_name)
+    rows, starts, sizes, dests = (jax.lax.all_gather(a, axis_name) for a in
+                                  (operand, input_offsets, send_sizes, output_offsets))
+    r = jnp.arange(operand.shape[0])
+    for source in range(rows.shape[0]):
+        start, size, dest = starts[source, me], sizes[source, me], dests[source, me]
+        into = jnp.where((r >= start) & (r < start + size), dest + r - start, output.shape[0])
+        output = output.at[into].set(rows[source], mode="drop")
+    return output
+
+
+@pytest.fixture
+def ragged_on_cpu(monkeypatch):
+    import modern_jax.ops.moe as moe_ops
+
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(moe_ops, "platform", lambda: "tpu")  # let the exchange be chosen on this CPU
+
+
 def one_step(cfg, mesh, tc):
     trainer = Trainer(cfg, tc, mesh)
     state, metrics = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch()))
@@ -115,6 +139,50 @@ def test_dropped_assignments_under_a_tight_bound_match_numpy():
     C = math.ceil(factor * per_device.shape[1] / P)
     want = sum(max(0, int(np.sum(row // 2 == dest)) - C) for row in per_device for dest in range(P))
     assert dropped == want > 0
+
+
+@pytest.mark.parametrize("mesh_name", ["data2_expert4", "fsdp2_expert2_tensor2"])
+def test_the_ragged_exchange_equals_one_device(mesh_name, ragged_on_cpu):
+    """`ragged_all_to_all` (emulated by its documented semantics): the offsets and sizes the
+    exchange computes send every assignment to its expert's device and back, so the step
+    (loss, loads, every parameter) is one device's."""
+    cfg = CFG.replace(moe_exchange="ragged_all_to_all")
+    tc = TrainConfig(batch_size=8, seq_len=16, warmup_steps=0, lr=1e-2, moe_aux_weight=0.01,
+                     moe_bias_update_rate=0.01)
+    p1, m1 = one_step(cfg, make_mesh(devices=jax.devices()[:1]), tc)
+    pn, mn = one_step(cfg, make_mesh(**MESHES[mesh_name]), tc)
+    np.testing.assert_allclose(mn["loss"], m1["loss"], rtol=1e-5)
+    assert mn["moe_dropped"] == 0
+    np.testing.assert_array_equal(mn["moe_load_max"], m1["moe_load_max"])
+    for a, b in zip(jax.tree.leaves(pn), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=0)
+
+
+def test_the_ragged_exchange_drops_what_overflows_a_receive_buffer_as_numpy_counts(ragged_on_cpu):
+    """With `moe_exchange_factor`, each device receives at most R = ceil(factor * local
+    assignments) rows; what its expert group sends past that is dropped: per destination,
+    max(0, rows sent to it - R)."""
+    factor, P = 0.75, 4
+    cfg = CFG.replace(moe_exchange="ragged_all_to_all", moe_exchange_factor=factor, n_shared_experts=0)
+    layer = MoE(cfg, rngs=nnx.Rngs(3))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 32)), jnp.float32)
+    with logical_rules(make_mesh(data=2, expert=P)):
+        _, sown = nnx.capture(layer, nnx.Intermediate)(x)
+    dropped = int([v.get_value()[0] for p, v in nnx.to_flat_state(sown) if "moe_dropped" in map(str, p)][0])
+    experts, _, _, _ = layer.router(x.reshape(-1, 32))
+    per_device = np.asarray(experts).reshape(2 * P, 6 * 2)  # one sequence per device, data-major
+    R = math.ceil(factor * per_device.shape[1])
+    want = sum(max(0, int(np.sum(per_device[g * P:(g + 1) * P] // 2 == dest)) - R) for g in range(2) for dest in range(P))
+    assert dropped == want > 0
+
+
+def test_the_ragged_exchange_is_refused_on_cpu():
+    from modern_jax.kernels import UnsupportedFeatureError
+
+    layer = MoE(CFG.replace(moe_exchange="ragged_all_to_all"), rngs=nnx.Rngs(0))
+    with logical_rules(make_mesh(data=2, expert=4)), pytest.raises(UnsupportedFeatureError,
+                                                                    match="XLA:CPU does not implement it"):
+        layer(jnp.ones((8, 4, 32)))
 
 
 def test_a_checkpoint_saved_on_expert4_restores_on_expert2_and_one_device(tmp_path):

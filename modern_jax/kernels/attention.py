@@ -33,7 +33,7 @@ and segment ids unless said otherwise:
 window masks count indices, not positions), so it is there for comparison, not a default;
 the dense mask carries every rule (windows, chunks, segments) exactly.
 
-`default` resolves by platform to the first implementation that can run the call:
+`default` resolves by platform (the one compiled for, `backend.platform()`) to the first implementation that can run the call:
 GPU `pallas_gpu`, TPU `pallas_tpu`, CPU `chunked`, then `chunked`, then `reference`.
 An explicit choice that cannot run the call raises `UnsupportedFeatureError` naming
 what is missing. Attention dropout exists only in `reference`. A single query (decoding
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from modern_jax.kernels.backend import UnsupportedFeatureError, can_run_pallas, interpret_target, platform
+from modern_jax.kernels.backend import UnsupportedFeatureError, can_run_pallas, interpret_target, note_kernel, platform
 from modern_jax.kernels.chunked import attention_chunked
 from modern_jax.kernels.flash_gpu import flash_attention_gpu
 from modern_jax.kernels.flash_tpu import flash_attention_tpu
@@ -128,7 +128,7 @@ def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKU, spec: Attentio
     if impl is AttentionImpl.CUDNN:
         H, U = k_BSKH.shape[-1], v_BSKU.shape[-1]
         if platform() != "gpu":
-            return f"an NVIDIA GPU with cuDNN (this backend is {platform()!r})"
+            return f"an NVIDIA GPU with cuDNN (this computation is compiled for {platform()!r})"
         if max_logit:
             return ("the max attention logit (cuDNN does not expose its scores; train with "
                     "train.diagnostics=false, or another attention_impl)")
@@ -181,6 +181,7 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, *, 
     """
     dropout = spec.dropout_rate > 0.0 and dropout_rng is not None
     impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKU, spec, sinks_KG, dropout, return_max_logit)
+    note_kernel("attention", impl.value)
     kwargs = dict(sinks_KG=sinks_KG, return_max_logit=return_max_logit)
     interpret = interpret_target() is not None
     match impl:

@@ -14,6 +14,12 @@ the platform whose kernels an implementation that has one per platform (`norm_im
 "pallas"`) interprets; `1` means `gpu`. Attention names its kernel (`pallas_gpu`,
 `pallas_tpu`), so any value lets both run. Interpret mode never changes what `default`
 resolves to.
+
+The platform is the one the computation is compiled for, not the host's: inside
+`compiling_for(mesh)` (the trainer enters it for its mesh) it is that mesh's devices'
+platform, so a step compiled for a TPU topology from a CPU host (`plan --topology`) picks
+and compiles the TPU kernels. Else an abstract mesh in context that names its device
+(`jax.sharding.use_abstract_mesh`) decides, then the default backend.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import jax
 INTERPRET_ENV = "MODERN_JAX_PALLAS_INTERPRET"
 _INTERPRET: contextvars.ContextVar[str | None] = contextvars.ContextVar("modern_jax_pallas_interpret", default=None)
 _OFF = ("", "0", "false", "no", "off")
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("modern_jax_target_platform", default=None)
+_SEEN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("modern_jax_resolved_kernels", default=None)
 
 
 class UnsupportedFeatureError(ValueError):
@@ -60,10 +68,62 @@ def interpret_target() -> str | None:
     raise ValueError(f"{INTERPRET_ENV}={value!r}: expected 1, gpu, tpu or 0")
 
 
-def platform() -> str:
-    """The backend computations run on: 'cpu', 'gpu' or 'tpu'."""
-    name = jax.default_backend()
+def _platform_name(name: str) -> str:
     return "gpu" if name in ("cuda", "rocm") else name
+
+
+def device_platform(target) -> str:
+    """The platform of `target`: a name ('cpu', 'gpu', 'cuda', 'tpu'), a Mesh, or a sequence of devices."""
+    if isinstance(target, str):
+        return _platform_name(target)
+    devices = getattr(target, "devices", target)
+    devices = list(devices.flat) if hasattr(devices, "flat") else list(devices)
+    if not devices:
+        raise ValueError("compiling_for: no devices to take the platform from")
+    kinds = {_platform_name(d.platform) for d in devices}
+    if len(kinds) > 1:
+        raise ValueError(f"compiling_for: the devices mix platforms ({', '.join(sorted(kinds))})")
+    return kinds.pop()
+
+
+@contextlib.contextmanager
+def compiling_for(target):
+    """Trace kernels inside the block for `target` (a platform name, a Mesh or devices)."""
+    token = _TARGET.set(device_platform(target))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def platform() -> str:
+    """The platform computations are compiled for: 'cpu', 'gpu' or 'tpu' (see the module docstring)."""
+    target = _TARGET.get()
+    if target is not None:
+        return target
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None:
+        return _platform_name(device.platform)
+    return _platform_name(jax.default_backend())
+
+
+@contextlib.contextmanager
+def recording_kernels():
+    """Collect, while tracing inside the block, the implementation each dispatch resolved:
+    yields a dict `{"attention": {"pallas_tpu"}, "norm": {"pallas"}, ...}`."""
+    seen: dict[str, set[str]] = {}
+    token = _SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.reset(token)
+
+
+def note_kernel(kind: str, impl: str) -> None:
+    """Record that a `kind` dispatch (attention, norm, moe_grouped) resolved to `impl`."""
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.setdefault(kind, set()).add(str(impl))
 
 
 def pallas_platform() -> str | None:
@@ -78,7 +138,7 @@ def can_run_pallas(kernel_platform: str) -> str | None:
     """None if a kernel written for `kernel_platform` can run here, else what is missing."""
     if interpret_target() is not None or platform() == kernel_platform:
         return None
-    return (f"a {kernel_platform.upper()} (this backend is {platform()!r}; on CPU set "
+    return (f"a {kernel_platform.upper()} (this computation is compiled for {platform()!r}; on CPU set "
             f"{INTERPRET_ENV}=1 or use kernels.pallas_interpret() to run it in interpret mode)")
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from modern_jax.kernels.backend import UnsupportedFeatureError, interpret_target
+from modern_jax.kernels.backend import UnsupportedFeatureError, interpret_target, note_kernel, platform
 from modern_jax.kernels.masks import pad_axis, round_up
 
 IMPLS = ("default", "ragged_dot", "megablox")
@@ -33,7 +33,8 @@ def _tile(n: int) -> int:
 def grouped_matmul(x_XI, w_EIO, group_sizes_E, *, impl: str = "default"):
     """`[X, O]` in x's dtype (accumulated in float32) for rows `x[X, I]` sorted by group."""
     if impl == "default":
-        impl = "megablox" if jax.default_backend() == "tpu" else "ragged_dot"
+        impl = "megablox" if platform() == "tpu" else "ragged_dot"
+    note_kernel("moe_grouped", impl)
     if impl == "ragged_dot":
         y_XO = jax.lax.ragged_dot(x_XI, w_EIO.astype(x_XI.dtype), group_sizes_E.astype(jnp.int32),
                                   preferred_element_type=jnp.float32)
@@ -41,9 +42,9 @@ def grouped_matmul(x_XI, w_EIO, group_sizes_E, *, impl: str = "default"):
     if impl != "megablox":
         raise ValueError(f"grouped matmul impl={impl!r}: expected one of {', '.join(IMPLS)}")
     interpret = interpret_target() is not None
-    if not interpret and jax.default_backend() != "tpu":
-        raise UnsupportedFeatureError(f"moe_grouped_impl='megablox' is a TPU kernel; this backend is "
-                                      f"{jax.default_backend()}: use 'ragged_dot' or 'default'")
+    if not interpret and platform() != "tpu":
+        raise UnsupportedFeatureError(f"moe_grouped_impl='megablox' is a TPU kernel; this computation is compiled "
+                                      f"for {platform()!r}: use 'ragged_dot' or 'default'")
     from jax.experimental.pallas.ops.tpu.megablox import ops
 
     X, I = x_XI.shape

@@ -16,7 +16,8 @@ Statistics are fp32 whatever the input dtype; the output has the input's dtype.
 | reference | plain jnp, left to XLA's fusion                                       |
 | pallas    | one fused kernel forward, one backward (dx, dw, db), under one custom_vjp; Triton on GPU (`norm_gpu.py`), Mosaic on TPU (`norm_tpu.py`) |
 
-`default` is `pallas` on GPU and TPU and `reference` elsewhere. Explicit `pallas` on a
+`default` is `pallas` on GPU and TPU and `reference` elsewhere (the platform compiled for,
+`backend.platform()`). Explicit `pallas` on a
 CPU raises `UnsupportedFeatureError` unless interpret mode is on (`kernels/backend.py`),
 which then runs the kernel of the interpreted platform (GPU unless told `tpu`).
 """
@@ -35,6 +36,7 @@ from modern_jax.kernels import norm_gpu, norm_tpu
 from modern_jax.kernels.backend import (
     UnsupportedFeatureError,
     interpret_target,
+    note_kernel,
     pallas_platform,
     platform,
     varying_axes,
@@ -56,7 +58,8 @@ def resolve(impl: NormImpl | str) -> NormImpl:
         return NormImpl.PALLAS if platform() in ("gpu", "tpu") else NormImpl.REFERENCE
     if impl is NormImpl.PALLAS and pallas_platform() is None:
         raise UnsupportedFeatureError(
-            f"norm_impl='pallas' cannot run here: it needs a GPU or a TPU (this backend is {platform()!r}; "
+            f"norm_impl='pallas' cannot run here: it needs a GPU or a TPU (this computation is compiled for "
+            f"{platform()!r}; "
             "on CPU set MODERN_JAX_PALLAS_INTERPRET=1 or use kernels.pallas_interpret())")
     return impl
 
@@ -90,6 +93,7 @@ def _dispatch(x, residual, weight, bias, kind, eps, impl):
     if kind not in KINDS:
         raise ValueError(f"norm kind {kind!r} is not one of {', '.join(KINDS)}")
     impl = resolve(impl)
+    note_kernel("norm", impl.value)
     if impl is NormImpl.REFERENCE:
         h = x if residual is None else residual + x
         return h, norm_reference(h, weight, bias, kind=kind, eps=eps)

@@ -32,9 +32,11 @@ mesh splits `experts` (the `expert` axis, size P), each device holds E / P exper
   assignment with `exchange_factor=None`), swap the slots with one `all_to_all`, run the
   grouped matmuls on the local experts, swap back and combine. Assignments past a
   destination's C slots are dropped and counted; with enough slots the result is exactly
-  the unsharded one. (XLA's `ragged_all_to_all` would make the exchange dropless without
-  slots on TPU and GPU; XLA:CPU does not implement it, so the bounded exchange runs
-  everywhere.)
+  the unsharded one.
+- `ragged_all_to_all` (TPU and GPU; XLA:CPU does not implement it): the same sort, but each
+  destination gets exactly its rows, no slots: packed into a receive buffer of `EP X` rows
+  (room for the worst case: dropless) or `ceil(factor X)` (sources fill it in device order;
+  rows past its end are not sent, dropped and counted).
 - `all_gather`: gather every device's tokens along `expert`, run the local experts on the
   assignments they own, and reduce-scatter the weighted outputs back (no drops; better when
   a device holds few experts).
@@ -53,11 +55,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from modern_jax.kernels.backend import UnsupportedFeatureError, platform
 from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax.sharding import active, axis_position, live_axes, logical_to_spec, mesh_axes
 
 DISPATCHES = ("grouped", "dense", "capacity")
-EXCHANGES = ("all_to_all", "all_gather")
+EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")
 
 
 def dispatch(kind: str, x_MD, experts_MK, weights_MK, experts_fn, *, n_experts: int, on_input: bool = False,
@@ -198,6 +201,9 @@ def _under_mesh(split, x_MD, experts_MK, weights_MK, experts_module, local, exch
     E, on_input, impl = local["n_experts"], local["on_input"], local["grouped_impl"]
     if exchange not in EXCHANGES:
         raise ValueError(f"moe_exchange={exchange!r}: expected one of {', '.join(EXCHANGES)}")
+    if exchange == "ragged_all_to_all" and platform() not in ("tpu", "gpu"):
+        raise UnsupportedFeatureError(f"moe_exchange='ragged_all_to_all' needs a TPU or a GPU: XLA:{platform().upper()} "
+                                      f"does not implement it; use all_to_all or all_gather here")
     EP = math.prod(mesh.shape[a] for a in ep_axes)
     graphdef, state, rest = nnx.split(experts_module, nnx.Param, ...)  # rest: what nnx.capture attaches
 
@@ -240,24 +246,62 @@ def _under_mesh(split, x_MD, experts_MK, weights_MK, experts_module, local, exch
             return jax.lax.psum_scatter(y_AD, ep_axes, scatter_dimension=0, tiled=True), jnp.zeros((), jnp.int32)
 
         X = m * K
-        C = X if factor is None else min(X, math.ceil(factor * X / EP))  # slots per destination device
         expert_X = experts_mK.reshape(X)
         order_X = jnp.argsort(expert_X, stable=True)
         expert_X = expert_X[order_X]
         x_XD = scale(x_mD[order_X // K], weights_mK.reshape(X)[order_X])
         dest_X = expert_X // E_local
-        kept_X, slot_X = _slots(dest_X, EP, C)  # a destination's slots in token order
         D = x_mD.shape[-1]
+        if exchange == "ragged_all_to_all":
+            kept_X, y_XD = _ragged_exchange(x_XD, expert_X - dest_X * E_local, dest_X, EP, E_local, factor, ep_axes,
+                                            sort_and_run)
+            return _combined(y_XD, order_X, combine_mK, row_axes, kept_X)
+        C = X if factor is None else min(X, math.ceil(factor * X / EP))  # slots per destination device
+        kept_X, slot_X = _slots(dest_X, EP, C)  # a destination's slots in token order
         send_PCD = _place(x_XD, slot_X, EP * C).reshape(EP, C, D)
         ids_PC = _place((expert_X - dest_X * E_local).astype(jnp.int32), slot_X, EP * C, fill=E_local).reshape(EP, C)
         recv_PCD = jax.lax.all_to_all(send_PCD, ep_axes, 0, 0, tiled=True)  # slot p: from device p
         recv_ids_PC = jax.lax.all_to_all(ids_PC, ep_axes, 0, 0, tiled=True)
         y_RD = sort_and_run(recv_PCD.reshape(EP * C, D), recv_ids_PC.reshape(EP * C))
         back_PCD = jax.lax.all_to_all(y_RD.reshape(EP, C, D), ep_axes, 0, 0, tiled=True)
-        y_XD = _take(back_PCD.reshape(EP * C, D), kept_X, slot_X)
-        y_mKD = y_XD[jnp.argsort(order_X)].reshape(m, K, D)
-        y_mD = jnp.einsum("MKD,MK->MD", y_mKD, combine_mK.astype(y_mKD.dtype))
-        return y_mD, jax.lax.psum(X - jnp.sum(kept_X.astype(jnp.int32)), row_axes)
+        return _combined(_take(back_PCD.reshape(EP * C, D), kept_X, slot_X), order_X, combine_mK, row_axes, kept_X)
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=(state_specs, rows, rows, rows), out_specs=(rows, P()),
                          check_vma=False)(state, x_MD, experts_MK, weights_MK)
+
+
+def _combined(y_XD, order_X, combine_mK, row_axes, kept_X):
+    """`(y[m, D], dropped over the mesh)` from the outputs of the expert-sorted assignments."""
+    m, K = combine_mK.shape
+    y_mKD = y_XD[jnp.argsort(order_X)].reshape(m, K, -1)
+    y_mD = jnp.einsum("MKD,MK->MD", y_mKD, combine_mK.astype(y_mKD.dtype))
+    return y_mD, jax.lax.psum(m * K - jnp.sum(kept_X.astype(jnp.int32)), row_axes)
+
+
+def _ragged_exchange(x_XD, local_X, dest_X, EP: int, E_local: int, factor, ep_axes, run):
+    """`(kept, y)`: the assignments (sorted by expert, so by destination) sent to their experts'
+    devices with `ragged_all_to_all`, run there by `run(x, local expert ids)`, and sent back.
+
+    Each device receives into a buffer of `R` rows: every assignment of the group (`EP X`, the
+    worst case, nothing dropped) or `ceil(factor X)`. Sources fill a receiver's buffer in device
+    order; the rows that would pass its end are not sent, and count as dropped."""
+    X, D = x_XD.shape
+    R = EP * X if factor is None else max(1, math.ceil(factor * X))
+    send_P = jnp.zeros((EP,), jnp.int32).at[dest_X].add(1)
+    sizes_SP = jax.lax.all_gather(send_P, ep_axes)  # rows each source sends each destination
+    before_SP = jnp.cumsum(sizes_SP, axis=0) - sizes_SP  # where a source's rows start at their destination
+    fits_SP = jnp.clip(R - before_SP, 0, sizes_SP)  # what the destination's buffer has room for
+    me = axis_position(ep_axes)
+    start_P = jnp.cumsum(send_P) - send_P  # where each destination's rows start here
+    kept_X = jnp.arange(X) - start_P[dest_X] < fits_SP[me][dest_X]
+    send_P, out_off_P, recv_P = fits_SP[me], before_SP[me], fits_SP[:, me]
+    exchange = lambda rows, into, *offsets: jax.lax.ragged_all_to_all(  # noqa: E731
+        rows, into, *offsets, axis_name=ep_axes)
+    recv_RD = exchange(x_XD, jnp.zeros((R, D), x_XD.dtype), start_P, send_P, out_off_P, recv_P)
+    ids_R = exchange(local_X.astype(jnp.int32), jnp.full((R,), E_local, jnp.int32), start_P, send_P, out_off_P,
+                     recv_P)  # unfilled rows: no expert here
+    y_RD = run(recv_RD, ids_R)
+    recv_start_P = before_SP[:, me]  # where each source's rows sit in this buffer
+    home_P = (jnp.cumsum(sizes_SP, axis=1) - sizes_SP)[:, me]  # where they came from in each source's rows
+    y_XD = exchange(y_RD, jnp.zeros((X, D), y_RD.dtype), recv_start_P, recv_P, home_P, send_P)
+    return kept_X, jnp.where(kept_X[:, None], y_XD, jnp.zeros((), y_XD.dtype))

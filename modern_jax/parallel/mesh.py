@@ -14,6 +14,7 @@ every process, before any other JAX call; `make_mesh` then spans all processes' 
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import numpy as np
@@ -44,10 +45,31 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None, *, ex
                          f"make the product equal {len(devices)} or use -1 for one axis")
     shape = tuple(sizes[a] for a in AXES)
     auto = (AxisType.Auto,) * len(AXES)  # GSPMD propagates shardings from the constraints
-    try:  # a topology-aware layout where JAX knows one (TPU, GPU)
-        return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
-    except ValueError:  # devices the topology helper cannot lay out: keep their order
-        return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=auto)
+    return Mesh(_layout(shape, sizes, devices), AXES, axis_types=auto)
+
+
+def _layout(shape: tuple[int, ...], sizes: dict[str, int], devices: list) -> np.ndarray:
+    """The devices arranged as `shape`: by the physical topology where JAX knows it (TPU, GPU)."""
+    from jax.experimental import mesh_utils
+
+    slices = sorted({getattr(d, "slice_index", 0) or 0 for d in devices})
+    if len(slices) > 1:  # multi-slice: the slower links between slices carry the data axis
+        if sizes["data"] % len(slices):
+            raise ValueError(f"mesh data={sizes['data']}: the devices span {len(slices)} slices, and data "
+                             f"parallelism crosses them: make data a multiple of {len(slices)}")
+        dcn = (len(slices),) + (1,) * (len(shape) - 1)
+        ici = (shape[0] // len(slices),) + shape[1:]
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+    try:
+        return mesh_utils.create_device_mesh(shape, devices)
+    except NotImplementedError:  # no axis of the mesh matches a product of physical axes
+        layout = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        warnings.warn(f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} splits the topology's physical axes "
+                      f"(some mesh axes do not match whole physical axes); collectives on them use part of a ring",
+                      stacklevel=3)
+        return layout
+    except ValueError:  # devices the topology helper cannot lay out (host CPU devices): keep their order
+        return np.asarray(devices).reshape(shape)
 
 
 def parse_mesh(text: str) -> dict[str, int]:

@@ -17,6 +17,7 @@ shardings come from each parameter's logical axes through the rules table
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import jax
@@ -26,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from modern_jax.config import ModelConfig
+from modern_jax.kernels.backend import compiling_for
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
 from modern_jax.model import Transformer, max_attention_logit, sown_value
 from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec, state_shardings
@@ -100,12 +102,20 @@ class Trainer:
             _EXECUTABLES[key] = lowered.compile(compiler_options=dict(options) or None)
         return _EXECUTABLES[key]
 
-    def lower(self, name: str, *args):
-        """Trace and lower step `name`; on a multi-device mesh the rules shape every activation."""
-        if self.mesh.size == 1:
-            return self._jitted[name].lower(*args)
-        with logical_rules(self.mesh, self.rules):
-            return self._jitted[name].lower(*args)
+    def lower(self, name: str, *args, platform: str | None = None):
+        """Trace and lower step `name` for the mesh's devices (their platform picks the kernels), or
+        for `platform` ('cuda', 'tpu') with no such device here (lowered only: compile it with that
+        platform's compiler); on a multi-device mesh the rules shape every activation."""
+        with compiling_for(platform or self.mesh), contextlib.ExitStack() as stack:
+            if self.mesh.size > 1:
+                stack.enter_context(logical_rules(self.mesh, self.rules))
+            if platform is None:
+                return self._jitted[name].lower(*args)
+            if platform == "cuda":  # the Triton lowering asks for a GPU: name one (an H100; the IR is the same)
+                device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+                stack.enter_context(jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+                    self.mesh.axis_sizes, self.mesh.axis_names, self.mesh.axis_types, abstract_device=device)))
+            return self._jitted[name].trace(*args).lower(lowering_platforms=(platform,))
 
     def _run(self, name: str, *args):
         executable = self._executables.get(name)
@@ -131,6 +141,14 @@ class Trainer:
         shapes = jax.eval_shape(self._init, jax.random.key_data(jax.random.key(0)))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                             self.state_shardings)
+
+    def abstract_batch(self) -> dict:
+        """ShapeDtypeStructs (with shardings) of one step's batch: `[grad_accum, rows, seq_len]` each."""
+        A = self.cfg.grad_accum
+        shape = (A, self.cfg.batch_size // A, self.cfg.seq_len)
+        return {key: jax.ShapeDtypeStruct(shape, jnp.float32 if key == "weights" else jnp.int32,
+                                          sharding=self.batch_sharding)
+                for key in ("inputs", "targets", "positions", "segment_ids", "weights")}
 
     def put_batch(self, batch: dict) -> dict:
         """This host's rows as global arrays on the mesh (multi-host ready)."""
