@@ -14,7 +14,9 @@ through their block specs, so nothing is transposed or repeated:
   the G query heads of its group and their visible query tiles, accumulating in fp32.
 
 Triton needs power-of-two tiles: T and S are padded to whole tiles, H and U to a power of
-two (zeros, which change no score), and everything is sliced back. Sinks' gradient is
+two (zeros, which change no score), and everything is sliced back. The tiles depend on the
+head dim and dtype (`default_blocks`), chosen so that no kernel spills registers or
+overflows shared memory on sm_90a (H100 / H200) or sm_80 (A100). Sinks' gradient is
 `-sum_t exp(sink - lse_t) * delta_t` and is computed outside the kernels.
 """
 
@@ -34,13 +36,18 @@ from modern_jax.kernels.masks import Visibility, pad_axis, round_up, softcap, vi
 
 @dataclass(frozen=True)
 class GpuBlocks:
-    """Tile sizes (powers of two, at least 16). Defaults follow FlashAttention-2 on A100/H100; untuned."""
+    """Tile sizes (powers of two, at least 16) and Triton's launch settings, for all three kernels.
 
-    block_q: int = 128
+    The forward takes `block_q` x `block_k`; dq and dk / dv share `block_q_bwd` x `block_k_bwd`.
+    Left out (`blocks=None`), they come from `default_blocks`; the field defaults here are its
+    choice for head dim 128 in bfloat16.
+    """
+
+    block_q: int = 64
     block_k: int = 64
-    block_q_bwd: int = 64
+    block_q_bwd: int = 32
     block_k_bwd: int = 64
-    num_warps: int | None = None  # None: 4 for head dims up to 64, else 8
+    num_warps: int = 8
     num_stages: int = 2
 
     def fit(self, T: int, S: int) -> GpuBlocks:
@@ -48,6 +55,33 @@ class GpuBlocks:
         cap_q, cap_k = max(16, pl.next_power_of_2(T)), max(16, pl.next_power_of_2(S))
         return GpuBlocks(min(self.block_q, cap_q), min(self.block_k, cap_k), min(self.block_q_bwd, cap_q),
                          min(self.block_k_bwd, cap_k), self.num_warps, self.num_stages)
+
+
+# (padded head dim, bytes per element) -> tiles. Chosen by compiling with every feature on
+# (soft-cap, window, sinks, segments and the max logit: the most registers) for sm_90a and
+# sm_80 (`kernels/gpu_compile.py`, `scripts/check_kernels_compile.py`): the largest tiles
+# tried with no spills, at most 240 registers (a margin for the Triton inside XLA) and shared
+# memory at least 16 KiB under both limits, one choice serving both. Untimed; fp32 runs its
+# matmuls in TF32.
+_DEFAULT_BLOCKS = {
+    (64, 2): GpuBlocks(128, 64, 64, 32),
+    (64, 4): GpuBlocks(128, 64, 64, 32),
+    (128, 2): GpuBlocks(64, 64, 32, 64),
+    (128, 4): GpuBlocks(64, 32, 64, 32),
+    (256, 2): GpuBlocks(32, 64, 64, 32),
+    (256, 4): GpuBlocks(32, 32, 32, 16),
+}
+
+
+def default_blocks(head_dim: int, dtype) -> GpuBlocks:
+    """The tiles for a head dim (the larger of the key's and the value's) and an input dtype.
+
+    Head dims are padded to a power of two; below 64 they take 64's tiles and above 256 256's,
+    1-byte dtypes take bf16's and 8-byte ones fp32's (none of these compile-checked). See
+    `_DEFAULT_BLOCKS`.
+    """
+    padded = min(max(64, pl.next_power_of_2(head_dim)), 256)
+    return _DEFAULT_BLOCKS[padded, 2 if jnp.dtype(dtype).itemsize <= 2 else 4]
 
 
 @dataclass(frozen=True)
@@ -79,7 +113,7 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
     """
     B, T, K, G, H = q_BTKGH.shape
     S, U = k_BSKH.shape[1], v_BSKU.shape[-1]
-    blocks = (blocks or GpuBlocks()).fit(T, S)
+    blocks = (blocks or default_blocks(max(H, U), q_BTKGH.dtype)).fit(T, S)
     Hp, Up = max(16, pl.next_power_of_2(H)), max(16, pl.next_power_of_2(U))
     Tp = round_up(T, max(blocks.block_q, blocks.block_q_bwd))
     Sp = round_up(S, max(blocks.block_k, blocks.block_k_bwd))
@@ -97,9 +131,8 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
     return o_BTKGU[:, :T, :, :, :U]
 
 
-def _compiler_params(call: _Call, head_dim: int):
-    num_warps = call.blocks.num_warps or (4 if head_dim <= 64 else 8)
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=call.blocks.num_stages)
+def _compiler_params(call: _Call):
+    return plgpu.CompilerParams(num_warps=call.blocks.num_warps, num_stages=call.blocks.num_stages)
 
 
 def _split_refs(refs, has_seg: bool):
@@ -170,7 +203,7 @@ def _forward(call, q, k, v, sinks_KG, vis):
                    *[row_stat] * n_stats],
         out_shape=[out_struct((B, Tp, K, G, U), q.dtype, q),
                    *[out_struct((B, K, G, Tp), jnp.float32, q)] * n_stats],
-        compiler_params=_compiler_params(call, max(H, U)),
+        compiler_params=_compiler_params(call),
         interpret=call.interpret,
         name="flash_attention_gpu_fwd",
     )(*args)
@@ -186,7 +219,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     q_lo_BJ, q_hi_BJ = visible_range(tiles, axis=1)
     q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
     has_seg = q_seg is not None
-    params = _compiler_params(call, max(H, U))
+    params = _compiler_params(call)
 
     # ---- dq: one program per query tile of one head, looping over visible key tiles ----
     def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
