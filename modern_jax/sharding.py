@@ -37,13 +37,14 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("experts", "expert"),  # a mixture's routed experts, split over the expert axis
     ("norm", None),
-    ("q_lora", None),
-    ("kv_lora", None),
+    ("q_lora", "fsdp"),  # MLA's ranks: q_b / kv_b have no embed dimension to split over fsdp
+    ("kv_lora", "fsdp"),
 )
 
 # logical axes that are replicated, rather than rejected, when the mesh does not divide
-# them: GQA with fewer KV heads than the tensor axis keeps whole KV heads on every device
-REPLICABLE = ("kv_heads", "activation_kv_heads", "activation_batch")
+# them: GQA with fewer KV heads than the tensor axis keeps whole KV heads on every device;
+# a rank too small for the fsdp axis stays whole (its weights are the small ones)
+REPLICABLE = ("kv_heads", "activation_kv_heads", "activation_batch", "q_lora", "kv_lora")
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("modern_jax_logical_rules", default=None)
 
