@@ -75,8 +75,8 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     }
     if hbm_gib is None and topology is not None and chip(devices) is not None:
         hbm_gib = chip(devices).hbm_gib
-    if analysis is None:  # what the compiler said it needed: the temporaries, at least
-        out.update(temporaries=_bytes(*oom.group(1, 2)), peak=None, hbm=_bytes(*oom.group(3, 4)), fits=False,
+    if analysis is None:  # the compiler's count of all it needed (arguments included) when it stopped
+        out.update(temporaries=None, peak=_bytes(*oom.group(1, 2)), hbm=_bytes(*oom.group(3, 4)), fits=False,
                    compiler_refused=True)
         return out
     out.update(arguments=analysis.argument_size_in_bytes, outputs=analysis.output_size_in_bytes,
@@ -88,7 +88,8 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     return out
 
 
-# XLA's CompileTimeHbmOom, its sizes in binary units ("147.98G", "2.74T")
+# XLA's CompileTimeHbmOom ("the total memory required for HLO temporaries (211.22G) exceeds available HBM
+# (95.73G)": the total includes the arguments), its sizes in binary units ("147.98G", "2.74T")
 _SIZE = r"([\d.]+)([KMGTP]?)B?"
 _HBM_OOM = re.compile(rf"CompileTimeHbmOom: .*?HLO temporaries \({_SIZE}\) exceeds available HBM \({_SIZE}\)")
 
@@ -106,9 +107,9 @@ def format_plan(result: dict) -> str:
     for key, label in (("parameters", "parameters"), ("optimizer", "optimizer state"), ("batch", "batch"),
                        ("temporaries", "activations + temporaries (XLA)"), ("peak", "peak (arguments + outputs "
                                                                                        "- donated + temporaries)")):
-        if result.get("compiler_refused") and key == "temporaries":
-            lines.append(f"  {label}: {result[key] / GiB:.2f} GiB, by the compiler's count (it stopped there: "
-                         f"more than the chip's {result['hbm'] / GiB:.2f} GiB)")
+        if result.get("compiler_refused") and key == "peak":
+            lines.append(f"  {label}: {result[key] / GiB:.2f} GiB by the compiler's count, more than the chip's "
+                         f"{result['hbm'] / GiB:.2f} GiB (it stopped there; no temporaries reported)")
         elif result[key] is not None:
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB ({result[key]} B)")
     if "hbm" in result:
