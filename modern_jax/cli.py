@@ -1,14 +1,15 @@
 """The `modern-jax` command.
 
     modern-jax train [--config configs/tiny.yaml] [--data PATH] [train.steps=500 model.n_layers=2 ...]
+    modern-jax train --init-from-hf HF_DIR --data chats.jsonl [--config configs/finetune_chat.yaml] [...]
     modern-jax evaluate --checkpoint runs/tiny [--split val | --data FILE]
     modern-jax generate --checkpoint runs/tiny --prompt "def " [--temperature 0.8 --top-k 50 --top-p 0.95]
     modern-jax info --config configs/llama3_8b.yaml [model.n_layers=4 ...] [--context 8192]
     modern-jax info --hf-config path/to/config.json
     modern-jax convert --from-hf HF_DIR --out CKPT  |  --to-hf CKPT --out HF_DIR [--model-type llama]
     modern-jax plan --config configs/llama3_8b.yaml --mesh data=1,fsdp=8,tensor=1 --batch 8 --seq 8192 --hbm-gib 141
-"""
     modern-jax plan --config configs/llama3_8b.yaml --topology v5p:2x2x2 --mesh fsdp=8 --batch 8 --seq 8192
+"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pathlib
 import sys
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+FINETUNE_CONFIG = DEFAULT_CONFIG.parent / "finetune_chat.yaml"  # the default run file of --init-from-hf
 
 
 def _size(n: float) -> str:
@@ -110,11 +112,17 @@ def cmd_train(args) -> int:
         from modern_jax.parallel.mesh import parse_mesh
 
         overrides += [f"parallel.{axis}={size}" for axis, size in parse_mesh(args.mesh).items()]
-    config = args.config or DEFAULT_CONFIG
+    config = args.config or (FINETUNE_CONFIG if args.init_from_hf else DEFAULT_CONFIG)
     run = load_run_config(config, overrides)
-    print(f"training {config} -> {run.train.output_dir}", flush=True)
+    init = None
+    if args.init_from_hf:
+        from modern_jax.convert import finetune_run
+
+        run, init = finetune_run(run, args.init_from_hf, log=_note)
+    source = f"{config} from {args.init_from_hf}" if init is not None else str(config)
+    print(f"training {source} -> {run.train.output_dir}", flush=True)
     try:
-        result = train(run)
+        result = train(run, init=init)
     except TrainingDiverged as e:
         print(f"modern-jax train: {e}", file=sys.stderr)
         return 3
@@ -133,25 +141,27 @@ def cmd_train(args) -> int:
 
 def _checkpoint_tokenizer(run_dir):
     """The run's tokenizer.json, a converted checkpoint's hf/tokenizer.json, else bytes."""
-    from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+    from modern_jax.convert.checkpoint import checkpoint_tokenizer
+    from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer
 
-    for path in (run_dir / TOKENIZER_FILE, run_dir / "hf" / TOKENIZER_FILE):
-        if path.exists():
-            return load_tokenizer(path)
-    print(f"no {TOKENIZER_FILE} in {run_dir}: using the byte tokenizer", file=sys.stderr)
-    return ByteTokenizer()
+    tokenizer = checkpoint_tokenizer(run_dir)
+    if tokenizer is None:
+        print(f"no {TOKENIZER_FILE} in {run_dir}: using the byte tokenizer", file=sys.stderr)
+        return ByteTokenizer()
+    return tokenizer
 
 
 def _checkpoint_data(args, raw: dict, run_dir):
-    """The tokenizer and the token stream to evaluate: a split of the run's data, or a file."""
+    """The tokenizer and the token stream to evaluate: a split of the run's data, or every document
+    of a file read as the run reads its data (`data.format`, its fields and chat template)."""
     from modern_jax.data.config import DataConfig
-    from modern_jax.data.corpora import TokenStream, load_splits, text_documents
+    from modern_jax.data.corpora import load_splits, load_stream
 
     tokenizer = _checkpoint_tokenizer(run_dir)
-    if args.data:
-        docs = [tokenizer.encode(text) for _, text in text_documents(args.data)]
-        return tokenizer, TokenStream.from_documents(docs, tokenizer.bos_id, tokenizer.eos_id)
     data_cfg = DataConfig.from_dict(raw.get("data"))
+    if args.data:
+        return tokenizer, load_stream(data_cfg.replace(source="auto", path=args.data, streaming=False,
+                                                               max_documents=None), tokenizer)
     _, train_stream, val_stream = load_splits(data_cfg, tokenizer)
     return tokenizer, {"train": train_stream, "val": val_stream}[args.split]
 
@@ -268,8 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a model (default: configs/tiny.yaml on the embedded corpus)")
     tr.add_argument("--config", help=f"a run file with model:, train:, data: sections (default: {DEFAULT_CONFIG.name})")
-    tr.add_argument("--data", help="text file, directory of text files, token .bin or ArrayRecord (sets data.path)")
+    tr.add_argument("--data", help="text file or directory, .jsonl(.gz), .parquet, a saved Hugging Face dataset, "
+                                   "token .bin or ArrayRecord (sets data.path)")
     tr.add_argument("--output-dir", help="run directory: checkpoints, metrics, samples (sets train.output_dir)")
+    tr.add_argument("--init-from-hf", metavar="SOURCE",
+                    help="fine-tune: start from this Hugging Face model directory or hub name (org/name, from the "
+                         "local cache), or a converted checkpoint, with its config and tokenizer; the run file "
+                         f"(default: {FINETUNE_CONFIG.name}) supplies train: and data:")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=1,tensor=4 (-1 fills; sets parallel.data/fsdp/tensor)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.n_layers=2")
     tr.set_defaults(func=cmd_train)
@@ -277,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="loss, perplexity and bits per byte of a checkpoint")
     ev.add_argument("--checkpoint", required=True, help="a run directory, a step directory, or params/ + config.yaml")
     ev.add_argument("--split", default="val", choices=("val", "train"), help="a split of the run's data")
-    ev.add_argument("--data", help="evaluate on this text file (or directory) instead")
+    ev.add_argument("--data", help="evaluate on every document of this file or directory instead, read as the "
+                                   "run reads its data (data.format, fields, chat template)")
     ev.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--max-windows", type=int, help="evaluate this many windows spread over the split")
@@ -296,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     ge.set_defaults(func=cmd_generate)
 
     co = sub.add_parser("convert", help="Hugging Face checkpoint <-> modern_jax (Orbax) checkpoint")
-    co.add_argument("--from-hf", help="a Hugging Face model directory (config.json + safetensors)")
+    co.add_argument("--from-hf", help="a Hugging Face model directory (config.json + safetensors) or a hub name "
+                                      "(org/name, from the local cache)")
     co.add_argument("--to-hf", help="a converted checkpoint, a run directory or a step directory")
     co.add_argument("--out", required=True, help="the directory to write: new or empty (see --overwrite)")
     co.add_argument("--overwrite", action="store_true",

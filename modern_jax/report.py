@@ -1,5 +1,5 @@
 """Timing, tables and plots for the benchmark and experiment scripts: Markdown + CSV, and a
-PNG when matplotlib is there."""
+matplotlib PNG."""
 
 from __future__ import annotations
 
@@ -45,15 +45,12 @@ def write_table(rows: list[dict], directory, name: str, title: str = "") -> path
 
 
 def pyplot():
-    """matplotlib.pyplot with a headless backend, or None (install the `plot` extra)."""
-    try:
-        import matplotlib
+    """matplotlib.pyplot with the headless Agg backend."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (uv run --extra plot ... to get one)")
-        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     return plt
 
 

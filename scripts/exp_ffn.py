@@ -14,7 +14,7 @@ The published protocol is 600 steps at batch 64 x 128 (`--full`, 2-3 hours on 2 
 at about 1 s per step). The default keeps the 600 steps, the windows and the three seeds but
 shrinks the batch to 8 x 64 tokens (16x fewer tokens per step): about 8 minutes on 2 cores.
 
-    uv run --extra plot python scripts/exp_ffn.py [--full] [--data PATH] [--out results/ffn]
+    uv run python scripts/exp_ffn.py [--full] [--data PATH] [--out results/ffn]
 """
 
 from __future__ import annotations
@@ -111,28 +111,27 @@ def main():
     print(write_table(rows, args.out, "ffn", title=title).read_text())
     write_table(seed_rows, args.out, "ffn_seeds", title="Window means per seed")
     plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-        smooth = max(1, args.steps // 30)
-        for name, losses in curves.items():
-            per_seed = np.stack([np.convolve(run, np.ones(smooth) / smooth, mode="valid") for run in losses])
-            mean, std = per_seed.mean(axis=0), per_seed.std(axis=0)
-            steps = np.arange(len(mean)) + smooth  # the last step of each averaged span
-            late = steps > args.steps // 6
-            axes[0].plot(steps, mean, label=name)
-            (line,) = axes[1].plot(steps[late], mean[late], label=name)
-            axes[1].fill_between(steps[late], (mean - std)[late], (mean + std)[late], color=line.get_color(),
-                                 alpha=0.2, lw=0)
-        for ax in axes:
-            for lo, hi in spans:
-                ax.axvspan(lo, hi, color="0.9", zorder=0)
-            ax.set_xlabel("step")
-            ax.set_ylabel(f"training loss (nats, mean of {args.seeds} seeds, {smooth}-step average)")
-        axes[0].set_title("whole run (shaded: the averaging windows)", fontsize=9)
-        axes[1].set_title(f"after step {args.steps // 6} (bands: ± std over the seeds)", fontsize=9)
-        axes[1].legend()
-        fig.suptitle(title, fontsize=8)
-        save_figure(fig, f"{args.out}/ffn.png")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    smooth = max(1, args.steps // 30)
+    for name, losses in curves.items():
+        per_seed = np.stack([np.convolve(run, np.ones(smooth) / smooth, mode="valid") for run in losses])
+        mean, std = per_seed.mean(axis=0), per_seed.std(axis=0)
+        steps = np.arange(len(mean)) + smooth  # the last step of each averaged span
+        late = steps > args.steps // 6
+        axes[0].plot(steps, mean, label=name)
+        (line,) = axes[1].plot(steps[late], mean[late], label=name)
+        axes[1].fill_between(steps[late], (mean - std)[late], (mean + std)[late], color=line.get_color(),
+                             alpha=0.2, lw=0)
+    for ax in axes:
+        for lo, hi in spans:
+            ax.axvspan(lo, hi, color="0.9", zorder=0)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss (nats, mean of {args.seeds} seeds, {smooth}-step average)")
+    axes[0].set_title("whole run (shaded: the averaging windows)", fontsize=9)
+    axes[1].set_title(f"after step {args.steps // 6} (bands: ± std over the seeds)", fontsize=9)
+    axes[1].legend()
+    fig.suptitle(title, fontsize=8)
+    save_figure(fig, f"{args.out}/ffn.png")
 
 
 if __name__ == "__main__":

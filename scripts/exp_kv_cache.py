@@ -3,7 +3,7 @@
 Also MHA / GQA / MQA / MLA variants of one model (Llama 3 8B's shape): parameters,
 bf16 KV bytes per token, and the cache of one sequence at 8K / 32K / 128K tokens.
 
-    uv run --extra plot python scripts/exp_kv_cache.py [--out results/kv_cache]
+    uv run python scripts/exp_kv_cache.py [--out results/kv_cache]
 """
 
 from __future__ import annotations
@@ -48,23 +48,22 @@ def main():
     rows = [row(name, cfg) for name, cfg in variants]
     print(write_table(rows, args.out, "variants", title="Llama-3-8B shape, attention variants").read_text())
     plt = pyplot()
-    if plt is not None:
-        import numpy as np
+    import numpy as np
 
-        fig, axes = plt.subplots(1, 2, figsize=(15, 5))
-        x = np.arange(len(rows))
-        for i, context in enumerate(CONTEXTS):
-            axes[0].bar(x + (i - 1) * 0.27, [r[f"GiB@{context // 1024}K"] for r in rows], 0.27,
-                        label=f"{context // 1024}K tokens")
-        axes[0].set_xticks(x, [r["model"] for r in rows], rotation=20, fontsize=8)
-        axes[0].set_yscale("log")
-        axes[0].set_ylabel("KV cache per sequence (GiB, bf16)")
-        axes[0].legend()
-        axes[1].barh([r["model"] for r in presets], [r["kv_bytes_per_token"] / 1024 for r in presets])
-        axes[1].set_xscale("log")
-        axes[1].set_xlabel("KV cache per token (KiB, bf16)")
-        axes[1].tick_params(axis="y", labelsize=7)
-        save_figure(fig, f"{args.out}/kv_cache.png")
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    x = np.arange(len(rows))
+    for i, context in enumerate(CONTEXTS):
+        axes[0].bar(x + (i - 1) * 0.27, [r[f"GiB@{context // 1024}K"] for r in rows], 0.27,
+                    label=f"{context // 1024}K tokens")
+    axes[0].set_xticks(x, [r["model"] for r in rows], rotation=20, fontsize=8)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("KV cache per sequence (GiB, bf16)")
+    axes[0].legend()
+    axes[1].barh([r["model"] for r in presets], [r["kv_bytes_per_token"] / 1024 for r in presets])
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("KV cache per token (KiB, bf16)")
+    axes[1].tick_params(axis="y", labelsize=7)
+    save_figure(fig, f"{args.out}/kv_cache.png")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ Reported: the training loss over the 2nd, 4th and 6th sixth of the run, and the 
 imbalance `max_e load_e / mean load` (mean over the MoE layers; 1.0 is perfect balance)
 over the same windows, mean ± std over the seeds. 600 steps at batch 8 x 64 tokens.
 
-    uv run --extra plot python scripts/exp_moe.py [--steps 600] [--seeds 2] [--out results/moe]
+    uv run python scripts/exp_moe.py [--steps 600] [--seeds 2] [--out results/moe]
 """
 
 from __future__ import annotations
@@ -106,22 +106,21 @@ def main():
              f"steps of AdamW 1e-3, batch {args.batch} x {args.seq_len}, mean ± std over {args.seeds} seeds, {source}")
     print(write_table(rows, args.out, "moe", title=title).read_text())
     plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-        smooth = max(1, args.steps // 30)
-        for i, (name, (losses, loads)) in enumerate(curves.items()):  # one colour per variant in both panels
-            kernel = np.ones(smooth) / smooth
-            steps = np.arange(args.steps - smooth + 1) + smooth
-            axes[0].plot(steps, np.convolve(losses.mean(0), kernel, mode="valid"), label=name, color=f"C{i}")
-            if not np.isnan(loads).all():
-                axes[1].plot(steps, np.convolve(loads.mean(0), kernel, mode="valid"), label=name, color=f"C{i}")
-        axes[0].set_ylabel(f"training loss (nats, mean of {args.seeds} seeds, {smooth}-step average)")
-        axes[1].set_ylabel("max expert load / mean load (mean over MoE layers)")
-        for ax in axes:
-            ax.set_xlabel("step")
-            ax.legend()
-        fig.suptitle(title, fontsize=8)
-        save_figure(fig, f"{args.out}/moe.png")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    smooth = max(1, args.steps // 30)
+    for i, (name, (losses, loads)) in enumerate(curves.items()):  # one colour per variant in both panels
+        kernel = np.ones(smooth) / smooth
+        steps = np.arange(args.steps - smooth + 1) + smooth
+        axes[0].plot(steps, np.convolve(losses.mean(0), kernel, mode="valid"), label=name, color=f"C{i}")
+        if not np.isnan(loads).all():
+            axes[1].plot(steps, np.convolve(loads.mean(0), kernel, mode="valid"), label=name, color=f"C{i}")
+    axes[0].set_ylabel(f"training loss (nats, mean of {args.seeds} seeds, {smooth}-step average)")
+    axes[1].set_ylabel("max expert load / mean load (mean over MoE layers)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.suptitle(title, fontsize=8)
+    save_figure(fig, f"{args.out}/moe.png")
 
 
 if __name__ == "__main__":

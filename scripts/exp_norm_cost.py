@@ -4,7 +4,7 @@ On a (64, 512, 1024) tensor: time per call, achieved GB/s counting one read and 
 write of the tensor, and the ratio to a 2x elementwise baseline (`x * 2`: exactly one
 read and one write), i.e. how many passes over the data each norm effectively makes.
 
-    uv run --extra plot python scripts/exp_norm_cost.py [--dtype bfloat16] [--out results/norm_cost]
+    uv run python scripts/exp_norm_cost.py [--dtype bfloat16] [--out results/norm_cost]
 """
 
 from __future__ import annotations
@@ -57,12 +57,11 @@ def main():
     title = f"Normalisation cost on {shape} {args.dtype}, {jax.devices()[0].device_kind}"
     print(write_table(rows, args.out, f"norm_cost_{args.dtype}", title=title).read_text())
     plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.bar([f"{r['op']}\n{r['impl']}" for r in rows], [r["GB/s"] for r in rows])
-        ax.set_ylabel("achieved GB/s (1 read + 1 write)")
-        ax.set_title(title, fontsize=9)
-        save_figure(fig, f"{args.out}/norm_cost_{args.dtype}.png")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([f"{r['op']}\n{r['impl']}" for r in rows], [r["GB/s"] for r in rows])
+    ax.set_ylabel("achieved GB/s (1 read + 1 write)")
+    ax.set_title(title, fontsize=9)
+    save_figure(fig, f"{args.out}/norm_cost_{args.dtype}.png")
 
 
 if __name__ == "__main__":

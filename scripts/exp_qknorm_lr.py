@@ -21,7 +21,7 @@ for the 14 runs on 2 CPU cores (each run also compiles its own step, ~10 s, sinc
 learning rate is part of the compiled step); `--full` is 500 steps at 32 x 128, hours on
 a CPU.
 
-    uv run --extra plot python scripts/exp_qknorm_lr.py [--full] [--data PATH] [--out results/qknorm_lr]
+    uv run python scripts/exp_qknorm_lr.py [--full] [--data PATH] [--out results/qknorm_lr]
 """
 
 from __future__ import annotations
@@ -120,25 +120,24 @@ def main():
     print(write_table(summary, args.out, "qknorm_lr_summary",
                       title="LR sensitivity E_lr[min(loss, loss_0) - loss*] and max logits over the sweep").read_text())
     plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-        for (name, runs), info in zip(results.items(), summary):
-            finals = [min(r["final"], info["loss_0"]) for r in runs]
-            label = f"{name} (LR sens. {info['lr_sensitivity']:.3f})"
-            line, = axes[0].semilogx(LEARNING_RATES, finals, "o-", label=label)
-            diverged = [lr for lr, r in zip(LEARNING_RATES, runs) if not math.isfinite(r["final"])]
-            axes[0].semilogx(diverged, [info["loss_0"]] * len(diverged), "x", color=line.get_color(), ms=10)
-            axes[1].loglog(LEARNING_RATES, [r["max_attention_logit"] for r in runs], "o-", label=name)
-            axes[2].loglog(LEARNING_RATES, [r["max_output_logit"] for r in runs], "o-", label=name)
-        axes[0].axhline(summary[0]["loss_0"], color="0.6", ls="--", lw=1, label="loss at init")
-        labels = ("final loss (min with loss at init; x: diverged)", "max |attention logit| over training",
-                  "max |output logit| over training")
-        for ax, label in zip(axes, labels):
-            ax.set_xlabel("learning rate")
-            ax.set_title(label, fontsize=9)
-            ax.legend(fontsize=8)
-        fig.suptitle(title, fontsize=9)
-        save_figure(fig, f"{args.out}/qknorm_lr.png")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for (name, runs), info in zip(results.items(), summary):
+        finals = [min(r["final"], info["loss_0"]) for r in runs]
+        label = f"{name} (LR sens. {info['lr_sensitivity']:.3f})"
+        line, = axes[0].semilogx(LEARNING_RATES, finals, "o-", label=label)
+        diverged = [lr for lr, r in zip(LEARNING_RATES, runs) if not math.isfinite(r["final"])]
+        axes[0].semilogx(diverged, [info["loss_0"]] * len(diverged), "x", color=line.get_color(), ms=10)
+        axes[1].loglog(LEARNING_RATES, [r["max_attention_logit"] for r in runs], "o-", label=name)
+        axes[2].loglog(LEARNING_RATES, [r["max_output_logit"] for r in runs], "o-", label=name)
+    axes[0].axhline(summary[0]["loss_0"], color="0.6", ls="--", lw=1, label="loss at init")
+    labels = ("final loss (min with loss at init; x: diverged)", "max |attention logit| over training",
+              "max |output logit| over training")
+    for ax, label in zip(axes, labels):
+        ax.set_xlabel("learning rate")
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, f"{args.out}/qknorm_lr.png")
 
 
 if __name__ == "__main__":

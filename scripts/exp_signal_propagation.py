@@ -5,7 +5,7 @@ matrix Xavier-initialised, no positions, a random input of 2 x 64 tokens. Per bl
 the residual stream's RMS, the cross-token spread ||H - mean_t H|| / ||H||, and the
 gradient norm of each attention projection under a fixed random linear read-out loss.
 
-    uv run --extra plot python scripts/exp_signal_propagation.py [--out results/signal_propagation]
+    uv run python scripts/exp_signal_propagation.py [--out results/signal_propagation]
 """
 
 from __future__ import annotations
@@ -79,18 +79,17 @@ def main():
     path = write_table(summary, args.out, "summary", title="Signal propagation at init (32 blocks, d=256)")
     print(path.read_text())
     plt = pyplot()
-    if plt is not None:
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-        for name, rows in results.items():
-            blocks = [r["block"] for r in rows]
-            axes[0].plot(blocks, [r["stream_rms"] for r in rows], label=name)
-            axes[1].semilogy(blocks, [r["spread"] for r in rows], label=name)
-            axes[2].semilogy(blocks, [r["grad_q"] for r in rows], label=name)
-        for ax, title in zip(axes, ("stream RMS", "cross-token spread", "|grad q_proj|")):
-            ax.set_title(title)
-            ax.set_xlabel("block")
-        axes[0].legend(fontsize=7)
-        save_figure(fig, f"{args.out}/signal_propagation.png")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, rows in results.items():
+        blocks = [r["block"] for r in rows]
+        axes[0].plot(blocks, [r["stream_rms"] for r in rows], label=name)
+        axes[1].semilogy(blocks, [r["spread"] for r in rows], label=name)
+        axes[2].semilogy(blocks, [r["grad_q"] for r in rows], label=name)
+    for ax, title in zip(axes, ("stream RMS", "cross-token spread", "|grad q_proj|")):
+        ax.set_title(title)
+        ax.set_xlabel("block")
+    axes[0].legend(fontsize=7)
+    save_figure(fig, f"{args.out}/signal_propagation.png")
 
 
 if __name__ == "__main__":

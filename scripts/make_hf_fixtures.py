@@ -8,6 +8,8 @@ Runs in its own Python 3.11 environment (torch is never a dependency of modern_j
     .hfvenv/bin/python scripts/make_hf_fixtures.py counts     # param_counts.json only
     .hfvenv/bin/python scripts/make_hf_fixtures.py checkpoints [--out DIR] [--only NAME ...]
     .hfvenv/bin/python scripts/make_hf_fixtures.py reference DIR ...   # for the live test
+    .hfvenv/bin/python scripts/make_hf_fixtures.py chat [--out DIR]    # tests/fixtures/hf_chat
+    .hfvenv/bin/python scripts/make_hf_fixtures.py chat-reference DIR ...   # for the live test
 
 Writes under tests/fixtures/hf/:
 - `param_counts.json`: for each config (tiny ones and the published sizes of the presets),
@@ -20,6 +22,12 @@ Writes under tests/fixtures/hf/:
   (`config.json`, safetensors), and `reference.npz` with the prompt tokens, the fp32
   logits of a forward pass over them, 32 greedily generated tokens (KV cache) and the
   logits each was chosen from. `manifest.json` lists them with their seeds and margins.
+
+And `tests/fixtures/hf_chat/`: a tiny Llama as transformers initialises and saves it, with a
+word-level tokenizer (ChatML's `<|im_start|>` / `<|im_end|>`, `<|im_end|>` the eos token) and
+its chat template saved by `PreTrainedTokenizerFast.save_pretrained`, and `chat.jsonl`: 25
+conversations of sums in words, to fine-tune it on (README, "Fine-tune a Hugging Face model
+on your conversations").
 
 The tests read only these files, so the default test run needs neither torch nor
 transformers. `tests/test_convert_live.py` runs the same comparisons live, through this
@@ -527,9 +535,70 @@ def run_reference(directories: list[Path]) -> None:
                  step_logits=step_logits)
 
 
+NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+           "sixteen seventeen eighteen").split()
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+
+
+def chat_conversations() -> list[list[dict]]:
+    """Sums of two numbers below ten, asked and answered in words, with a system prompt."""
+    out = []
+    for a in range(1, 10):
+        for b in range(1, 10):
+            if (a * 7 + b * 3) % 8 == 0 or (a + b) % 5 == 1:
+                out.append([{"role": "system", "content": "you are a calculator"},
+                            {"role": "user", "content": f"what is {NUMBERS[a]} plus {NUMBERS[b]}"},
+                            {"role": "assistant", "content": f"{NUMBERS[a]} plus {NUMBERS[b]} is {NUMBERS[a + b]}"}])
+    return out
+
+
+def make_chat_fixture(out: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    words = sorted({w for c in chat_conversations() for m in c for w in f"{m['role']} {m['content']}".split()}
+                   | set(NUMBERS))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                     pad_token="<|endoftext|>")
+    hf_tok.chat_template = CHATML
+    config = dict(TINY["llama"], bos_token_id=None, eos_token_id=2, pad_token_id=3)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(config)).eval()
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    hf_tok.save_pretrained(out)
+    with open(out / "chat.jsonl", "w") as f:
+        for i, messages in enumerate(chat_conversations()):
+            f.write(json.dumps({"id": i, "messages": messages}) + "\n")
+    print(f"{out}: {len(chat_conversations())} conversations, {len(specials) + len(words)} tokens, "
+          f"{sorted(p.name for p in out.iterdir())}")
+
+
+def run_chat_reference(directories: list[Path]) -> None:
+    """For each directory with `conversations.json` (lists of messages): transformers' rendering
+    of each with the directory's chat template, and its token ids, in `transformers_chat.json`."""
+    from transformers import AutoTokenizer
+
+    for directory in directories:
+        tok = AutoTokenizer.from_pretrained(directory)
+        conversations = json.loads((directory / "conversations.json").read_text())
+        texts = [tok.apply_chat_template(c, tokenize=False) for c in conversations]
+        ids = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+        (directory / "transformers_chat.json").write_text(json.dumps({"texts": texts, "ids": ids}))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=("all", "counts", "checkpoints", "reference"), default="all")
+    parser.add_argument("what", nargs="?", choices=("all", "counts", "checkpoints", "reference", "chat",
+                                                    "chat-reference"), default="all")
     parser.add_argument("directories", nargs="*", type=Path, help="reference: checkpoint directories")
     parser.add_argument("--out", type=Path, default=FIXTURES)
     parser.add_argument("--only", nargs="*", help="checkpoint names to (re)make")
@@ -537,6 +606,12 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     if args.what == "reference":
         run_reference(args.directories)
+        return
+    if args.what == "chat-reference":
+        run_chat_reference(args.directories)
+        return
+    if args.what == "chat":
+        make_chat_fixture(FIXTURES.parent / "hf_chat" if args.out == FIXTURES else args.out)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what in ("all", "counts"):

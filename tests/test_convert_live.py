@@ -8,6 +8,9 @@ side runs through scripts/make_hf_fixtures.py in that interpreter:
 2. from_hf loads it: fp32 logits within 1e-4, the same 32 greedy tokens with the KV cache,
    chosen from logits within 1e-4;
 3. to_hf writes it back; transformers loads that and gives identical logits and tokens.
+And the tiny chat fixture (tests/fixtures/hf_chat), fine-tuned a few steps on its
+conversations and exported: transformers renders and tokenizes the conversations with the
+exported tokenizer as we do, and gives the fine-tuned model's logits.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from modern_jax.convert import from_hf, to_hf
+from modern_jax.cli import main
+from modern_jax.convert import from_hf, load_checkpoint, to_hf
+from modern_jax.convert.checkpoint import checkpoint_tokenizer
+from modern_jax.data import chat
 from test_convert_hf import LOGIT_TOL, _forward, greedy
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "make_hf_fixtures.py"
+CHAT_FIXTURE = Path(__file__).parent / "fixtures" / "hf_chat"
 
 
 def hf_python() -> str | None:
@@ -77,3 +84,31 @@ def test_live_parity_and_round_trip(fresh, tmp_path):
             np.testing.assert_array_equal(back["logits"], z["logits"], err_msg=name)
             np.testing.assert_array_equal(back["greedy"], z["greedy"], err_msg=name)
             np.testing.assert_array_equal(back["step_logits"], z["step_logits"], err_msg=name)
+
+
+def test_a_fine_tuned_chat_model_loads_in_transformers_with_its_new_weights(tmp_path):
+    run, export = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", "--init-from-hf", str(CHAT_FIXTURE), "--data", str(CHAT_FIXTURE / "chat.jsonl"),
+                 "--output-dir", str(run), "train.steps=20", "train.seq_len=64", "train.lr=3e-3",
+                 "train.warmup_steps=2"]) == 0
+    assert main(["convert", "--to-hf", str(run), "--out", str(export)]) == 0
+    lines = (CHAT_FIXTURE / "chat.jsonl").read_text().splitlines()
+    conversations = [json.loads(line)["messages"] for line in lines[:4]]
+    tokenizer = checkpoint_tokenizer(run)  # the run's, with the fixture's chat template
+    rendered = [chat.render(c, tokenizer.chat_template, tokenizer.special_tokens, "test")[0] for c in conversations]
+    ids = np.stack([tokenizer.encode(text) for text in rendered])  # the sums all take as many words
+    np.save(export / "tokens.npy", ids)
+    (export / "conversations.json").write_text(json.dumps(conversations))
+    run_script("reference", str(export))
+    run_script("chat-reference", str(export))
+
+    theirs = json.loads((export / "transformers_chat.json").read_text())
+    assert theirs["texts"] == rendered and theirs["ids"] == ids.tolist()
+    _, trained = load_checkpoint(run)
+    _, original = from_hf(CHAT_FIXTURE)
+    ours = np.asarray(_forward(trained, jnp.asarray(ids)))
+    before = np.asarray(_forward(original, jnp.asarray(ids)))
+    with np.load(export / "transformers.npz") as back:
+        print("max|logit diff| fine-tuned vs transformers:", float(np.max(np.abs(back["logits"] - ours))))
+        np.testing.assert_allclose(back["logits"], ours, atol=LOGIT_TOL, rtol=0)
+        assert np.max(np.abs(back["logits"] - before)) > 0.1  # the new weights, not the fixture's

@@ -174,3 +174,214 @@ def test_embedded_corpus_needs_no_download():
     _, train2, _ = load_splits(DataConfig())
     np.testing.assert_array_equal(train.tokens[:10000], train2.tokens[:10000])
     assert "import" in tok.decode(train.tokens[:200_000])
+
+
+# ----- records: JSON Lines, Parquet, Hugging Face datasets ------------------------------------
+
+RECORD_TEXTS = [f"document {i}: " + "héllo wörld " * (i + 2) for i in range(5)]  # < 10: each cut 90 / 10
+
+
+def _write_jsonl(path, records, opener=open):
+    with opener(path, "wt", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+
+
+def test_records_give_the_token_stream_of_the_same_text_in_plain_files_and_only_their_text_field(tmp_path):
+    import gzip
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "plain").mkdir()
+    for i, text in enumerate(RECORD_TEXTS):
+        (tmp_path / "plain" / f"{i}.txt").write_text(text)
+    records = [{"id": i, "title": "SECRET TITLE", "text": text, "meta": {"tag": "SECRET"}}
+               for i, text in enumerate(RECORD_TEXTS)]
+    _write_jsonl(tmp_path / "docs.jsonl", records)
+    _write_jsonl(tmp_path / "docs.jsonl.gz", records, gzip.open)
+    (tmp_path / "shards").mkdir()
+    _write_jsonl(tmp_path / "shards" / "a.jsonl", records[:3])
+    _write_jsonl(tmp_path / "shards" / "b.jsonl", records[3:])
+    pq.write_table(pa.table({"id": list(range(5)), "title": ["SECRET"] * 5, "text": RECORD_TEXTS}),
+                   tmp_path / "docs.parquet")
+    datasets.Dataset.from_dict({"title": ["SECRET"] * 5, "text": RECORD_TEXTS}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["unused"]}),
+                          "notes": datasets.Dataset.from_dict({"body": RECORD_TEXTS})}).save_to_disk(
+        str(tmp_path / "saved_dict"))
+
+    _, want_train, want_val = load_splits(DataConfig(path=str(tmp_path / "plain")))
+    cases = [({"path": "docs.jsonl"}, "jsonl"), ({"path": "docs.jsonl.gz"}, "jsonl"), ({"path": "shards"}, "jsonl"),
+             ({"path": "docs.parquet"}, "parquet"), ({"path": "saved"}, "hf"),
+             ({"path": "saved_dict", "hf_split": "notes", "text_field": "body"}, "hf")]
+    for settings, source in cases:
+        cfg = DataConfig(**{**settings, "path": str(tmp_path / settings["path"])})
+        assert cfg.resolved_source == source, settings
+        tok, train, val = load_splits(cfg)
+        for got, want in ((train, want_train), (val, want_val)):
+            np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=str(settings))
+            np.testing.assert_array_equal(got.doc_starts, want.doc_starts, err_msg=str(settings))
+            assert got.trained is None
+        assert "SECRET" not in tok.decode(train.tokens) + tok.decode(val.tokens)
+
+
+def test_a_streamed_dataset_reads_the_first_max_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"record {i} " * 3 for i in range(12)]
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"text": texts[:6]}), tmp_path / "pq" / "part-0.parquet")
+    pq.write_table(pa.table({"text": texts[6:]}), tmp_path / "pq" / "part-1.parquet")
+    (tmp_path / "plain").mkdir()
+    for i, text in enumerate(texts[:4]):
+        (tmp_path / "plain" / f"{i}.txt").write_text(text)
+    _, want, _ = load_splits(DataConfig(path=str(tmp_path / "plain")))
+    streamed = DataConfig(source="hf", path=str(tmp_path / "pq"), streaming=True, max_documents=4)
+    for cfg in (streamed, DataConfig(path=str(tmp_path / "pq"), max_documents=4)):  # hf streaming, parquet
+        _, train, _ = load_splits(cfg)
+        np.testing.assert_array_equal(train.tokens, want.tokens)
+
+
+def test_record_errors_name_the_file_the_line_and_the_fields(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def error(**settings):
+        with pytest.raises(ValueError) as e:
+            load_splits(DataConfig(**settings))
+        return str(e.value)
+
+    path = tmp_path / "a.jsonl"
+    _write_jsonl(path, [{"text": "fine"}, {"body": "x", "id": 2}])
+    assert error(path=str(path)) == (f"{path}, line 2: no field 'text' (data.text_field); the fields are 'body', "
+                                     "'id': set data.text_field to the one to read")
+    path.write_text('{"text": "fine"}\n{"text": "cut\n')
+    assert error(path=str(path)).startswith(f"{path}, line 2: not valid JSON (")
+    _write_jsonl(path, [{"text": ["a", "list"]}])
+    assert "line 1: field 'text' (data.text_field) holds list" in error(path=str(path))
+    _write_jsonl(path, [{"messages": [{"role": "user", "content": "hi"}]}])
+    assert "line 1: field 'messages' (data.text_field) holds list" in error(path=str(path), text_field="messages")
+    assert "set data.format: chat" in error(path=str(path), text_field="messages")
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "a.parquet")
+    assert error(path=str(tmp_path / "a.parquet")) == (f"{tmp_path / 'a.parquet'}: no field 'text' (data.text_field); "
+                                                       "the fields are 'body': set data.text_field to the one to read")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp_path / "dd"))
+    assert "has no split 'test' (data.hf_split); its splits are 'train'" in error(path=str(tmp_path / "dd"),
+                                                                                  hf_split="test")
+    (tmp_path / "notes.txt").write_text("plain text")
+    assert "data.format='chat' reads conversations from records" in error(path=str(tmp_path / "notes.txt"),
+                                                                          format="chat")
+    with pytest.raises(ValueError, match=r"DataConfig.format='chat' is invalid: conversations are records"):
+        DataConfig(source="text", path="x.txt", format="chat")
+    assert "for a Hugging Face hub dataset set data.source: hf" in error(path="someone/some_dataset")
+    (tmp_path / "mixed").mkdir()
+    _write_jsonl(tmp_path / "mixed" / "a.jsonl", [{"text": "x" * 20}])
+    (tmp_path / "mixed" / "README.md").write_text("about the data")
+    assert "holds jsonl files (a.jsonl, ...) among other files" in error(path=str(tmp_path / "mixed"))
+    tok, train, val = load_splits(DataConfig(source="jsonl", path=str(tmp_path / "mixed")))
+    assert tok.decode(train.tokens) + tok.decode(val.tokens) == "x" * 20  # the README is not read
+
+
+# ----- conversations: the chat template and the loss mask -------------------------------------
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "hello friend"}, {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "see you"}]
+# every token of CONVERSATION under CHATML and whether it is trained, written out by hand: the
+# assistant's words and the <|im_end|> (the eos_token) that closes each of its turns
+CHATML_TOKENS = [("<|im_start|>", 0), ("system", 0), ("be", 0), ("brief", 0), ("<|im_end|>", 0),
+                 ("<|im_start|>", 0), ("user", 0), ("hi", 0), ("there", 0), ("<|im_end|>", 0),
+                 ("<|im_start|>", 0), ("assistant", 0), ("hello", 1), ("friend", 1), ("<|im_end|>", 1),
+                 ("<|im_start|>", 0), ("user", 0), ("bye", 0), ("<|im_end|>", 0),
+                 ("<|im_start|>", 0), ("assistant", 0), ("see", 1), ("you", 1), ("<|im_end|>", 1)]
+
+
+def _chatml_tokenizer(directory):
+    """A word-level Hugging Face tokenizer with ChatML's special tokens and template, as
+    transformers saves one (tokenizer.json + tokenizer_config.json)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    words = sorted({w for m in CONVERSATION for w in (m["role"] + " " + m["content"]).split()} | {"ok"})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials[1:]])
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "unk_token": "<unk>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory / "tokenizer.json"
+
+
+def test_chat_loss_mask_token_by_token_for_a_chatml_template(tmp_path):
+    tokenizer_path = _chatml_tokenizer(tmp_path / "tok")
+    other = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    _write_jsonl(tmp_path / "chat.jsonl", [{"id": 1, "messages": CONVERSATION}, {"id": 2, "messages": other}])
+    cfg = DataConfig(path=str(tmp_path / "chat.jsonl"), format="chat", tokenizer="hf",
+                     tokenizer_path=str(tokenizer_path))
+    tok, train, val = load_splits(cfg)
+    assert tok.chat_template == CHATML  # read from tokenizer_config.json, saved with the run's tokenizer
+    assert [tok.tok.id_to_token(int(i)) for i in train.tokens] == [t for t, _ in CHATML_TOKENS]
+    np.testing.assert_array_equal(train.trained, [w for _, w in CHATML_TOKENS])
+    assert [tok.tok.id_to_token(int(i)) for i in val.tokens[val.trained]] == ["ok", "<|im_end|>"]  # the last one
+
+    # the targets of a packed row: weight 1 exactly where the next token is the assistant's
+    batch = pack_windows(train, np.array([0]), seq_len=len(train) - 1)
+    np.testing.assert_array_equal(batch["weights"][0], [w for _, w in CHATML_TOKENS[1:]])
+    # and evaluation counts the same targets (as evaluate reports the loss over them)
+    assert sum(b["weights"].sum() for b in eval_batches(train, seq_len=8, batch_size=2)) == 6
+
+
+def test_builtin_template_masks_byte_by_byte_and_packing_keeps_each_conversation(tmp_path):
+    first = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    second = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "héllo"}]
+    # the built-in template by hand: (text, trained); the generation blocks hold content + "<|end|>\n"
+    first_pieces = [("<|user|>\n2+2?<|end|>\n<|assistant|>\n", 0), ("4<|end|>\n", 1)]
+    second_pieces = [("<|system|>\nbe nice<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n", 0), ("héllo<|end|>\n", 1)]
+
+    def by_byte(pieces):
+        return ([b for text, _ in pieces for b in text.encode()],
+                [w for text, w in pieces for _ in text.encode()])
+
+    _write_jsonl(tmp_path / "chat.jsonl", [{"messages": first}, {"messages": second}, {"messages": first}])
+    tok, train, val = load_splits(DataConfig(path=str(tmp_path / "chat.jsonl"), format="chat", val_fraction=0.3))
+    (ids1, w1), (ids2, w2) = by_byte(first_pieces), by_byte(second_pieces)
+    np.testing.assert_array_equal(train.tokens, ids1 + ids2)  # no <bos> / <eos>: the template is the document
+    np.testing.assert_array_equal(train.trained, w1 + w2)
+    np.testing.assert_array_equal(train.doc_starts, [0, len(ids1)])
+    np.testing.assert_array_equal(val.tokens, ids1)
+
+    # a window across both conversations: each keeps its segment and its mask, the boundary has weight 0
+    start = len(ids1) - 6
+    batch = pack_windows(train, np.array([start]), seq_len=14)
+    want_segments = [1] * 6 + [2] * 8
+    np.testing.assert_array_equal(batch["segment_ids"][0], want_segments)
+    want_weights = [w1[start + t + 1] if t < 5 else 0 if t == 5 else w2[t - 6 + 1] for t in range(14)]
+    np.testing.assert_array_equal(batch["weights"][0], want_weights)
+    assert batch["weights"][0][:5].all() and not batch["weights"][0][5:].any()
+
+    # the char tokenizer learns its vocabulary from the rendered conversations (markup included)
+    char, train, _ = load_splits(DataConfig(path=str(tmp_path / "chat.jsonl"), format="chat", val_fraction=0.3,
+                                            tokenizer="char"))
+    assert char.decode(train.tokens) == "".join(t for t, _ in first_pieces + second_pieces)
+
+
+def test_chat_errors_name_the_record(tmp_path):
+    _write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user"}]}, {"messages": []}])
+    with pytest.raises(ValueError, match=r"\(chat.jsonl, line 1\): message 0 of 'messages' is "
+                                         r"\{'role': 'user'\}, expected"):
+        load_splits(DataConfig(path=str(tmp_path / "chat.jsonl"), format="chat"))
+    _write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 3)
+    with pytest.raises(ValueError, match="has no assistant tokens to train on"):
+        load_splits(DataConfig(path=str(tmp_path / "chat.jsonl"), format="chat"))
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ValueError, match=r"the chat template does not parse \(line 1"):
+        load_splits(DataConfig(path=str(tmp_path / "chat.jsonl"), format="chat",
+                               chat_template=str(tmp_path / "bad.jinja")))

@@ -402,3 +402,118 @@ def test_cli_train_on_a_yaml_mesh_with_rule_overrides_matches_one_device(tmp_pat
     block = trainer.state_shardings["params"]["stages"][0]["blocks"][0]
     assert tuple(block["mlp"]["up_proj"]["kernel"].spec) == (None, "fsdp", None)  # the override: MLP whole
     assert tuple(block["self_attn"]["q_proj"]["kernel"].spec) == (None, "fsdp", "tensor", None)  # default rules
+
+
+def _tensorboard_scalars(directory) -> dict:
+    """`{tag: {step: value}}` from the TensorBoard event files under `directory` (TFRecord framing:
+    length, its CRC, an `Event` proto, its CRC)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in sorted(pathlib.Path(directory).glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + n])
+            at += 12 + n + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+class _FakeWandb:
+    """Stands in for the `wandb` module: records init's arguments and every log call."""
+
+    def __init__(self):
+        import importlib.machinery
+
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, values, step):
+        self.logged.append((step, dict(values)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_a_default_run_writes_tensorboard_events_wandb_and_a_labelled_plot(tmp_path, monkeypatch):
+    from modern_jax.training.metrics import loss_figure, read_metrics
+
+    wandb = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run = _tiny_run(tmp_path, plot=True, samples=0, wandb_project="tiny-tests")
+    assert run.train.tensorboard  # on by default
+    train(run, mesh=one_device(), log=lambda *_: None)
+    out = tmp_path / "run"
+    records = read_metrics(out / "metrics.jsonl")
+    train_losses = {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+    val_losses = {r["step"]: r["loss"] for r in records if r["split"] == "val"}
+    assert sorted(train_losses) == list(range(1, 9)) and sorted(val_losses) == [4, 8]
+
+    events = _tensorboard_scalars(out / "tensorboard")
+    assert events["train/loss"] == pytest.approx(train_losses, rel=1e-6)
+    assert events["val/loss"] == pytest.approx(val_losses, rel=1e-6)
+    assert set(events["train/tokens_per_s"]) == set(train_losses)
+
+    assert [i["project"] for i in wandb.inits] == ["tiny-tests"] and wandb.finished == 1
+    assert wandb.inits[0]["config"]["train"]["wandb_project"] == "tiny-tests"
+    assert {s: v["train/loss"] for s, v in wandb.logged if "train/loss" in v} == pytest.approx(train_losses)
+    assert (out / "wandb_run_id").read_text().strip() == wandb.inits[0]["id"]
+
+    png = (out / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"matplotlib" in png[:4096]
+    ax = loss_figure(records, "runs/x").axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("step", "loss (nats / token)", "runs/x")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train", "validation"]
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), [train_losses[s] for s in range(1, 9)])
+
+    # a resumed run logs on to the same W&B run
+    train(_tiny_run(tmp_path, steps=10, plot=False, samples=0, wandb_project="tiny-tests"), mesh=one_device(),
+          log=lambda *_: None)
+    assert wandb.inits[1]["id"] == wandb.inits[0]["id"] and wandb.inits[1]["resume"] == "allow"
+
+
+def test_wandb_project_without_wandb_installed_is_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importlib.util.find_spec("wandb") is None
+    with pytest.raises(ValueError, match=r"TrainConfig.wandb_project='p' is invalid: W&B logging needs the wandb "
+                                         r"package"):
+        TrainConfig(wandb_project="p")
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere():
+    import io
+
+    from modern_jax.training.metrics import Progress
+
+    plain = io.StringIO()
+    progress = Progress(total=10, start=0, stream=plain)
+    progress.update(5, 1.23456, 2048.0)
+    progress.message("step 5: val_loss 1.5")
+    progress.close()
+    lines = plain.getvalue().splitlines()
+    assert lines[0].startswith("step 5/10 | loss 1.2346 | 2.0k tok/s | ETA 0:0") and lines[1] == "step 5: val_loss 1.5"
+    assert "\x1b" not in plain.getvalue() and "\r" not in plain.getvalue()
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    progress = Progress(total=10, start=0, stream=screen)
+    progress.update(5, 1.23456, 2048.0)
+    progress.message("saved a checkpoint")
+    progress.close()
+    text = screen.getvalue()
+    assert "\x1b" in text and "5/10" in text and "loss 1.2346 | 2.0k tok/s | ETA" in text
+    assert "saved a checkpoint" in text and "━" in text  # rich's bar
+
+    silent = io.StringIO()
+    Progress(total=10, start=0, enabled=False, stream=silent).update(5, 1.0, 1.0)
+    assert silent.getvalue() == ""

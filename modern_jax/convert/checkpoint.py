@@ -12,10 +12,18 @@ A converted checkpoint directory holds:
 the layout `modern_jax.training.checkpoint.load_params` reads, so the trainer can
 fine-tune from it; `load_checkpoint` returns the model itself. Writers refuse a directory
 that holds anything else (`modern_jax.training.outputs`).
+
+`finetune_run(run, source)` makes a fine-tuning run (`modern-jax train --init-from-hf`): the
+model and tokenizer of `source` (a Hugging Face model directory or hub name, a converted
+checkpoint, or a training run), the `train:` and `data:` of the run file, whose `model:`
+section may set only fields that leave the network as it is (dtype, remat, ...). A run
+trained from a Hugging Face source keeps its config.json and tokenizer files in `hf/`, so
+`convert_to_hf(run_dir)` writes the same family with the same tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -26,14 +34,17 @@ import yaml
 from flax import nnx
 
 from modern_jax.config import ModelConfig
-from modern_jax.convert.hf_checkpoint import from_hf, read_hf_config, to_hf
-from modern_jax.convert.hf_config import model_type_of
+from modern_jax.convert.hf_checkpoint import from_hf, read_hf_config, resolve_hf, to_hf
+from modern_jax.convert.hf_config import NON_ARCHITECTURE_FIELDS, config_from_hf, model_type_of
+from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from modern_jax.model import Transformer
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import load_params, write_checksums
+from modern_jax.training.checkpoint import HF_ASSETS_DIR, load_params, read_config, resolve_checkpoint, write_checksums
+from modern_jax.training.config import RunConfig
+from modern_jax.training.loop import Initial
 from modern_jax.training.step import abstract_model
 
-CONFIG, PARAMS, HF = "config.yaml", "params", "hf"
+CONFIG, PARAMS, HF = "config.yaml", "params", HF_ASSETS_DIR
 # files of a Hugging Face model directory that are not weights, kept for the way back
 HF_ASSETS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -67,8 +78,8 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str =
                     overwrite: bool = False, log=None) -> Path:
     """Hugging Face model directory `src` -> our checkpoint `out` (config.yaml + params/ + hf/);
     `log` is told of skipped tensors (`from_hf`)."""
-    src = Path(src)
     outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite, dry_run=True)  # before reading
+    src = resolve_hf(src)
     _, model = from_hf(src, dtype=dtype, log=log)
     out = save_checkpoint(model, out, overwrite=overwrite)
     (out / HF).mkdir(exist_ok=True)
@@ -105,3 +116,59 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
             shutil.copy2(ckpt / HF / name, Path(out) / name)
             files.append(name)
     return files
+
+
+# ----- fine-tuning ---------------------------------------------------------------------
+
+
+def checkpoint_tokenizer(directory) -> Tokenizer | None:
+    """The tokenizer of a run or a converted checkpoint directory: its `tokenizer.json`, else the
+    Hugging Face one in `hf/` (with its chat template); None if it has neither."""
+    directory = Path(directory)
+    for path in (directory / TOKENIZER_FILE, directory / HF / TOKENIZER_FILE):
+        if path.is_file():
+            return load_tokenizer(path)
+    return None
+
+
+def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tuple[ModelConfig, Initial]:
+    """`(config, Initial)` of `source`: a Hugging Face model directory or hub name, a converted
+    checkpoint, or a training run (its newest step); `overrides` set fields that do not change
+    the network. The parameters are read only when `Initial.params()` is called."""
+    path = Path(source)
+    if path.is_dir() and ((path / PARAMS).is_dir() or (path / "checkpoints").is_dir()):  # one of ours
+        _, config_path, what, _ = resolve_checkpoint(path)
+        cfg = ModelConfig.from_dict({**read_config(config_path)["model"], **overrides})
+        home = config_path.parent
+        tokenizer = checkpoint_tokenizer(home)
+        assets = tuple(home / HF / name for name in HF_ASSETS if (home / HF / name).is_file())
+        return cfg, Initial(what, lambda: load_params(path, log=log, **overrides)[1], tokenizer, assets)
+    path = resolve_hf(source)
+    hf = read_hf_config(path)
+    try:
+        cfg = config_from_hf(hf, **overrides)
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from None
+    tokenizer = load_tokenizer(path / TOKENIZER_FILE) if (path / TOKENIZER_FILE).is_file() else None
+    rest = {k: v for k, v in overrides.items() if k not in ("dtype", "param_dtype")}
+
+    def params() -> dict:
+        _, model = from_hf(path, dtype=cfg.dtype, param_dtype=cfg.param_dtype, log=log, **rest)
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    assets = tuple(path / name for name in HF_ASSETS if (path / name).is_file())
+    return cfg, Initial(f"the Hugging Face model {source}", params, tokenizer, assets)
+
+
+def finetune_run(run: RunConfig, source: str | os.PathLike, log=None) -> tuple[RunConfig, Initial]:
+    """`run` with the model of `source` (see `initial_weights`), and the `Initial` that
+    `train(run, init=...)` starts from. The run's `model:` section may set only the fields that
+    do not change the network."""
+    fixed = [k for k in run.model_dict if k not in NON_ARCHITECTURE_FIELDS and not k.endswith("_impl")]
+    if fixed:
+        allowed = ", ".join(NON_ARCHITECTURE_FIELDS) + ", *_impl"
+        raise ValueError(f"the model comes from --init-from-hf {source}, so the run's model: section may set only "
+                         f"fields that leave its network as it is ({allowed}), not {', '.join(fixed)}: remove them, "
+                         f"or use configs/finetune_chat.yaml")
+    cfg, init = initial_weights(source, log=log, **run.model_dict)
+    return dataclasses.replace(run, model_dict=cfg.to_dict()), init

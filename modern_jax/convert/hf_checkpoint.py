@@ -1,7 +1,11 @@
 """Hugging Face safetensors checkpoints <-> the model, one tensor at a time.
 
-    cfg, model = from_hf("path/to/hf_dir", dtype="bfloat16")
+    cfg, model = from_hf("path/to/hf_dir", dtype="bfloat16")     # or a hub name, "org/name"
     to_hf(model, "path/to/out_dir", model_type="llama")
+
+A name that is not a directory is a Hugging Face hub repository (`org/name`), found in the
+local Hugging Face cache by `huggingface_hub` (no network needed once it is there); one not
+in the cache is downloaded where the network allows, else the error says how to get it.
 
 Loading builds the model abstractly (no random initialisation), checks the checkpoint
 against it before reading any data (every expected tensor present, no tensor left over but
@@ -120,6 +124,35 @@ def plan(params: Iterable[Target]) -> dict[str, list[Source]]:
     return sources
 
 
+HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt")  # what a checkpoint needs
+
+
+def resolve_hf(source: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local directory of a Hugging Face model: `source` itself when it is a directory, else
+    the snapshot of hub repository `source` (`org/name`) in the Hugging Face cache (`cache_dir`,
+    default `HF_HUB_CACHE`), downloaded first when it is not there and the network allows."""
+    path, name = Path(source), str(source)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path: read_hf_config names it
+        return path
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    try:
+        return Path(huggingface_hub.snapshot_download(name, cache_dir=cache_dir, local_files_only=True,
+                                                      allow_patterns=list(HUB_FILES)))
+    except Exception as e:  # not in the cache (LocalEntryNotFoundError) or an invalid name (HFValidationError)
+        cached = e
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return Path(huggingface_hub.snapshot_download(name, cache_dir=cache_dir, allow_patterns=list(HUB_FILES)))
+        except Exception as e:  # no network, not on the hub, gated
+            cached = e
+    where = cache_dir or constants.HF_HUB_CACHE
+    raise CheckpointError(f"{name!r} is not a directory, and the Hugging Face cache ({where}) does not hold it "
+                          f"({type(cached).__name__}): download it where the network allows (`hf download {name}`, or "
+                          f"huggingface_hub.snapshot_download), or give its directory") from None
+
+
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     """The config.json of Hugging Face model directory `path`."""
     config = Path(path) / "config.json"
@@ -191,8 +224,9 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     `overrides` set other non-architecture fields (remat, scan_layers, vocab_pad_to, ...).
     `log(message)` is told of tensors the model does not use that are skipped (DeepSeek-V3's
     multi-token-prediction layer); without it they go to the `logging` module at INFO.
+    `path` may be a hub name (`org/name`), read from the Hugging Face cache (`resolve_hf`).
     """
-    path = Path(path)
+    path = resolve_hf(path)
     hf = read_hf_config(path)
     try:
         family = family_of(hf)

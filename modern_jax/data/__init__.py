@@ -1,7 +1,7 @@
-"""Input data: corpora, tokenizers and the grain pipeline (packing, per-host shards)."""
+"""Input data: corpora and records, conversations, tokenizers and the grain pipeline (packing, per-host shards)."""
 
 from modern_jax.data.config import DataConfig
-from modern_jax.data.corpora import TokenStream, embedded_documents, load_splits, split_documents
+from modern_jax.data.corpora import TokenStream, embedded_documents, load_splits, load_stream, split_documents
 from modern_jax.data.pipeline import BATCH_KEYS, eval_batches, pack_windows, train_iterator
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -16,6 +16,7 @@ __all__ = [
     "embedded_documents",
     "eval_batches",
     "load_splits",
+    "load_stream",
     "load_tokenizer",
     "pack_windows",
     "split_documents",

@@ -1,5 +1,11 @@
-"""Corpora: documents from the embedded corpus, text files, token files or ArrayRecord,
-split deterministically into train / validation and encoded into one token stream each.
+"""Corpora: documents from the embedded corpus, text files, token files, ArrayRecord, or
+records (JSON Lines, Parquet, Hugging Face `datasets`: `modern_jax.data.records`), split
+deterministically into train / validation and encoded into one token stream each.
+
+A document is a text, token ids, or (`data.format: chat`) a conversation, rendered by the
+chat template into one text whose assistant turns alone are trained (`modern_jax.data.chat`):
+its stream marks each token as a target or not (`TokenStream.trained`), and the rendered
+template stands alone, without the `<bos>` / `<eos>` put around other documents.
 
 The embedded corpus needs no download: the standard library's own `.py` sources (test
 suites and IDLE left out) and the `pydoc_data` help topics of the running Python, about
@@ -8,7 +14,9 @@ suites and IDLE left out) and the `pydoc_data` help topics of the running Python
 Splits are deterministic. With ten documents or more, a document goes to validation when
 `crc32(name) % 10_000 < val_fraction * 10_000` (stable when files are added); with fewer,
 every document is cut at `1 - val_fraction` of its length, so a single file keeps its
-first 90% for training and its last 10% for validation (the classic char-LM split).
+first 90% for training and its last 10% for validation (the classic char-LM split), and
+conversations, which are never cut, keep their last `round(val_fraction * n)` (at least one)
+for validation.
 
 Every token id read from a file is checked against the tokenizer's vocabulary, and an
 empty file or split is an error: a wrong `token_dtype`, a text file read as tokens or a
@@ -25,7 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from modern_jax.data.config import DataConfig
+from modern_jax.data import chat
+from modern_jax.data.config import EXTENSIONS, RECORD_SOURCES, DataConfig, data_files
+from modern_jax.data.records import record_documents
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 SKIPPED_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -34,33 +44,42 @@ MIN_DOCS_FOR_DOCUMENT_SPLIT = 10
 
 @dataclass
 class TokenStream:
-    """Documents laid end to end: `tokens[N]`, and the index where each document starts."""
+    """Documents laid end to end: `tokens[N]`, the index where each document starts, and, for
+    conversations, whether each token is a training target (None: every token is)."""
 
     tokens: np.ndarray
     doc_starts: np.ndarray  # int64, sorted, starts with 0
+    trained: np.ndarray | None = None  # bool [N]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @classmethod
     def from_documents(cls, docs: list[np.ndarray], bos_id: int | None = None, eos_id: int | None = None,
-                       dtype=np.int32, *, what: str = "the corpus split", fix: str = "give it some text"
-                       ) -> TokenStream:
-        """`what` names the split and `fix` the remedy in the error for a split without tokens."""
+                       dtype=np.int32, *, trained: list[np.ndarray] | None = None, what: str = "the corpus split",
+                       fix: str = "give it some text") -> TokenStream:
+        """`trained`: per document, which of its tokens are targets (then no `<bos>` / `<eos>` are
+        added). `what` names the split and `fix` the remedy in the error for a split without tokens."""
         if not any(len(doc) for doc in docs):  # <bos> / <eos> alone are no data
             raise ValueError(f"{what} is empty: its {len(docs)} document(s) hold no tokens: {fix}")
-        pieces, starts, n = [], [], 0
-        for doc in docs:
-            if bos_id is not None:
+        if trained is not None and not any(t.any() for t in trained):
+            raise ValueError(f"{what} has no assistant tokens to train on: its {len(docs)} conversation(s) hold "
+                             f"no assistant turn (role 'assistant') with content: {fix}")
+        pieces, marks, starts, n = [], [], [], 0
+        for i, doc in enumerate(docs):
+            if trained is None and bos_id is not None:
                 doc = np.concatenate([[bos_id], doc])
-            if eos_id is not None:
+            if trained is None and eos_id is not None:
                 doc = np.concatenate([doc, [eos_id]])
             if len(doc) == 0:
                 continue
             starts.append(n)
             pieces.append(np.asarray(doc, dtype))
+            if trained is not None:
+                marks.append(np.asarray(trained[i], bool))
             n += len(doc)
-        return cls(np.concatenate(pieces), np.asarray(starts, np.int64))
+        return cls(np.concatenate(pieces), np.asarray(starts, np.int64),
+                   np.concatenate(marks) if trained is not None else None)
 
 
 # ----- documents -----------------------------------------------------------------
@@ -92,7 +111,9 @@ def text_documents(path) -> list[tuple[str, str]]:
     """A text file (one document) or every file under a directory (one document each)."""
     path = pathlib.Path(path)
     if not path.exists():
-        raise ValueError(f"data.path={str(path)!r} does not exist")
+        hub = "; for a Hugging Face hub dataset set data.source: hf" if str(path).count("/") == 1 and \
+            not str(path).startswith((".", "/", "~")) else ""
+        raise ValueError(f"data.path={str(path)!r} does not exist{hub}")
     if path.is_file():
         files = [path]
     else:
@@ -130,14 +151,21 @@ def arrayrecord_documents(path, record_format: str, token_dtype: str):
     return docs
 
 
-def split_documents(docs: list, val_fraction: float) -> tuple[list, list]:
-    """Deterministic train / validation split of (name, content) documents (module docstring)."""
+def split_documents(docs: list, val_fraction: float, whole: bool = False) -> tuple[list, list]:
+    """Deterministic train / validation split of (name, content) documents (module docstring).
+    `whole` (conversations, which cannot be cut): with fewer than ten documents, the last
+    `round(val_fraction * n)` (at least one) go to validation."""
     if len(docs) >= MIN_DOCS_FOR_DOCUMENT_SPLIT:
         threshold = val_fraction * 10_000
         val = [d for d in docs if zlib.crc32(d[0].encode()) % 10_000 < threshold]
         train = [d for d in docs if zlib.crc32(d[0].encode()) % 10_000 >= threshold]
         if train and val:
             return train, val
+    if whole:
+        if len(docs) < 2:
+            raise ValueError(f"{len(docs)} conversation: a training and a validation split need two or more")
+        n_val = min(max(1, round(val_fraction * len(docs))), len(docs) - 1)
+        return docs[:-n_val], docs[-n_val:]
     train, val = [], []
     for name, content in docs:
         cut = int(round(len(content) * (1.0 - val_fraction)))
@@ -173,42 +201,137 @@ def text_or_embedded_splits(path: str | None, tokenizer: str = "char"):
     return *load_splits(cfg), str(path) if found else "embedded corpus"
 
 
+def read_documents(cfg: DataConfig, source: str) -> list[tuple[str, object]]:
+    """`(name, content)` of every document of a source other than token files: text, token ids
+    (ArrayRecord token records) or conversations (`data.format: chat`)."""
+    if cfg.format == "chat" and source not in RECORD_SOURCES:
+        raise ValueError(f"data.format='chat' reads conversations from records, but data.path={str(cfg.path)!r} "
+                         f"is read as source {source!r}: give .jsonl / .parquet files or a Hugging Face dataset "
+                         f"(or set data.source: {' / '.join(RECORD_SOURCES)})")
+    if cfg.streaming and source != "hf":
+        raise ValueError(f"data.streaming=true streams a Hugging Face dataset, but data.path={str(cfg.path)!r} is "
+                         f"read as source {source!r}: set data.source: hf, or data.streaming: false")
+    if source == "embedded":
+        return embedded_documents()
+    if source == "text":
+        if cfg.source == "auto" and pathlib.Path(cfg.path).is_dir():
+            _refuse_mixed_records(pathlib.Path(cfg.path))
+        return text_documents(cfg.path)
+    if source == "arrayrecord":
+        return arrayrecord_documents(cfg.path, cfg.record_format, cfg.token_dtype)
+    return record_documents(cfg, source)
+
+
+def _refuse_mixed_records(directory: pathlib.Path) -> None:
+    """A directory read as text by `source: auto` that holds record files among others: their JSON
+    syntax and every field would become training text, so say how to read them."""
+    for source, extensions in EXTENSIONS.items():
+        found = data_files(directory, extensions)
+        if found:
+            raise ValueError(f"data.path={str(directory)!r} holds {source} files ({found[0].name}, ...) among "
+                             f"other files, so source: auto cannot tell how to read it: set data.source: {source} "
+                             f"to read the {source} files alone, or data.source: text to read every file as text")
+
+
+def chat_template(cfg: DataConfig, tokenizer: Tokenizer | None) -> str:
+    """`data.chat_template` (a file), else the tokenizer's, else the built-in template."""
+    if cfg.chat_template:
+        path = pathlib.Path(cfg.chat_template)
+        if not path.is_file():
+            raise ValueError(f"data.chat_template={cfg.chat_template!r} does not exist: give a Jinja template file")
+        return path.read_text(encoding="utf-8")
+    if tokenizer is not None and tokenizer.chat_template:
+        return tokenizer.chat_template
+    return chat.BUILTIN_TEMPLATE
+
+
+def _render_conversations(cfg: DataConfig, docs, tokenizer: Tokenizer | None):
+    """`(template, {name: (text, trained spans)})` of every conversation, with the `where` of errors."""
+    template = chat_template(cfg, tokenizer)
+    special = tokenizer.special_tokens if tokenizer is not None else {}
+    rendered = {}
+    for name, messages in docs:
+        where = f"data.path={str(cfg.path)!r} ({name})"
+        rendered[name] = chat.render(chat.check_messages(messages, where, cfg.messages_field), template, special,
+                                     where)
+    return template, rendered
+
+
+def _encoder(tokenizer: Tokenizer, rendered: dict | None):
+    """`(name, content) -> (ids, trained or None)`."""
+    def encode(name, content):
+        if rendered is not None:
+            text, spans = rendered[name]
+            ids, start, end = tokenizer.encode_offsets(text)
+            return ids, chat.trained_tokens(start, end, spans, len(text))
+        if isinstance(content, str):
+            return tokenizer.encode(content), None
+        return np.asarray(content, np.int64), None
+    return encode
+
+
+def _stream(cfg: DataConfig, docs, encode, tokenizer: Tokenizer, what: str, fix: str) -> TokenStream:
+    encoded = [encode(name, content) for name, content in docs]
+    chat_marks = [t for _, t in encoded] if cfg.format == "chat" else None
+    return TokenStream.from_documents([ids for ids, _ in encoded], tokenizer.bos_id, tokenizer.eos_id,
+                                      _stream_dtype(tokenizer.vocab_size), trained=chat_marks, what=what, fix=fix)
+
+
+def _where(cfg: DataConfig, source: str) -> str:
+    return "the embedded corpus" if source == "embedded" else f"data.path={str(cfg.path)!r}"
+
+
 def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size: int | None = None
                 ) -> tuple[Tokenizer, TokenStream, TokenStream]:
     """(tokenizer, train stream, validation stream) for the `data:` config.
 
     `tokenizer`: reuse a saved one (resuming, evaluating); otherwise it is built here (the
-    char vocabulary from the whole corpus, a BPE from the training split).
+    char vocabulary from the whole corpus, a BPE from the training split, conversations as
+    the chat template renders them). A chat run's tokenizer carries its template.
     """
     source = cfg.resolved_source
     if source == "tokens":
         return _token_file_splits(cfg, tokenizer)
-    if source == "embedded":
-        docs = embedded_documents()
-    elif source == "text":
-        docs = text_documents(cfg.path)
-    else:
-        docs = arrayrecord_documents(cfg.path, cfg.record_format, cfg.token_dtype)
-    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
-    is_text = not docs or isinstance(docs[0][1], str)
+    docs = read_documents(cfg, source)
+    train_docs, val_docs = split_documents(docs, cfg.val_fraction, whole=cfg.format == "chat")
+    is_text = not docs or not isinstance(docs[0][1], np.ndarray)
+    where = _where(cfg, source)
+    rendered = None
+    if tokenizer is None and not is_text:
+        tokenizer = load_tokenizer_for_tokens(cfg)
+    if tokenizer is None and (cfg.tokenizer_path or cfg.tokenizer == "byte"):
+        tokenizer = build_tokenizer(cfg, [], [], vocab_size)  # needs no text
+    if cfg.format == "chat":
+        template, rendered = _render_conversations(cfg, docs, tokenizer)
     if tokenizer is None:
-        if not is_text:
-            tokenizer = load_tokenizer_for_tokens(cfg)
-        else:
-            tokenizer = build_tokenizer(cfg, [t for _, t in train_docs], [t for _, t in docs], vocab_size)
+        def texts(split):  # a conversation as its template renders it
+            return [rendered[name][0] if rendered else content for name, content in split]
 
-    where = "the embedded corpus" if source == "embedded" else f"data.path={str(cfg.path)!r}"
+        tokenizer = build_tokenizer(cfg, texts(train_docs), texts(docs), vocab_size)
+    if rendered is not None:
+        tokenizer.with_chat(template)
+
     if not is_text:
         for name, ids in docs:
             check_token_ids(ids, tokenizer.vocab_size, f"{where} ({name})", cfg, ids.tobytes())
+    encode = _encoder(tokenizer, rendered)
+    fix = f"give more data or change data.val_fraction={cfg.val_fraction}"
+    return (tokenizer, _stream(cfg, train_docs, encode, tokenizer, f"the training split of {where}", fix),
+            _stream(cfg, val_docs, encode, tokenizer, f"the validation split of {where}", fix))
 
-    def stream(split, name):
-        ids = [tokenizer.encode(content) if is_text else np.asarray(content, np.int64) for _, content in split]
-        return TokenStream.from_documents(ids, tokenizer.bos_id, tokenizer.eos_id, _stream_dtype(tokenizer.vocab_size),
-                                          what=f"the {name} split of {where}",
-                                          fix=f"give more data or change data.val_fraction={cfg.val_fraction}")
 
-    return tokenizer, stream(train_docs, "training"), stream(val_docs, "validation")
+def load_stream(cfg: DataConfig, tokenizer: Tokenizer) -> TokenStream:
+    """Every document of `cfg` (no split) as one stream, encoded by `tokenizer` (evaluating a file)."""
+    source = cfg.resolved_source
+    if source == "tokens":
+        raise ValueError(f"data.path={str(cfg.path)!r} is a token file: evaluate reads documents (text, records, "
+                         "conversations); evaluate a token file as the run's --split")
+    docs = read_documents(cfg, source)
+    rendered = _render_conversations(cfg, docs, tokenizer)[1] if cfg.format == "chat" else None
+    if isinstance(docs[0][1], np.ndarray):
+        for name, ids in docs:
+            check_token_ids(ids, tokenizer.vocab_size, f"{_where(cfg, source)} ({name})", cfg, ids.tobytes())
+    return _stream(cfg, docs, _encoder(tokenizer, rendered), tokenizer, _where(cfg, source), "give it some data")
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int, where: str, cfg: DataConfig, head: bytes = b"") -> None:

@@ -7,11 +7,13 @@ feeds, T tokens):
     positions             int32   restart at 0 at each document start (and window start)
     segment_ids           int32   1, 2, ... per document inside the row; 0 on padding
     weights               float32 1 where the target is in the same document as the input
+                                  (in a conversation: and is one of the assistant's tokens)
 
 Packing: a window is `T + 1` consecutive tokens of the stream of documents
 (`<bos> doc <eos> <bos> doc ...`). Documents that share a row get different segment ids,
 so attention never crosses a boundary, and the target that would cross one (a document's
-last token predicting the next one's first) has weight 0.
+last token predicting the next one's first) has weight 0. A conversation's targets outside
+the assistant turns (`TokenStream.trained`) have weight 0 too, wherever its window is cut.
 
 Training batch `i` is a pure function of `(seed, i)`: `A * B` window starts drawn
 uniformly from the stream by `numpy.random.default_rng([seed, i])` (the classic random
@@ -46,6 +48,8 @@ def pack_windows(stream: TokenStream, starts: np.ndarray, seq_len: int, pad_id: 
     segment_NW = np.where(valid_NW, doc_NW - doc_NW[:, :1] + 1, 0)
     positions_NW = np.where(valid_NW, idx_NW - doc_start_NW, 0)
     same_doc_NT = (doc_NW[:, :-1] == doc_NW[:, 1:]) & valid_NW[:, 1:]
+    if stream.trained is not None:  # a conversation: only the assistant's tokens are targets
+        same_doc_NT &= stream.trained[idx_NW[:, 1:]]
     return {
         "inputs": tokens_NW[:, :-1],
         "targets": tokens_NW[:, 1:],

@@ -1,8 +1,12 @@
 """Tokenizers: byte-level (default), character-level, and Hugging Face `tokenizer.json`.
 
-Every tokenizer maps text to a 1-D integer array and back, names its `bos_id` / `eos_id`
-(the packer puts them around each document), and says how many bytes of text each id
-stands for (`token_bytes`, for bits-per-byte). It saves itself as one JSON file.
+Every tokenizer maps text to a 1-D integer array and back (`encode_offsets` also gives the
+characters each id covers, for the chat loss mask), names its `bos_id` / `eos_id` (the
+packer puts them around each document), and says how many bytes of text each id stands
+for (`token_bytes`, for bits-per-byte). It may carry a chat template and the special-token
+strings a template reads (`bos_token`, `eos_token`, ...; a Hugging Face tokenizer takes
+both from the `tokenizer_config.json` or `chat_template.jinja` beside its `tokenizer.json`).
+It saves itself, template included, as one JSON file.
 
 | kind  | ids                                                   | vocab          |
 |-------|-------------------------------------------------------|----------------|
@@ -20,6 +24,9 @@ from collections.abc import Iterable
 import numpy as np
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # the strings a chat template may read
 
 
 class Tokenizer:
@@ -27,8 +34,14 @@ class Tokenizer:
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
+    chat_template: str | None = None  # Jinja source; None: modern_jax.data.chat.BUILTIN_TEMPLATE
+    special_tokens: dict[str, str] = {}  # e.g. {"eos_token": "<|im_end|>"}, for the chat template
 
     def encode(self, text: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(ids, start, end)`: the ids of `text` and the characters `text[start:end]` each covers."""
         raise NotImplementedError
 
     def decode(self, ids) -> str:
@@ -40,6 +53,17 @@ class Tokenizer:
 
     def to_json(self) -> dict:
         raise NotImplementedError
+
+    def with_chat(self, template: str | None, special_tokens: dict[str, str] | None = None) -> Tokenizer:
+        """This tokenizer with a chat template (and special-token strings); returns itself."""
+        self.chat_template = template
+        if special_tokens is not None:
+            self.special_tokens = dict(special_tokens)
+        return self
+
+    def _chat_json(self) -> dict:
+        out = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        return {**out, "special_tokens": self.special_tokens} if self.special_tokens else out
 
     def save(self, directory) -> pathlib.Path:
         path = pathlib.Path(directory) / TOKENIZER_FILE
@@ -58,6 +82,12 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
 
+    def encode_offsets(self, text: str):
+        codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        n_bytes = 1 + (codes >= 0x80) + (codes >= 0x800) + (codes >= 0x10000)  # UTF-8 length of each character
+        start = np.repeat(np.arange(len(codes)), n_bytes)
+        return self.encode(text), start, start + 1
+
     def decode(self, ids) -> str:
         data = bytes(int(i) for i in np.asarray(ids).reshape(-1) if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
@@ -66,7 +96,7 @@ class ByteTokenizer(Tokenizer):
         return np.array([1] * 256 + [0] * len(self.SPECIALS), np.int32)
 
     def to_json(self) -> dict:
-        return {"kind": "byte"}
+        return {"kind": "byte", **self._chat_json()}
 
 
 class CharTokenizer(Tokenizer):
@@ -99,6 +129,10 @@ class CharTokenizer(Tokenizer):
             raise ValueError(f"characters outside the char tokenizer's vocabulary: {missing!r}")
         return ids.astype(np.int32)
 
+    def encode_offsets(self, text: str):
+        start = np.arange(len(text))
+        return self.encode(text), start, start + 1
+
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in map(int, np.asarray(ids).reshape(-1)) if 0 <= i < len(self.chars))
 
@@ -106,11 +140,11 @@ class CharTokenizer(Tokenizer):
         return np.array([len(c.encode("utf-8")) for c in self.chars] + [0, 0], np.int32)
 
     def to_json(self) -> dict:
-        return {"kind": "char", "chars": "".join(self.chars)}
+        return {"kind": "char", "chars": "".join(self.chars), **self._chat_json()}
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face `tokenizers.Tokenizer` (the optional `hf` extra)."""
+    """A Hugging Face `tokenizers.Tokenizer`."""
 
     kind = "hf"
 
@@ -131,13 +165,19 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def from_file(cls, path) -> HFTokenizer:
-        tokenizers = _import_tokenizers()
-        return cls(tokenizers.Tokenizer.from_file(str(path)))
+        """A `tokenizer.json`, with the special tokens and chat template of the `tokenizer_config.json`
+        (and `chat_template.jinja`) beside it."""
+        import tokenizers
+
+        path = pathlib.Path(path)
+        template, special = read_tokenizer_config(path.parent)
+        tok = cls(tokenizers.Tokenizer.from_file(str(path)), special.get("bos_token"), special.get("eos_token"))
+        return tok.with_chat(template, special)
 
     @classmethod
     def train_bpe(cls, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
         """A byte-level BPE trained on `texts` with `vocab_size` ids, `<bos>` and `<eos>` included."""
-        tokenizers = _import_tokenizers()
+        import tokenizers
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
         tok = tokenizers.Tokenizer(models.BPE())
@@ -151,6 +191,11 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, np.int32)
 
+    def encode_offsets(self, text: str):
+        encoding = self.tok.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, np.int32), offsets[:, 0], offsets[:, 1]
+
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
 
@@ -163,29 +208,49 @@ class HFTokenizer(Tokenizer):
         return out
 
     def to_json(self) -> dict:
-        return {"kind": "hf", "tokenizer": json.loads(self.tok.to_str())}
+        return {"kind": "hf", "tokenizer": json.loads(self.tok.to_str()), **self._chat_json()}
 
 
-def _import_tokenizers():
-    try:
-        import tokenizers
-    except ImportError:
-        raise ValueError("data.tokenizer='hf' needs the `tokenizers` package: uv sync --extra hf") from None
-    return tokenizers
+def read_tokenizer_config(directory) -> tuple[str | None, dict[str, str]]:
+    """`(chat template, special-token strings)` of a Hugging Face tokenizer directory: its
+    `chat_template.jinja`, else the `chat_template` of its `tokenizer_config.json` (a list of
+    named templates gives the one named `default`); `(None, {})` without either file."""
+    from modern_jax.configfile import read_json
+
+    directory = pathlib.Path(directory)
+    config = read_json(directory / TOKENIZER_CONFIG) if (directory / TOKENIZER_CONFIG).is_file() else {}
+    special = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        template = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    return (template if isinstance(template, str) else None), special
 
 
 def tokenizer_from_json(spec: dict) -> Tokenizer:
     kind = spec.get("kind")
+    special = spec.get("special_tokens") or {}
     if kind == "byte":
-        return ByteTokenizer()
-    if kind == "char":
+        tok = ByteTokenizer()
+    elif kind == "char":
         if not isinstance(spec.get("chars"), str):
             raise ValueError("a saved char tokenizer needs its vocabulary as a string `chars`")
-        return CharTokenizer(spec["chars"])
-    if kind == "hf":
-        tokenizers = _import_tokenizers()
-        return HFTokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec["tokenizer"])))
-    raise ValueError(f"unknown tokenizer kind {kind!r} in a saved tokenizer")
+        tok = CharTokenizer(spec["chars"])
+    elif kind == "hf":
+        import tokenizers
+
+        tok = HFTokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec["tokenizer"])), special.get("bos_token"),
+                          special.get("eos_token"))
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r} in a saved tokenizer")
+    return tok.with_chat(spec.get("chat_template"), special)
 
 
 def load_tokenizer(path) -> Tokenizer:

@@ -1,10 +1,11 @@
 """Training: the run config, loss, optimiser, jitted steps on a mesh, Orbax checkpoints and the loop."""
 
 from modern_jax.training.config import RunConfig, TrainConfig, load_run_config, run_config_from_dict
-from modern_jax.training.loop import TrainingDiverged, TrainResult, evaluate_batches, train
+from modern_jax.training.loop import Initial, TrainingDiverged, TrainResult, evaluate_batches, train
 from modern_jax.training.step import Trainer
 
 __all__ = [
+    "Initial",
     "RunConfig",
     "TrainConfig",
     "TrainResult",

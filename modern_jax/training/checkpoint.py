@@ -9,6 +9,7 @@ A run directory:
                                       meta/    (JSON: step, data-iterator state)
                                       checksums.json (size and CRC-32 of every file above)
     <output_dir>/damaged_checkpoints/<step>/  steps set aside on resume (never deleted)
+    <output_dir>/hf/                  a fine-tuned model's source config.json and tokenizer files
 
 Orbax writes each step into a temporary directory and renames it when complete, so a
 process killed while saving leaves no step that looks complete; the partial one is removed
@@ -43,6 +44,7 @@ from modern_jax.training.outputs import step_numbers
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
+HF_ASSETS_DIR = "hf"  # a Hugging Face source's config.json and tokenizer files, kept for the way back
 DAMAGED = "damaged_checkpoints"
 CHECKSUMS = "checksums.json"
 ITEMS = ("params", "state", "meta")

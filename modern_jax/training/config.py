@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +72,8 @@ class TrainConfig:
     diagnostics: bool = True  # max |attention logit|, measured by the train step's own attention
     peak_flops: float | None = None  # per-device peak FLOP/s for the MFU estimate; null: no MFU
     progress: bool = True
-    tensorboard: bool = True  # when tensorboardX is installed
+    tensorboard: bool = True  # events under output_dir/tensorboard/
+    wandb_project: str | None = None  # log to this Weights & Biases project (needs wandb installed)
     plot: bool = True  # loss-curve PNG at the end
     samples: int = 3
     sample_tokens: int = 200
@@ -139,6 +141,12 @@ class TrainConfig:
             _fail("sample_top_p", self.sample_top_p, "expected a probability in (0, 1] or null")
         if not self.output_dir:
             _fail("output_dir", self.output_dir, "expected a directory")
+        if self.wandb_project is not None:
+            if not isinstance(self.wandb_project, str) or not self.wandb_project:
+                _fail("wandb_project", self.wandb_project, "expected a W&B project name or null")
+            if importlib.util.find_spec("wandb") is None:
+                _fail("wandb_project", self.wandb_project, "W&B logging needs the wandb package: `uv sync --extra "
+                      "wandb` (or pip install wandb), or leave train.wandb_project unset")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> TrainConfig:

@@ -10,10 +10,14 @@ happens ahead of time, before the clock starts, and is reported on its own.
 
 The run resumes from the newest complete checkpoint in `output_dir` (params, optimiser
 state, step, RNG and the data iterator's position), so a resumed run computes exactly the
-steps the uninterrupted run would have. SIGTERM / SIGINT save a checkpoint and stop. A
-non-finite loss or gradient skips the update (the step function keeps the old state) and
-is logged; `max_nonfinite_steps` in a row stop the run with `TrainingDiverged`. A
-checkpoint is only written from finite parameters.
+steps the uninterrupted run would have. A new run starts from random parameters, or from
+`init` (fine-tuning: a Hugging Face model's or a checkpoint's parameters, with its
+tokenizer; `modern_jax.convert.finetune_run` makes it), whose source files (config.json,
+tokenizer files) are copied into the run's `hf/` for the way back to Hugging Face.
+SIGTERM / SIGINT save a checkpoint and stop. A non-finite loss or gradient skips the
+update (the step function keeps the old state) and is logged; `max_nonfinite_steps` in a
+row stop the run with `TrainingDiverged`. A checkpoint is only written from finite
+parameters.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -35,14 +41,24 @@ from modern_jax.data.pipeline import eval_batches, train_iterator
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.sharding import RULES, mesh_axes
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, Checkpointer, read_config
+from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer, read_config
 from modern_jax.training.config import RunConfig
-from modern_jax.training.metrics import MetricsLog, Progress, plot_losses, read_metrics
+from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training.step import Trainer
 
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Initial:
+    """The parameters a new run starts from instead of random ones (fine-tuning)."""
+
+    source: str  # what they are, for the log and errors
+    params: Callable[[], dict]  # reads them (a pure dict), only when a new run starts
+    tokenizer: object | None = None  # their tokenizer; None: the one `data:` describes
+    assets: tuple[pathlib.Path, ...] = ()  # files copied into the run's hf/: config.json, tokenizer files
 
 
 @dataclasses.dataclass
@@ -111,10 +127,11 @@ def _check_divisible(name: str, rows: int, mesh, rules=RULES) -> None:
                          f"and {jax.process_count()} hosts")
 
 
-def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None):
-    """Tokenizer, splits and the run config with its vocabulary resolved."""
+def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None):
+    """Tokenizer (a resumed run's, else `tokenizer`, else built from `data:`), splits and the run
+    config with its vocabulary resolved."""
     saved = resume_dir / TOKENIZER_FILE if resume_dir is not None else None
-    tokenizer = load_tokenizer(saved) if saved is not None and saved.exists() else None
+    tokenizer = load_tokenizer(saved) if saved is not None and saved.exists() else tokenizer
     tokenizer, train_stream, val_stream = load_splits(run.data, tokenizer, run.vocab_size)
     run = run.with_vocab(tokenizer.vocab_size)
     if tokenizer.vocab_size > run.model.vocab_size:
@@ -123,9 +140,11 @@ def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None):
     return run, tokenizer, train_stream, val_stream
 
 
-def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None) -> TrainResult:
+def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None,
+          init: Initial | None = None) -> TrainResult:
     """Train (or resume) the run. `stop_after`: stop after this many steps in this call, saving
-    a checkpoint as a preemption would (the run resumes later with the same schedule)."""
+    a checkpoint as a preemption would (the run resumes later with the same schedule). `init`:
+    the parameters (and tokenizer) a new run starts from; a resumed run ignores it."""
     tc = run.train
     out_dir = pathlib.Path(tc.output_dir)
     outputs.claim(out_dir, outputs.RUN, "train.output_dir", hint="choose a new train.output_dir (--output-dir)")
@@ -134,14 +153,14 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
     checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
     try:
         with _StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
-            return _train(run, out_dir, mesh, checkpointer, log, stop_after, stop)
+            return _train(run, out_dir, mesh, checkpointer, log, stop_after, stop, init)
     finally:
         checkpointer.close()
 
 
 def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log, stop_after,
-           stop: _StopSignal) -> TrainResult:
-    session = _set_up(run, out_dir, mesh, checkpointer, log)
+           stop: _StopSignal, init: Initial | None) -> TrainResult:
+    session = _set_up(run, out_dir, mesh, checkpointer, log, init)
     result = _loop(session, mesh, stop_after, stop)
     if not result.interrupted:
         _finish(session, result, log)
@@ -185,14 +204,17 @@ class _Session:
                             max_windows=max_windows, host_index=jax.process_index(), host_count=jax.process_count())
 
 
-def _set_up(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log) -> _Session:
+def _set_up(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log,
+            init: Initial | None = None) -> _Session:
     """Check everything, restore or initialise the state, write the run's files, compile."""
     tc = run.train
     steps = checkpointer.all_steps()
     if steps and not tc.resume:
         raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {steps[-1]}); "
                          "set train.resume=true to continue, or choose another output_dir")
-    run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None)
+    init = None if steps else init
+    run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None,
+                                                           init.tokenizer if init is not None else None)
     model_cfg = run.model
     config_path = out_dir / CONFIG_FILE
     if steps and config_path.exists() and read_config(config_path)["model"] != model_cfg.to_dict():
@@ -211,9 +233,15 @@ def _set_up(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoin
         log(f"resumed from {out_dir / CHECKPOINTS / str(latest)} at step {start}{newest}")
     else:
         state, data_state, start = trainer.init_state(tc.seed), None, 0
+        if init is not None:
+            state["params"] = _initial_params(trainer, init, log)
     out_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run's files may be written
     config_path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
     tokenizer.save(out_dir)
+    if init is not None and init.assets:
+        (out_dir / HF_ASSETS_DIR).mkdir(exist_ok=True)
+        for asset in init.assets:
+            shutil.copy2(asset, out_dir / HF_ASSETS_DIR / asset.name)
 
     iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size, grad_accum=tc.grad_accum,
                               seed=tc.seed, host_index=jax.process_index(), host_count=jax.process_count(),
@@ -232,12 +260,27 @@ def _set_up(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoin
     return session
 
 
+def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
+    """`init`'s parameters, checked against the run's model and placed with its shardings."""
+    abstract = trainer.abstract_state()["params"]
+    params = init.params()
+    want = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    got = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    wrong = [f"{k}: {list(got.get(k, ()))} (the model: {list(want[k])})" for k in want if got.get(k) != want[k]]
+    if wrong or set(got) - set(want):
+        raise ValueError(f"{init.source} does not fit the run's model: " + "; ".join(wrong[:4] or sorted(
+            set(got) - set(want))[:4]))
+    log(f"initialised from {init.source}")
+    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x, s.dtype), s.sharding), params, abstract)
+
+
 def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
     """Steps until `train.steps` (or a signal, or `stop_after`), with logging, evaluation and saves."""
     tc = s.run.train
     flops = flops_per_token(s.run.model, tc.seq_len)["total"]
     tokens_per_step = tc.batch_size * tc.seq_len
-    metrics_log = MetricsLog(s.out_dir, tensorboard=tc.tensorboard)
+    metrics_log = MetricsLog(s.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
+                             config=s.run.to_dict())
     progress = Progress(tc.steps, s.start, enabled=tc.progress)
     history: list[dict] = []
     pending: list[tuple[int, dict]] = []
@@ -311,12 +354,8 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
                                       temperature=tc.sample_temperature, top_k=tc.sample_top_k, top_p=tc.sample_top_p)
         (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
     if tc.plot:
-        writer = plot_losses(read_metrics(s.out_dir / "metrics.jsonl"), s.out_dir / "loss.png")
-        if writer == "builtin":
-            log(f"loss curve: {s.out_dir / 'loss.png'} (matplotlib not installed: plain curves, no labels; "
-                "`uv sync --extra plot` for a labelled plot)")
-        else:
-            log(f"loss curve: {s.out_dir / 'loss.png'}")
+        plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", title=str(s.out_dir))
+        log(f"loss curve: {s.out_dir / 'loss.png'}")
 
 
 def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, progress) -> dict:

@@ -1,46 +1,66 @@
-"""Run outputs: a JSONL metrics log (and TensorBoard events when tensorboardX is installed),
-the progress line, and the loss-curve PNG (matplotlib when installed, else a small
-built-in PNG writer that draws the curves without text)."""
+"""Run outputs: `metrics.jsonl` (one JSON object per line), TensorBoard events (tensorboardX,
+under `tensorboard/`), Weights & Biases when `train.wandb_project` is set, the progress bar
+(rich) and the labelled loss plot (matplotlib)."""
 
 from __future__ import annotations
 
 import json
 import math
 import pathlib
-import struct
+import secrets
 import sys
 import time
-import zlib
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_ID_FILE = "wandb_run_id"  # a resumed run logs on to the same W&B run
 
 
 class MetricsLog:
-    """One JSON object per line in `metrics.jsonl`: `{"step": .., "split": "train"|"val", ...}`."""
+    """`{"step": .., "split": "train"|"val", ...}` per line in `metrics.jsonl`; the same scalars
+    as `split/name` to TensorBoard (`tensorboard`) and to W&B (`wandb_project`, logged with
+    `config`, the run's resolved config)."""
 
-    def __init__(self, directory, tensorboard: bool = True):
-        self.path = pathlib.Path(directory) / "metrics.jsonl"
-        self.file = self.path.open("a")
-        self.writer = None
+    def __init__(self, directory, *, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: dict | None = None):
+        directory = pathlib.Path(directory)
+        self.file = (directory / METRICS_FILE).open("a")
+        self.writer = self.wandb = None
         if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                pass
-            else:
-                self.writer = SummaryWriter(str(pathlib.Path(directory) / "tensorboard"))
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(str(directory / TENSORBOARD_DIR))
+        if wandb_project:
+            self.wandb = _wandb_run(directory, wandb_project, config)
 
     def write(self, step: int, split: str, values: dict) -> None:
         record = {"step": step, "split": split, **{k: _plain(v) for k, v in values.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        scalars = {f"{split}/{k}": v for k, v in values.items() if _finite(v) and not isinstance(v, bool)}
         if self.writer is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(f"{split}/{k}", v, step)
+            for name, v in scalars.items():
+                self.writer.add_scalar(name, v, step)
+            self.writer.flush()  # a log step is rare; a killed run keeps its events
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(directory: pathlib.Path, project: str, config: dict | None):
+    import wandb  # TrainConfig checked that it is installed
+
+    id_file = directory / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=project, id=run_id, resume="allow", name=directory.name, dir=str(directory),
+                      config=config)
 
 
 def _plain(v):
@@ -49,20 +69,34 @@ def _plain(v):
     return v
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def read_metrics(path) -> list[dict]:
     path = pathlib.Path(path)
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 class Progress:
-    """`step 120/2000 [####......] loss 2.345 | 58.1k tok/s | ETA 0:32`, redrawn in place on a
-    terminal, printed at log steps otherwise."""
+    """On a terminal, a rich progress bar `step ━━━━━━╸━━━━ 120/2000 loss 2.3450 | 58.1k tok/s |
+    ETA 0:32`, redrawn in place; elsewhere (a log file, a pipe) the same as a plain line at
+    each log step."""
 
     def __init__(self, total: int, start: int, enabled: bool = True, stream=None):
         self.total, self.start, self.enabled = total, start, enabled
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
+        self.bar = None
+        if enabled and self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+            from rich.progress import Progress as Bar
+
+            self.bar = Bar(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                           console=Console(file=self.stream), auto_refresh=False)
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar.start()
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         if not self.enabled:
@@ -70,25 +104,23 @@ class Progress:
         done = (step - self.start) / max(self.total - self.start, 1)
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / done * (1 - done) if done > 0 else 0.0
-        width = 24
-        bar = "#" * int(width * step / self.total) + "." * (width - int(width * step / self.total))
-        line = (f"step {step}/{self.total} [{bar}] loss {loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s | "
-                f"ETA {_clock(eta)}")
-        if self.tty:
-            self.stream.write("\r" + line + "\x1b[K")
+        info = f"loss {loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s | ETA {_clock(eta)}"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info, refresh=True)
         else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+            print(f"step {step}/{self.total} | {info}", file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
-        if self.tty and self.enabled:
-            self.stream.write("\r\x1b[K")
-        print(text, file=self.stream, flush=True)
+        """A line above the bar (or a plain line)."""
+        if self.bar is not None:
+            self.bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.tty and self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
 
 def _clock(seconds: float) -> str:
@@ -101,78 +133,29 @@ def _clock(seconds: float) -> str:
 # ----- the loss curve --------------------------------------------------------------
 
 
-def plot_losses(records: list[dict], path) -> str:
-    """Write the train / validation loss curves to `path`; returns which writer drew it."""
+def loss_figure(records: list[dict], title: str = ""):
+    """A matplotlib `Figure` of the train and validation losses of `records` (from `read_metrics`)
+    against the step, with its axes labelled and a legend; no pyplot, so no global backend."""
+    from matplotlib.figure import Figure
+
     train = [(r["step"], r["loss"]) for r in records if r["split"] == "train" and _finite(r.get("loss"))]
     val = [(r["step"], r["loss"]) for r in records if r["split"] == "val" and _finite(r.get("loss"))]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        write_line_png(path, [(train, (31, 119, 180)), (val, (255, 127, 14))])
-        return "builtin"
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    ax = fig.add_subplot()
     if train:
         ax.plot(*zip(*train), label="train")
     if val:
         ax.plot(*zip(*val), "o-", label="validation")
+    ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or val:
+        ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return "matplotlib"
+    return fig
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def write_line_png(path, series, width: int = 640, height: int = 400) -> None:
-    """A plain RGB PNG: a frame, quarter gridlines and each series as a polyline (x: step, y: value)."""
-    pixels = bytearray(b"\xff" * (width * height * 3))
-    left, right, top, bottom = 40, width - 20, 20, height - 30
-    points = [p for s, _ in series for p in s]
-
-    def put(x, y, color):
-        if 0 <= x < width and 0 <= y < height:
-            i = 3 * (y * width + x)
-            pixels[i : i + 3] = bytes(color)
-
-    def line(x0, y0, x1, y1, color):
-        n = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for k in range(n + 1):
-            put(round(x0 + (x1 - x0) * k / n), round(y0 + (y1 - y0) * k / n), color)
-
-    for k in range(5):  # frame and gridlines
-        gray = (0, 0, 0) if k in (0, 4) else (220, 220, 220)
-        y = top + (bottom - top) * k // 4
-        x = left + (right - left) * k // 4
-        line(left, y, right, y, gray)
-        line(x, top, x, bottom, gray)
-    if points:
-        x_lo, x_hi = min(p[0] for p in points), max(p[0] for p in points)
-        y_lo, y_hi = min(p[1] for p in points), max(p[1] for p in points)
-        sx = (right - left) / max(x_hi - x_lo, 1e-9)
-        sy = (bottom - top) / max(y_hi - y_lo, 1e-9)
-        to_px = lambda p: (round(left + (p[0] - x_lo) * sx), round(bottom - (p[1] - y_lo) * sy))  # noqa: E731
-        for data, color in series:
-            pts = [to_px(p) for p in data]
-            for a, b in zip(pts, pts[1:]):
-                line(*a, *b, color)
-            for x, y in pts if len(pts) < 50 else ():
-                for dx in (-1, 0, 1):
-                    for dy in (-1, 0, 1):
-                        put(x + dx, y + dy, color)
-    raw = b"".join(b"\x00" + bytes(pixels[3 * width * y : 3 * width * (y + 1)]) for y in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-    pathlib.Path(path).write_bytes(png)
+def plot_losses(records: list[dict], path, title: str = "") -> None:
+    """Write `loss_figure(records, title)` to `path` as a PNG."""
+    loss_figure(records, title).savefig(path)
