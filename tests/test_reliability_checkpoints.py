@@ -442,7 +442,10 @@ def test_random_sigkills_during_start_up_steps_and_saves_change_no_loss(tmp_path
     for _ in range(8):  # until four kills landed (a try that outlives its delay is a kill; one that ends is not)
         if kills == 4:
             break
-        delay = rng.uniform(0.1, 0.9) * whole
+        # a moment of the try about to run: about half of `whole` is start-up, the rest the steps
+        # still to run, so a try that would finish the run is not let finish (no more kills after)
+        left = 1 - len(_metrics(tmp_path / "killed")) / 40
+        delay = rng.uniform(0.1, 0.6) * whole / 2 * (1 + left)
         proc = subprocess.Popen(command("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             proc.wait(timeout=delay)
