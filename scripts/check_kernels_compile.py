@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import os
 
-# before jax loads libtpu: no TPU here, so name one, and keep its logging quiet
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# before jax starts: host CPU devices only (TPUs and GPUs are compile targets; topology_devices
+# quiets libtpu itself)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402

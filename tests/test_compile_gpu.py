@@ -5,7 +5,6 @@ an H100's limits: at most 255 registers a thread, no spills, at most 227 KiB of 
 
 import collections
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -80,12 +79,8 @@ def test_training_step_compiles_for_sm90a():
     cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512,
                       attention_impl="default", norm_impl="default")
     trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=256), make_mesh(devices=jax.devices()[:1]))
-    batch = {key: jax.ShapeDtypeStruct((1, 4, 256), jnp.float32 if key == "weights" else jnp.int32,
-                                       sharding=trainer.batch_sharding)
-             for key in ("inputs", "targets", "positions", "segment_ids", "weights")}
-    with pallas_interpret(False), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # jax deprecates the Triton backend for Mosaic GPU
-        lowered = trainer.lower("train", trainer.abstract_state(), batch, platform="cuda")
+    with pallas_interpret(False):
+        lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch(), platform="cuda")
     calls = gpu_compile.triton_kernels(lowered)
     # the layers are scanned, so each call site lowers once: attention, and three norms (before
     # attention, before the MLP, the final one), each forward and backward

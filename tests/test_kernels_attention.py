@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import importlib
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ import pytest
 
 from modern_jax.kernels import (AttentionImpl, AttentionSpec, UnsupportedFeatureError, Visibility, attention,
                                 pallas_interpret)
+from modern_jax.kernels import gpu_compile
 from modern_jax.kernels.attention import attention_reference, resolve
 from modern_jax.kernels.chunked import attention_chunked
 from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
@@ -201,10 +201,7 @@ def lower_grad(fn, platform, max_logit=False):
 
 @pytest.mark.parametrize("max_logit", [False, True])
 def test_pallas_gpu_lowers_to_triton(max_logit):
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)  # jax deprecates the Triton backend for Mosaic GPU
+    with gpu_compile.lowering_for("sm_90a"):  # an abstract H100 (jax deprecates Triton for Mosaic GPU: quiet)
         text = lower_grad(flash_attention_gpu, "cuda", max_logit)
     assert text.count("__gpu$xla.gpu.triton") == 3  # forward (with the max logit when asked), dq, dk/dv
 

@@ -4,7 +4,6 @@ Tolerances, as max |kernel - reference| / max |reference| per tensor: 1e-5 in fl
 1e-2 in bfloat16 (one bfloat16 rounding of the output; dx is rounded too).
 """
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from modern_jax.kernels import NormImpl, UnsupportedFeatureError, add_norm, norm, pallas_interpret
+from modern_jax.kernels import gpu_compile
 from modern_jax.kernels.norm import _Call, _fused, resolve
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -96,9 +96,6 @@ def test_pallas_norm_lowers_for_its_platform(platform):
     if platform == "tpu":
         assert traced.lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == 2
         return
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with gpu_compile.lowering_for("sm_90a"):  # an abstract H100
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, x, w, w).lower(lowering_platforms=("cuda",))
         assert text.as_text().count("__gpu$xla.gpu.triton") == 2

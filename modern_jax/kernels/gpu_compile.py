@@ -114,16 +114,19 @@ def _triton():
 
 
 @contextlib.contextmanager
-def lowering_for(arch: str = "sm_90a"):
-    """Trace and lower inside the block for one GPU of `arch`, with no GPU here.
+def lowering_for(arch: str = "sm_90a", mesh=None):
+    """Trace and lower inside the block for GPUs of `arch`, with no GPU here.
 
-    The kernel dispatch resolves for GPU, and the Triton lowering finds its device in a
-    one-device abstract mesh (axis `x`). Jax's deprecation of the Triton backend is silenced.
+    The kernel dispatch resolves for GPU, and the Triton lowering finds its device in an
+    abstract mesh of `mesh`'s axes (default: one device, axis `x`). Jax's deprecation of the
+    Triton backend is silenced.
     """
     spec = _arch(arch)
     device = jax.sharding.AbstractDevice(device_kind=spec.device_kind, num_cores=spec.num_cores, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
-    with compiling_for("gpu"), jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+    sizes, names, types = ((1,), ("x",), (jax.sharding.AxisType.Explicit,)) if mesh is None else (
+        mesh.axis_sizes, mesh.axis_names, mesh.axis_types)
+    abstract = jax.sharding.AbstractMesh(sizes, names, types, abstract_device=device)
+    with compiling_for("gpu"), jax.sharding.use_abstract_mesh(abstract), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         yield
 

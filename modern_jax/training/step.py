@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from modern_jax.config import ModelConfig
+from modern_jax.kernels import gpu_compile
 from modern_jax.kernels.backend import compiling_for
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
 from modern_jax.model import Transformer, max_attention_logit, sown_value
@@ -112,9 +113,7 @@ class Trainer:
             if platform is None:
                 return self._jitted[name].lower(*args)
             if platform == "cuda":  # the Triton lowering asks for a GPU: name one (an H100; the IR is the same)
-                device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-                stack.enter_context(jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-                    self.mesh.axis_sizes, self.mesh.axis_names, self.mesh.axis_types, abstract_device=device)))
+                stack.enter_context(gpu_compile.lowering_for("sm_90a", self.mesh))
             return self._jitted[name].trace(*args).lower(lowering_platforms=(platform,))
 
     def _run(self, name: str, *args):
