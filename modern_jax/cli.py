@@ -238,7 +238,7 @@ def cmd_plan(args) -> int:
 
     _check_flags(args, _positive("--batch"), _positive("--seq"), _positive("--slices"),
                  ("--hbm-gib", lambda g: 0 < g < math.inf, "a positive number of GiB"))
-    sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **parse_mesh(args.mesh)}
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, **parse_mesh(args.mesh)}
     if any(v < 1 for v in sizes.values()):
         raise ValueError("plan needs explicit mesh sizes (no -1)")
     if args.slices > 1 and not args.topology:
@@ -285,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fine-tune: start from this Hugging Face model directory or hub name (org/name, from the "
                          "local cache), or a converted checkpoint, with its config and tokenizer; the run file "
                          f"(default: {FINETUNE_CONFIG.name}) supplies train: and data:")
-    tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=1,tensor=4 (-1 fills; sets parallel.data/fsdp/tensor)")
+    tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=1,tensor=4 (-1 fills; sets "
+                                   "parallel.data/fsdp/expert/context/tensor)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.n_layers=2")
     tr.set_defaults(func=cmd_train)
 
@@ -325,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="per-device memory of the training step on a mesh or a TPU topology "
                                      "(no accelerator needed)")
     pl.add_argument("--config", required=True, help="a YAML config (model:, optional train:)")
-    pl.add_argument("--mesh", required=True, help="e.g. data=1,fsdp=8,tensor=1")
+    pl.add_argument("--mesh", required=True,
+                    help="e.g. data=1,fsdp=8,tensor=1 (axes: data, fsdp, expert, context, tensor)")
     pl.add_argument("--batch", type=int, required=True, help="sequences per step, all devices together")
     pl.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     pl.add_argument("--topology", help="compile with the TPU compiler for this topology (libtpu), e.g. v5p:2x2x2, "

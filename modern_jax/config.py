@@ -39,6 +39,7 @@ QK_NORMS = ("none", "head", "full", "l2")
 INITS = ("normal", "xavier")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_out")
 DTYPES = ("float32", "bfloat16", "float16")
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention over a context axis (`ops.attention`)
 ATTENTION_IMPLS = ("default", "reference", "chunked", "cudnn", "pallas_gpu", "pallas_tpu")
 NORM_IMPLS = ("default", "reference", "pallas")
 
@@ -228,6 +229,7 @@ class ModelConfig:
     attn_temperature_floor: int | None = None  # temperature tuning of the NoPE layers (Llama 4: 8192); None: off
     attn_temperature_scale: float = 0.1
     attention_impl: str = "reference"
+    context_strategy: str = "all_gather"  # the sequence split over a context axis: keys gathered, or a ring
     norm_impl: str = "reference"
     # MLA (attention_type="mla")
     mla_kv_rank: int = 0
@@ -275,6 +277,7 @@ class ModelConfig:
             ("dtype", DTYPES),
             ("param_dtype", DTYPES),
             ("attention_impl", ATTENTION_IMPLS),
+            ("context_strategy", CONTEXT_STRATEGIES),
             ("norm_impl", NORM_IMPLS),
         ):
             _check_choice(name, getattr(self, name), choices)

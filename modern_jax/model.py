@@ -170,7 +170,7 @@ class Stage(nnx.Module):
             for j in range(period):
                 rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
                 x_BTD, cache_j, reduced_j, load_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
-                x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+                x_BTD = constrain(x_BTD, ("activation_batch", "activation_norm_length", "activation_embed"))
                 new_caches.append(cache_j)
                 loads.append(load_j)
                 reduced = {name: (jnp.maximum if name in MAXED else jnp.add)(value, reduced_j[name])
@@ -299,7 +299,7 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + self.embed_positions[...].astype(cfg.dtype)[pos_BT]
         elif cfg.position_embedding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
-        x_BTD = constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+        x_BTD = constrain(x_BTD, ("activation_batch", "activation_norm_length", "activation_embed"))
 
         new_stage_caches, reduced, loads = [], {}, []
         for s, stage in enumerate(self.stages):

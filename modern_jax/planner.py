@@ -48,7 +48,8 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         devices = jax.devices()[: n if -1 not in mesh_sizes.values() else None]
     mesh = make_mesh(**mesh_sizes, devices=devices)
     _check_divisible("batch_size / grad_accum", run.train.batch_size // run.train.grad_accum, mesh)  # as in train
-    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table())
+    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(),
+                      context_layout=run.parallel.context_layout)
     state = trainer.abstract_state()
     batch = trainer.abstract_batch()
     with recording_kernels() as kernels:

@@ -9,8 +9,15 @@ so the same model runs on one CPU and on a pod slice.
 
 Megatron layout by default: q/k/v/gate/up column-parallel and o/down row-parallel over
 `tensor`, embedding and head vocab-parallel over `tensor`, weights sharded over `fsdp`
-on their `embed` dimension, a mixture's experts over `expert`, the batch over
-`data` x `fsdp` x `expert`.
+(and `context`) on their `embed` dimension, a mixture's experts over `expert`, the batch
+over `data` x `fsdp` x `expert`, the sequence over `context`.
+
+Sequence parallelism (Megatron-SP) by default: between the tensor-parallel regions the
+residual stream `[B, T, D]` is split along T over `context` x `tensor`
+(`activation_norm_length`), inside them along T over `context` only (`activation_length`),
+so entering attention or the FFN it is all-gathered over `tensor` and leaving them it is
+reduce-scattered instead of all-reduced. Mapping `activation_norm_length` to `context`
+(`parallel.rules.activation_norm_length=context`) turns it off.
 """
 
 from __future__ import annotations
@@ -24,27 +31,32 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_batch", ("data", "fsdp", "expert")),
-    ("activation_length", None),
+    ("activation_length", "context"),  # the sequence inside attention and the FFN
+    ("activation_norm_length", ("context", "tensor")),  # the residual stream's: sequence parallelism
     ("activation_embed", None),
     ("activation_kv_heads", "tensor"),
+    ("activation_heads", "tensor"),  # the attention output's query heads, entering o_proj
+    ("activation_mlp", "tensor"),  # the FFN's hidden units, entering down_proj
     ("activation_vocab", "tensor"),
     ("layers", None),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),  # the context axis shards the weights as fsdp does
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
     ("experts", "expert"),  # a mixture's routed experts, split over the expert axis
     ("norm", None),
-    ("q_lora", "fsdp"),  # MLA's ranks: q_b / kv_b have no embed dimension to split over fsdp
-    ("kv_lora", "fsdp"),
+    ("q_lora", ("fsdp", "context")),  # MLA's ranks: q_b / kv_b have no embed dimension to split over fsdp
+    ("kv_lora", ("fsdp", "context")),
 )
 
 # logical axes that are replicated, rather than rejected, when the mesh does not divide
 # them: GQA with fewer KV heads than the tensor axis keeps whole KV heads on every device;
-# a rank too small for the fsdp axis stays whole (its weights are the small ones)
-REPLICABLE = ("kv_heads", "activation_kv_heads", "activation_batch", "q_lora", "kv_lora")
+# a rank too small for the fsdp axis stays whole (its weights are the small ones); a sequence the
+# context (and tensor) axes do not divide, one decoded token, stays whole on every device
+REPLICABLE = ("kv_heads", "activation_kv_heads", "activation_batch", "activation_length", "activation_norm_length",
+              "q_lora", "kv_lora")
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("modern_jax_logical_rules", default=None)
 

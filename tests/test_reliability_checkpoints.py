@@ -371,12 +371,13 @@ def test_batch_sharding_follows_the_rules_table():
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     tc = TrainConfig(batch_size=8, seq_len=8, warmup_steps=0)
     default = Trainer(cfg, tc, mesh)
-    assert tuple(default.batch_sharding.spec) == (None, ("data", "fsdp", "expert"), None)  # expert: size 1 here
+    # expert and context: size 1 here (the sequence is split over context)
+    assert tuple(default.batch_sharding.spec) == (None, ("data", "fsdp", "expert"), "context")
     from modern_jax.sharding import RULES
 
     rules = tuple((k, "data" if k == "activation_batch" else v) for k, v in RULES)
     only_data = Trainer(cfg, tc, mesh, rules=rules)
-    assert tuple(only_data.batch_sharding.spec) == (None, "data", None)
+    assert tuple(only_data.batch_sharding.spec) == (None, "data", "context")
 
 
 def test_compiled_steps_are_shared_exactly_when_the_program_is_the_same(monkeypatch):

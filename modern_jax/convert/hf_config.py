@@ -50,7 +50,8 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
 # fields that do not change the network: not compared when checking a round trip
 NON_ARCHITECTURE_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "init", "init_std", "attn_dropout",
                            "resid_dropout", "ffn_multiple_of", "vocab_pad_to", "moe_dispatch", "moe_capacity_factor",
-                           "moe_aux_per_sequence", "moe_exchange", "moe_exchange_factor")  # and every "*_impl"
+                           "moe_aux_per_sequence", "moe_exchange", "moe_exchange_factor",
+                           "context_strategy")  # and every "*_impl"
 # the fields of a mixture of experts: moot unless ffn_type is "moe"
 MOE_FIELDS = ("n_experts", "experts_per_token", "expert_d_ff", "n_shared_experts", "shared_expert_d_ff", "moe_pattern",
               "moe_first_dense", "router_score", "router_norm_topk", "router_scale", "router_bias",

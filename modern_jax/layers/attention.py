@@ -131,9 +131,11 @@ class Attention(nnx.Module):
             AttentionSpec(scale=scale, window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
                           dropout_rate=cfg.attn_dropout),
             Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS), sinks_KG=sinks_KG, dropout_rng=rng,
-            impl=cfg.attention_impl, return_max_logit=diagnostics,
+            impl=cfg.attention_impl, return_max_logit=diagnostics, context_strategy=cfg.context_strategy,
         ), diagnostics)
-        o_BTNH = checkpoint_name(o_BTKGH.reshape(B, T, K * G, H), "attention_out")
+        o_BTNH = constrain(o_BTKGH.reshape(B, T, K * G, H),
+                           ("activation_batch", "activation_length", "activation_heads", None))
+        o_BTNH = checkpoint_name(o_BTNH, "attention_out")
         return self.o_proj("BTNH,NHD->BTD", o_BTNH), cache
 
 
@@ -205,7 +207,8 @@ class MLAttention(nnx.Module):
         spec_ = AttentionSpec(scale=self.scale(), window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
                               dropout_rate=cfg.attn_dropout)
         vis = Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS)
-        kwargs = dict(dropout_rng=rng, impl=cfg.attention_impl, return_max_logit=diagnostics)
+        kwargs = dict(dropout_rng=rng, impl=cfg.attention_impl, return_max_logit=diagnostics,
+                      context_strategy=cfg.context_strategy)
         if absorb:  # MQA over the latent: one shared "kv head" of width Z + Y, N queries per group
             q_lat_BTNZ = jnp.einsum("BTNH,ZNH->BTNZ", q_nope_BTNH, w_uk_ZNH)
             q_BT1NX = jnp.concatenate([q_lat_BTNZ, q_pe_BTNY], axis=-1)[:, :, None]
@@ -224,5 +227,6 @@ class MLAttention(nnx.Module):
             o_BTN1U = sow_max_logit(self, attention(q_BTN1X, k_BSNX, v_BSNU, spec_, vis, sinks_KG=sinks_N1, **kwargs),
                                     diagnostics)
             o_BTNU = o_BTN1U[:, :, :, 0]
-        o_BTNU = checkpoint_name(o_BTNU, "attention_out")
+        o_BTNU = checkpoint_name(constrain(o_BTNU, ("activation_batch", "activation_length", "activation_heads", None)),
+                                 "attention_out")
         return self.o_proj("BTNU,NUD->BTD", o_BTNU), cache

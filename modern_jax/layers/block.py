@@ -12,6 +12,12 @@
 Norm names follow Gemma 2's checkpoints: `input_layernorm` (before attention),
 `post_attention_layernorm` (after it), `pre_feedforward_layernorm`,
 `post_feedforward_layernorm`.
+
+Attention and the FFN are the tensor-parallel regions (`region`): their input is constrained
+to the whole sequence of the context shard (`activation_length`) and their output to the
+residual stream's split (`activation_norm_length`), so under sequence parallelism XLA
+all-gathers along T entering them and reduce-scatters their row-parallel outputs leaving them;
+the norms, residual adds and dropout between run on the sequence shard.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from modern_jax.layers.attention import Attention, MLAttention
 from modern_jax.layers.ffn import FFN
 from modern_jax.layers.moe import MoE
 from modern_jax.layers.norms import Norm
+from modern_jax.sharding import constrain
 
 # which norms each placement owns: (before attention, after attention, before FFN, after FFN)
 NORMS = {
@@ -35,6 +42,27 @@ NORMS = {
     "output": (False, True, False, True),
     "parallel": (True, False, False, False),
 }
+
+
+def to_residual(x_BTD):
+    """The residual stream's split: from partial sums over `tensor`, a reduce-scatter along T."""
+    return constrain(x_BTD, ("activation_batch", "activation_norm_length", "activation_embed"))
+
+
+@jax.custom_vjp
+def gather_sequence(x_BTD):
+    """Megatron-SP's entry into a tensor-parallel region: the sequence all-gathered over `tensor`;
+    in the backward pass the gradient (partial sums over the heads or the FFN width) is
+    reduce-scattered straight back to the residual stream's split, not all-reduced whole."""
+    return constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+
+
+gather_sequence.defvjp(lambda x_BTD: (gather_sequence(x_BTD), None), lambda _, g_BTD: (to_residual(g_BTD),))
+
+
+def region(f, x_BTD):
+    """`f(x)` run as a tensor-parallel region: all-gathered along T in, reduce-scattered out."""
+    return to_residual(f(gather_sequence(x_BTD)))
 
 
 def dropout(x, rate, rng):
@@ -76,21 +104,24 @@ class Block(nnx.Module):
         rngs = [None] * 4 if rng is None else list(jax.random.split(rng, 4))
         new_cache = cache
 
-        def attn(h_BTD):
+        def self_attn(h_BTD):
             nonlocal new_cache
             out_BTD, new_cache = self.self_attn(h_BTD, pos_BT, seg_BT, cache, rngs[0], diagnostics=diagnostics)
             return out_BTD
+
+        attn = lambda h_BTD: region(self_attn, h_BTD)  # noqa: E731
+        mlp = lambda h_BTD: region(self.mlp, h_BTD)  # noqa: E731
 
         if self.placement == "parallel":
             h_attn_BTD = self.input_layernorm(x_BTD)
             h_ffn_BTD = h_attn_BTD if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x_BTD)
             x_BTD = (x_BTD + dropout(attn(h_attn_BTD), self.resid_dropout, rngs[1])
-                     + dropout(self.mlp(h_ffn_BTD), self.resid_dropout, rngs[2]))
+                     + dropout(mlp(h_ffn_BTD), self.resid_dropout, rngs[2]))
             return x_BTD, new_cache
         if self.placement == "pre":  # the residual add between the sublayers runs fused into the FFN's norm
             a_BTD = dropout(attn(self.input_layernorm(x_BTD)), self.resid_dropout, rngs[1])
             x_BTD, h_BTD = self.pre_feedforward_layernorm.add_norm(a_BTD, x_BTD)  # x + a, Norm(x + a)
-            return x_BTD + dropout(self.mlp(h_BTD), self.resid_dropout, rngs[2]), new_cache
+            return x_BTD + dropout(mlp(h_BTD), self.resid_dropout, rngs[2]), new_cache
         x_BTD = self.sublayer(x_BTD, attn, self.input_layernorm, self.post_attention_layernorm, rngs[1])
-        x_BTD = self.sublayer(x_BTD, self.mlp, self.pre_feedforward_layernorm, self.post_feedforward_layernorm, rngs[2])
+        x_BTD = self.sublayer(x_BTD, mlp, self.pre_feedforward_layernorm, self.post_feedforward_layernorm, rngs[2])
         return x_BTD, new_cache

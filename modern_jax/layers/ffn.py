@@ -13,6 +13,7 @@ from flax import nnx
 
 from modern_jax.config import ModelConfig
 from modern_jax.layers.linear import Proj
+from modern_jax.sharding import constrain
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -46,5 +47,6 @@ class FFN(nnx.Module):
             h_BTF = self.act(self.gate_proj("BTD,DF->BTF", x_BTD)) * self.up_proj("BTD,DF->BTF", x_BTD)
         else:
             h_BTF = self.act(self.up_proj("BTD,DF->BTF", x_BTD))
-        h_BTF = checkpoint_name(h_BTF, "mlp_hidden")
+        h_BTF = checkpoint_name(constrain(h_BTF, ("activation_batch", "activation_length", "activation_mlp")),
+                                "mlp_hidden")
         return self.down_proj("BTF,FD->BTD", h_BTF)

@@ -1,7 +1,7 @@
-"""Attention under `shard_map`: KV heads split across the tensor axis.
+"""Attention under `shard_map`: KV heads split across the tensor axis, the sequence across `context`.
 
 Letters as in `modern_jax.kernels.attention`: B batch, T/S query/key length, K kv heads,
-G queries per kv head, H/U key/value head dims.
+G queries per kv head, H/U key/value head dims, C the context axis's size.
 
 Each device owns `K / TP` KV heads and exactly their query groups, so no K/V is
 gathered. When the tensor axis has more devices than KV heads (2 KV heads on TP=8, MQA),
@@ -9,6 +9,23 @@ each KV head is replicated the minimum number of times `r = TP / gcd(K, TP)` and
 query group split in `r`, so every device still owns whole (smaller) query groups:
 `q[B,T,K,G,H] -> q[B,T,K*r,G/r,H]`, `k[B,S,K,H] -> k[B,S,K*r,H]`. The batch is split
 over the batch axes when it divides them. The kernel runs per device.
+
+Context parallelism: with `activation_length` mapped to a `context` axis of C > 1 devices,
+each device holds `T / C` queries and keys (in whatever order the sequence was laid out over
+the axis: the masks are positions and segment ids, so packing, windows, chunks, sinks and
+soft-cap hold for any order). Two strategies (`context_strategy`):
+
+- `all_gather` (default): each device gathers the keys and values (and their positions and
+  segments) of the whole sequence along the axis and runs the kernel on its own queries; the
+  queries are never gathered, the backward reduce-scatters dK and dV.
+- `ring`: the key/value blocks travel round the axis (`ppermute`, C steps) while each device
+  folds every block into its queries' online softmax (running max, sum and output in float32),
+  so no device holds more than one block of keys; the steps are rematerialised in the
+  backward. The blocks are computed in plain JAX (the online softmax of the `chunked` kernel at
+  the ring's granularity), so an explicit Pallas or cuDNN `attention_impl` is refused with it;
+  attention dropout too.
+
+Decoding (a cache, one new token) splits nothing along the sequence.
 """
 
 from __future__ import annotations
@@ -20,7 +37,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from modern_jax import kernels
+from modern_jax.kernels.attention import AttentionImpl, AttentionSpec
+from modern_jax.kernels.backend import UnsupportedFeatureError, note_kernel
+from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
 from modern_jax.sharding import active, live_axes, mesh_axes
+
+CONTEXT_STRATEGIES = ("all_gather", "ring")
 
 
 def kv_replication(n_kv: int, group: int, tp: int) -> int:
@@ -34,12 +56,14 @@ def kv_replication(n_kv: int, group: int, tp: int) -> int:
 
 
 def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=None, impl="reference",
-              return_max_logit: bool = False):
+              return_max_logit: bool = False, context_strategy: str = "all_gather"):
     """`kernels.attention`, run per device under shard_map when a mesh is active.
 
     With `return_max_logit`, returns `(o, max_logit)`: each device's max, maxed over the
     devices (`pmax`) so every device holds the global one.
     """
+    if context_strategy not in CONTEXT_STRATEGIES:
+        raise ValueError(f"context_strategy={context_strategy!r}: expected one of {', '.join(CONTEXT_STRATEGIES)}")
     kwargs = dict(impl=impl, return_max_logit=return_max_logit)
     state = active()
     if state is None:
@@ -57,10 +81,19 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
             sinks_KG = sinks_KG.reshape(K * r, G // r)
     batch = live_axes("activation_batch", rules, mesh, B)
     heads = tp_axes or None
-    split = tuple(batch or ()) + tuple(heads or ())  # the axes each device's share differs over
+    S = k_BSKH.shape[1]
+    taken = set(batch or ()) | set(heads or ())
+    ctx = live_axes("activation_length", rules, mesh, T)
+    ctx = None if ctx is None or taken & set(ctx) else ctx
+    k_ctx = ctx if ctx is not None and S % math.prod(mesh.shape[a] for a in ctx) == 0 else None
+    ring = context_strategy == "ring" and ctx is not None and S == T
+    if ring:
+        _check_ring(impl, spec, dropout_rng)
+    split = tuple(batch or ()) + tuple(heads or ()) + tuple(ctx or ())  # the axes each device's share differs over
     args = [q_BTKGH, k_BSKH, v_BSKU, vis]
-    specs = [P(batch, None, heads, None, None), P(batch, None, heads, None), P(batch, None, heads, None),
-             jax.tree.map(lambda _: P(batch, None), vis)]
+    specs = [P(batch, ctx, heads, None, None), P(batch, k_ctx, heads, None), P(batch, k_ctx, heads, None),
+             Visibility(P(batch, ctx), P(batch, k_ctx), *(None if x is None else P(batch, c)
+                                                         for x, c in ((vis.q_seg, ctx), (vis.k_seg, k_ctx))))]
     optional = {"sinks": (sinks_KG, P(heads, None)), "rng": (dropout_rng, P())}
     names = [name for name, (value, _) in optional.items() if value is not None]
     args += [optional[name][0] for name in names]
@@ -72,14 +105,81 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
         if rng is not None:  # distinct dropout masks per device
             for axis in split:
                 rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        out = kernels.attention(q, k, v, spec, vis, sinks_KG=extra.get("sinks"), dropout_rng=rng, **kwargs)
+        if ring:
+            out = ring_attention(q, k, v, spec, vis, ctx, sinks_KG=extra.get("sinks"),
+                                 return_max_logit=return_max_logit)
+        else:
+            if k_ctx is not None:  # the keys of the whole sequence, from every device of the context axis
+                gather = lambda x: None if x is None else jax.lax.all_gather(x, k_ctx, axis=1, tiled=True)  # noqa: E731
+                k, v = gather(k), gather(v)
+                vis = Visibility(vis.q_pos, gather(vis.k_pos), vis.q_seg, gather(vis.k_seg))
+            out = kernels.attention(q, k, v, spec, vis, sinks_KG=extra.get("sinks"), dropout_rng=rng, **kwargs)
         if return_max_logit:
             return out[0], jax.lax.pmax(out[1], split) if split else out[1]
         return out
 
-    o_spec = P(batch, None, heads, None, None)
+    o_spec = P(batch, ctx, heads, None, None)
     out = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
                         out_specs=(o_spec, P()) if return_max_logit else o_spec, check_vma=False)(*args)
     o_BTKGU, max_logit = out if return_max_logit else (out, None)
     o_BTKGU = o_BTKGU.reshape(B, T, K, G, o_BTKGU.shape[-1])
     return (o_BTKGU, jax.lax.stop_gradient(max_logit)) if return_max_logit else o_BTKGU
+
+
+def _check_ring(impl, spec: AttentionSpec, dropout_rng) -> None:
+    if AttentionImpl(impl) not in (AttentionImpl.DEFAULT, AttentionImpl.REFERENCE, AttentionImpl.CHUNKED):
+        raise UnsupportedFeatureError(f"attention_impl={AttentionImpl(impl).value!r} cannot run "
+                                      f"context_strategy='ring' (the ring folds its blocks in plain JAX): use "
+                                      f"attention_impl=default, or context_strategy=all_gather")
+    if spec.dropout_rate > 0.0 and dropout_rng is not None:
+        raise UnsupportedFeatureError("attention dropout cannot run context_strategy='ring': set model.attn_dropout=0 "
+                                      "or use context_strategy=all_gather")
+
+
+def ring_attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, axes, *, sinks_KG=None,
+                   return_max_logit: bool = False):
+    """Inside `shard_map`: this device's queries against every device's keys along `axes`, the
+    key/value blocks passed round the ring (`ppermute`) and folded into an online softmax.
+
+    Step s holds the block that started `s` devices back; each is masked by its own positions and
+    segments, so the order they arrive in changes nothing. The sinks join the denominator once,
+    at the end."""
+    C = math.prod(jax.lax.axis_size(a) for a in axes)
+    perm = [(i, (i + 1) % C) for i in range(C)]
+    B, T, K, G, H = q_BTKGH.shape
+    U = v_BSKU.shape[-1]
+
+    @jax.checkpoint
+    def fold(carry, _):
+        m_BKGT, l_BKGT, acc_BKGTU, top, k_BSKH, v_BSKU, k_pos_BS, k_seg_BS = carry
+        x_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * spec.scale
+        mask_BTS = Visibility(vis.q_pos, k_pos_BS, vis.q_seg, k_seg_BS).mask(causal=spec.causal, window=spec.window,
+                                                                              chunk=spec.chunk)
+        visible = mask_BTS[:, None, None]
+        s_BKGTS = jnp.where(visible, softcap(x_BKGTS, spec.softcap), MASK_VALUE)
+        m_new = jnp.maximum(m_BKGT, jnp.max(s_BKGTS, axis=-1))
+        p_BKGTS = jnp.where(visible, jnp.exp(s_BKGTS - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m_BKGT - m_new)
+        l_BKGT = l_BKGT * alpha + jnp.sum(p_BKGTS, axis=-1)
+        acc_BKGTU = acc_BKGTU * alpha[..., None] + jnp.einsum(
+            "BKGTS,BSKU->BKGTU", p_BKGTS.astype(v_BSKU.dtype), v_BSKU, preferred_element_type=jnp.float32)
+        if return_max_logit:
+            top = jnp.maximum(top, jax.lax.stop_gradient(jnp.max(jnp.where(visible, jnp.abs(x_BKGTS), 0.0))))
+        passed = [jax.lax.ppermute(x, axes, perm) if x is not None else None
+                  for x in (k_BSKH, v_BSKU, k_pos_BS, k_seg_BS)]
+        return (m_new, l_BKGT, acc_BKGTU, top, *passed), None
+
+    start = (jnp.full((B, K, G, T), MASK_VALUE, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+             jnp.zeros((B, K, G, T, U), jnp.float32), jnp.zeros((), jnp.float32),
+             k_BSKH, v_BSKU, vis.k_pos, vis.k_seg)
+    (m_BKGT, l_BKGT, acc_BKGTU, top, *_), _ = jax.lax.scan(fold, start, None, length=C)
+    if sinks_KG is not None:  # the sink's logit joins the denominator only
+        sink_1KG1 = sinks_KG.astype(jnp.float32)[None, :, :, None]
+        m_all = jnp.maximum(m_BKGT, sink_1KG1)
+        scale = jnp.exp(m_BKGT - m_all)
+        l_BKGT = l_BKGT * scale + jnp.exp(sink_1KG1 - m_all)
+        acc_BKGTU = acc_BKGTU * scale[..., None]
+    o_BKGTU = acc_BKGTU / jnp.where(l_BKGT == 0.0, 1.0, l_BKGT)[..., None]
+    o_BTKGU = o_BKGTU.transpose(0, 3, 1, 2, 4).astype(q_BTKGH.dtype)
+    note_kernel("attention", "ring")
+    return (o_BTKGU, top) if return_max_logit else o_BTKGU

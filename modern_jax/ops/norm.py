@@ -3,7 +3,9 @@
 Letters: B batch, T length, N heads, H head dim.
 
 XLA cannot split a Pallas call, so under a sharded `jit` the kernel would see gathered
-inputs; here it runs per device over the batch shard and, for QK-norm of q/k `[B, T, N, H]`,
+inputs; here it runs per device over the batch shard, the sequence shard (`length`: the
+residual stream's `activation_norm_length`, split over `context` x `tensor` under sequence
+parallelism, or `activation_length` inside a layer) and, for QK-norm of q/k `[B, T, N, H]`,
 over the head shard the projections produce (gamma `[H]` replicated), so the projections
 are never gathered. QK-norm over the whole projection (`full`, gamma `[N, H]`) with its
 heads split has rows whose statistics span devices, which a per-device kernel cannot sum:
@@ -25,17 +27,19 @@ from modern_jax.kernels.norm import norm as kernel_norm
 from modern_jax.sharding import active, live_axes
 
 
-def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference"):
-    """`kernels.norm.norm`, per device under shard_map when a mesh is active and a kernel runs."""
-    return _per_device(x, None, weight, bias, kind, eps, impl)
+def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference", length="activation_length"):
+    """`kernels.norm.norm`, per device under shard_map when a mesh is active and a kernel runs;
+    `length`: the logical name of x's sequence dimension (its second)."""
+    return _per_device(x, None, weight, bias, kind, eps, impl, length)
 
 
-def add_norm(x, residual, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference"):
+def add_norm(x, residual, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference",
+             length="activation_length"):
     """`(h, norm(h))` with `h = residual + x` (`kernels.norm.add_norm`), per device like `norm`."""
-    return _per_device(x, residual, weight, bias, kind, eps, impl)
+    return _per_device(x, residual, weight, bias, kind, eps, impl, length)
 
 
-def _per_device(x, residual, weight, bias, kind, eps, impl):
+def _per_device(x, residual, weight, bias, kind, eps, impl, length):
     def kernel(x, residual, weight, bias, impl=impl):
         if residual is None:
             return kernel_norm(x, weight, bias, kind=kind, eps=eps, impl=impl)
@@ -46,8 +50,10 @@ def _per_device(x, residual, weight, bias, kind, eps, impl):
         return kernel(x, residual, weight, bias)
     mesh, rules = state
     x_spec = [live_axes("activation_batch", rules, mesh, x.shape[0])] + [None] * (x.ndim - 1)
+    if x.ndim >= 3:
+        x_spec[1] = _free(live_axes(length, rules, mesh, x.shape[1]), x_spec[0])
     if x.ndim == 4:  # QK-norm of q/k [B, T, N, H]: on the head shards of the projections
-        x_spec[2] = live_axes("activation_kv_heads", rules, mesh, x.shape[2])
+        x_spec[2] = _free(live_axes("activation_kv_heads", rules, mesh, x.shape[2]), x_spec[0], x_spec[1])
         if x_spec[2] and weight.ndim == 2:  # "full": each row [N, H] spans the head shards
             if NormImpl(impl) is NormImpl.PALLAS:
                 raise UnsupportedFeatureError(
@@ -66,3 +72,9 @@ def _per_device(x, residual, weight, bias, kind, eps, impl):
     return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(arrays[n][1] for n in names),
                          out_specs=rows if residual is None else (rows, rows),
                          check_vma=False)(*(arrays[n][0] for n in names))
+
+
+def _free(axes, *taken):
+    """`axes`, or None if a dimension before already uses one of them (a mesh axis splits one dimension)."""
+    used = {a for t in taken if t for a in t}
+    return None if axes is None or used & set(axes) else axes

@@ -16,11 +16,14 @@ layout), and these two `shard_map`s keep it that way:
 
 - `lookup`: each device looks up the tokens that fall in its rows (zeros for the rest)
   and a psum over the vocab axes adds the partial rows, so `[B, T, D]` crosses the
-  wire and the table is never gathered;
+  wire and the table is never gathered; under sequence parallelism (the residual stream
+  split along T over the vocab axes too) the psum is a reduce-scatter along T;
 - `split_parts`: each device makes the logits of its own rows (in vocabulary chunks),
   their max, sum of exp and the target's logit where it owns the target; a pmax and
   psums combine them into the global logsumexp, so `[B, T]` numbers cross the wire and
   the `[B, T, V]` logits exist only as `[B, T, V / TP]` pieces, one chunk at a time.
+
+Both keep the sequence split over the context axis (`activation_length`) as it comes.
 
 Without an active mesh, or when the mesh does not split the vocabulary, both are the
 plain single-device computation.
@@ -71,8 +74,9 @@ class Head:
         return jnp.where(self.real(first)[None, None, :], z_BTV, MASK_VALUE)
 
 
-def _split(n_rows: int, batch: int):
-    """`(mesh, vocab axes, batch axes)` when the active mesh splits `n_rows` vocabulary rows, else None."""
+def _split(n_rows: int, batch: int, length: int):
+    """`(mesh, rules, vocab axes, batch axes, length axes)` when the active mesh splits `n_rows`
+    vocabulary rows, else None; the batch and length axes leave out the vocab axes."""
     state = active()
     if state is None:
         return None
@@ -80,10 +84,14 @@ def _split(n_rows: int, batch: int):
     vocab = live_axes("vocab", rules, mesh, n_rows)
     if vocab is None:
         return None
-    batch_axes = tuple(a for a in (live_axes("activation_batch", rules, mesh, batch) or ()) if a not in vocab)
-    if batch_axes and batch % math.prod(mesh.shape[a] for a in batch_axes):
-        batch_axes = ()
-    return mesh, vocab, batch_axes or None
+    return mesh, rules, vocab, _others("activation_batch", batch, vocab), _others("activation_length", length, vocab)
+
+
+def _others(name: str, size: int, vocab):
+    """The live mesh axes of the activation dimension `name`, less the vocab axes (None: none)."""
+    mesh, rules = active()
+    axes = tuple(a for a in (live_axes(name, rules, mesh, size) or ()) if a not in vocab)
+    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
 
 
 def _first_row(vocab_axes, rows_per_device: int):
@@ -93,40 +101,48 @@ def _first_row(vocab_axes, rows_per_device: int):
 
 def lookup(table_VD, tokens_BT):
     """`table[tokens]` -> `[B, T, D]`, vocab-parallel when the mesh splits the table's rows."""
-    split = _split(table_VD.shape[0], tokens_BT.shape[0])
+    B, T = tokens_BT.shape
+    split = _split(table_VD.shape[0], B, T)
     if split is None:
         return table_VD[tokens_BT]
-    mesh, vocab, batch = split
+    mesh, rules, vocab, batch, length = split
+    # sequence parallelism: the residual stream is split along T over (context, then) the vocab axes
+    residual = live_axes("activation_norm_length", rules, mesh, T) or ()
+    scatter = tuple(residual) == tuple(length or ()) + tuple(vocab)
 
     def per_device(table_VD, tokens_BT):
         local_BT = tokens_BT - _first_row(vocab, table_VD.shape[0])
         here_BT = (local_BT >= 0) & (local_BT < table_VD.shape[0])
-        rows_BTD = table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)]
-        return jax.lax.psum(jnp.where(here_BT[..., None], rows_BTD, jnp.zeros((), table_VD.dtype)), vocab)
+        rows_BTD = jnp.where(here_BT[..., None], table_VD[jnp.clip(local_BT, 0, table_VD.shape[0] - 1)],
+                             jnp.zeros((), table_VD.dtype))
+        if scatter:
+            return jax.lax.psum_scatter(rows_BTD, vocab, scatter_dimension=1, tiled=True)
+        return jax.lax.psum(rows_BTD, vocab)
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(vocab, None), P(batch, None)),
-                         out_specs=P(batch, None, None))(table_VD, tokens_BT)
+    out_length = residual if scatter else length
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(vocab, None), P(batch, length)),
+                         out_specs=P(batch, out_length or None, None))(table_VD, tokens_BT)
 
 
 def split_parts(parts, h_BTD, head: Head, targets_BT):
     """`parts(h, head, targets, first) -> (max, sum exp(z - max), target logit, max |z|)` over the
     rows of `head` (global ids from `first`), combined over the vocab shards when the mesh splits them."""
-    split = _split(head.w_VD.shape[0], targets_BT.shape[0])
+    split = _split(head.w_VD.shape[0], *targets_BT.shape)
     if split is None:
         return parts(h_BTD, head, targets_BT, 0)
-    mesh, vocab, batch = split
+    mesh, _, vocab, batch, length = split
 
     def per_device(h_BTD, w_VD, targets_BT, *b_V):
         m_BT, s_BT, z_target_BT, max_abs = parts(h_BTD, head.replace(w_VD=w_VD, b_V=b_V[0] if b_V else None),
                                                  targets_BT, _first_row(vocab, w_VD.shape[0]))
         m_all_BT = jax.lax.pmax(jax.lax.stop_gradient(m_BT), vocab)  # a stabiliser: lse does not depend on it
         s_all_BT = jax.lax.psum(s_BT * jnp.exp(m_BT - m_all_BT), vocab)
-        every = tuple(vocab) + tuple(batch or ())
+        every = tuple(vocab) + tuple(batch or ()) + tuple(length or ())
         return m_all_BT, s_all_BT, jax.lax.psum(z_target_BT, vocab), jax.lax.pmax(jax.lax.stop_gradient(max_abs), every)
 
-    specs = (P(batch, None, None), P(vocab, None), P(batch, None)) + (() if head.b_V is None else (P(vocab),))
+    rows = P(batch, length)
+    specs = (P(batch, length, None), P(vocab, None), rows) + (() if head.b_V is None else (P(vocab),))
     args = (h_BTD, head.w_VD, targets_BT) + (() if head.b_V is None else (head.b_V,))
     m_BT, s_BT, z_target_BT, max_abs = jax.shard_map(
-        per_device, mesh=mesh, in_specs=specs,
-        out_specs=(P(batch, None), P(batch, None), P(batch, None), P()))(*args)
+        per_device, mesh=mesh, in_specs=specs, out_specs=(rows, rows, rows, P()))(*args)
     return m_BT, s_BT, z_target_BT, max_abs

@@ -4,6 +4,8 @@
       data: -1          # -1: every device left over (one axis at most)
       fsdp: 1
       expert: 1         # splits a mixture's experts; data parallelism everywhere else
+      context: 1        # splits the sequence (context parallelism) and, like fsdp, the weights
+      context_layout: two_chunk   # the sequence's order over the context axis (causal load balance)
       tensor: 4
       rules:            # entries replacing those of `sharding.RULES`
         embed: null     #   e.g. no FSDP of the model dimension
@@ -26,24 +28,40 @@ from modern_jax.sharding import RULES
 
 _fail = functools.partial(fail, "ParallelConfig")
 
+# How a training sequence is laid out over the context axis (C devices). Causal attention gives
+# the later positions more keys, so the contiguous split leaves the last device the most work;
+# `two_chunk` cuts the sequence in 2C chunks and gives device i chunks i and 2C - 1 - i,
+# `striped` gives device i positions i, i + C, i + 2C, ... Our masks are positions and segment
+# ids, so the order of the tokens changes no number (`layout_order`).
+CONTEXT_LAYOUTS = ("two_chunk", "striped", "contiguous")
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh sizes (`data` x `fsdp` x `expert` x `tensor`) and rule overrides (logical name -> mesh axes)."""
+    """Mesh sizes (`data` x `fsdp` x `expert` x `context` x `tensor`), the context layout and rule
+    overrides (logical name -> mesh axes)."""
 
     data: int = -1
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
     rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = field(default=())
+    context: int = 1
+    context_layout: str = "two_chunk"
+
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "context": self.context,
+                "tensor": self.tensor}
 
     def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
+        sizes = self.sizes()
         for name, size in sizes.items():
             if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
                 _fail(name, size, "expected a positive integer or -1 (fill with the remaining devices)")
         if sum(size == -1 for size in sizes.values()) > 1:
-            _fail("data", self.data, "only one of data, fsdp, expert, tensor may be -1")
+            _fail("data", self.data, "only one of data, fsdp, expert, context, tensor may be -1")
+        if self.context_layout not in CONTEXT_LAYOUTS:
+            _fail("context_layout", self.context_layout, f"expected one of {', '.join(CONTEXT_LAYOUTS)}")
         known = dict(RULES)
         for name, axes in self.rules:
             if name not in known:
@@ -59,7 +77,7 @@ class ParallelConfig:
     @classmethod
     def from_dict(cls, values: dict | None) -> ParallelConfig:
         values = dict(values or {})
-        check_keys("parallel", values, ["data", "fsdp", "expert", "tensor", "rules"])
+        check_keys("parallel", values, ["data", "fsdp", "expert", "context", "context_layout", "tensor", "rules"])
         rules = values.pop("rules", None) or {}
         if not isinstance(rules, dict):
             _fail("rules", rules, "expected a mapping of logical axis -> mesh axes")
@@ -68,7 +86,7 @@ class ParallelConfig:
 
     def to_dict(self) -> dict:
         rules = {name: list(axes) if isinstance(axes, tuple) else axes for name, axes in self.rules}
-        return {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor, "rules": rules}
+        return {**self.sizes(), "context_layout": self.context_layout, "rules": rules}
 
     def rules_table(self) -> tuple:
         """`sharding.RULES` with this config's entries replaced."""
@@ -76,4 +94,25 @@ class ParallelConfig:
         return tuple((name, overrides.get(name, axes)) for name, axes in RULES)
 
     def mesh(self, devices=None):
-        return make_mesh(self.data, self.fsdp, self.tensor, devices=devices, expert=self.expert)
+        return make_mesh(self.data, self.fsdp, self.tensor, devices=devices, expert=self.expert, context=self.context)
+
+
+def layout_order(length: int, context: int, layout: str):
+    """The token order along a sequence of `length` laid out over `context` devices: entry j is
+    the index in the original sequence of the token placed at j (device i holds entries
+    `i * length / context ...`). None when the order is unchanged."""
+    import numpy as np
+
+    if context == 1 or layout == "contiguous":
+        return None
+    if layout == "striped":
+        if length % context:
+            raise ValueError(f"train.seq_len={length} does not split into parallel.context={context} stripes: "
+                             f"make it a multiple of {context}")
+        return np.arange(length).reshape(length // context, context).T.reshape(-1)
+    if length % (2 * context):
+        raise ValueError(f"train.seq_len={length} does not split into 2 x parallel.context={2 * context} chunks "
+                         f"(parallel.context_layout=two_chunk): make it a multiple of {2 * context}, or use "
+                         f"context_layout=contiguous")
+    chunks = np.arange(length).reshape(2 * context, length // (2 * context))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * context - 1 - i]]) for i in range(context)])

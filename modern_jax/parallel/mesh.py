@@ -1,11 +1,13 @@
-"""The device mesh: named axes `data`, `fsdp`, `expert`, `tensor`, one process or many.
+"""The device mesh: named axes `data`, `fsdp`, `expert`, `context`, `tensor`, one process or many.
 
     mesh = make_mesh(data=-1, fsdp=1, tensor=4)   # -1 fills with the remaining devices
     mesh = make_mesh(data=2, expert=4)            # experts split in 4, the batch over all 8
 
 `expert` splits a mixture's routed experts (`experts` in the rules table); everywhere else
-it acts as data parallelism (the batch is split over data x fsdp x expert). The axes are
-laid out in this order, `tensor` innermost (the fastest links).
+it acts as data parallelism (the batch is split over data x fsdp x expert). `context` splits
+every activation's sequence (context parallelism: attention gathers keys and values over it,
+`ops.attention`) and, like `fsdp`, the weights. The axes are laid out in this order, `context`
+and `tensor` innermost (the fastest links: both communicate inside every layer).
 
 Multi-host (TPU pod slices, multi-node GPU): call `initialize_distributed()` first, in
 every process, before any other JAX call; `make_mesh` then spans all processes' devices.
@@ -20,13 +22,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "expert", "tensor")
+AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None, *, expert: int = 1) -> Mesh:
-    """A `(data, fsdp, expert, tensor)` mesh over `devices` (default: all); one size may be -1."""
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None, *, expert: int = 1,
+              context: int = 1) -> Mesh:
+    """A `(data, fsdp, expert, context, tensor)` mesh over `devices` (default: all); one size may be -1."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
     for name, size in sizes.items():
         if not isinstance(size, int) or (size < 1 and size != -1):
             raise ValueError(f"mesh {name}={size!r}: expected a positive integer or -1 (fill)")

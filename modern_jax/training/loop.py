@@ -224,7 +224,7 @@ def _set_up(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoin
     rules = run.parallel.rules_table()
     _check_divisible("batch_size / grad_accum", tc.batch_size // tc.grad_accum, mesh, rules)
     _check_divisible("eval_batch_size", tc.eval_batch_size, mesh, rules)
-    trainer = Trainer(model_cfg, tc, mesh, rules=rules)
+    trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout)
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log)

@@ -42,11 +42,14 @@ def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
 
 def vocab_parts(h_BTD, head: vocab.Head, targets_BT, first, *, chunk: int = 8192):
     """Max, sum of exp(z - max), the target's logit and max |z| over the rows of `head`, whose
-    global ids start at `first`, made `chunk` rows at a time."""
+    global ids start at `first`, made in `n = ceil(rows / chunk)` equal chunks of at most `chunk`
+    rows (so at most n - 1 rows of padding)."""
     rows = head.w_VD.shape[0]
+    head = head.replace(w_VD=head.w_VD.astype(h_BTD.dtype))  # sliced in the compute dtype
     if rows <= chunk:
         return _chunk(h_BTD, head, first, targets_BT)
     n = -(-rows // chunk)
+    chunk = -(-rows // n)
     w_pad_VD = jnp.pad(head.w_VD, ((0, n * chunk - rows), (0, 0)))
     b_pad_V = None if head.b_V is None else jnp.pad(head.b_V, (0, n * chunk - rows))
     # rows past this shard's own are chunk padding: mask them as if they were past the vocabulary

@@ -10,7 +10,7 @@ The train state is a plain pytree of arrays:
 
 `train_step(state, batch) -> (state, metrics)` is one `jax.jit` of a pure function with the
 state donated; batch and state carry `NamedSharding`s on a mesh with axes
-`('data', 'fsdp', 'tensor')` (`parallel.mesh.make_mesh`; 1 x 1 x 1 on one CPU). Parameter
+`('data', 'fsdp', 'expert', 'context', 'tensor')` (`parallel.mesh.make_mesh`; all 1 on one CPU). Parameter
 shardings come from each parameter's logical axes through the rules table
 (`sharding.state_shardings`), so the sharding layer only has to supply rules.
 """
@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -31,7 +33,8 @@ from modern_jax.kernels import gpu_compile
 from modern_jax.kernels.backend import compiling_for
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
 from modern_jax.model import Transformer, max_attention_logit, sown_value
-from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec, state_shardings
+from modern_jax.parallel.config import layout_order
+from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
@@ -62,8 +65,16 @@ class Trainer:
     whatever the step closes over that changes it gives a new executable).
     """
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES):
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES,
+                 context_layout: str = "two_chunk"):
         check_mesh(model_cfg, mesh, rules)
+        # the devices splitting the sequence (context parallelism) and the order laid over them
+        self.context = math.prod(mesh.shape[a] for a in mesh_axes("activation_length", rules) if a in mesh.shape)
+        if train_cfg.seq_len % self.context:
+            raise ValueError(f"train.seq_len={train_cfg.seq_len} is not divisible by the context axis "
+                             f"({self.context} devices split the sequence): make it a multiple of {self.context}")
+        self.context_layout = context_layout
+        layout_order(train_cfg.seq_len, self.context, context_layout)  # its errors name the fields
         if train_cfg.moe_bias_update_rate and not model_cfg.router_selection_bias:
             raise ValueError(f"train.moe_bias_update_rate={train_cfg.moe_bias_update_rate} balances experts through "
                              f"the router's selection bias, which this model has none of: set "
@@ -149,9 +160,16 @@ class Trainer:
                                           sharding=self.batch_sharding)
                 for key in ("inputs", "targets", "positions", "segment_ids", "weights")}
 
+    def laid_out(self, batch: dict) -> dict:
+        """`batch` with its sequences in the order laid over the context axis (`context_layout`):
+        positions, segments and weights travel with their tokens, so no number changes."""
+        order = layout_order(next(iter(batch.values())).shape[-1], self.context, self.context_layout)
+        return batch if order is None else {k: np.asarray(v)[..., order] for k, v in batch.items()}
+
     def put_batch(self, batch: dict) -> dict:
-        """This host's rows as global arrays on the mesh (multi-host ready)."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+        """This host's rows as global arrays on the mesh (multi-host ready), laid out for the context axis."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+                for k, v in self.laid_out(batch).items()}
 
     def model(self, params) -> Transformer:
         return nnx.merge(self.graphdef, params)
