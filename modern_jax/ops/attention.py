@@ -37,12 +37,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from modern_jax import kernels
+from modern_jax.config import CONTEXT_STRATEGIES
 from modern_jax.kernels.attention import AttentionImpl, AttentionSpec
 from modern_jax.kernels.backend import UnsupportedFeatureError, note_kernel
 from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
 from modern_jax.sharding import active, live_axes, mesh_axes
-
-CONTEXT_STRATEGIES = ("all_gather", "ring")
 
 
 def kv_replication(n_kv: int, group: int, tp: int) -> int:

@@ -84,12 +84,12 @@ def _split(n_rows: int, batch: int, length: int):
     vocab = live_axes("vocab", rules, mesh, n_rows)
     if vocab is None:
         return None
-    return mesh, rules, vocab, _others("activation_batch", batch, vocab), _others("activation_length", length, vocab)
+    others = lambda name, size: _others(name, size, vocab, mesh, rules)  # noqa: E731
+    return mesh, rules, vocab, others("activation_batch", batch), others("activation_length", length)
 
 
-def _others(name: str, size: int, vocab):
+def _others(name: str, size: int, vocab, mesh, rules):
     """The live mesh axes of the activation dimension `name`, less the vocab axes (None: none)."""
-    mesh, rules = active()
     axes = tuple(a for a in (live_axes(name, rules, mesh, size) or ()) if a not in vocab)
     return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
 
