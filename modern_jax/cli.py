@@ -9,6 +9,11 @@
     modern-jax convert --from-hf HF_DIR --out CKPT  |  --to-hf CKPT --out HF_DIR [--model-type llama]
     modern-jax plan --config configs/llama3_8b.yaml --mesh data=1,fsdp=8,tensor=1 --batch 8 --seq 8192 --hbm-gib 141
     modern-jax plan --config configs/llama3_8b.yaml --topology v5p:2x2x2 --mesh fsdp=8 --batch 8 --seq 8192
+    modern-jax launch --processes 2 --devices 4 train --mesh data=2,fsdp=2,tensor=2 [...]   (rehearse a pod run)
+
+Under a cluster launcher (srun, mpirun, a Cloud TPU pod's workers) or with --coordinator /
+--num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID),
+train, evaluate, generate and plan join the other processes first (`parallel.distributed`).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import sys
+import traceback
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 FINETUNE_CONFIG = DEFAULT_CONFIG.parent / "finetune_chat.yaml"  # the default run file of --init-from-hf
@@ -101,6 +108,9 @@ def cmd_info(args) -> None:
 
 
 def cmd_train(args) -> int:
+    import signal
+
+    from modern_jax.parallel import distributed
     from modern_jax.training import TrainingDiverged, load_run_config, train
 
     overrides = list(args.overrides)
@@ -120,14 +130,19 @@ def cmd_train(args) -> int:
 
         run, init = finetune_run(run, args.init_from_hf, log=_note)
     source = f"{config} from {args.init_from_hf}" if init is not None else str(config)
-    print(f"training {source} -> {run.train.output_dir}", flush=True)
+    main = distributed.is_main()
+    if main:
+        print(f"training {source} -> {run.train.output_dir}", flush=True)
     try:
         result = train(run, init=init)
     except TrainingDiverged as e:
-        print(f"modern-jax train: {e}", file=sys.stderr)
+        if main:
+            print(f"modern-jax train: {e}", file=sys.stderr)
         return 3
-    if result.interrupted:
-        return 130
+    if result.interrupted:  # after a checkpoint: Ctrl-C is 130; a stop request (SIGTERM, a preemption notice,
+        return 130 if result.signal == signal.SIGINT and not distributed.joined() else 0  # any signal in a launch) 0
+    if not main:
+        return 0
     for i, text in enumerate(result.samples):
         print(f"--- sample {i} ---\n{text}")
     print(f"steps: {result.step}")
@@ -175,13 +190,19 @@ def cmd_evaluate(args) -> int:
     from modern_jax.training import TrainConfig, Trainer, evaluate_batches
     from modern_jax.training.checkpoint import load_params
 
-    cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note)
+    cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note if jax.process_index() == 0 else None)
     tokenizer, stream = _checkpoint_data(args, raw, run_dir)
     seq_len = args.seq_len or (raw.get("train") or {}).get("seq_len") or min(1024, cfg.max_position_embeddings)
     tc = TrainConfig(seq_len=seq_len, eval_batch_size=args.batch_size, warmup_steps=0)
-    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1]))
-    batches = eval_batches(stream, seq_len=seq_len, batch_size=args.batch_size, max_windows=args.max_windows)
-    values = evaluate_batches(trainer, params, batches, jax.numpy.asarray(tokenizer.token_bytes()))
+    # one device; in a launch of several processes every device, each process feeding its rows
+    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None))
+    rows, _ = trainer.local_slices(args.batch_size)
+    batches = eval_batches(stream, seq_len=seq_len, batch_size=args.batch_size, max_windows=args.max_windows,
+                           rows=rows)
+    values = evaluate_batches(trainer, params, batches, jax.device_put(tokenizer.token_bytes(), trainer.replicated),
+                              rows=args.batch_size)
+    if jax.process_index() != 0:
+        return 0
     print(f"split: {'file ' + args.data if args.data else args.split}")
     print(f"tokens: {values['tokens']}")
     print(f"loss: {values['loss']:.4f}")
@@ -198,13 +219,17 @@ def cmd_generate(args) -> int:
     from modern_jax.training.checkpoint import load_params
     from modern_jax.training.step import abstract_model
 
-    cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note)
+    import jax
+
+    cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note if jax.process_index() == 0 else None)
     tokenizer = _checkpoint_tokenizer(run_dir)
     graphdef, _ = abstract_model(cfg)
     temperature = 0.0 if args.greedy else args.temperature
     texts = sample_texts(graphdef, params, tokenizer, args.prompt, n=args.num_samples,
                          max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=temperature,
                          top_k=args.top_k, top_p=args.top_p)
+    if jax.process_index() != 0:  # every process of a launch samples; process 0 prints
+        return 0
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i} ---")
@@ -232,8 +257,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    import os
-
     from modern_jax.parallel.mesh import parse_mesh
 
     _check_flags(args, _positive("--batch"), _positive("--seq"), _positive("--slices"),
@@ -257,11 +280,45 @@ def cmd_plan(args) -> int:
     if any(os.environ.get(k) != v for k, v in env.items()):  # set before JAX starts: in a fresh process
         import subprocess
 
-        return subprocess.call([sys.executable, "-m", "modern_jax.cli", *args.argv], env={**os.environ, **env})
+        return subprocess.call([sys.executable, "-m", "modern_jax.cli", *args.argv],  # it joins no launch
+                               env={**os.environ, **env, "MODERN_JAX_ALONE": "1"})
     from modern_jax.planner import format_plan, plan
 
     print(format_plan(plan(run, sizes, args.hbm_gib, topology=args.topology, slices=args.slices)))
     return 0
+
+
+def _plan_once(args) -> int:
+    """`plan` compiles ahead of time on one host: under a launcher process 0 plans and the others wait."""
+    from modern_jax.parallel import distributed
+
+    if not distributed.joined():
+        return cmd_plan(args)
+    status = cmd_plan(args) if distributed.is_main() else 0
+    distributed.barrier("plan")
+    return status
+
+
+def cmd_launch(args) -> int:
+    from modern_jax.parallel.launch import launch_local
+
+    if not args.rest:
+        raise ValueError("launch needs a command to run: modern-jax launch --processes 2 --devices 4 train ...")
+    return launch_local(args.rest, processes=args.processes, devices=args.devices, port=args.port)
+
+
+def _launch_flags(sub: argparse.ArgumentParser) -> None:
+    """How a command joins the other processes of a launch (each is found by itself under srun,
+    mpirun or a Cloud TPU pod slice's workers)."""
+    group = sub.add_argument_group("many processes (found from the launcher's environment when not given)")
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (JAX_COORDINATOR_ADDRESS)")
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the launch (JAX_NUM_PROCESSES)")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0 to N-1 (JAX_PROCESS_ID)")
+    group.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="a process silent this long is lost, and the others stop with its name (default 60)")
+
+
+COMPUTING = ("train", "evaluate", "generate", "plan")  # the commands that join a launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,7 +393,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hbm-gib", type=float, help="device memory to check the plan against (default with "
                                                   "--topology: the chip's)")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat=full model.dtype=bfloat16")
-    pl.set_defaults(func=cmd_plan)
+    pl.set_defaults(func=_plan_once)
+
+    la = sub.add_parser("launch", help="run a command as N processes of one launch on this machine (a pod run "
+                                       "rehearsed on host CPU devices)")
+    la.add_argument("--processes", "-n", type=int, default=2, help="processes to start (default 2)")
+    la.add_argument("--devices", type=int, default=4, help="host CPU devices per process (default 4)")
+    la.add_argument("--port", type=int, help="the coordinator's port on localhost (default: a free one)")
+    la.add_argument("rest", nargs=argparse.REMAINDER, help="the command and its arguments, e.g. train --mesh ...")
+    la.set_defaults(func=cmd_launch)
+    for name in COMPUTING:
+        _launch_flags(sub.choices[name])
     parser.commands = sub.choices
     return parser
 
@@ -355,11 +422,36 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     args.argv = argv  # the command as given (plan re-runs it in a fresh process)
+    from modern_jax.parallel import distributed
+
+    status, message, agreed = 1, None, False
     try:
-        return args.func(args) or 0
+        if args.command in COMPUTING and not os.environ.get("MODERN_JAX_ALONE"):
+            _check_flags(args, _positive("--num-processes"),
+                         ("--heartbeat-timeout", lambda t: 0 < t < math.inf, "a positive number of seconds"))
+            launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
+            distributed.start(launch, args.command, args.heartbeat_timeout)
+        status = args.func(args) or 0
     except ValueError as e:
-        print(f"modern-jax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        status, message, agreed = 2, str(e), isinstance(e, distributed.Refused)
+        if distributed.is_main() or not agreed:  # an agreed refusal is said once, by process 0
+            prefix = f"process {distributed.index()}: " if distributed.joined() and not agreed else ""
+            print(f"modern-jax {args.command}: error: {prefix}{e}", file=sys.stderr)
+    except BaseException as e:  # a bug, or Ctrl-C before the loop: the others must not wait for this process
+        if not distributed.joined():
+            raise
+        traceback.print_exc()
+        message = f"{type(e).__name__}: {e}"
+    finally:
+        if distributed.joined():
+            distributed.finish(failed=None if message is None or agreed else message)
+            if message is not None and not agreed:  # this process's own error: no shutdown barrier
+                from modern_jax.parallel import watch
+
+                sys.stdout.flush()
+                watch.close()
+                os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

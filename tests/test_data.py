@@ -65,7 +65,8 @@ def test_packed_documents_never_see_each_other_through_the_model():
 def test_host_shards_are_disjoint_and_cover_the_batch(hosts):
     stream = stream_of([50, 70, 30, 90])
     whole = TrainBatches(stream, seq_len=8, batch_size=8, grad_accum=2, seed=3)
-    parts = [TrainBatches(stream, seq_len=8, batch_size=8, grad_accum=2, seed=3, host_index=h, host_count=hosts)
+    share = 4 // hosts  # rows of each accumulation step per process
+    parts = [TrainBatches(stream, seq_len=8, batch_size=8, grad_accum=2, seed=3, rows=slice(h * share, (h + 1) * share))
              for h in range(hosts)]
     for i in (0, 5):
         full = whole[i]
@@ -74,7 +75,7 @@ def test_host_shards_are_disjoint_and_cover_the_batch(hosts):
         # global rows [h R, (h + 1) R) of each accumulation step are host h's: disjoint, covering
         assert all(p[i]["inputs"].shape == (2, 4 // hosts, 8) for p in parts)
     full_eval = list(eval_batches(stream, seq_len=8, batch_size=4))
-    sharded = [list(eval_batches(stream, seq_len=8, batch_size=4, host_index=h, host_count=2)) for h in range(2)]
+    sharded = [list(eval_batches(stream, seq_len=8, batch_size=4, rows=slice(2 * h, 2 * h + 2))) for h in range(2)]
     for b, batch in enumerate(full_eval):
         np.testing.assert_array_equal(np.concatenate([s[b]["targets"] for s in sharded], axis=1), batch["targets"])
     # evaluation covers every target of the stream exactly once

@@ -57,11 +57,10 @@ def save_checkpoint(model: Transformer, out: str | os.PathLike, overwrite: bool 
     a new or empty directory, or with `overwrite` a converted checkpoint (replaced)."""
     out = Path(out).absolute()
     outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(out / PARAMS, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        checkpointer.wait_until_finished()
-    (out / CONFIG).write_text(yaml.safe_dump(model.cfg.to_dict(), sort_keys=False))
+    with outputs.RunLock(out, "output directory", command="convert").acquire(), ocp.StandardCheckpointer() as saver:
+        saver.save(out / PARAMS, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        saver.wait_until_finished()
+        (out / CONFIG).write_text(yaml.safe_dump(model.cfg.to_dict(), sort_keys=False))
     write_checksums(out)
     return out
 

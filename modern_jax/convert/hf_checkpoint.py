@@ -404,7 +404,15 @@ def to_hf(model: Transformer, path: str | os.PathLike, model_type: str, *, dtype
     hf["torch_dtype"] = dtype
     path = Path(path)
     outputs.claim(path, outputs.HF, "output directory", overwrite=overwrite)
-    path.mkdir(parents=True, exist_ok=True)
+    with outputs.RunLock(path, "output directory", command="convert --to-hf").acquire():
+        files = _write_hf(model, path, model_type, hf, dtype, max_shard_bytes)
+        outputs.mark(path, outputs.HF, f"modern-jax convert --to-hf (model_type {model_type})")
+    return files
+
+
+def _write_hf(model: Transformer, path: Path, model_type: str, hf: dict, dtype: str, max_shard_bytes: int
+              ) -> list[str]:
+    cfg = model.cfg
     sources = plan(targets(model, nnx.state(model, nnx.Param), FAMILIES[model_type]))
 
     def order(name: str):

@@ -60,26 +60,38 @@ class TokenStream:
                        fix: str = "give it some text") -> TokenStream:
         """`trained`: per document, which of its tokens are targets (then no `<bos>` / `<eos>` are
         added). `what` names the split and `fix` the remedy in the error for a split without tokens."""
-        if not any(len(doc) for doc in docs):  # <bos> / <eos> alone are no data
-            raise ValueError(f"{what} is empty: its {len(docs)} document(s) hold no tokens: {fix}")
-        if trained is not None and not any(t.any() for t in trained):
-            raise ValueError(f"{what} has no assistant tokens to train on: its {len(docs)} conversation(s) hold "
-                             f"no assistant turn (role 'assistant') with content: {fix}")
-        pieces, marks, starts, n = [], [], [], 0
-        for i, doc in enumerate(docs):
-            if trained is None and bos_id is not None:
-                doc = np.concatenate([[bos_id], doc])
-            if trained is None and eos_id is not None:
-                doc = np.concatenate([doc, [eos_id]])
-            if len(doc) == 0:
-                continue
-            starts.append(n)
-            pieces.append(np.asarray(doc, dtype))
-            if trained is not None:
-                marks.append(np.asarray(trained[i], bool))
-            n += len(doc)
-        return cls(np.concatenate(pieces), np.asarray(starts, np.int64),
-                   np.concatenate(marks) if trained is not None else None)
+        check_tokens(len(docs), sum(map(len, docs)), trained is not None and any(t.any() for t in trained),
+                     trained is not None, what, fix)
+        pieces, marks = document_pieces(docs, bos_id, eos_id, trained, dtype)
+        starts = np.cumsum([0] + [len(piece) for piece in pieces[:-1]], dtype=np.int64)
+        return cls(np.concatenate(pieces), starts, np.concatenate(marks) if trained is not None else None)
+
+
+def document_pieces(docs, bos_id, eos_id, trained, dtype) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each non-empty document as it lies in a stream (`<bos> doc <eos>`; a conversation as
+    rendered), with its trained marks."""
+    pieces, marks = [], []
+    for i, doc in enumerate(docs):
+        if trained is None and bos_id is not None:
+            doc = np.concatenate([[bos_id], doc])
+        if trained is None and eos_id is not None:
+            doc = np.concatenate([doc, [eos_id]])
+        if len(doc) == 0:
+            continue
+        pieces.append(np.asarray(doc, dtype))
+        if trained is not None:
+            marks.append(np.asarray(trained[i], bool))
+    return pieces, marks
+
+
+def check_tokens(n_docs: int, n_tokens: int, any_trained: bool, chat: bool, what: str, fix: str) -> None:
+    """A split without tokens (`<bos>` / `<eos>` alone are no data), or conversations without an
+    assistant token, is an error naming the split and the fix."""
+    if not n_tokens:
+        raise ValueError(f"{what} is empty: its {n_docs} document(s) hold no tokens: {fix}")
+    if chat and not any_trained:
+        raise ValueError(f"{what} has no assistant tokens to train on: its {n_docs} conversation(s) hold "
+                         f"no assistant turn (role 'assistant') with content: {fix}")
 
 
 # ----- documents -----------------------------------------------------------------
@@ -277,17 +289,74 @@ def _stream(cfg: DataConfig, docs, encode, tokenizer: Tokenizer, what: str, fix:
                                       _stream_dtype(tokenizer.vocab_size), trained=chat_marks, what=what, fix=fix)
 
 
+def _share(docs, part: int, parts: int) -> slice:
+    """The documents of `part` of `parts`: contiguous, of about equal size, the same on every process."""
+    sizes = np.cumsum([len(content) if hasattr(content, "__len__") else 1 for _, content in docs], dtype=np.float64)
+    total = sizes[-1] if len(sizes) else 0.0
+    bounds = [0] + [int(np.searchsorted(sizes, total * k / parts, side="left")) + 1 for k in range(1, parts)]
+    bounds = [min(b, len(docs)) for b in bounds] + [len(docs)]
+    return slice(bounds[part], max(bounds[part], bounds[part + 1]))
+
+
+def _shared_stream(cfg: DataConfig, docs, encode, tokenizer: Tokenizer, what: str, fix: str,
+                   directory: pathlib.Path, split: str) -> TokenStream:
+    """The stream of `docs` built by the processes of a launch together: each encodes its
+    share of the documents (`_share`) and writes it at its offset into one file per array
+    under `directory` (on the run's shared file system); every process then maps the files,
+    so it holds in memory only the windows it reads. The stream is the one `_stream` makes."""
+    from modern_jax.parallel import distributed
+
+    chat = cfg.format == "chat"
+    dtype = _stream_dtype(tokenizer.vocab_size)
+    mine = docs[_share(docs, distributed.index(), distributed.count())]
+    encoded = [encode(name, content) for name, content in mine]
+    pieces, marks = document_pieces([ids for ids, _ in encoded], tokenizer.bos_id, tokenizer.eos_id,
+                                    [t for _, t in encoded] if chat else None, dtype)
+    counts = distributed.gather(f"data/{split}", {"raw": sum(len(ids) for ids, _ in encoded),
+                                                  "tokens": sum(map(len, pieces)), "docs": len(pieces),
+                                                  "trained": bool(chat and any(m.any() for m in marks))})
+    check_tokens(len(docs), sum(c["raw"] for c in counts), any(c["trained"] for c in counts), chat, what, fix)
+    n_tokens, n_docs = sum(c["tokens"] for c in counts), sum(c["docs"] for c in counts)
+    me = distributed.index()
+    token_at = sum(c["tokens"] for c in counts[:me])
+    doc_at = sum(c["docs"] for c in counts[:me])
+    files = {"tokens": (directory / f"{split}.tokens", dtype, n_tokens),
+             "starts": (directory / f"{split}.starts", np.int64, n_docs)}
+    if chat:
+        files["trained"] = (directory / f"{split}.trained", np.bool_, n_tokens)
+    if distributed.is_main():
+        directory.mkdir(parents=True, exist_ok=True)
+        for path, kind, n in files.values():
+            np.memmap(path, kind, "w+", shape=(n,)).flush()
+    distributed.barrier(f"data/{split}/files")
+    local_starts = np.cumsum([0] + [len(p) for p in pieces[:-1]], dtype=np.int64) + token_at
+    mine_arrays = {"tokens": (token_at, pieces), "starts": (doc_at, [local_starts] if pieces else []),
+                   "trained": (token_at, marks)}
+    for name, (path, kind, n) in files.items():
+        at, parts = mine_arrays[name]
+        if parts:
+            out = np.memmap(path, kind, "r+", shape=(n,))
+            out[at:at + sum(map(len, parts))] = np.concatenate(parts)
+            out.flush()
+            del out
+    distributed.barrier(f"data/{split}/written")
+    read = {name: np.memmap(path, kind, "r", shape=(n,)) for name, (path, kind, n) in files.items()}
+    return TokenStream(read["tokens"], np.asarray(read["starts"]), read.get("trained"))
+
+
 def _where(cfg: DataConfig, source: str) -> str:
     return "the embedded corpus" if source == "embedded" else f"data.path={str(cfg.path)!r}"
 
 
-def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size: int | None = None
-                ) -> tuple[Tokenizer, TokenStream, TokenStream]:
+def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
+                shared: pathlib.Path | None = None) -> tuple[Tokenizer, TokenStream, TokenStream]:
     """(tokenizer, train stream, validation stream) for the `data:` config.
 
     `tokenizer`: reuse a saved one (resuming, evaluating); otherwise it is built here (the
     char vocabulary from the whole corpus, a BPE from the training split, conversations as
     the chat template renders them). A chat run's tokenizer carries its template.
+    `shared`: in a launch of several processes, a directory they all see, where they build the
+    streams together (`_shared_stream`) and process 0 alone builds a tokenizer from the text.
     """
     source = cfg.resolved_source
     if source == "tokens":
@@ -307,7 +376,20 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
         def texts(split):  # a conversation as its template renders it
             return [rendered[name][0] if rendered else content for name, content in split]
 
-        tokenizer = build_tokenizer(cfg, texts(train_docs), texts(docs), vocab_size)
+        def build():
+            built = build_tokenizer(cfg, texts(train_docs), texts(docs), vocab_size)
+            if shared is not None:
+                shared.mkdir(parents=True, exist_ok=True)
+                return str(built.save(shared))
+            return built
+
+        if shared is None:
+            tokenizer = build()
+        else:  # one tokenizer for every process: process 0's
+            from modern_jax.data.tokenizers import load_tokenizer
+            from modern_jax.parallel import distributed
+
+            tokenizer = load_tokenizer(distributed.decide("data/tokenizer", build))
     if rendered is not None:
         tokenizer.with_chat(template)
 
@@ -316,8 +398,12 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
             check_token_ids(ids, tokenizer.vocab_size, f"{where} ({name})", cfg, ids.tobytes())
     encode = _encoder(tokenizer, rendered)
     fix = f"give more data or change data.val_fraction={cfg.val_fraction}"
-    return (tokenizer, _stream(cfg, train_docs, encode, tokenizer, f"the training split of {where}", fix),
-            _stream(cfg, val_docs, encode, tokenizer, f"the validation split of {where}", fix))
+    splits = []
+    for split, split_docs, what in (("train", train_docs, "training"), ("val", val_docs, "validation")):
+        what = f"the {what} split of {where}"
+        splits.append(_stream(cfg, split_docs, encode, tokenizer, what, fix) if shared is None else
+                      _shared_stream(cfg, split_docs, encode, tokenizer, what, fix, shared, split))
+    return tokenizer, *splits
 
 
 def load_stream(cfg: DataConfig, tokenizer: Tokenizer) -> TokenStream:

@@ -17,10 +17,12 @@ the assistant turns (`TokenStream.trained`) have weight 0 too, wherever its wind
 
 Training batch `i` is a pure function of `(seed, i)`: `A * B` window starts drawn
 uniformly from the stream by `numpy.random.default_rng([seed, i])` (the classic random
-window sampling of char-LM training). Host `h` of `H` takes rows `[h R, (h + 1) R)` of every
-accumulation step (`R = B / H`), so hosts see disjoint rows that together make the global
-batch. The grain iterator's state is its next batch index: saving it with the checkpoint
-and restoring it makes a resumed run see exactly the batches the uninterrupted run sees.
+window sampling of char-LM training). A process takes the rows `rows` of every accumulation
+step that its devices hold (all of them on one process; `Trainer.local_rows` says which), so
+processes read disjoint rows that together make the global batch, and the global batch is the
+same however many processes share it. The grain iterator's state is its next batch index:
+saving it with the checkpoint and restoring it makes a resumed run see exactly the batches
+the uninterrupted run sees.
 """
 
 from __future__ import annotations
@@ -59,23 +61,16 @@ def pack_windows(stream: TokenStream, starts: np.ndarray, seq_len: int, pad_id: 
     }
 
 
-def host_rows(n_rows: int, host_index: int, host_count: int) -> slice:
-    if n_rows % host_count:
-        raise ValueError(f"a batch of {n_rows} rows does not split over {host_count} hosts")
-    per_host = n_rows // host_count
-    return slice(host_index * per_host, (host_index + 1) * per_host)
-
-
 class TrainBatches:
-    """Random-access grain source: record `i` is this host's share of global batch `i`."""
+    """Random-access grain source: record `i` is this process's rows of global batch `i`."""
 
     def __init__(self, stream: TokenStream, seq_len: int, batch_size: int, grad_accum: int = 1, seed: int = 0,
-                 host_index: int = 0, host_count: int = 1):
+                 rows: slice | None = None):
         if batch_size % grad_accum:
             raise ValueError(f"batch_size={batch_size} is not a multiple of grad_accum={grad_accum}")
         self.stream, self.seq_len, self.seed = stream, seq_len, seed
         self.shape = (grad_accum, batch_size // grad_accum)
-        self.rows = host_rows(self.shape[1], host_index, host_count)
+        self.rows = slice(None) if rows is None else rows
         self.high = max(1, len(stream) - seq_len)  # windows of T + 1 tokens fit below this start
 
     def __len__(self) -> int:
@@ -89,10 +84,10 @@ class TrainBatches:
 
 
 def train_iterator(stream: TokenStream, *, seq_len: int, batch_size: int, grad_accum: int = 1, seed: int = 0,
-                   host_index: int = 0, host_count: int = 1, num_threads: int = 1, prefetch: int = 4,
-                   state: dict | None = None):
-    """A grain iterator of training batches; `state` (from `.get_state()`) resumes it exactly."""
-    source = TrainBatches(stream, seq_len, batch_size, grad_accum, seed, host_index, host_count)
+                   rows: slice | None = None, num_threads: int = 1, prefetch: int = 4, state: dict | None = None):
+    """A grain iterator of training batches (this process's `rows`); `state` (from `.get_state()`)
+    resumes it exactly."""
+    source = TrainBatches(stream, seq_len, batch_size, grad_accum, seed, rows)
     dataset = grain.MapDataset.source(source).to_iter_dataset(
         grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch))
     iterator = iter(dataset)
@@ -111,13 +106,14 @@ def eval_windows(stream: TokenStream, seq_len: int, max_windows: int | None = No
 
 
 def eval_batches(stream: TokenStream, *, seq_len: int, batch_size: int, max_windows: int | None = None,
-                 host_index: int = 0, host_count: int = 1):
-    """Batches `[1, R, T]` of evaluation windows; the last is filled up with padding rows."""
+                 rows: slice | None = None):
+    """Batches `[1, R, T]` of evaluation windows (this process's `rows` of each); the last is
+    filled up with padding rows."""
     starts = eval_windows(stream, seq_len, max_windows)
     n_batches = -(-len(starts) // batch_size)
     padded = np.full(n_batches * batch_size, len(stream), np.int64)  # a start past the end: all padding
     padded[: len(starts)] = starts
-    rows = host_rows(batch_size, host_index, host_count)
+    rows = slice(None) if rows is None else rows
     for b in range(n_batches):
         batch = pack_windows(stream, padded[b * batch_size : (b + 1) * batch_size][rows], seq_len)
         yield {k: v[None] for k, v in batch.items()}

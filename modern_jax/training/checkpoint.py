@@ -13,7 +13,10 @@ A run directory:
 
 Orbax writes each step into a temporary directory and renames it when complete, so a
 process killed while saving leaves no step that looks complete; the partial one is removed
-when the run restarts. Once a save has completed, `checksums.json` records the size and
+when the run restarts. A save that fails (a full disk) is one `CheckpointWriteError` naming
+the step, the reason and the intact step before it. Each step's `meta` records the model
+config it was saved with, so a checkpoint of another model shape is named as such, with the
+fields that differ, before Orbax reads it. Once a save has completed, `checksums.json` records the size and
 CRC-32 of each of its files (3-4 GB/s on one core), so a truncated, missing or overwritten
 file is found and named before Orbax reads it. Resuming takes the newest step that restores
 completely; newer damaged steps are named and moved to `damaged_checkpoints/`.
@@ -22,12 +25,17 @@ completely; newer damaged steps are named and moved to `damaged_checkpoints/`.
 directory, or from a converted checkpoint (`params/` with `config.yaml` beside it): every
 layout keeps the parameters under `params/`. It names the step it loads and fails on a
 damaged one; it never falls back to an older step by itself.
+
+In a launch of several processes every process writes and reads its own shards; process 0
+alone removes partial saves, checks checksums, seals and sets damaged steps aside, and
+decides which step a run resumes from (`parallel.distributed`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import re
@@ -40,6 +48,7 @@ import orbax.checkpoint as ocp
 
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
+from modern_jax.parallel import distributed
 from modern_jax.training.outputs import step_numbers
 
 CONFIG_FILE = "config.yaml"
@@ -54,6 +63,10 @@ MISMATCH = "tree structures do not match"  # Orbax's words for a target of anoth
 
 class CheckpointDamaged(ValueError):
     """A checkpoint that cannot be restored; the message names the step and the file."""
+
+
+class CheckpointWriteError(ValueError):
+    """A save that failed (a full disk, a lost mount); the steps before it are intact."""
 
 
 # ----- checksums -------------------------------------------------------------------
@@ -172,6 +185,85 @@ def _quiet_orbax_leftovers() -> None:
     sys.unraisablehook = quiet
 
 
+def _reason(error: BaseException) -> str:
+    """The OS's words for a failed write (`No space left on device`), else the error's first line."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.strerror:
+            return error.strerror
+        text = str(error)
+        for words in ("No space left on device", "Read-only file system", "Disk quota exceeded", "File too large",
+                      "Permission denied"):
+            if words in text:
+                return words
+        error = error.__cause__ or error.__context__
+    return (text.strip().splitlines() or ["unknown error"])[0][:160]
+
+
+@contextlib.contextmanager
+def _orbax_log_quiet():
+    """Orbax logs a failed background save's traceback as it fails; the CheckpointWriteError says it once."""
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax", "asyncio")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+class _OrbaxErrors(logging.Filter):
+    """Orbax's own error logs (a failed background write, with its traceback): the checkpointer
+    raises one CheckpointWriteError or CheckpointDamaged naming the step instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _quiet_orbax_errors() -> None:
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+        logger.addFilter(_OrbaxErrors())
+
+
+def shape_problem(step_dir, abstract_params, model: ModelConfig | None = None) -> str | None:
+    """Why the parameters saved in `step_dir/params` do not fit `abstract_params` (another model
+    shape), naming the config fields that differ when the step recorded its model; None if they fit."""
+    try:
+        with _orbax_log_quiet(), ocp.StandardCheckpointer() as checkpointer:
+            saved = checkpointer.metadata(pathlib.Path(step_dir) / "params")
+        tree = getattr(getattr(saved, "item_metadata", saved), "tree", None)
+    except Exception:  # unreadable metadata: the read itself will name the damaged file
+        return None
+    if not isinstance(tree, dict):
+        return None
+    want = {_name(p): tuple(s.shape) for p, s in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    have = {_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(m, "shape")}
+    if want == have:
+        return None
+    meta = _read_json(pathlib.Path(step_dir) / "meta" / "metadata") or {}
+    if model is not None and isinstance(meta.get("model"), dict):
+        ours = model.to_dict()
+        fields = [f"saved {k}={v!r}, config {k}={ours.get(k)!r}" for k, v in meta["model"].items()
+                  if ours.get(k) != v]
+        if fields:
+            return (f"holds a model of another shape than this config ({'; '.join(fields[:4])}): use the config it "
+                    f"was saved with (its model: section), or another checkpoint")
+    shapes = [f"{k} saved {list(have[k])}, expected {list(want[k])}" for k in want if k in have and have[k] != want[k]]
+    shapes += [f"{k} expected but not saved" for k in want if k not in have][:2]
+    shapes += [f"{k} saved but not in this model" for k in have if k not in want][:2]
+    return (f"holds a model of another shape than its config describes ({'; '.join(shapes[:4])}): use the config it "
+            f"was saved with, or another checkpoint")
+
+
+def _name(path) -> str:
+    """`stages/0/blocks/0/mlp/down_proj/kernel` (a list index and its saved string key read alike)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 # ----- the run's checkpoints ---------------------------------------------------------
 
 
@@ -182,8 +274,12 @@ class Checkpointer:
 
     def __init__(self, directory, keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).absolute()
-        for partial in self.directory.glob(f"*{_ORBAX_TMP}*") if self.directory.is_dir() else ():
-            shutil.rmtree(partial)  # a save cut off by a kill: never a complete step
+        _quiet_orbax_leftovers()  # a failed background save reports once, as a CheckpointWriteError
+        _quiet_orbax_errors()
+        if distributed.is_main():
+            for partial in self.directory.glob(f"*{_ORBAX_TMP}*") if self.directory.is_dir() else ():
+                shutil.rmtree(partial)  # a save cut off by a kill: never a complete step
+        distributed.barrier("checkpoints/partial")
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, cleanup_tmp_directories=False,
@@ -201,26 +297,50 @@ class Checkpointer:
     def save(self, state: dict, meta: dict) -> None:
         self.wait()  # Orbax would wait for the previous save here anyway
         step = int(meta["step"])
-        self.directory.mkdir(parents=True, exist_ok=True)
         rest = {k: v for k, v in state.items() if k != "params"}
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state["params"]),
-            state=ocp.args.StandardSave(rest),
-            meta=ocp.args.JsonSave(meta),
-        ), force=True)
+        with self._writing(step):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.manager.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(state["params"]),
+                state=ocp.args.StandardSave(rest),
+                meta=ocp.args.JsonSave(meta),
+            ), force=True)
         self._unsealed.append(step)
 
-    def restore(self, abstract_state: dict, step: int) -> tuple[dict, dict]:
-        """Step `step`, or `CheckpointDamaged` naming the file that is wrong."""
+    @contextlib.contextmanager
+    def _writing(self, step: int):
+        """Orbax's errors while writing `step` (synchronous or from its background save) as one
+        CheckpointWriteError; its own log of them stays off stderr."""
+        with _orbax_log_quiet():
+            try:
+                yield
+            except Exception as e:  # Orbax and TensorStore raise many kinds; asyncio wraps them
+                _quiet_orbax_leftovers()
+                intact = [s for s in self.all_steps() if s < step]
+                before = f"step {intact[-1]} before it is intact" if intact else "no earlier step exists"
+                raise CheckpointWriteError(
+                    f"checkpoint step {step} could not be written to {self.directory} ({_reason(e)}); {before}: "
+                    f"free space there (or lower train.keep_checkpoints) and run the same command to resume"
+                ) from None
+
+    def restore(self, abstract_state: dict, step: int, model: ModelConfig | None = None) -> tuple[dict, dict]:
+        """Step `step`, or `CheckpointDamaged` naming the file that is wrong; a step of another
+        model than `model` (or than `abstract_state`'s shapes) is a ValueError naming the fields."""
         step_dir = self.directory / str(step)
         rest = {k: v for k, v in abstract_state.items() if k != "params"}
-        problem = check_files(step_dir)
+        problem = distributed.decide("checkpoint/files", lambda: check_files(step_dir))  # process 0 reads the bytes
         if problem is None:
+            other = distributed.decide("checkpoint/shape", lambda: shape_problem(step_dir, abstract_state["params"],
+                                                                                  model))
+            if other is not None:
+                raise ValueError(f"checkpoint step {step} ({step_dir}) {other}")
             out, problem = _orbax_read(lambda: self.manager.restore(step, args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(abstract_state["params"]),
                 state=ocp.args.StandardRestore(rest),
                 meta=ocp.args.JsonRestore(),
             )), step_dir)
+            problems = [p for p in distributed.gather("checkpoint/restore", problem) if p is not None]
+            problem = problems[0] if problems else None
             if problem is None:
                 return {"params": out["params"], **out["state"]}, dict(out["meta"])
             if MISMATCH in problem:
@@ -230,19 +350,24 @@ class Checkpointer:
                                  "saved with, or start a new train.output_dir")
         raise CheckpointDamaged(f"checkpoint step {step} ({self.directory / str(step)}) is damaged: {problem}")
 
-    def restore_newest(self, abstract_state: dict, log=print) -> tuple[int, dict, dict]:
+    def restore_newest(self, abstract_state: dict, log=print, model: ModelConfig | None = None
+                       ) -> tuple[int, dict, dict]:
         """The newest step that restores completely. Newer damaged steps are named and moved
         to `damaged_checkpoints/` beside `checkpoints/`; if none restores, nothing is moved."""
         damaged = []
         for step in reversed(self.all_steps()):
             try:
-                state, meta = self.restore(abstract_state, step)
+                state, meta = self.restore(abstract_state, step, model)
             except CheckpointDamaged as e:
                 damaged.append((step, str(e)))
                 log(f"{e}; trying the step before it")
                 continue
             for bad, _ in damaged:
-                log(f"moved damaged step {bad} to {self._set_aside(bad)} (nothing was deleted)")
+                moved = self._set_aside(bad) if distributed.is_main() else None
+                log(f"moved damaged step {bad} to {moved} (nothing was deleted)")
+            distributed.barrier("checkpoints/set_aside")
+            if damaged:
+                self.manager.reload()
             return step, state, meta
         raise CheckpointDamaged("no checkpoint in " + str(self.directory) + " restores:\n  " +
                                 "\n  ".join(message for _, message in damaged) +
@@ -256,21 +381,24 @@ class Checkpointer:
             target, n = self.directory.parent / DAMAGED / f"{step}-{n}", n + 1
         target.parent.mkdir(exist_ok=True)
         shutil.move(str(self.directory / str(step)), str(target))
-        self.manager.reload()
         return target
 
     def wait(self) -> None:
         """Wait for the save in flight, then seal every finished step with its checksums."""
-        self.manager.wait_until_finished()
-        if jax.process_index() == 0:
-            for step in self._unsealed:
-                if (self.directory / str(step)).is_dir():
-                    write_checksums(self.directory / str(step))
-        self._unsealed.clear()
+        unsealed, self._unsealed = self._unsealed, []
+        with self._writing(unsealed[-1] if unsealed else -1):
+            self.manager.wait_until_finished()
+            if distributed.is_main():
+                for step in unsealed:
+                    if (self.directory / str(step)).is_dir():
+                        write_checksums(self.directory / str(step))
 
     def close(self) -> None:
-        self.wait()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            with _orbax_log_quiet():
+                self.manager.close()
 
 
 # ----- reading a model from any checkpoint directory ----------------------------------
@@ -314,7 +442,9 @@ def resolve_checkpoint(path) -> tuple[pathlib.Path, pathlib.Path, str, str]:
 def load_params(path, log=None, **overrides):
     """`(ModelConfig, params pure dict, raw config dict, run directory)` from a checkpoint
     directory; `overrides` replace ModelConfig fields (e.g. `dtype`). `log` is told which
-    step is loaded; a damaged one raises `CheckpointDamaged` naming the file."""
+    step is loaded; a damaged one raises `CheckpointDamaged` naming the file, one of another
+    model shape than its config a ValueError naming what differs. The parameters land on the
+    first device, or replicated on every device of a launch of several processes."""
     from flax import nnx
 
     from modern_jax.training.step import abstract_model
@@ -327,9 +457,17 @@ def load_params(path, log=None, **overrides):
     problem = check_files(directory, items=("params",))
     if problem is None:
         _, abstract = abstract_model(cfg)
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if jax.process_count() > 1:
+            sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
+                                                  jax.sharding.PartitionSpec())
+        else:
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                               nnx.to_pure_dict(abstract))
+        other = shape_problem(directory, target, ModelConfig.from_dict(raw["model"]))
+        if other is not None:
+            raise ValueError(f"checkpoint {what} {other}")
+
         def read():
             with ocp.StandardCheckpointer() as checkpointer:
                 return checkpointer.restore(directory / "params", target)

@@ -18,12 +18,20 @@ SIGTERM / SIGINT save a checkpoint and stop. A non-finite loss or gradient skips
 update (the step function keeps the old state) and is logged; `max_nonfinite_steps` in a
 row stop the run with `TrainingDiverged`. A checkpoint is only written from finite
 parameters.
+
+The run directory has one writer: its lock (`outputs.RunLock`) is taken before anything is
+written, and a start that fails removes what it wrote. In a launch of several processes
+(`parallel.distributed`) process 0 takes the lock and writes the run's files (config,
+tokenizer, metrics, TensorBoard, plots, samples) and prints; every process computes and saves
+its shards of each checkpoint; the processes agree on the directory's verdict, the step to
+resume from and the step a signal stops at.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 import shutil
 import signal
@@ -36,12 +44,14 @@ import numpy as np
 import yaml
 
 from modern_jax.accounting import flops_per_token
+from modern_jax.configfile import read_yaml
 from modern_jax.data.corpora import load_splits
 from modern_jax.data.pipeline import eval_batches, train_iterator
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
+from modern_jax.parallel import distributed
 from modern_jax.sharding import RULES, mesh_axes
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer, read_config
+from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer, CheckpointWriteError
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training.step import Trainer
@@ -72,11 +82,17 @@ class TrainResult:
     wall_s: float = 0.0  # the loop, evaluation included, compilation excluded
     compile_s: float = 0.0
     interrupted: bool = False
+    signal: int | None = None  # the signal that stopped it (None: stop_after, or another process's signal)
     samples: list[str] = dataclasses.field(default_factory=list)
 
 
 class _StopSignal:
-    """SIGTERM / SIGINT set a flag the loop checks each step (a second SIGINT interrupts at once)."""
+    """SIGTERM / SIGINT stop the run, after a checkpoint, at a step every process agrees on.
+
+    One process: a flag the loop reads after each step (a second SIGINT interrupts at once).
+    Several: SIGTERM is jax's preemption notice, whose handler tells the coordination service,
+    which picks the step at which every process stops (`reached_preemption_sync_point`); a
+    SIGINT is passed on as one."""
 
     def __init__(self):
         self.received: int | None = None
@@ -84,24 +100,44 @@ class _StopSignal:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
+            several = distributed.joined()
+            for sig in (signal.SIGINT,) if several else (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._pass_on if several else self._handle)
         return self
 
     def _handle(self, signum, frame):
         self.received = signum
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    def _pass_on(self, signum, frame):
+        self.received = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.kill(os.getpid(), signal.SIGTERM)  # to jax's preemption notice
+
+    def due(self, step: int) -> bool:
+        """Stop after `step` (called after every step, by every process, in the same order)."""
+        if distributed.joined():
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.received is not None
+
+    def name(self) -> str:
+        if distributed.joined():
+            return "a stop signal (SIGTERM or Ctrl-C) to one of the processes"
+        return signal.Signals(self.received).name
+
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
-def evaluate_batches(trainer: Trainer, params, batches, token_bytes) -> dict:
-    """Loss (nats / token), bits per byte and token count over `batches` (one host fetch)."""
+def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int | None = None) -> dict:
+    """Loss (nats / token), bits per byte and token count over `batches` (one host fetch); `rows`:
+    the global rows of a batch whose local share each process passes (None: one process)."""
     totals = None
     for batch in batches:
-        sums = trainer.eval_step(params, trainer.put_batch(batch), token_bytes)
+        sums = trainer.eval_step(params, trainer.put_batch(batch, rows), token_bytes)
         totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
     if totals is None:
         raise ValueError("nothing to evaluate: the split is empty")
@@ -120,24 +156,87 @@ def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, me
 
 
 def _check_divisible(name: str, rows: int, mesh, rules=RULES) -> None:
-    """The batch rows split over the mesh axes of `activation_batch` and over the hosts."""
-    shards = math.prod(mesh.shape[a] for a in mesh_axes("activation_batch", rules) if a in mesh.shape)
-    if rows % shards or rows % jax.process_count():
-        raise ValueError(f"train.{name} gives {rows} rows, not divisible by the {shards} data shards "
-                         f"and {jax.process_count()} hosts")
+    """The batch rows split over the mesh axes of `activation_batch` (each process holds whole shards)."""
+    axes = [a for a in mesh_axes("activation_batch", rules) if a in mesh.shape]
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if rows % shards:
+        raise ValueError(f"train.{name} gives {rows} rows, not divisible by the {shards} data shards of the mesh "
+                         f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}): make it a multiple of {shards}")
 
 
-def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None):
+def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None, shared: pathlib.Path | None = None):
     """Tokenizer (a resumed run's, else `tokenizer`, else built from `data:`), splits and the run
-    config with its vocabulary resolved."""
+    config with its vocabulary resolved. `shared`: where the processes of a launch build the
+    token streams together."""
     saved = resume_dir / TOKENIZER_FILE if resume_dir is not None else None
     tokenizer = load_tokenizer(saved) if saved is not None and saved.exists() else tokenizer
-    tokenizer, train_stream, val_stream = load_splits(run.data, tokenizer, run.vocab_size)
+    tokenizer, train_stream, val_stream = load_splits(run.data, tokenizer, run.vocab_size, shared=shared)
     run = run.with_vocab(tokenizer.vocab_size)
     if tokenizer.vocab_size > run.model.vocab_size:
         raise ValueError(f"model.vocab_size={run.model.vocab_size} is smaller than the {run.data.tokenizer} "
                          f"tokenizer's {tokenizer.vocab_size} ids (use vocab_size: auto or raise it)")
     return run, tokenizer, train_stream, val_stream
+
+
+class RunDirectory:
+    """`train.output_dir` for one call of `train`: claimed, locked and, if the start fails,
+    left as it was found. In a launch of several processes, process 0 decides and locks; the
+    others follow its verdict and check that they see the same directory."""
+
+    WHAT, HINT = "train.output_dir", "choose a new train.output_dir (--output-dir)"
+
+    def __init__(self, path: pathlib.Path, log):
+        self.path, self.log = path, log
+        self.lock: outputs.RunLock | None = None
+        self.started = False  # the run's files are written: a failure from here on keeps them
+        self.made: list[pathlib.Path] = []  # what this start wrote before `started` (removed on failure)
+
+    def __enter__(self) -> RunDirectory:
+        def take() -> dict:
+            outputs.claim(self.path, outputs.RUN, self.WHAT, hint=self.HINT)
+            self.lock = outputs.RunLock(self.path, self.WHAT, processes=distributed.count(), hint=self.HINT)
+            self.lock.acquire(self.log)
+            outputs.claim(self.path, outputs.RUN, self.WHAT, hint=self.HINT)  # the lock is ours: look again
+            return {"token": self.lock.holder["token"]}
+
+        try:
+            token = distributed.decide("run_directory", take)["token"]
+        except BaseException:
+            self._release()
+            raise
+        if self.lock is None:  # another process's view of the directory process 0 locked
+            lock = self.path / outputs.LOCK_FILE
+            seen = outputs._read_lock(lock) if lock.exists() else None
+            if (seen or {}).get("token") != token:
+                raise distributed.Refused(
+                    f"{self.WHAT}={str(self.path)!r} is not the directory that process 0 locked (its lock is not "
+                    f"there): every process must see the run directory on a shared file system (NFS, a GCS "
+                    f"mount, ...), as checkpoints need it")
+        distributed.on_stop(self.abandon)
+        return self
+
+    def check(self) -> None:
+        """Stop before writing more if another writer took the directory over."""
+        if self.lock is not None:
+            self.lock.check()
+
+    def abandon(self) -> None:
+        """A start that fails removes what it wrote (all of a directory it created), then unlocks."""
+        if self.lock is not None and not self.started:
+            if self.lock.created:
+                shutil.rmtree(self.path, ignore_errors=True)
+            else:
+                for path in self.made:
+                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __exit__(self, *exc):
+        self.abandon()
 
 
 def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None,
@@ -147,20 +246,29 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
     the parameters (and tokenizer) a new run starts from; a resumed run ignores it."""
     tc = run.train
     out_dir = pathlib.Path(tc.output_dir)
-    outputs.claim(out_dir, outputs.RUN, "train.output_dir", hint="choose a new train.output_dir (--output-dir)")
-    mesh = run.parallel.mesh() if mesh is None else mesh
-    # creates nothing on disk until the first save, so a run that fails to start leaves no checkpoints/
-    checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
-    try:
-        with _StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
-            return _train(run, out_dir, mesh, checkpointer, log, stop_after, stop, init)
-    finally:
-        checkpointer.close()
+    log = log if distributed.is_main() else _quiet
+    with RunDirectory(out_dir, log) as directory:
+        mesh = run.parallel.mesh() if mesh is None else mesh
+        # creates nothing on disk until the first save, so a run that fails to start leaves no checkpoints/
+        checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
+        try:
+            with _StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
+                return _train(run, directory, mesh, checkpointer, log, stop_after, stop, init)
+        finally:
+            checkpointer.close()
+            shutil.rmtree(out_dir / _SHARED_DATA, ignore_errors=True) if distributed.is_main() else None
 
 
-def _train(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log, stop_after,
+def _quiet(*_) -> None:
+    """What processes other than 0 print of the run's progress: nothing."""
+
+
+_SHARED_DATA = ".data"  # in a launch of several processes: the token streams they built together
+
+
+def _train(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log, stop_after,
            stop: _StopSignal, init: Initial | None) -> TrainResult:
-    session = _set_up(run, out_dir, mesh, checkpointer, log, init)
+    session = _set_up(run, directory, mesh, checkpointer, log, init)
     result = _loop(session, mesh, stop_after, stop)
     if not result.interrupted:
         _finish(session, result, log)
@@ -173,7 +281,7 @@ class _Session:
     iterator's position for the step after the last one run) advance with the loop."""
 
     run: RunConfig
-    out_dir: pathlib.Path
+    directory: RunDirectory
     checkpointer: Checkpointer
     trainer: Trainer
     tokenizer: object
@@ -188,46 +296,102 @@ class _Session:
     saved_step: int | None
     compile_s: float
 
+    @property
+    def out_dir(self) -> pathlib.Path:
+        return self.directory.path
+
     def save(self, step: int, log) -> None:
-        meta = {"step": step, "data": self.data_state}
+        self.directory.check()
+        meta = {"step": step, "data": self.data_state, "model": self.run.model.to_dict()}
         if self.saved_step != step and save_if_finite(self.checkpointer, self.trainer, self.state, meta, log):
             self.saved_step = step
+            distributed.note(resume=self.resume_hint())
 
-    def evaluate(self, metrics_log: MetricsLog, step: int, batches) -> dict:
-        values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes)
-        metrics_log.write(step, "val", values)
+    def newest(self) -> str:
+        return f"the newest checkpoint is step {self.saved_step}" if self.saved_step is not None else \
+            "no checkpoint has been written yet"
+
+    def resume_hint(self) -> str:
+        return f" {self.newest().capitalize()}; run the same command again (every process) to resume."
+
+    def batch(self, batch: dict, rows: int) -> dict:
+        return self.trainer.put_batch(batch, rows)
+
+    def evaluate(self, metrics_log: MetricsLog | None, step: int, batches) -> dict:
+        values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
+                                  self.run.train.eval_batch_size)
+        if metrics_log is not None:
+            metrics_log.write(step, "val", values)
         return values
 
     def eval_batches(self, max_windows):
         tc = self.run.train
+        rows, _ = self.trainer.local_slices(tc.eval_batch_size)
         return eval_batches(self.val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
-                            max_windows=max_windows, host_index=jax.process_index(), host_count=jax.process_count())
+                            max_windows=max_windows, rows=rows)
 
 
-def _set_up(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpointer, log,
+def _changes(saved: dict, now: dict) -> list[str]:
+    """`section.field old -> new` for every setting of `now` that differs from the saved config."""
+    before, after = distributed.flatten(saved), distributed.flatten(now)
+    return [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
+            if before.get(k) != after.get(k) and not k.startswith("model.")]
+
+
+TOKENIZER_FIELDS = ("data.tokenizer", "data.tokenizer_path")  # what a resumed run's saved tokenizer fixes
+
+
+def _check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
+    """A resumed run keeps its model and its tokenizer; other changed settings are named."""
+    config_path = out_dir / CONFIG_FILE
+    if not config_path.exists():
+        return
+    saved = read_yaml(config_path)
+    saved = saved if isinstance(saved, dict) else {}
+    model_diff = [f"model.{k} is {v!r} there, {run.model.to_dict().get(k)!r} here"
+                  for k, v in (saved.get("model") or {}).items() if run.model.to_dict().get(k) != v]
+    if model_diff:
+        raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model ({'; '.join(model_diff[:3])}"
+                         f", by its {CONFIG_FILE}): start a new train.output_dir or keep the model: section unchanged")
+    now = run.to_dict()
+    flat_saved, flat_now = distributed.flatten(saved), distributed.flatten(now)
+    for field in TOKENIZER_FIELDS:
+        if field in flat_saved and flat_saved[field] != flat_now.get(field):
+            raise ValueError(f"{str(out_dir)!r} was trained with {field}={flat_saved[field]!r} (its tokenizer.json "
+                             f"keeps it), not {flat_now.get(field)!r}: a resumed run keeps its tokenizer, so drop "
+                             f"the new {field}, or start a new train.output_dir")
+    changed = [c for c in _changes(saved, now) if not c.startswith("train.resume ")]
+    if changed:
+        log(f"resuming with changed settings: {'; '.join(changed)}")
+
+
+def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log,
             init: Initial | None = None) -> _Session:
-    """Check everything, restore or initialise the state, write the run's files, compile."""
-    tc = run.train
+    """Check everything, restore or initialise the state, compile, then write the run's files."""
+    tc, out_dir = run.train, directory.path
     steps = checkpointer.all_steps()
     if steps and not tc.resume:
         raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {steps[-1]}); "
                          "set train.resume=true to continue, or choose another output_dir")
     init = None if steps else init
+    distributed.check_same("run", {**distributed.flatten(run.to_dict()), "init": init.source if init else None,
+                                   "mesh": dict(mesh.shape), "devices": mesh.size, "resume from": steps[-1:] or None})
+    shared = None
+    if distributed.joined():
+        shared = out_dir / _SHARED_DATA
+        directory.made.append(shared)
     run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None,
-                                                           init.tokenizer if init is not None else None)
-    model_cfg = run.model
-    config_path = out_dir / CONFIG_FILE
-    if steps and config_path.exists() and read_config(config_path)["model"] != model_cfg.to_dict():
-        raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model (its {CONFIG_FILE} "
-                         "differs from this model: section): start a new train.output_dir or keep the model: "
-                         "section unchanged")
+                                                           init.tokenizer if init is not None else None, shared)
+    if steps:
+        distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
     rules = run.parallel.rules_table()
     _check_divisible("batch_size / grad_accum", tc.batch_size // tc.grad_accum, mesh, rules)
     _check_divisible("eval_batch_size", tc.eval_batch_size, mesh, rules)
+    model_cfg = run.model
     trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout)
     latest = None
     if steps:
-        latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log)
+        latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log, model=model_cfg)
         data_state, start = meta["data"], int(meta["step"])
         newest = "" if latest == steps[-1] else " (the newest step that restores completely)"
         log(f"resumed from {out_dir / CHECKPOINTS / str(latest)} at step {start}{newest}")
@@ -235,29 +399,37 @@ def _set_up(run: RunConfig, out_dir: pathlib.Path, mesh, checkpointer: Checkpoin
         state, data_state, start = trainer.init_state(tc.seed), None, 0
         if init is not None:
             state["params"] = _initial_params(trainer, init, log)
-    out_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run's files may be written
-    config_path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
+
+    rows, _ = trainer.local_slices(tc.batch_size // tc.grad_accum)
+    iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size, grad_accum=tc.grad_accum,
+                              seed=tc.seed, rows=rows, num_threads=run.data.num_threads, prefetch=run.data.prefetch,
+                              state=data_state)
+    session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
+                       jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
+                       iterator.get_state(), {}, start, latest, 0.0)
+    session.periodic_eval = list(session.eval_batches(tc.eval_windows))
+    # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
+    session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum)
+    session.compile_s = trainer.compile(state, session.next_batch,
+                                        session.batch(session.periodic_eval[0], tc.eval_batch_size),
+                                        session.token_bytes)
+    if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
+        _write_run_files(out_dir, run, tokenizer, init)
+    directory.started = True
+    distributed.note(step=start, resume=session.resume_hint())
+    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    log(f"model: {n_params:,} parameters | train {len(train_stream):,} tokens, validation {len(val_stream):,} "
+        f"tokens | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
+    return session
+
+
+def _write_run_files(out_dir: pathlib.Path, run: RunConfig, tokenizer, init: Initial | None) -> None:
+    (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
     tokenizer.save(out_dir)
     if init is not None and init.assets:
         (out_dir / HF_ASSETS_DIR).mkdir(exist_ok=True)
         for asset in init.assets:
             shutil.copy2(asset, out_dir / HF_ASSETS_DIR / asset.name)
-
-    iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size, grad_accum=tc.grad_accum,
-                              seed=tc.seed, host_index=jax.process_index(), host_count=jax.process_count(),
-                              num_threads=run.data.num_threads, prefetch=run.data.prefetch, state=data_state)
-    session = _Session(run, out_dir, checkpointer, trainer, tokenizer, val_stream, iterator,
-                       jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
-                       iterator.get_state(), {}, start, latest, 0.0)
-    session.periodic_eval = list(session.eval_batches(tc.eval_windows))
-    # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
-    session.next_batch = trainer.put_batch(next(iterator))
-    session.compile_s = trainer.compile(state, session.next_batch, trainer.put_batch(session.periodic_eval[0]),
-                                        session.token_bytes)
-    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    log(f"model: {n_params:,} parameters | train {len(train_stream):,} tokens, validation {len(val_stream):,} "
-        f"tokens | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
-    return session
 
 
 def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
@@ -271,7 +443,12 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
         raise ValueError(f"{init.source} does not fit the run's model: " + "; ".join(wrong[:4] or sorted(
             set(got) - set(want))[:4]))
     log(f"initialised from {init.source}")
-    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x, s.dtype), s.sharding), params, abstract)
+    return jax.tree.map(lambda x, s: _place(np.asarray(x, s.dtype), s.sharding), params, abstract)
+
+
+def _place(x: np.ndarray, sharding) -> jax.Array:
+    """A host array every process holds whole, as the global array of `sharding`."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
@@ -279,60 +456,69 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
     tc = s.run.train
     flops = flops_per_token(s.run.model, tc.seq_len)["total"]
     tokens_per_step = tc.batch_size * tc.seq_len
+    rows = tc.batch_size // tc.grad_accum
+    main = distributed.is_main()
     metrics_log = MetricsLog(s.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
-                             config=s.run.to_dict())
-    progress = Progress(tc.steps, s.start, enabled=tc.progress)
+                             config=s.run.to_dict()) if main else None
+    progress = Progress(tc.steps, s.start, enabled=tc.progress and main)
     history: list[dict] = []
     pending: list[tuple[int, dict]] = []
     result = TrainResult(s.out_dir, s.start, history, compile_s=s.compile_s)
     loop_start = time.perf_counter()
     interval_start, interval_tokens = loop_start, 0
     step, next_batch = s.start, s.next_batch
+    message = progress.message if main else _quiet
     try:
         while step < tc.steps:
             batch, next_batch = next_batch, None
             s.state, metrics = s.trainer.train_step(s.state, batch)
             step += 1
+            distributed.note(step=step)
             interval_tokens += tokens_per_step
             pending.append((step, metrics))
             s.data_state = s.iterator.get_state()
+            stopping = stop.due(step) or (stop_after is not None and step - s.start >= stop_after and step < tc.steps)
             if step < tc.steps:
-                next_batch = s.trainer.put_batch(next(s.iterator))  # overlaps with the running step
-            if step % tc.log_every == 0 or step == tc.steps or stop.received or step - s.start == stop_after:
+                next_batch = s.batch(next(s.iterator), rows)  # overlaps with the running step
+            if step % tc.log_every == 0 or step == tc.steps or stopping:
                 fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
                 rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-                record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, progress)
-                metrics_log.write(step, "train", record)
+                record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message)
+                if metrics_log is not None:
+                    metrics_log.write(step, "train", record)
                 progress.update(step, record["loss"], rate)
                 pending.clear()
                 if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
                     raise TrainingDiverged(
                         f"stopping at step {step}: {int(history[-1]['nonfinite_streak'])} non-finite steps in a "
                         f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
-                        f"skipped; the newest checkpoint is step {s.saved_step}. Lower train.lr or check the data.")
+                        f"skipped; {s.newest()}. Lower train.lr or check the data.")
                 interval_start, interval_tokens = time.perf_counter(), 0
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 values = s.evaluate(metrics_log, step, s.periodic_eval)
-                progress.message(f"step {step}: val_loss {values['loss']:.4f} | val_bpb {values['bpb']:.4f}")
-            if stop.received or (stop_after is not None and step - s.start >= stop_after and step < tc.steps):
-                s.save(step, progress.message)
+                message(f"step {step}: val_loss {values['loss']:.4f} | val_bpb {values['bpb']:.4f}")
+            if stopping:
+                s.save(step, message)
                 s.checkpointer.wait()
-                name = signal.Signals(stop.received).name if stop.received else f"stop_after={stop_after}"
-                progress.message(f"{name}: saved a checkpoint at step {step} and stopped")
+                name = stop.name() if stop_after is None or step - s.start < stop_after else f"stop_after={stop_after}"
+                message(f"{name}: saved a checkpoint at step {step} and stopped; run the same command again to "
+                        f"resume")
                 result.interrupted = True
                 break
             if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                s.save(step, progress.message)
+                s.save(step, message)
         if not result.interrupted:
             final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows))
             result.val_loss, result.val_bpb = final["loss"], final["bpb"]
-            s.save(step, progress.message)
+            s.save(step, message)
     finally:
         progress.close()
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
     result.wall_s = time.perf_counter() - loop_start
     result.step = step
     result.tokens_per_s = (step - s.start) * tokens_per_step / max(result.wall_s, 1e-9)
+    result.signal = stop.received
     s.checkpointer.wait()
     return result
 
@@ -352,19 +538,20 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
         result.samples = sample_texts(s.trainer.graphdef, s.state["params"], s.tokenizer, prompt, n=tc.samples,
                                       max_new_tokens=tc.sample_tokens, seed=tc.seed,
                                       temperature=tc.sample_temperature, top_k=tc.sample_top_k, top_p=tc.sample_top_p)
-        (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
-    if tc.plot:
+        if distributed.is_main():
+            (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
+    if tc.plot and distributed.is_main():
         plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", title=str(s.out_dir))
         log(f"loss curve: {s.out_dir / 'loss.png'}")
 
 
-def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, progress) -> dict:
+def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, message) -> dict:
     """Record the fetched metrics of the pending steps, note skipped steps, and summarise."""
     rows = []
     for (step, _), values in zip(pending, fetched):
         row = {"step": step, **{k: np.asarray(v, np.float64).tolist() for k, v in values.items()}}
         if not row["finite"]:
-            progress.message(f"step {step}: non-finite loss or gradient (loss {row['loss']}, grad norm "
+            message(f"step {step}: non-finite loss or gradient (loss {row['loss']}, grad norm "
                              f"{row['grad_norm']}); update skipped")
         rows.append(row)
     history.extend(rows)

@@ -1,4 +1,5 @@
-"""What a directory holds, and the refusal to write into one that holds something else.
+"""What a directory holds, who is writing into it, and the refusal to write into one that holds
+something else.
 
 Every command that writes names its kind of directory and claims it first:
 
@@ -6,29 +7,52 @@ Every command that writes names its kind of directory and claims it first:
 |-------------------------------|-------------------------------------|----------------------------------|
 | `train` (`train.output_dir`)  | a new or empty directory, or its own run (resume) | -                  |
 | `convert --from-hf`, `save_checkpoint` | a new or empty directory   | replaces a converted checkpoint  |
-| `convert --to-hf`, `to_hf`    | a new or empty directory            | replaces a Hugging Face model    |
+| `convert --to-hf`, `to_hf`    | a new or empty directory            | replaces an export of its own    |
 
 Anything else (a training run, one of its step directories, another kind of checkpoint,
 files we did not write) is refused with what is there and how to proceed; nothing is
-deleted unless `overwrite` is given, and then only a directory of the writer's own kind.
+deleted unless `overwrite` is given, and then only a directory of the writer's own kind that
+it wrote itself (a Hugging Face export carries the `MARKER` file), never one inside a run or a
+checkpoint (a run's `hf/`, a checkpoint's `hf/`).
+
+A directory has one writer at a time: `RunLock` takes `LOCK_FILE` (host, pid, command) before
+anything is written there and keeps its modification time fresh (a heartbeat every
+`HEARTBEAT_S`); a second writer is refused naming the live one. A lock left by a process that
+is gone (same host: its pid is not running; another host: no heartbeat for `STALE_S`) is
+taken over, saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
+import errno
+import json
+import os
 import pathlib
+import secrets
 import shutil
+import socket
+import threading
+import time
 
 import yaml
 
 RUN, STEP, CHECKPOINT, HF, OTHER, EMPTY, MISSING = "run", "step", "checkpoint", "hf", "other", "empty", "missing"
 LISTED = 4  # entries named in a description
+LOCK_FILE = ".modern-jax.lock"  # the live writer of a directory (RunLock)
+MARKER = ".modern-jax"  # in a Hugging Face export we wrote: what wrote it (`--overwrite` replaces only such)
+OWN_FILES = (LOCK_FILE, MARKER)  # bookkeeping, not contents
+HEARTBEAT_S = 10.0
+STALE_S = 120.0  # a lock of another host whose heartbeat is this old is left by a dead run
 
 
 @dataclasses.dataclass(frozen=True)
 class Contents:
     kind: str  # one of the constants above
     description: str  # e.g. "a training run (checkpoints at steps 2, 4)"
+    ours: bool = True  # written by modern-jax (a Hugging Face directory: only with the MARKER file)
 
 
 def step_numbers(checkpoints: pathlib.Path) -> list[int]:
@@ -44,6 +68,13 @@ def _config_sections(path: pathlib.Path) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
+def _entries(path: pathlib.Path) -> list[str]:
+    try:
+        return sorted(p.name for p in path.iterdir() if p.name not in OWN_FILES)
+    except PermissionError:
+        raise ValueError(f"{str(path)!r} cannot be read (permission denied): choose a directory you own") from None
+
+
 def describe(path) -> Contents:
     """The kind of `path`: missing, empty, a training run, a step of one, a converted
     checkpoint, a Hugging Face model directory, or other files."""
@@ -51,8 +82,8 @@ def describe(path) -> Contents:
     if not path.exists():
         return Contents(MISSING, "nothing")
     if not path.is_dir():
-        return Contents(OTHER, "a file, not a directory")
-    names = sorted(p.name for p in path.iterdir())
+        return Contents(OTHER, "a file, not a directory", ours=False)
+    names = _entries(path)
     if not names:
         return Contents(EMPTY, "nothing")
     entries = set(names)
@@ -68,26 +99,59 @@ def describe(path) -> Contents:
         return Contents(CHECKPOINT, "a converted checkpoint (config.yaml and params/)")
     weights = [n for n in names if n.endswith(".safetensors")]
     if "config.json" in entries or weights:
-        return Contents(HF, f"a Hugging Face model (config.json and {len(weights)} safetensors files)")
+        return Contents(HF, f"a Hugging Face model (config.json and {len(weights)} safetensors files)",
+                        ours=(path / MARKER).is_file())
     shown = [n + "/" if (path / n).is_dir() else n for n in names[:LISTED]]
     more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
-    return Contents(OTHER, f"{len(names)} entries that modern-jax did not write ({', '.join(shown)}{more})")
+    return Contents(OTHER, f"{len(names)} entries that modern-jax did not write ({', '.join(shown)}{more})", ours=False)
+
+
+def enclosing(path) -> tuple[pathlib.Path, Contents] | None:
+    """The training run, step or converted checkpoint that `path` lies inside, if any."""
+    for parent in list(pathlib.Path(path).absolute().parents)[:3]:
+        contents = describe(parent)
+        if contents.kind in (RUN, STEP, CHECKPOINT):
+            return parent, contents
+    return None
+
+
+def mark(path, kind: str, how: str) -> None:
+    """Record in `path` that modern-jax wrote it (`how`: the command), so `overwrite` may replace it."""
+    (pathlib.Path(path) / MARKER).write_text(json.dumps({"kind": kind, "written_by": how}) + "\n")
 
 
 def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "choose a new directory",
           dry_run: bool = False) -> Contents:
     """Check that the writer of `kind` may write into `path` (named `what` in messages);
-    with `overwrite`, a directory of the same kind is emptied first (not with `dry_run`,
-    which only checks). Returns what was there before (of kind `kind`, missing or empty)."""
+    with `overwrite`, a directory of the same kind that modern-jax wrote, outside any run or
+    checkpoint, is emptied first (not with `dry_run`, which only checks). Returns what was
+    there before (of kind `kind`, missing or empty)."""
     path = pathlib.Path(path)
     contents = describe(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what}={str(path)!r} is a file, not a directory: {hint}")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{what}={str(path)!r} lies below {str(parent)!r}, which is a file, not a directory: "
+                                 f"{hint}")
+            break
+    if kind != RUN:  # a run's own writer meets its lock in RunLock
+        refuse_if_locked(path, what, hint)
     if contents.kind in (MISSING, EMPTY):
         return contents
     if contents.kind == kind and kind == RUN:  # the trainer resumes its own run
         return contents
     if contents.kind == kind and overwrite:
+        inside = enclosing(path)
+        if inside is not None:
+            raise ValueError(f"{what}={str(path)!r} lies inside {inside[1].description} ({str(inside[0])!r}); "
+                             f"--overwrite never replaces a directory of a run or a checkpoint, and nothing was "
+                             f"written: {hint} outside it")
+        if not contents.ours:
+            raise ValueError(f"{what}={str(path)!r} holds {contents.description} that modern-jax did not write (no "
+                             f"{MARKER} file); --overwrite replaces only an export of its own, and nothing was "
+                             f"written: {hint}, or remove it yourself")
         if dry_run:
             return contents
         for child in path.iterdir():
@@ -96,3 +160,193 @@ def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "c
     again = " or pass --overwrite (overwrite=True) to replace it" if contents.kind == kind else ""
     raise ValueError(f"{what}={str(path)!r} already holds {contents.description}; nothing was written: "
                      f"{hint}{again}")
+
+
+# ----- one writer per directory ------------------------------------------------------
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process `pid` (Linux `/proc`), to tell a reused pid from the lock's owner."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, starttime
+
+
+def _read_lock(path: pathlib.Path) -> dict | None:
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _fs_age(path: pathlib.Path) -> float:
+    """Seconds since `path` was last modified, by the clock of the file system that holds it (a
+    shared file system's hosts may disagree on the time)."""
+    probe = path.parent / f".modern-jax-clock-{secrets.token_hex(4)}"
+    try:
+        probe.touch()
+        now = probe.stat().st_mtime
+        probe.unlink()
+    except OSError:
+        now = time.time()
+    try:
+        return max(0.0, now - path.stat().st_mtime)
+    except FileNotFoundError:
+        return 0.0
+
+
+def _describe_holder(holder: dict) -> str:
+    n = holder.get("processes", 1)
+    several = f", {n} processes" if n and n > 1 else ""
+    return (f"modern-jax {holder.get('command', '?')} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}"
+            f"{several}, since {holder.get('since', '?')})")
+
+
+def stale(path: pathlib.Path, holder: dict | None) -> str | None:
+    """Why the lock at `path` was left by a process that is gone, or None if its writer may be live."""
+    age = _fs_age(path)
+    if holder is None:  # a writer killed between creating the file and writing it
+        return f"an unreadable lock, {age:.0f} s old" if age > HEARTBEAT_S else None
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        pid = holder["pid"]
+        started = _process_start(pid)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"process {pid} on this host is no longer running"
+        except PermissionError:
+            pass  # alive, another user's
+        if started is not None and holder.get("started") not in (None, started):
+            return f"pid {pid} now belongs to another process"
+        return None
+    if age > STALE_S:
+        return f"no heartbeat from host {holder.get('host')} for {age:.0f} s"
+    return None
+
+
+def refuse_if_locked(path, what: str, hint: str) -> None:
+    """A directory with a live writer (a run in progress, a conversion) is refused, naming it."""
+    lock = pathlib.Path(path) / LOCK_FILE
+    if lock.exists():
+        holder = _read_lock(lock)
+        if stale(lock, holder) is None:
+            raise ValueError(f"{what}={str(path)!r} is being written by {_describe_holder(holder or {})}; nothing "
+                             f"was written: wait for it to finish or {hint}")
+
+
+class RunLock:
+    """The one writer of `directory` (created if missing), from `acquire()` to `release()`.
+
+    The lock file names this host, pid and command; a thread refreshes its modification
+    time every `HEARTBEAT_S` and checks that it is still ours."""
+
+    def __init__(self, directory, what: str, command: str = "train", processes: int = 1, hint: str = ""):
+        self.directory = pathlib.Path(directory)
+        self.path = self.directory / LOCK_FILE
+        self.what, self.hint = what, hint or f"choose another {what}"
+        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
+                       "command": command, "processes": processes, "token": secrets.token_hex(8),
+                       "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        self.created = False  # the directory did not exist before acquire()
+        self.lost: str | None = None  # set when another writer took the lock over
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self, log=print) -> RunLock:
+        d, what = self.directory, self.what
+        self.created = not d.exists()
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{what}={str(d)!r} cannot be created ({e.strerror or e}); nothing was written: "
+                             f"{self.hint}") from None
+        for _ in range(3):
+            try:
+                with _dir_flock(d):
+                    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(json.dumps(self.holder) + "\n")
+                        f.flush()
+                        os.fsync(f.fileno())
+            except FileExistsError:
+                holder = _read_lock(self.path)
+                why = stale(self.path, holder)
+                if why is None:
+                    self._forget()
+                    raise ValueError(f"{what}={str(d)!r} is in use by {_describe_holder(holder or {})}; nothing was "
+                                     f"written: wait for it to finish, stop it, or {self.hint}") from None
+                log(f"{what}={str(d)!r}: taking over the lock of {_describe_holder(holder or {})}, which is no "
+                    f"longer running ({why})")
+                with contextlib.suppress(FileNotFoundError):
+                    if _read_lock(self.path) == holder:
+                        os.unlink(self.path)
+                continue
+            except OSError as e:
+                self._forget()
+                reason = "a read-only file system" if e.errno == errno.EROFS else (e.strerror or str(e))
+                raise ValueError(f"{what}={str(d)!r} is not writable ({reason}); nothing was written: "
+                                 f"{self.hint}") from None
+            self._thread = threading.Thread(target=self._beat, name="modern_jax-lock", daemon=True)
+            self._thread.start()
+            return self
+        raise ValueError(f"{what}={str(d)!r}: its lock changed hands three times while taking it: another writer is "
+                         f"starting there; {self.hint}")
+
+    def _forget(self) -> None:
+        """Leave no directory behind that acquire() created for nothing."""
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            holder = _read_lock(self.path)
+            if holder is None or holder.get("token") != self.holder["token"]:
+                self.lost = f"the lock of {self.what}={str(self.directory)!r} is now held by " \
+                            f"{_describe_holder(holder or {})}"
+                return
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def check(self) -> None:
+        """Raise if another writer has taken the directory over (before this one writes more)."""
+        if self.lost:
+            raise ValueError(f"{self.lost}; this process stops writing there")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        holder = _read_lock(self.path)
+        if holder is not None and holder.get("token") == self.holder["token"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+@contextlib.contextmanager
+def _dir_flock(directory: pathlib.Path):
+    """An advisory lock on the directory itself while a lock file is checked and taken (two
+    processes of one host cannot both take over a stale lock); a file system without it goes on."""
+    import fcntl
+
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -166,10 +166,25 @@ class Trainer:
         order = layout_order(next(iter(batch.values())).shape[-1], self.context, self.context_layout)
         return batch if order is None else {k: np.asarray(v)[..., order] for k, v in batch.items()}
 
-    def put_batch(self, batch: dict) -> dict:
-        """This host's rows as global arrays on the mesh (multi-host ready), laid out for the context axis."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
-                for k, v in self.laid_out(batch).items()}
+    def local_slices(self, rows: int) -> tuple[slice, slice]:
+        """The rows and the (laid-out) token positions of a `[A, rows, seq_len]` batch that this
+        process's devices hold: everything on one process; a share of them on each of several."""
+        shape = (1, rows, self.cfg.seq_len)
+        held = self.batch_sharding.addressable_devices_indices_map(shape).values()
+        return tuple(_span([index[d] for index in held], shape[d], ("rows", "tokens")[d - 1]) for d in (1, 2))
+
+    def put_batch(self, batch: dict, rows: int | None = None) -> dict:
+        """This process's rows (`local_slices(rows)` of a global batch of `rows` rows; None: the
+        batch is all of them, one process) as global arrays on the mesh, laid out for the context
+        axis; a process whose devices hold part of each sequence passes its part."""
+        laid_out = self.laid_out(batch)
+        first = next(iter(laid_out.values()))
+        rows = first.shape[1] if rows is None else rows
+        _, tokens = self.local_slices(rows)
+        shape = (first.shape[0], rows, first.shape[2])
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.ascontiguousarray(v[..., tokens]),
+                                                          shape)
+                for k, v in laid_out.items()}
 
     def model(self, params) -> Transformer:
         return nnx.merge(self.graphdef, params)
@@ -297,6 +312,18 @@ class Trainer:
         if eval_batch is not None:
             self._executables["eval"] = self._executable("eval", state["params"], eval_batch, token_bytes)
         return time.perf_counter() - start
+
+
+def _span(slices, size: int, what: str) -> slice:
+    """One slice covering `slices` (a process's devices' shares of one dimension), which must touch."""
+    ranges = sorted({(s.start or 0, size if s.stop is None else s.stop) for s in slices})
+    start, stop = ranges[0]
+    for lo, hi in ranges[1:]:
+        if lo > stop:
+            raise ValueError(f"this process's devices hold {what} {ranges} of {size}, which do not touch: lay the "
+                             f"mesh out so that each process holds one block of the batch")
+        stop = max(stop, hi)
+    return slice(start, stop)
 
 
 _MAXIMA = ("max_abs_logit", "max_attention_logit")

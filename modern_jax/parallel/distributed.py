@@ -1,0 +1,367 @@
+"""Many processes, one run: start-up, agreement between the processes, and their heartbeats.
+
+A command that computes (`train`, `evaluate`, `generate`, `plan`) calls `start()` before
+anything else touches JAX. It joins the other processes of a launch (multi-process JAX,
+`jax.distributed.initialize`) when one of these started it, looked for in this order:
+
+    flags        --coordinator HOST:PORT --num-processes N --process-id I
+    environment  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (`modern-jax launch`)
+    SLURM        srun: SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID
+    Open MPI     mpirun: OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_RANK, OMPI_MCA_orte_hnp_uri
+    Cloud TPU    the workers of a pod slice (`gcloud ... --worker=all`), as jax detects them
+    Kubernetes   as jax detects it (with the `kubernetes` package)
+
+and otherwise starts as one process, at once. Each process of a launch prints `process i of
+N, D devices (d local)` on stderr.
+
+Across processes (all no-ops in one process):
+- `decide(name, fn)`: process 0 computes, every process gets its result, or the same error
+  (a directory guard, which checkpoint to resume) — decided once, followed by all.
+- `check_same(name, facts)`: every process must hold the same facts (its config, mesh, data);
+  a difference is named before any step runs.
+- `barrier(name)`.
+- Heartbeats: every process publishes one every `heartbeat_timeout / 6` seconds through the
+  coordination service; a process that sends none for `heartbeat_timeout` seconds (killed,
+  out of memory, hung) or a coordinator that cannot be reached stops every other process with
+  one line naming the lost process and the step (`note(step=...)`), never a hang. A process
+  that fails says so to the others (`fail`), which then stop at once with its message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+HEARTBEAT_TIMEOUT = 60.0  # seconds without a heartbeat after which a process is lost
+LOST_EXIT = 4  # the exit status of a process stopped because another one was lost or failed
+_PREFIX = "modern_jax"
+_WAIT_MS = 24 * 3600 * 1000  # a decision can take as long as process 0's work (heartbeats bound real losses)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How this process joins the others: `None` fields are left to jax's detection."""
+
+    launcher: str  # "flags", "environment", "SLURM", "Open MPI", "Cloud TPU", "Kubernetes"
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer (the process count or id of this launch)") from None
+
+
+def detect(coordinator: str | None = None, num_processes: int | None = None,
+           process_id: int | None = None) -> Launch | None:
+    """The launch this process belongs to, or None when it runs alone (checked without waiting)."""
+    given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
+    if any(v is not None for v in given.values()):
+        missing = [flag for flag, v in given.items() if v is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} missing: give --coordinator HOST:PORT, --num-processes N and "
+                             f"--process-id I together (or none of them, to let the launcher's environment tell)")
+        return _checked(Launch("flags", coordinator, num_processes, process_id))
+    env = {k: os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    if env["JAX_NUM_PROCESSES"] is not None or env["JAX_PROCESS_ID"] is not None:
+        missing = [k for k, v in env.items() if v is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} not set: set JAX_COORDINATOR_ADDRESS=HOST:PORT, "
+                             f"JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=I together")
+        return _checked(Launch("environment", env["JAX_COORDINATOR_ADDRESS"], _env_int("JAX_NUM_PROCESSES"),
+                               _env_int("JAX_PROCESS_ID")))
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return Launch("Open MPI") if _env_int("OMPI_COMM_WORLD_SIZE") > 1 else None
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(k in os.environ for k in slurm):  # inside `srun` (an sbatch script alone lacks the step's list)
+        return Launch("SLURM") if _env_int("SLURM_NTASKS") > 1 else None
+    import jax  # noqa: F401  (importing jax finds out whether this is a Cloud TPU VM; no backend starts)
+    from jax._src import cloud_tpu_init
+
+    if cloud_tpu_init.running_in_cloud_tpu_vm:
+        from jax._src import clusters
+
+        for env_type in clusters.ClusterEnv._cluster_types:
+            if "Tpu" in env_type.__name__ and env_type.is_env_present():
+                return Launch("Cloud TPU") if env_type.get_process_count() > 1 else None
+    if "KUBERNETES_SERVICE_HOST" in os.environ and _has_module("kubernetes"):
+        from jax._src.clusters import k8s_cluster
+
+        if k8s_cluster.K8sCluster.is_env_present() and k8s_cluster.K8sCluster.get_process_count() > 1:
+            return Launch("Kubernetes")
+    return None
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _checked(launch: Launch) -> Launch | None:
+    n, i = launch.num_processes, launch.process_id
+    where = "--num-processes / --process-id" if launch.launcher == "flags" else "JAX_NUM_PROCESSES / JAX_PROCESS_ID"
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"{where}: process id {i} of {n} processes is invalid: ids run from 0 to N - 1")
+    if not launch.coordinator or ":" not in launch.coordinator:
+        flag = "--coordinator" if launch.launcher == "flags" else "JAX_COORDINATOR_ADDRESS"
+        raise ValueError(f"{flag}={launch.coordinator!r}: expected HOST:PORT of process 0")
+    return launch if n > 1 else None
+
+
+# ----- the joined processes -----------------------------------------------------------------
+
+
+class _Joined:
+    """This process's place in a launch, and its heartbeat threads."""
+
+    def __init__(self, command: str, heartbeat_timeout: float):
+        import jax
+        from jax._src import distributed
+
+        self.client = distributed.global_state.client
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self.command, self.timeout = command, heartbeat_timeout
+        self.calls: dict[str, int] = {}
+        self.status = {"step": None}  # what the loop last told `note`
+        self.on_stop: list = []  # called (best effort) before a lost peer stops this process
+        self.stopping = threading.Event()
+        self.peers: dict[int, dict] = {}
+
+    def key(self, name: str) -> str:
+        n = self.calls[name] = self.calls.get(name, 0) + 1  # every process calls in the same order
+        return f"{_PREFIX}/{name}/{n}"
+
+    # heartbeats ---------------------------------------------------------------------------
+
+    def start_heartbeats(self) -> None:
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        self.client.key_value_set(f"{_PREFIX}/who/{self.index}", json.dumps(me))
+        for j in range(self.count):
+            self.peers[j] = json.loads(self.client.blocking_key_value_get(f"{_PREFIX}/who/{j}", 300_000))
+        self.last_ok = time.monotonic()
+        self.seen = {j: (None, time.monotonic()) for j in range(self.count)}
+        threading.Thread(target=self._beat, name="modern_jax-heartbeat", daemon=True).start()
+        threading.Thread(target=self._judge, name="modern_jax-watchdog", daemon=True).start()
+
+    def _beat(self) -> None:
+        period, n = max(self.timeout / 6, 0.2), 0
+        while not self.stopping.is_set():
+            n += 1
+            try:
+                self.client.key_value_set(f"{_PREFIX}/alive/{self.index}", f"{n} {self.status['step']}",
+                                          allow_overwrite=True)
+                beats = dict(self.client.key_value_dir_get(f"{_PREFIX}/alive/"))
+                now = time.monotonic()
+                for key, value in beats.items():
+                    j = int(key.rsplit("/", 1)[1])
+                    if value != self.seen[j][0]:
+                        self.seen[j] = (value, now)
+                self.last_ok = now
+            except Exception:  # the coordinator is unreachable: the judge decides when that is too long
+                pass
+            self.stopping.wait(period)
+
+    def _judge(self) -> None:
+        while not self.stopping.wait(1.0):
+            now = time.monotonic()
+            if now - self.last_ok > self.timeout:
+                self.lost(0, f"the coordinator (process 0 of {self.count}, {self._who(0)}) has not answered for "
+                             f"{self.timeout:.0f} s")
+            for j, (value, when) in self.seen.items():
+                if j == self.index or value is None:
+                    continue
+                if value.startswith("failed"):
+                    self.lost(j, f"process {j} of {self.count} ({self._who(j)}) stopped: {value[len('failed '):]}")
+                if value != "done" and now - when > self.timeout:
+                    self.lost(j, f"process {j} of {self.count} ({self._who(j)}) has sent no heartbeat for "
+                                 f"{self.timeout:.0f} s (killed, out of memory or hung)")
+
+    def _who(self, j: int) -> str:
+        peer = self.peers.get(j) or {}
+        return f"host {peer.get('host', '?')}, pid {peer.get('pid', '?')}"
+
+    def lost(self, j: int, why: str) -> None:
+        """Stop this process: another one is gone."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        step = self.status.get("step")
+        at = f" at step {step}" if step is not None else ""
+        resume = self.status.get("resume", "")
+        print(f"modern-jax {self.command}: error: {why}{at}; stopping process {self.index} too.{resume}",
+              file=sys.stderr, flush=True)
+        for hook in self.on_stop:
+            try:
+                hook()
+            except Exception:
+                pass
+        from modern_jax.parallel import watch
+
+        watch.close()
+        os._exit(LOST_EXIT)
+
+    def publish(self, state: str) -> None:
+        """`done` or `failed MESSAGE`: what the others' watchdogs read instead of a missing heartbeat."""
+        self.stopping.set()
+        try:
+            self.client.key_value_set(f"{_PREFIX}/alive/{self.index}", state, allow_overwrite=True)
+        except Exception:
+            pass
+
+
+_JOINED: _Joined | None = None
+
+
+def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, log=None) -> None:
+    """Join the launch (nothing to do for one process), print this process's place, start heartbeats."""
+    global _JOINED
+    if launch is None or _JOINED is not None:
+        return
+    if not heartbeat_timeout > 0:
+        raise ValueError(f"--heartbeat-timeout {heartbeat_timeout}: expected a positive number of seconds")
+    import jax
+
+    kwargs = {k: v for k, v in (("coordinator_address", launch.coordinator), ("num_processes", launch.num_processes),
+                                ("process_id", launch.process_id)) if v is not None}
+    wait = int(max(2 * heartbeat_timeout, 60))  # for every process to connect (hosts start at different times)
+    try:  # jax's own heartbeat outlasts ours, so ours names the lost process first
+        jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=int(heartbeat_timeout) + 60,
+                                       initialization_timeout=wait)
+    except Exception as e:  # jax raises ValueError / RuntimeError / its runtime's error types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"could not join the other processes of this {launch.launcher} launch within {wait} s "
+                         f"({first}): check that every process was started and that the coordinator address is "
+                         f"reachable (--heartbeat-timeout sets the wait to twice its value)") from None
+    from modern_jax.parallel import watch
+
+    watch.watch_stderr()
+    _JOINED = _Joined(command, heartbeat_timeout)
+    _JOINED.start_heartbeats()
+    watch.status(command=command, index=_JOINED.index, count=_JOINED.count,
+                 peers={str(j): peer for j, peer in _JOINED.peers.items()})
+    (log or _stderr)(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices "
+                     f"({jax.local_device_count()} local), launched by {launch.launcher}")
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def joined() -> bool:
+    """True in a launch of several processes."""
+    return _JOINED is not None
+
+
+def is_main() -> bool:
+    """Process 0, the one that writes a run's files and prints."""
+    return _JOINED is None or _JOINED.index == 0
+
+
+def index() -> int:
+    return 0 if _JOINED is None else _JOINED.index
+
+
+def count() -> int:
+    return 1 if _JOINED is None else _JOINED.count
+
+
+def note(**status) -> None:
+    """What a lost process's message says: `step=`, and `resume=` (how to continue)."""
+    if _JOINED is not None:
+        from modern_jax.parallel import watch
+
+        _JOINED.status.update(status)
+        watch.status(**status)
+
+
+def on_stop(hook) -> None:
+    """`hook()` runs before this process stops because another one was lost (e.g. a lock's release)."""
+    if _JOINED is not None:
+        _JOINED.on_stop.append(hook)
+
+
+class Refused(ValueError):
+    """An error decided once on process 0 and raised by every process."""
+
+
+def decide(name: str, fn):
+    """`fn()` on process 0; every process returns its (JSON) result, or raises its ValueError."""
+    if _JOINED is None:
+        return fn()
+    key = _JOINED.key(f"decide/{name}")
+    if _JOINED.index == 0:
+        try:
+            outcome = {"value": fn()}
+        except ValueError as e:
+            outcome = {"error": str(e)}
+        _JOINED.client.key_value_set(key, json.dumps(outcome))
+    else:
+        outcome = json.loads(_JOINED.client.blocking_key_value_get(key, _WAIT_MS))
+    if "error" in outcome:
+        raise Refused(outcome["error"])
+    return outcome["value"]
+
+
+def gather(name: str, value) -> list:
+    """Every process's (JSON) `value`, in process order."""
+    if _JOINED is None:
+        return [value]
+    key = _JOINED.key(f"gather/{name}")
+    _JOINED.client.key_value_set(f"{key}/{_JOINED.index}", json.dumps(value))
+    return [json.loads(_JOINED.client.blocking_key_value_get(f"{key}/{j}", _WAIT_MS)) for j in range(_JOINED.count)]
+
+
+def barrier(name: str) -> None:
+    if _JOINED is not None:
+        _JOINED.client.wait_at_barrier(_JOINED.key(f"barrier/{name}"), _WAIT_MS)
+
+
+def check_same(name: str, facts: dict) -> None:
+    """Every process holds the same `facts` (flat `name -> value`), else a Refused naming the differences."""
+    if _JOINED is None:
+        return
+    everyone = gather(f"same/{name}", {k: _plain(v) for k, v in facts.items()})
+    differences = []
+    for j, theirs in enumerate(everyone[1:], 1):
+        for k in sorted(set(everyone[0]) | set(theirs)):
+            if everyone[0].get(k) != theirs.get(k):
+                differences.append(f"process {j} ({_JOINED._who(j)}) has {k}={theirs.get(k)!r} where process 0 has "
+                                   f"{everyone[0].get(k)!r}")
+    if differences:
+        more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+        raise Refused(f"the processes of this launch differ before the first step: {'; '.join(differences[:3])}{more}: "
+                      f"start every process with the same command, config and data")
+
+
+def _plain(value):
+    return json.loads(json.dumps(value, default=str))
+
+
+def finish(failed: str | None = None) -> None:
+    """Tell the others how this process ends: `done`, or `failed` with a message of its own (an
+    error the others did not share), which stops them at once."""
+    if _JOINED is None:
+        return
+    _JOINED.publish("done" if failed is None else f"failed {failed}")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """`{"train": {"lr": 1}}` -> `{"train.lr": 1}`: the dotted names the messages show."""
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out

@@ -1,0 +1,131 @@
+"""The last word of a process that jax's coordination client ends.
+
+When the coordinator of a launch (process 0) goes away, or reports another process lost, jax's
+client ends every other process at once, from a native thread, with a page of log lines and a
+native stack dump that name neither the step nor how to resume. `watch_stderr()` passes this
+process's stderr (file descriptor 2, native writes included) through a small child process
+that copies it; when that ending comes, the child leaves out jax's page and prints one line
+instead, in the words of `distributed.Joined.lost`: which process was lost, at which step, and
+how to resume — from the `status` lines this process sends it, which are never shown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+
+STATUS = b"\x1emodern_jax-status "  # a line the watcher keeps and never prints
+FATAL = b"Terminating process because the JAX distributed service detected fatal errors"
+_LOG_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d")  # absl's native log lines
+_MORE = (b" ", b"\t", b"=", b":", b".", b"\n", b"Additional", b"RPC", b"external/", b"The ", b"[type.")  # ... continued
+_watching = None  # the watcher process
+
+
+def watch_stderr() -> None:
+    """From now on this process's stderr goes through the watcher (one child process)."""
+    global _watching
+    if _watching:
+        return
+    read, write = os.pipe()
+    original = os.dup(2)
+    _watching = subprocess.Popen([sys.executable, "-m", "modern_jax.parallel.watch"], stdin=read,
+                                 stdout=subprocess.DEVNULL, stderr=original, close_fds=True)
+    os.close(original)
+    sys.stderr.flush()
+    os.dup2(write, 2)
+    os.close(write)
+    os.close(read)
+    atexit.register(close)
+
+
+def close() -> None:
+    """Hand the rest of stderr to the watcher and wait until it has written it (at exit)."""
+    global _watching
+    if not _watching:
+        return
+    watcher, _watching = _watching, False
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)  # our end of the pipe closes: the watcher reads its end
+    os.close(devnull)
+    try:
+        watcher.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def status(**fields) -> None:
+    """Tell the watcher what its message would say (`command`, `index`, `count`, `peers`, `step`, `resume`)."""
+    if _watching:
+        os.write(2, STATUS + json.dumps(fields).encode() + b"\n")
+
+
+def message(state: dict, fatal: bytes) -> str:
+    """The one line that replaces jax's page."""
+    command, index, count = state.get("command", "?"), state.get("index", "?"), state.get("count", "?")
+    peers = state.get("peers", {})
+
+    def who(j):
+        peer = peers.get(str(j), {})
+        return f"host {peer.get('host', '?')}, pid {peer.get('pid', '?')}"
+
+    lost = re.search(rb"unhealthy[^:]*:\s*([\d,\s]+)", fatal)
+    if lost:
+        j = int(lost.group(1).replace(b",", b" ").split()[0])
+        why = f"process {j} of {count} ({who(j)}) stopped (the coordinator found it lost)"
+    else:
+        why = f"the coordinator (process 0 of {count}, {who(0)}) is gone (killed, out of memory or unreachable)"
+    step = state.get("step")
+    at = f" at step {step}" if step is not None else ""
+    return f"modern-jax {command}: error: {why}{at}; stopping process {index} too.{state.get('resume', '')}"
+
+
+def main() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # a launcher's signal is for the process; this one outlives it
+    source, out = sys.stdin.buffer.raw, sys.stderr.buffer
+    state, held, buffer, fatal = {}, [], b"", b""
+
+    def emit(lines):
+        if lines:
+            out.write(b"".join(lines))
+            out.flush()
+
+    while True:
+        ready, _, _ = select.select([source], [], [], 0.5)
+        if not ready:  # quiet for a moment: what was held back was not jax's ending
+            emit(held)
+            held = []
+            continue
+        chunk = os.read(source.fileno(), 65536)
+        if not chunk:
+            break
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        for line in (line + b"\n" for line in lines):
+            if line.startswith(STATUS):
+                state.update(json.loads(line[len(STATUS):]))
+            elif fatal or FATAL in line:
+                fatal += line  # jax's ending and its stack dump: replaced by one line
+            elif _LOG_LINE.match(line) or (held and (line.startswith(_MORE) or line.strip().isdigit())):
+                held.append(line)  # a native log block, which may lead up to the ending
+            else:
+                emit(held)
+                held = []
+                emit([line])
+    if fatal:
+        emit([message(state, fatal).encode() + b"\n"])
+    else:
+        emit(held + ([buffer] if buffer else []))
+
+
+if __name__ == "__main__":
+    main()

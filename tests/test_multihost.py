@@ -1,0 +1,172 @@
+"""Many processes, one run: `modern-jax` launched as `srun` launches it (N processes x M host CPU
+devices on localhost, the SLURM variables of each task, no code of the user's) against one process.
+
+- A dense FSDP x tensor run on 2 processes x 4 devices is one run: every step's loss equals
+  1 process x 8 devices, each record is logged once, and the checkpoint evaluates in one process
+  to the run's validation loss.
+- A mixture whose experts (and the context axis) span processes: killed (SIGKILL of one process)
+  on 2 x 4, resumed and stopped by SIGTERM on 4 x 2 (both axes across processes), finished on 1
+  process: every step's loss, each time it ran, equals one uninterrupted process.
+- The machinery, with no model to compile: a lost process and a lost coordinator stop the others
+  with one line naming them and the step; processes that differ are refused before any step.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import signal
+import socket
+import textwrap
+import time
+
+import pytest
+
+import modern_jax.training.step as step_module
+from modern_jax.cli import main
+from processes import REPO, Launch, records, wait_for_step
+
+TINY = ["--config", str(REPO / "configs" / "tiny.yaml"), "model.n_layers=1", "model.d_model=32", "model.d_ff=64",
+        "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=0", "train.eval_windows=8",
+        "train.final_eval_windows=8", "train.eval_batch_size=8", "train.samples=0", "train.warmup_steps=2",
+        "train.progress=false", "train.plot=false", "data.tokenizer=char", "model.vocab_size=auto",
+        "model.vocab_pad_to=8"]
+MOE = [*TINY, "--config", str(REPO / "configs" / "moe_tiny.yaml"), "model.expert_d_ff=32", "model.n_experts=4"]
+
+
+@pytest.fixture(autouse=True)
+def quick_compiles(monkeypatch):
+    """The in-process reference runs compile as the launched processes do (QUICK)."""
+    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> pathlib.Path:
+    """Twelve small documents: split by name, tokenized by characters (process 0 builds the
+    vocabulary; the processes tokenize their shares of the documents together)."""
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(12):
+        words = " ".join(f"w{(i * 7 + j * 3) % 23}" for j in range(150 + 20 * i))
+        (root / f"doc{i:02d}.txt").write_text(f"document {i}: {words}\n")
+    return root
+
+
+def _losses(run: pathlib.Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run)}
+
+
+def _in_process(argv: list[str], capsys) -> str:
+    assert main(argv) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys):
+    run = [*TINY, "train.steps=6", "train.checkpoint_every=3", f"--data={corpus}", "--mesh", "data=2,fsdp=2,tensor=2"]
+    _in_process(["train", *run, "--output-dir", str(tmp_path / "one")], capsys)
+    launch = Launch(["train", *run, "--output-dir", str(tmp_path / "two")], n=2, devices=4, logdir=tmp_path)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    for i in range(2):
+        assert f"process {i} of 2, 8 devices (4 local), launched by SLURM" in launch.log(i)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert [r["step"] for r in records(two)] == list(range(1, 7))  # logged once, by process 0
+    assert len(records(two, "val")) == 1
+    expected = _losses(one)
+    for step, loss in _losses(two).items():
+        assert abs(loss - expected[step]) <= 1e-5, (step, loss, expected[step])
+    assert "val_loss:" in launch.log(0) and "val_loss:" not in launch.log(1)  # results printed once
+    assert len(list((two / "tensorboard").iterdir())) == 1
+    assert not (two / ".modern-jax.lock").exists() and not (two / ".data").exists()
+    # the checkpoint the two processes wrote evaluates in one process to the run's validation loss
+    out = _in_process(["evaluate", "--checkpoint", str(two), "--batch-size", "8", "--max-windows", "8"], capsys)
+    evaluated = float(re.search(r"^loss: (\S+)", out, re.M).group(1))
+    assert abs(evaluated - records(two, "val")[0]["loss"]) <= 1e-4
+
+
+def test_experts_and_context_across_processes_survive_a_kill_and_a_stop(tmp_path, corpus, capsys):
+    """expert=2 x context=4: on 2 x 4 the experts span the processes; on 4 x 2 both axes do."""
+    run = [*MOE, "train.steps=8", "train.checkpoint_every=3", f"--data={corpus}", "--mesh", "expert=2,context=4",
+           "--heartbeat-timeout", "8"]
+    _in_process(["train", *run, "--output-dir", str(tmp_path / "one")], capsys)
+    expected = _losses(tmp_path / "one")
+    out = tmp_path / "many"
+    seen: list[dict] = []
+
+    # 2 x 4: one process is killed after the checkpoint at step 3; the other stops, naming it
+    launch = Launch(["train", *run, "--output-dir", str(out)], n=2, devices=4, logdir=tmp_path)
+    wait_for_step(out, 4, launch)
+    while not (out / "checkpoints" / "3").is_dir():  # the save of step 3 has completed
+        time.sleep(0.05)
+    launch.procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    codes = launch.wait(timeout=150)
+    assert codes[0] == 4 and time.monotonic() - killed < 120, launch.log(0)[-2000:]
+    assert re.search(rf"process 1 of 2 \(host {socket.gethostname()}, pid {launch.procs[1].pid}\) has sent no "
+                     rf"heartbeat for 8 s .* at step \d+; stopping process 0 too\. The newest checkpoint is step "
+                     rf"3; run the same command again", launch.log(0)), launch.log(0)[-2000:]
+    seen += records(out)
+
+    # 4 x 2: resumes from step 3; SIGTERM to one process stops all four at one step, after a checkpoint
+    before = len(records(out))
+    launch = Launch(["train", *run, "--output-dir", str(out)], n=4, devices=2, logdir=tmp_path)
+    while len(records(out)) < before + 2:
+        assert all(p.poll() is None for p in launch.procs), launch.log(0)[-3000:]
+        time.sleep(0.05)
+    launch.procs[2].send_signal(signal.SIGTERM)
+    assert launch.wait() == [0, 0, 0, 0], launch.log(0)[-3000:]
+    stopped = int(re.search(r"saved a checkpoint at step (\d+) and stopped", launch.log(0)).group(1))
+    assert (out / "checkpoints" / str(stopped)).is_dir()
+    seen += records(out)[before:]
+
+    # 1 process finishes the run
+    before = len(records(out))
+    _in_process(["train", *run, "--output-dir", str(out)], capsys)
+    seen += records(out)[before:]
+    assert {r["step"] for r in seen} == set(range(1, 9))
+    for record in seen:  # every step, each time it ran, on 2, 4 and 1 processes
+        assert abs(record["loss"] - expected[record["step"]]) <= 1e-5, record
+
+
+JOIN = textwrap.dedent("""
+    import sys, time
+    from modern_jax.parallel import distributed
+    distributed.start(distributed.detect(), "train", heartbeat_timeout=float(sys.argv[1]))
+    distributed.note(step=7, resume=" The newest checkpoint is step 5; run the same command again (every process) to resume.")
+    assert distributed.decide("x", lambda: {"from": distributed.index()}) == {"from": 0}
+    assert distributed.gather("y", distributed.index()) == list(range(distributed.count()))
+    print("joined", flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["a process", "the coordinator"])
+def test_a_lost_process_stops_the_others_with_one_line(tmp_path, victim):
+    launch = Launch(["3"], n=2, devices=1, logdir=tmp_path, script=JOIN)
+    deadline = time.monotonic() + 60
+    while not all("joined" in launch.log(i) for i in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in launch.procs), launch.log(0)
+        time.sleep(0.05)
+    launch.procs[victim].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    survivor = 1 - victim
+    launch.procs[survivor].wait(timeout=60)
+    assert time.monotonic() - killed < 15
+    while "modern-jax train: error" not in launch.log(survivor) and time.monotonic() - killed < 20:
+        time.sleep(0.05)  # its last line may still be on its way through the stderr watcher
+    log = launch.log(survivor).strip()
+    who = f"host {socket.gethostname()}, pid {launch.procs[victim].pid}"
+    lost = (f"process 1 of 2 ({who}) has sent no heartbeat for 3 s (killed, out of memory or hung)" if victim else
+            f"the coordinator (process 0 of 2, {who}) is gone (killed, out of memory or unreachable)")
+    assert log.splitlines()[-1] == (f"modern-jax train: error: {lost} at step 7; stopping process {survivor} too. The "
+                                    f"newest checkpoint is step 5; run the same command again (every process) to "
+                                    f"resume."), log
+    assert "stack trace" not in log and "Traceback" not in log, log
+
+
+def test_processes_that_differ_are_refused_before_any_step(tmp_path, corpus):
+    run = [*TINY, "train.steps=3", f"--data={corpus}", "--output-dir", str(tmp_path / "run")]
+    launch = Launch(["train", *run], n=2, devices=1, logdir=tmp_path, per_process={1: ["train.lr=0.003"]})
+    assert launch.wait() == [2, 2]
+    assert re.search(r"modern-jax train: error: the processes of this launch differ before the first step: process 1 "
+                     r"\(host .*, pid \d+\) has train.lr=0.003 where process 0 has 0.002", launch.log(0)), launch.log(0)
+    assert "error" not in launch.log(1)  # said once, by process 0
+    assert not (tmp_path / "run").exists()  # a failed start leaves nothing behind
