@@ -27,16 +27,12 @@ from modern_jax.training.loop import save_if_finite
 from modern_jax.training.loss import loss_sums, model_loss_sums
 from modern_jax.training.optimizer import decay_mask, learning_rate_schedule
 
-import modern_jax.training.step as step_module
+from common import QUICK_FLAG
 
 REPO = pathlib.Path(__file__).parent.parent
-QUICK = "--xla_backend_optimization_level=0"
 
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    """Unoptimised XLA code: these models are tiny, and compiling is most of a test's time."""
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def one_device():
@@ -273,7 +269,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
     import yaml
 
     config.write_text(yaml.safe_dump(run.to_dict()))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK_FLAG)
     proc = subprocess.Popen([sys.executable, "-m", "modern_jax.cli", "train", "--config", str(config)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = tmp_path / "run" / "checkpoints"
