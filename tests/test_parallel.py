@@ -180,6 +180,23 @@ def test_training_step_matches_single_device(mesh_shape):
                                    token_batch(1, 8, 16, 128))
 
 
+DROPOUT_MESHES = [(2, 1, 4), (1, 2, 4), (1, 4, 2)]
+
+
+@pytest.mark.usefixtures("quick_compiles")
+@pytest.mark.parametrize("mesh_shape", DROPOUT_MESHES, ids=["x".join(map(str, m)) for m in DROPOUT_MESHES])
+def test_dropout_on_a_mesh_drops_what_one_device_drops(mesh_shape):
+    """Attention and residual dropout (0.1 each) in a training step: from the same key, every
+    device drops exactly its share of the one-device masks, so the loss and every gradient leaf
+    equal one device's (a mask drawn per device, from its own key or from a shared one, does
+    not). Tensor=4 replicates each of the 2 KV heads twice; tensor=2 does not."""
+    from modern_jax.training import TrainConfig
+
+    cfg = CFG.replace(attn_dropout=0.1, resid_dropout=0.1)
+    assert_step_matches_one_device(cfg, TrainConfig(batch_size=8, seq_len=16), make_mesh(*mesh_shape),
+                                   token_batch(1, 8, 16, 128))
+
+
 def test_memory_planner_counts_sharded_state():
     from modern_jax.planner import plan
     from modern_jax.training.config import RunConfig, TrainConfig
