@@ -24,7 +24,6 @@ QUICK = {"xla_backend_optimization_level": 0}  # XLA options: quick compiles of 
 QUICK_FLAG = "--xla_backend_optimization_level=0"  # the same, as XLA_FLAGS for a subprocess
 
 
-
 @contextlib.contextmanager
 def quick_compiles():
     """The trainer's steps compiled with `QUICK` while inside (the `quick_compiles` fixture of
@@ -46,7 +45,7 @@ def one_device():
 
 
 def leaves(tree) -> dict[str, np.ndarray]:
-    """`{path: array}` of a pytree or an nnx State (its Params)."""
+    """`{path: array}` of a pytree or an nnx State."""
     if isinstance(tree, nnx.State):
         tree = nnx.to_pure_dict(tree)
     flat = jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]
