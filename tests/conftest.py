@@ -1,10 +1,18 @@
-"""Test setup: 8 host CPU devices for the multi-device tests (set before jax is imported)."""
+"""Test setup: 8 host CPU devices for the multi-device tests (set before jax is imported).
+
+The device count is forced to 8 whatever `XLA_FLAGS` the environment brings (its other flags
+are kept), and a run that still sees fewer than 8 devices stops with an error: the sharded
+tests never turn into skips."""
 
 import os
+import re
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+DEVICES = 8
+_COUNT = "--xla_force_host_platform_device_count"
+_flags = re.sub(rf"{_COUNT}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+os.environ["XLA_FLAGS"] = " ".join([*_flags, f"{_COUNT}={DEVICES}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax
+import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # a silent broadcast of mismatched ranks is a bug
 
@@ -12,6 +20,24 @@ jax.config.update("jax_numpy_rank_promotion", "raise")  # a silent broadcast of 
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    if len(jax.devices()) < DEVICES:
+        raise pytest.UsageError(
+            f"the tests need {DEVICES} devices, JAX sees {len(jax.devices())} ({jax.devices()[0].platform}): run them "
+            f"on the host CPU (JAX_PLATFORMS=cpu; tests/conftest.py sets {_COUNT}={DEVICES} in XLA_FLAGS)")
+
+
+@pytest.fixture
+def quick_compiles():
+    """The trainer's steps compiled unoptimised (`common.QUICK`): these models are tiny, and
+    compiling is most of a test's time. The files that train use it for every test
+    (`pytestmark`); the default optimisation level is tested in tests/test_parallel.py."""
+    from common import quick_compiles
+
+    with quick_compiles():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,16 +15,15 @@ import numpy as np
 import pytest
 
 import modern_jax.layers.attention as attention_layers
-import modern_jax.training.step as step_module
 from modern_jax.config import ModelConfig
 from modern_jax.parallel.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
 from modern_jax.training.step import abstract_model
 
+from common import QUICK
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def one_device():
@@ -158,8 +157,7 @@ def train_step_temp_bytes(diagnostics: bool, T: int = 4096) -> int:
     batch = {name: jax.ShapeDtypeStruct((1, 1, T), dtype, sharding=trainer.batch_sharding)
              for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("positions", jnp.int32),
                                  ("segment_ids", jnp.int32), ("weights", jnp.float32))}
-    compiled = trainer.lower("train", trainer.abstract_state(), batch).compile(
-        {"xla_backend_optimization_level": 0})
+    compiled = trainer.lower("train", trainer.abstract_state(), batch).compile(QUICK)
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import modern_jax.training.step as step_module
 from modern_jax.cli import main
 from modern_jax.convert import CheckpointError, convert_from_hf, from_hf, initial_weights, load_checkpoint, resolve_hf
 
@@ -24,9 +23,7 @@ FIXTURE = REPO / "tests" / "fixtures" / "hf_chat"
 SECTION = "### Fine-tune a Hugging Face model on your conversations"
 
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def readme_commands() -> list[list[str]]:

@@ -27,6 +27,8 @@ from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
 from modern_jax.kernels.flash_tpu import TpuBlocks, flash_attention_tpu
 from modern_jax.kernels.masks import round_up
 
+from common import QUICK
+
 attention_module = importlib.import_module("modern_jax.kernels.attention")  # the package's `attention` is the function
 backend_module = importlib.import_module("modern_jax.kernels.backend")
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
@@ -74,7 +76,7 @@ def make_inputs(B, T, S, K, G, H, V, causal, window, softcap, sinks, segments, d
 
 def compile_fast(fn, *args):
     """jit with XLA's CPU backend at -O0: these small interpreted graphs compile about twice as fast."""
-    return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})
+    return jax.jit(fn).lower(*args).compile(QUICK)
 
 
 def outputs_and_grads(fn, args, do, max_logit=False):
@@ -297,7 +299,7 @@ def attention_temp_bytes(impl, T, B=1, K=1, G=2, H=64):
                          impl=impl).astype(jnp.float32).sum()
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, pos)
-    return compiled.compile({"xla_backend_optimization_level": 0}).memory_analysis().temp_size_in_bytes
+    return compiled.compile(QUICK).memory_analysis().temp_size_in_bytes
 
 
 def test_chunked_memory_is_linear_in_length():

@@ -19,6 +19,8 @@ from modern_jax.config import ModelConfig
 from modern_jax.kernels import pallas_interpret
 from modern_jax.model import Transformer
 
+from common import QUICK
+
 BASE = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_position_embeddings=64)
 CONFIGS = {
     "gemma_like": dict(n_kv_heads=2, norm_placement="sandwich", norm_type="gemma_rmsnorm", qk_norm="head",
@@ -64,7 +66,7 @@ def logits_and_grads(cfg):
         return jnp.sum(logits * cotangent), logits
 
     step = jax.jit(jax.grad(loss, has_aux=True))
-    grads, logits = step.lower(params).compile({"xla_backend_optimization_level": 0})(params)
+    grads, logits = step.lower(params).compile(QUICK)(params)
     return logits, grads
 
 

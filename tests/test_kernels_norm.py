@@ -14,6 +14,8 @@ from modern_jax.kernels import NormImpl, UnsupportedFeatureError, add_norm, norm
 from modern_jax.kernels import gpu_compile
 from modern_jax.kernels.norm import _Call, _fused, resolve
 
+from common import QUICK
+
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
 # name: (kind, rows, weight shape, bias, fused residual add, dtype)
@@ -48,7 +50,7 @@ def run(impl, kind, fused, args, cotangents):
         outs, vjp = jax.vjp(fn, *args)
         return outs, vjp(cotangents)
 
-    return jax.jit(outputs_and_grads).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+    return jax.jit(outputs_and_grads).lower(*args).compile(QUICK)(*args)
 
 
 @pytest.mark.parametrize("target", ["gpu", "tpu"])

@@ -1,17 +1,12 @@
 """Under shard_map every device runs the kernels on its own batch rows and heads.
 
-Needs 8 devices (tests/conftest.py forces 8 host CPU devices); with fewer, the checks
-run in a subprocess that sets the flag itself.
+On the 8 host CPU devices that tests/conftest.py sets.
 
 Interpret mode evaluates the kernel bodies under shard_map's varying-axes typing, which
 jax 0.12 rejects for a kernel's own constants, so the interpreted kernels run with
 `check_vma=False`; compiled kernels never see their bodies typed that way, and the TPU
 lowering check below runs with `check_vma=True`.
 """
-
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from modern_jax.kernels import AttentionSpec, Visibility, add_norm, attention, pallas_interpret
 from modern_jax.kernels.flash_tpu import flash_attention_tpu
+
+from common import QUICK
 
 B, T, K, G, H = 2, 24, 4, 2, 64
 HEADS, BATCH = P("data", None, "model"), P("data")  # batch over "data", kv heads over "model"
@@ -47,7 +44,7 @@ def attention_loss_and_grads(impl, sharded, check_vma=True):
                           check_vma=check_vma)
     args = inputs()
     step = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3)))
-    return step.lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+    return step.lower(*args).compile(QUICK)(*args)
 
 
 def norm_loss_and_grads(impl, sharded, check_vma=True):
@@ -69,21 +66,21 @@ def assert_trees_close(got, want, what, atol):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol, err_msg=what)
 
 
-def check_attention():
+def test_attention_under_shard_map():
     want = attention_loss_and_grads("reference", sharded=False)
     with pallas_interpret():
         for impl, check_vma in [("chunked", True), ("pallas_gpu", False), ("pallas_tpu", False)]:
             assert_trees_close(attention_loss_and_grads(impl, True, check_vma), want, impl, atol=1e-4)
 
 
-def check_norm():
+def test_norm_under_shard_map():
     want = norm_loss_and_grads("reference", sharded=False)
     for target in ("gpu", "tpu"):
         with pallas_interpret(target):
             assert_trees_close(norm_loss_and_grads("pallas", True, check_vma=False), want, target, atol=1e-3)
 
 
-def check_tpu_lowering():
+def test_pallas_tpu_lowers_under_shard_map():
     def f(q, k, v, sinks, pos, seg):
         return flash_attention_tpu(q, k, v, SPEC, Visibility(pos, pos, seg, seg), sinks_KG=sinks)
 
@@ -91,31 +88,3 @@ def check_tpu_lowering():
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2, 3)))
     assert grad.trace(*inputs()).lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == 3
 
-
-CHECKS = (check_attention, check_norm, check_tpu_lowering)
-
-
-def run(check):
-    if len(jax.devices()) >= 8:
-        check()
-        return
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, __file__, check.__name__], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-def test_attention_under_shard_map():
-    run(check_attention)
-
-
-def test_norm_under_shard_map():
-    run(check_norm)
-
-
-def test_pallas_tpu_lowers_under_shard_map():
-    run(check_tpu_lowering)
-
-
-if __name__ == "__main__":
-    {check.__name__: check for check in CHECKS}[sys.argv[1]]()

@@ -186,3 +186,80 @@ def test_softcap_oracles():
     assert float(softcap(jnp.float32(75.0), 50.0)) == pytest.approx(45.2574, abs=1e-4)
     assert float(softcap(jnp.float32(100.0), 30.0)) == pytest.approx(29.92, abs=5e-3)
     chex.assert_trees_all_close(softcap(jnp.float32(1e-3), 50.0), jnp.float32(1e-3), rtol=1e-5)
+
+
+# ----- block placements ----------------------------------------------------------
+
+def np_rmsnorm(x, norm, eps):
+    return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps) * np.asarray(norm.weight[...], np.float64)
+
+
+def np_attention(x, attn):
+    """Causal multi-head attention from the layer's projection kernels, float64."""
+    w = {name: np.asarray(getattr(attn, name).kernel[...], np.float64)
+         for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    q, k, v = (np.einsum("btd,dnh->btnh", x, w[name]) for name in ("q_proj", "k_proj", "v_proj"))
+    s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    T = x.shape[1]
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return np.einsum("btnh,nhd->btd", np.einsum("bnts,bsnh->btnh", p, v), w["o_proj"])
+
+
+def np_swiglu(x, ffn):
+    gate, up, down = (np.asarray(getattr(ffn, name).kernel[...], np.float64)
+                      for name in ("gate_proj", "up_proj", "down_proj"))
+    return NP_ACT["silu"](x @ gate) * (x @ up) @ down
+
+
+def np_block(x, block, placement, eps, n_layers):
+    """SPEC's formula of each placement, per sublayer F: post `Norm(x + F(x))`, deepnorm
+    `Norm(alpha x + F(x))` with DeepNet's alpha = (2 L)^(1/4), parallel `x + Attn(Norm(x)) +
+    FFN(Norm(x))` (GPT-NeoX: a second norm for the FFN)."""
+    attn = lambda h: np_attention(h, block.self_attn)  # noqa: E731
+    ffn = lambda h: np_swiglu(h, block.mlp)  # noqa: E731
+    norm = lambda h, name: np_rmsnorm(h, getattr(block, name), eps)  # noqa: E731
+    if placement == "parallel":
+        ffn_norm = "input_layernorm" if block.pre_feedforward_layernorm is None else "pre_feedforward_layernorm"
+        return x + attn(norm(x, "input_layernorm")) + ffn(norm(x, ffn_norm))
+    alpha = (2 * n_layers) ** 0.25 if placement == "deepnorm" else 1.0
+    h = norm(alpha * x + attn(x), "post_attention_layernorm")
+    return norm(alpha * h + ffn(h), "post_feedforward_layernorm")
+
+
+@pytest.mark.parametrize("placement, shared", [("post", True), ("deepnorm", True), ("parallel", True),
+                                               ("parallel", False)])
+def test_block_placements_against_their_formulas(placement, shared):
+    """A whole block (attention + SwiGLU, RMSNorm) with random weights and norm gains against the
+    placement's formula written out in NumPy (8 layers: DeepNet's alpha is 2)."""
+    from modern_jax.layers.block import Block
+
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=8, d_ff=48, position_embedding="none", norm_placement=placement,
+                      parallel_shared_norm=shared)
+    block = Block(cfg, cfg.layer_specs()[0], rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(7)
+    for path, var in nnx.to_flat_state(nnx.state(block, nnx.Param)):
+        noise = rng.normal(size=var.shape).astype(np.float32)
+        var.set_value(jnp.asarray(1.0 + 0.5 * noise if "norm" in str(path[-2]) else 0.3 * noise))
+    x = rand((2, 6, 32), 8)
+    got, _ = block(jnp.asarray(x), jnp.tile(jnp.arange(6), (2, 1)))
+    want = np_block(x.astype(np.float64), block, placement, cfg.norm_eps, cfg.n_layers)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_deepnorm_scales_the_initialisation():
+    """DeepNet's init: Xavier, with gain (8 L)^(-1/4) on v, the attention output and the FFN,
+    none on q and k (sample standard deviations within 10%)."""
+    from modern_jax.layers.block import Block
+
+    L, D = 8, 64
+    cfg = ModelConfig(d_model=D, n_heads=4, n_layers=L, d_ff=128, norm_placement="deepnorm")
+    block = Block(cfg, cfg.layer_specs()[0], rngs=nnx.Rngs(0))
+    beta = (8 * L) ** -0.25
+    attn, ffn = block.self_attn, block.mlp
+    for layer, name, fan_in, fan_out, gain in [(attn, "q_proj", D, D, 1.0), (attn, "k_proj", D, D, 1.0),
+                                               (attn, "v_proj", D, D, beta), (attn, "o_proj", D, D, beta),
+                                               (ffn, "up_proj", D, 128, beta), (ffn, "down_proj", 128, D, beta)]:
+        std = float(np.std(np.asarray(getattr(layer, name).kernel[...])))
+        assert std == pytest.approx(gain * math.sqrt(2 / (fan_in + fan_out)), rel=0.1), name

@@ -13,7 +13,7 @@ from modern_jax.model import Transformer
 from modern_jax.parallel import create_sharded, make_mesh, parse_mesh
 from modern_jax.sharding import check_mesh, logical_rules, state_shardings
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 host devices (tests/conftest.py sets them)")
+from common import assert_leaves_match, assert_step_matches_one_device, token_batch
 
 CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=128, qk_norm="head",
                   attention_sinks=True, sliding_window=6, attention_pattern="LG")
@@ -52,8 +52,7 @@ def test_logits_loss_and_gradients_match_single_device(mesh_shape, reference):
         loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, toks)
     np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(grads, nnx.Param)), nnx.to_flat_state(want_grads)):
-        np.testing.assert_allclose(got[...], want[...], atol=1e-6, rtol=2e-4, err_msg=str(path))
+    assert_leaves_match(nnx.state(grads, nnx.Param), want_grads)
     # parameters really are sharded as the rules say
     q = model.stages[0].blocks[0].self_attn.q_proj.kernel[...]
     expected = state_shardings(nnx.state(model), mesh)["stages"][0]["blocks"][0]["self_attn"]["q_proj"]["kernel"]
@@ -171,31 +170,31 @@ def test_fused_kernels_run_per_device_under_the_mesh():
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
 
 
-def _train_batch(B=8, T=16, V=128):
-    toks = np.random.default_rng(5).integers(0, V, (1, B, T + 1))
-    return {"inputs": toks[..., :-1].astype(np.int32), "targets": toks[..., 1:].astype(np.int32),
-            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (1, B, T)).copy(),
-            "segment_ids": np.ones((1, B, T), np.int32), "weights": np.ones((1, B, T), np.float32)}
-
-
 @pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 8, 1)], ids=["2x1x4", "1x8x1"])
 def test_training_step_matches_single_device(mesh_shape):
-    from modern_jax.training import TrainConfig, Trainer
+    """The trainer's step, compiled at XLA's default optimisation level (the other training
+    tests compile at level 0): the loss and every gradient leaf equal one device's."""
+    from modern_jax.training import TrainConfig
 
-    tc = TrainConfig(batch_size=8, seq_len=16, warmup_steps=0, lr=1e-2)
-    batch = _train_batch()
-    results = []
-    for mesh in (make_mesh(devices=jax.devices()[:1]), make_mesh(*mesh_shape)):
-        trainer = Trainer(CFG, tc, mesh)
-        state, metrics = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch))
-        results.append((jax.device_get(state["params"]), jax.device_get(metrics)))
-    (p1, m1), (p2, m2) = results
-    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
-    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-4)
-    # Adam's first step is lr * g / (|g| + eps): float noise in near-zero gradients moves a few
-    # entries by up to ~1% of lr (1e-2) between reduction orders
-    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):
-        np.testing.assert_allclose(a, b, atol=2e-4, rtol=0)
+    assert_step_matches_one_device(CFG, TrainConfig(batch_size=8, seq_len=16), make_mesh(*mesh_shape),
+                                   token_batch(1, 8, 16, 128))
+
+
+DROPOUT_MESHES = [(2, 1, 4), (1, 2, 4), (1, 4, 2)]
+
+
+@pytest.mark.usefixtures("quick_compiles")
+@pytest.mark.parametrize("mesh_shape", DROPOUT_MESHES, ids=["x".join(map(str, m)) for m in DROPOUT_MESHES])
+def test_dropout_on_a_mesh_drops_what_one_device_drops(mesh_shape):
+    """Attention and residual dropout (0.1 each) in a training step: from the same key, every
+    device drops exactly its share of the one-device masks, so the loss and every gradient leaf
+    equal one device's (a mask drawn per device, from its own key or from a shared one, does
+    not). Tensor=4 replicates each of the 2 KV heads twice; tensor=2 does not."""
+    from modern_jax.training import TrainConfig
+
+    cfg = CFG.replace(attn_dropout=0.1, resid_dropout=0.1)
+    assert_step_matches_one_device(cfg, TrainConfig(batch_size=8, seq_len=16), make_mesh(*mesh_shape),
+                                   token_batch(1, 8, 16, 128))
 
 
 def test_memory_planner_counts_sharded_state():
@@ -248,9 +247,7 @@ def test_vocab_parallel_loss_matches_and_never_gathers_the_vocabulary(mesh_shape
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for key in ("ce", "z_loss", "weight", "max_abs_logit"):
         np.testing.assert_allclose(got_sums[key], want_sums[key], rtol=1e-6, err_msg=key)
-    for (path, g), (_, w) in zip(nnx.to_flat_state(nnx.state(got_grads, nnx.Param)),
-                                 nnx.to_flat_state(nnx.state(want_grads, nnx.Param))):
-        np.testing.assert_allclose(g[...], w[...], atol=1e-5, rtol=1e-4, err_msg=str(path))
+    assert_leaves_match(nnx.state(got_grads, nnx.Param), nnx.state(want_grads, nnx.Param))
     full_vocab = re.findall(r"\w+\[[\d,]*\b504\b[\d,]*\]", hlo)
     assert not full_vocab, f"full-vocabulary arrays on a device: {sorted(set(full_vocab))[:5]}"
     rows = 504 // mesh_shape[2]
@@ -265,7 +262,8 @@ def test_fsdp_gathers_each_layer_inside_the_scan():
 
     cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, d_ff=192, scan_layers=True)
     trainer = Trainer(cfg, TrainConfig(batch_size=8, seq_len=16, steps=10, warmup_steps=1), make_mesh(fsdp=8))
-    hlo = trainer.lower("train", trainer.abstract_state(), trainer.put_batch(_train_batch())).compile().as_text()
+    batch = trainer.put_batch(token_batch(1, 8, 16, 128))
+    hlo = trainer.lower("train", trainer.abstract_state(), batch).compile().as_text()
     computation, gathers = None, []
     for line in hlo.splitlines():
         if line.startswith(("%", "ENTRY")):

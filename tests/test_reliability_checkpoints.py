@@ -31,16 +31,15 @@ from modern_jax.training.optimizer import learning_rate_schedule
 
 import modern_jax.training.step as step_module
 
+from common import QUICK_FLAG, quick_compiles
+
 REPO = pathlib.Path(__file__).parent.parent
 HF_LLAMA = REPO / "tests" / "fixtures" / "hf" / "llama"
-QUICK = "--xla_backend_optimization_level=0"
 TINY_MODEL = {"vocab_size": "auto", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
               "max_position_embeddings": 32}
 
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def digest(path: pathlib.Path) -> str:
@@ -77,8 +76,7 @@ def one_device():
 def trained(tmp_path_factory):
     """A finished run with checkpoints at steps 2, 4, 6, and its per-step losses."""
     root = tmp_path_factory.mktemp("trained")
-    with pytest.MonkeyPatch.context() as mp:  # compiled as the tests' resumed runs are (module scope runs first)
-        mp.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+    with quick_compiles():  # compiled as the tests' resumed runs are (module scope runs first)
         result = train(run_config_from_dict(run_dict(root, root / "run")), mesh=one_device(), log=lambda *_: None)
     return root, [h["loss"] for h in result.history]
 
@@ -295,7 +293,7 @@ def test_a_failed_start_leaves_nothing_behind_and_prints_one_error(tmp_path):
     raw = run_dict(tmp_path, tmp_path / "run")
     raw["data"]["path"] = str(tmp_path / "binary.txt")
     config.write_text(yaml.safe_dump(raw))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK_FLAG)
     proc = subprocess.run([sys.executable, "-m", "modern_jax.cli", "train", "--config", str(config)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -426,7 +424,7 @@ def _metrics(run: pathlib.Path) -> dict[int, list[float]]:
 def test_random_sigkills_during_start_up_steps_and_saves_change_no_loss(tmp_path):
     """Kill the run at random moments (start-up, steps, saves: it saves every step), resume
     until done: every step's loss (each time it ran) equals the uninterrupted run's."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK_FLAG)
 
     def command(name):
         config = tmp_path / f"{name}.yaml"

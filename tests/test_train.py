@@ -27,16 +27,12 @@ from modern_jax.training.loop import save_if_finite
 from modern_jax.training.loss import loss_sums, model_loss_sums
 from modern_jax.training.optimizer import decay_mask, learning_rate_schedule
 
-import modern_jax.training.step as step_module
+from common import QUICK_FLAG, assert_leaves_match, leaves, probe, step_gradients
 
 REPO = pathlib.Path(__file__).parent.parent
-QUICK = "--xla_backend_optimization_level=0"
 
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    """Unoptimised XLA code: these models are tiny, and compiling is most of a test's time."""
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def one_device():
@@ -173,6 +169,71 @@ def test_moe_aux_loss_sown_by_layers_joins_the_loss(monkeypatch, scan, remat):
     assert float(metrics["grad_norm"]) == pytest.approx(want_norm, rel=1e-5)
 
 
+def test_every_term_of_the_objective_against_a_hand_computation(monkeypatch):
+    """The step's objective, term by term, recomputed here from the model's logits and each MoE
+    layer's router logits z (an unscanned copy of the same parameters records them):
+
+        (CE + z_loss_weight z-loss) / sum w  +  moe_aux_weight sum_layers E sum_e f_e P_e
+                                             +  moe_router_z_weight sum_layers mean lse(z)^2
+
+    The reported terms equal the hand ones (1e-5), and the step's gradient (read back from its
+    update, `common.step_gradients`) equals the gradient of the hand objective leaf by leaf;
+    without any one term the hand gradient moves by far more than that tolerance."""
+    from modern_jax.layers.moe import Router
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, ffn_type="moe", n_experts=4,
+                      experts_per_token=2, expert_d_ff=16)
+    tc = probe(TrainConfig(batch_size=4, seq_len=8, z_loss_weight=0.1, moe_aux_weight=0.5, moe_router_z_weight=0.1))
+    trainer = Trainer(cfg, tc, one_device())
+    state = trainer.init_state(0)
+    params = jax.device_get(state["params"])
+    data = _batch(np.random.default_rng(1), 1, 4, 8, 64)
+    data["weights"] = (np.random.default_rng(2).random((1, 4, 8)) > 0.25).astype(np.float32)  # some padding
+    micro = jax.tree.map(lambda x: jnp.asarray(x[0]), data)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))),
+                            nnx.Param)
+    router_logits = []
+    recorded = Router.__call__
+
+    def recording(self, x_MD):
+        out = recorded(self, x_MD)
+        router_logits.append(out[3])  # z[M, E]
+        return out
+
+    def terms(params):
+        router_logits.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(Router, "__call__", recording)
+            z_BTV = nnx.merge(graphdef, params)(micro["inputs"])
+        lse_BT = jax.nn.logsumexp(z_BTV, axis=-1)
+        z_target_BT = jnp.take_along_axis(z_BTV, micro["targets"][..., None], axis=-1)[..., 0]
+        w_BT = micro["weights"]
+        balance, router_z = 0.0, 0.0
+        for z_ME in router_logits:
+            s_ME = jax.nn.softmax(z_ME, axis=-1)
+            chosen_ME = jax.nn.one_hot(jnp.argsort(-s_ME, axis=-1)[:, :2], 4).sum(axis=1)  # the top 2
+            f_E, P_E = chosen_ME.mean(axis=0) / 2, s_ME.mean(axis=0)
+            balance = balance + 4 * jnp.sum(f_E * P_E)
+            router_z = router_z + jnp.mean(jax.nn.logsumexp(z_ME, axis=-1) ** 2)
+        return {"ce": jnp.sum(w_BT * (lse_BT - z_target_BT)) / jnp.sum(w_BT),
+                "z": jnp.sum(w_BT * lse_BT**2) / jnp.sum(w_BT), "balance": balance, "router_z": router_z}
+
+    names = ("ce", "z", "balance", "router_z")
+    hand, term_grads = jax.jit(lambda p: (terms(p), {k: jax.grad(lambda p: terms(p)[k])(p) for k in names}))(params)
+    assert len(router_logits) == 2  # one per MoE layer
+    grads, metrics = step_gradients(trainer, state, data)
+    for metric, term in [("loss", "ce"), ("z_loss", "z"), ("moe_aux_loss", "balance"), ("moe_router_z_loss", "router_z")]:
+        assert float(metrics[metric]) == pytest.approx(float(hand[term]), rel=1e-5), metric
+    weights = {"ce": 1.0, "z": tc.z_loss_weight, "balance": tc.moe_aux_weight, "router_z": tc.moe_router_z_weight}
+    weighted = {term: jax.tree.map(lambda g: weights[term] * g, term_grads[term]) for term in names}
+    want = jax.tree.map(lambda *g: sum(g), *weighted.values())
+    assert_leaves_match(grads, want)
+    for term in names:  # each term moves the gradient well past the tolerance: dropping it fails
+        part = leaves(weighted[term])
+        moved = max(np.linalg.norm(part[k]) / max(np.linalg.norm(w), 1e-30) for k, w in leaves(want).items())
+        assert moved > 1e-2, (term, moved)
+
+
 def test_tiny_model_overfits_one_batch():
     cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, d_ff=64)
     tc = TrainConfig(steps=80, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=5, weight_decay=0.0)
@@ -273,7 +334,7 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
     import yaml
 
     config.write_text(yaml.safe_dump(run.to_dict()))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK_FLAG)
     proc = subprocess.Popen([sys.executable, "-m", "modern_jax.cli", "train", "--config", str(config)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = tmp_path / "run" / "checkpoints"

@@ -77,11 +77,13 @@ class AttentionSpec:
     chunk: int | None = None  # chunked local attention: only keys of the query's own block of positions
 
 
-def attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec: AttentionSpec, sinks_KG=None, dropout_rng=None,
+def attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec: AttentionSpec, sinks_KG=None, keep_BKGTS=None,
                         return_max_logit: bool = False):
     """Plain einsum attention with fp32 softmax: the numerical oracle (`mask_BTS`: `Visibility.mask`).
 
-    With `return_max_logit`, returns `(o, max |q.k| * scale over the visible pairs)`.
+    `keep_BKGTS`: attention dropout's mask (`dropout_mask`): the probabilities it keeps are
+    scaled by `1 / (1 - spec.dropout_rate)`, the others dropped. With `return_max_logit`,
+    returns `(o, max |q.k| * scale over the visible pairs)`.
     """
     x_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
     x_BKGTS = x_BKGTS * spec.scale
@@ -96,13 +98,18 @@ def attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec: AttentionSpec, 
     if sinks_KG is not None:
         denom_BKGT1 = denom_BKGT1 + jnp.exp(sink_11KG1 - m_BKGT1)  # the sink joins the denominator only
     p_BKGTS = p_BKGTS / denom_BKGT1
-    if spec.dropout_rate > 0.0 and dropout_rng is not None:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - spec.dropout_rate, p_BKGTS.shape)
-        p_BKGTS = jnp.where(keep, p_BKGTS / (1.0 - spec.dropout_rate), 0.0)
+    if keep_BKGTS is not None:
+        p_BKGTS = jnp.where(keep_BKGTS, p_BKGTS / (1.0 - spec.dropout_rate), 0.0)
     o_BTKGU = jnp.einsum("BKGTS,BSKU->BTKGU", p_BKGTS.astype(v_BSKU.dtype), v_BSKU)
     if return_max_logit:
         return o_BTKGU, jax.lax.stop_gradient(jnp.max(jnp.where(mask_BTS[:, None, None], jnp.abs(x_BKGTS), 0.0)))
     return o_BTKGU
+
+
+def dropout_mask(rng, rate: float, B: int, K: int, G: int, T: int, S: int):
+    """Attention dropout's keep mask `[B, K, G, T, S]`, True with probability `1 - rate`: one draw
+    over the whole call's probabilities, so a mesh that splits them keeps what one device keeps."""
+    return jax.random.bernoulli(rng, 1.0 - rate, (B, K, G, T, S))
 
 
 DEFAULTS = {
@@ -170,17 +177,17 @@ def attention_cudnn(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, mask_BTS):
     return o_BTNH.reshape(B, T, K, G, H)
 
 
-def attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, *, sinks_KG=None, dropout_rng=None,
+def attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, *, sinks_KG=None, keep_BKGTS=None,
               impl: AttentionImpl | str = AttentionImpl.REFERENCE, return_max_logit: bool = False):
     """Scaled dot-product attention through the implementation `impl` (resolved by `resolve`).
 
-    `vis`: the queries' and keys' positions and segments (`masks.Visibility`). With
+    `vis`: the queries' and keys' positions and segments (`masks.Visibility`). `keep_BKGTS`:
+    attention dropout's mask (`dropout_mask`), or None for no dropout. With
     `return_max_logit` (static), returns `(o, max_logit)`: the max of |q.k| * scale over the
     visible pairs (before any soft-cap), a float32 scalar without gradient, measured by the
     implementation's own pass over the scores.
     """
-    dropout = spec.dropout_rate > 0.0 and dropout_rng is not None
-    impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKU, spec, sinks_KG, dropout, return_max_logit)
+    impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKU, spec, sinks_KG, keep_BKGTS is not None, return_max_logit)
     note_kernel("attention", impl.value)
     kwargs = dict(sinks_KG=sinks_KG, return_max_logit=return_max_logit)
     interpret = interpret_target() is not None
@@ -194,4 +201,4 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, *, 
     mask_BTS = vis.mask(causal=spec.causal, window=spec.window, chunk=spec.chunk)
     if impl is AttentionImpl.CUDNN:
         return attention_cudnn(q_BTKGH, k_BSKH, v_BSKU, spec, mask_BTS)
-    return attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec, sinks_KG, dropout_rng, return_max_logit)
+    return attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec, sinks_KG, keep_BKGTS, return_max_logit)

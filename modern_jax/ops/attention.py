@@ -25,6 +25,11 @@ soft-cap hold for any order). Two strategies (`context_strategy`):
   the ring's granularity), so an explicit Pallas or cuDNN `attention_impl` is refused with it;
   attention dropout too.
 
+Attention dropout draws one mask over the whole call's probabilities, `[B, K, G, T, S]`, as one
+device does (`kernels.attention.dropout_mask`), and each device gets its block of it (its rows,
+heads and queries): a mesh drops exactly what one device drops, from the same key. Each device
+draws only its own block (the random bits of an element do not depend on how the array is split).
+
 Decoding (a cache, one new token) splits nothing along the sequence.
 """
 
@@ -38,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from modern_jax import kernels
 from modern_jax.config import CONTEXT_STRATEGIES
-from modern_jax.kernels.attention import AttentionImpl, AttentionSpec
+from modern_jax.kernels.attention import AttentionImpl, AttentionSpec, dropout_mask
 from modern_jax.kernels.backend import UnsupportedFeatureError, note_kernel
 from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
 from modern_jax.sharding import active, live_axes, mesh_axes
@@ -64,12 +69,15 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
     if context_strategy not in CONTEXT_STRATEGIES:
         raise ValueError(f"context_strategy={context_strategy!r}: expected one of {', '.join(CONTEXT_STRATEGIES)}")
     kwargs = dict(impl=impl, return_max_logit=return_max_logit)
+    B, T, K, G, H = q_BTKGH.shape
+    S = k_BSKH.shape[1]
+    keep_BKGTS = (dropout_mask(dropout_rng, spec.dropout_rate, B, K, G, T, S)
+                  if spec.dropout_rate > 0.0 and dropout_rng is not None else None)
     state = active()
     if state is None:
-        return kernels.attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, sinks_KG=sinks_KG, dropout_rng=dropout_rng,
+        return kernels.attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, sinks_KG=sinks_KG, keep_BKGTS=keep_BKGTS,
                                  **kwargs)
     mesh, rules = state
-    B, T, K, G, H = q_BTKGH.shape
     tp_axes = tuple(a for a in mesh_axes("activation_kv_heads", rules) if mesh.shape.get(a, 1) > 1)
     tp = math.prod(mesh.shape[a] for a in tp_axes)
     r = kv_replication(K, G, tp) if tp > 1 else 1
@@ -78,32 +86,30 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
         k_BSKH, v_BSKU = jnp.repeat(k_BSKH, r, axis=2), jnp.repeat(v_BSKU, r, axis=2)
         if sinks_KG is not None:
             sinks_KG = sinks_KG.reshape(K * r, G // r)
+        if keep_BKGTS is not None:
+            keep_BKGTS = keep_BKGTS.reshape(B, K * r, G // r, T, S)
     batch = live_axes("activation_batch", rules, mesh, B)
     heads = tp_axes or None
-    S = k_BSKH.shape[1]
     taken = set(batch or ()) | set(heads or ())
     ctx = live_axes("activation_length", rules, mesh, T)
     ctx = None if ctx is None or taken & set(ctx) else ctx
     k_ctx = ctx if ctx is not None and S % math.prod(mesh.shape[a] for a in ctx) == 0 else None
     ring = context_strategy == "ring" and ctx is not None and S == T
     if ring:
-        _check_ring(impl, spec, dropout_rng)
+        _check_ring(impl, keep_BKGTS)
     split = tuple(batch or ()) + tuple(heads or ()) + tuple(ctx or ())  # the axes each device's share differs over
     args = [q_BTKGH, k_BSKH, v_BSKU, vis]
     specs = [P(batch, ctx, heads, None, None), P(batch, k_ctx, heads, None), P(batch, k_ctx, heads, None),
              Visibility(P(batch, ctx), P(batch, k_ctx), *(None if x is None else P(batch, c)
                                                          for x, c in ((vis.q_seg, ctx), (vis.k_seg, k_ctx))))]
-    optional = {"sinks": (sinks_KG, P(heads, None)), "rng": (dropout_rng, P())}
+    # each device its block of the one dropout mask: the mesh drops what one device drops
+    optional = {"sinks": (sinks_KG, P(heads, None)), "keep": (keep_BKGTS, P(batch, heads, None, ctx, None))}
     names = [name for name, (value, _) in optional.items() if value is not None]
     args += [optional[name][0] for name in names]
     specs += [optional[name][1] for name in names]
 
     def per_device(q, k, v, vis, *rest):
         extra = dict(zip(names, rest))
-        rng = extra.get("rng")
-        if rng is not None:  # distinct dropout masks per device
-            for axis in split:
-                rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
         if ring:
             out = ring_attention(q, k, v, spec, vis, ctx, sinks_KG=extra.get("sinks"),
                                  return_max_logit=return_max_logit)
@@ -112,7 +118,8 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
                 gather = lambda x: None if x is None else jax.lax.all_gather(x, k_ctx, axis=1, tiled=True)  # noqa: E731
                 k, v = gather(k), gather(v)
                 vis = Visibility(vis.q_pos, gather(vis.k_pos), vis.q_seg, gather(vis.k_seg))
-            out = kernels.attention(q, k, v, spec, vis, sinks_KG=extra.get("sinks"), dropout_rng=rng, **kwargs)
+            out = kernels.attention(q, k, v, spec, vis, sinks_KG=extra.get("sinks"), keep_BKGTS=extra.get("keep"),
+                                    **kwargs)
         if return_max_logit:
             return out[0], jax.lax.pmax(out[1], split) if split else out[1]
         return out
@@ -125,12 +132,12 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
     return (o_BTKGU, jax.lax.stop_gradient(max_logit)) if return_max_logit else o_BTKGU
 
 
-def _check_ring(impl, spec: AttentionSpec, dropout_rng) -> None:
+def _check_ring(impl, keep_BKGTS) -> None:
     if AttentionImpl(impl) not in (AttentionImpl.DEFAULT, AttentionImpl.REFERENCE, AttentionImpl.CHUNKED):
         raise UnsupportedFeatureError(f"attention_impl={AttentionImpl(impl).value!r} cannot run "
                                       f"context_strategy='ring' (the ring folds its blocks in plain JAX): use "
                                       f"attention_impl=default, or context_strategy=all_gather")
-    if spec.dropout_rate > 0.0 and dropout_rng is not None:
+    if keep_BKGTS is not None:
         raise UnsupportedFeatureError("attention dropout cannot run context_strategy='ring': set model.attn_dropout=0 "
                                       "or use context_strategy=all_gather")
 
