@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 
+from common import QUICK_FLAG
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-QUICK = "--xla_backend_optimization_level=0"  # tiny models: compiling is most of a run
 
 
 def free_job_id() -> int:
@@ -35,7 +36,7 @@ def free_job_id() -> int:
 
 def slurm_env(i: int, n: int, devices: int, job: int, quick: bool = True) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "OMPI_"))}
-    flags = f"--xla_force_host_platform_device_count={devices}" + (f" {QUICK}" if quick else "")
+    flags = f"--xla_force_host_platform_device_count={devices}" + (f" {QUICK_FLAG}" if quick else "")
     env.update(SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS=str(n), SLURM_PROCID=str(i),
                SLURM_LOCALID=str(i), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=flags)
     return env

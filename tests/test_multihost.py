@@ -22,7 +22,6 @@ import time
 
 import pytest
 
-import modern_jax.training.step as step_module
 from modern_jax.cli import main
 from processes import REPO, Launch, records, wait_for_step
 
@@ -31,13 +30,11 @@ TINY = ["--config", str(REPO / "configs" / "tiny.yaml"), "model.n_layers=1", "mo
         "train.final_eval_windows=8", "train.eval_batch_size=8", "train.samples=0", "train.warmup_steps=2",
         "train.progress=false", "train.plot=false", "data.tokenizer=char", "model.vocab_size=auto",
         "model.vocab_pad_to=8"]
+CHAT = REPO / "tests" / "fixtures" / "hf_chat" / "chat.jsonl"
 MOE = [*TINY, "--config", str(REPO / "configs" / "moe_tiny.yaml"), "model.expert_d_ff=32", "model.n_experts=4"]
 
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    """The in-process reference runs compile as the launched processes do (QUICK)."""
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +77,19 @@ def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys
     out = _in_process(["evaluate", "--checkpoint", str(two), "--batch-size", "8", "--max-windows", "8"], capsys)
     evaluated = float(re.search(r"^loss: (\S+)", out, re.M).group(1))
     assert abs(evaluated - records(two, "val")[0]["loss"]) <= 1e-4
+    # and in two processes of a rehearsal launch, each feeding half of every batch: printed once
+    evaluate = ["evaluate", "--checkpoint", str(two), "--batch-size", "8", "--max-windows", "8"]
+    out = _in_process(["launch", "--processes", "2", "--devices", "2", *evaluate], capsys)
+    assert re.findall(r"^\[(\d)\] loss: (\S+)$", out, re.M) == [("0", f"{evaluated:.4f}")], out
+    assert "[1] process 1 of 2, 4 devices (2 local), launched by environment" in out
 
 
-def test_experts_and_context_across_processes_survive_a_kill_and_a_stop(tmp_path, corpus, capsys):
-    """expert=2 x context=4: on 2 x 4 the experts span the processes; on 4 x 2 both axes do."""
-    run = [*MOE, "train.steps=8", "train.checkpoint_every=3", f"--data={corpus}", "--mesh", "expert=2,context=4",
+def test_experts_and_context_across_processes_survive_a_kill_and_a_stop(tmp_path, capsys):
+    """Conversations (only the assistant's tokens trained) on expert=2 x context=4: on 2 x 4 the
+    experts span the processes; on 4 x 2 both axes do (each process feeds its part of every
+    sequence, laid out two_chunk)."""
+    run = [*MOE, "train.steps=8", "train.checkpoint_every=3", f"--data={CHAT}", "data.format=chat",
+           "--mesh", "expert=2,context=4",
            "--heartbeat-timeout", "8"]
     _in_process(["train", *run, "--output-dir", str(tmp_path / "one")], capsys)
     expected = _losses(tmp_path / "one")
@@ -170,3 +175,41 @@ def test_processes_that_differ_are_refused_before_any_step(tmp_path, corpus):
                      r"\(host .*, pid \d+\) has train.lr=0.003 where process 0 has 0.002", launch.log(0)), launch.log(0)
     assert "error" not in launch.log(1)  # said once, by process 0
     assert not (tmp_path / "run").exists()  # a failed start leaves nothing behind
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[01-02]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "0"}, "SLURM"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n01", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+      "SLURM_LOCALID": "0"}, None),  # one task: one process, no waiting for others
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, None),  # an sbatch script outside srun
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"}, "Open MPI"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "environment"),
+    ({}, None),
+])
+def test_the_launcher_is_found_from_its_environment(monkeypatch, env, expected):
+    from modern_jax.parallel import distributed
+
+    for key in [k for k in __import__("os").environ if k.startswith(("SLURM_", "OMPI_", "JAX_COORD", "JAX_NUM",
+                                                                      "JAX_PROCESS"))]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    launch = distributed.detect()
+    assert (launch and launch.launcher) == expected
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAX_NUM_PROCESSES": "2"}, "JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID not set"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+     "process id 2 of 2 processes is invalid"),
+    ({"JAX_COORDINATOR_ADDRESS": "h", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "expected HOST:PORT"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n", "SLURM_NTASKS": "two", "SLURM_PROCID": "0",
+      "SLURM_LOCALID": "0"}, "SLURM_NTASKS='two' is not an integer"),
+])
+def test_a_half_given_launch_is_one_line(monkeypatch, capsys, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("modern-jax train: error: ") and message in err and err.count("\n") == 1, err

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -16,23 +17,20 @@ import time
 import pytest
 import yaml
 
-import modern_jax.training.step as step_module
+from common import QUICK_FLAG
 from modern_jax.cli import main
-from modern_jax.training import outputs
+from modern_jax.training import Trainer, outputs
 from modern_jax.training.outputs import LOCK_FILE, RunLock
 
 REPO = pathlib.Path(__file__).parent.parent
 HF_CHAT = REPO / "tests" / "fixtures" / "hf_chat"
-QUICK = "--xla_backend_optimization_level=0"
 TINY = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "train.steps=4", "train.batch_size=8",
         "train.seq_len=16", "train.log_every=1", "train.eval_every=0", "train.eval_windows=8",
         "train.final_eval_windows=8", "train.eval_batch_size=8", "train.checkpoint_every=2", "train.samples=0",
         "train.warmup_steps=1", "train.progress=false", "train.plot=false", "train.tensorboard=false"]
 
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +121,13 @@ def test_a_start_that_fails_late_leaves_nothing_behind(tmp_path, text, monkeypat
     def refuse(*_):
         raise ValueError("the compiler refused the step")
 
-    monkeypatch.setattr(step_module.Trainer, "compile", refuse)
-    assert _train(tmp_path / "new", text) == 2
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "compile", refuse)
+        assert _train(tmp_path / "new", text) == 2
     assert not (tmp_path / "new").exists()  # no config.yaml, no tokenizer.json, no lock
-    monkeypatch.undo()
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
     assert _train(tmp_path / "run", text) == 0
     before = _files(tmp_path / "run")
-    monkeypatch.setattr(step_module.Trainer, "compile", refuse)
+    monkeypatch.setattr(Trainer, "compile", refuse)
     assert _train(tmp_path / "run", text, "train.steps=6") == 2  # a resume that fails rewrites nothing
     assert _files(tmp_path / "run") == before
     capsys.readouterr()
@@ -184,24 +181,30 @@ def test_a_checkpoint_of_another_model_shape_names_the_fields(tmp_path, text, ca
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a small file system needs `mount` (root)")
-def test_a_full_disk_during_a_save_is_one_line_and_the_step_before_resumes(tmp_path, text, capfd):
-    """A 1 MB tmpfs holds the run and its step-2 checkpoint, not step 4's."""
+def test_a_full_disk_during_a_save_is_one_line_and_the_step_before_resumes(tmp_path, text):
+    """A 1 MB tmpfs holds the run and its step-2 checkpoint, not step 4's. The command runs as a
+    user runs it (a process of its own, whose log records reach stderr)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
     try:
         run = disk / "run"
-        capfd.readouterr()
-        assert _train(run, text, "train.steps=8",
-                      "train.keep_checkpoints=4") == 2
-        err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
-        assert len(err) == 1 and err[0].startswith("modern-jax train: error: checkpoint step 4 could not be "
-                                                   f"written to {run / 'checkpoints'} (No space left on device); "
-                                                   "step 2 before it is intact: free space there"), err
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=QUICK_FLAG)
+        command = [sys.executable, "-m", "modern_jax.cli", "train", "--data", str(text), "--output-dir", str(run),
+                   *TINY, "train.steps=8", "train.keep_checkpoints=4", "train.batch_size=4", "train.eval_batch_size=4"]
+        full = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert full.returncode == 2
+        err = [line for line in full.stderr.splitlines() if line.strip()]
+        failed = re.match(r"modern-jax train: error: checkpoint step (\d+) could not be written to ", err[0])
+        assert len(err) == 1 and failed, full.stderr
+        step, intact = int(failed.group(1)), int(failed.group(1)) - 2
+        assert err[0].endswith(f"{run / 'checkpoints'} (No space left on device); step {intact} before it is intact: "
+                               "free space there (or lower train.keep_checkpoints) and run the same command to "
+                               "resume") and intact >= 2, err
         subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
-        assert _train(run, text, "train.steps=8",
-                      "train.keep_checkpoints=4") == 0
-        assert f"resumed from {run / 'checkpoints' / '2'} at step 2" in capfd.readouterr().out
+        resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"resumed from {run / 'checkpoints' / str(intact)} at step {intact}" in resumed.stdout
         assert (run / "checkpoints" / "8").is_dir()
     finally:
         subprocess.run(["umount", str(disk)], check=False)

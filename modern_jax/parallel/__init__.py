@@ -3,7 +3,8 @@
 The logical-axis rules themselves live in `modern_jax.sharding`.
 """
 
-from modern_jax.parallel.mesh import AXES, initialize_distributed, make_mesh, parse_mesh
+from modern_jax.parallel.distributed import initialize_distributed
+from modern_jax.parallel.mesh import AXES, make_mesh, parse_mesh
 from modern_jax.parallel.config import ParallelConfig
 from modern_jax.parallel.create import create_sharded
 

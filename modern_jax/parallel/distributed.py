@@ -253,6 +253,14 @@ def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTB
                      f"({jax.local_device_count()} local), launched by {launch.launcher}")
 
 
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+    """In Python, what the commands do first: join the launch this process belongs to (found from
+    its launcher's environment, or the three arguments given together), with heartbeats. A
+    process that runs alone returns at once. Then `training.train(run)` is one run of them all."""
+    start(detect(coordinator_address, num_processes, process_id), "python", heartbeat_timeout)
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

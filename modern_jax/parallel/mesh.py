@@ -9,8 +9,9 @@ every activation's sequence (context parallelism: attention gathers keys and val
 `ops.attention`) and, like `fsdp`, the weights. The axes are laid out in this order, `context`
 and `tensor` innermost (the fastest links: both communicate inside every layer).
 
-Multi-host (TPU pod slices, multi-node GPU): call `initialize_distributed()` first, in
-every process, before any other JAX call; `make_mesh` then spans all processes' devices.
+Many processes (TPU pod slices, multi-node GPU): the commands join them by themselves
+(`parallel.distributed`); in Python call `initialize_distributed()` first, in every process,
+before any other JAX call. `make_mesh` then spans all processes' devices.
 """
 
 from __future__ import annotations
@@ -87,16 +88,3 @@ def parse_mesh(text: str) -> dict[str, int]:
         except ValueError:
             raise ValueError(f"bad mesh entry {item!r}: SIZE must be an integer (or -1)") from None
     return sizes
-
-
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
-    """Start multi-process JAX (`jax.distributed.initialize`).
-
-    On Cloud TPU pod slices and on SLURM / Open MPI GPU clusters every argument is
-    detected from the environment; elsewhere pass the coordinator `host:port`, the number
-    of processes and this process's id (e.g. from your launcher's environment).
-    """
-    kwargs = {k: v for k, v in dict(coordinator_address=coordinator_address, num_processes=num_processes,
-                                     process_id=process_id).items() if v is not None}
-    jax.distributed.initialize(**kwargs)

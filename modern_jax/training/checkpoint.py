@@ -41,6 +41,7 @@ import pathlib
 import re
 import shutil
 import sys
+import traceback
 import zlib
 
 import jax
@@ -216,17 +217,25 @@ def _orbax_log_quiet():
 
 
 class _OrbaxErrors(logging.Filter):
-    """Orbax's own error logs (a failed background write, with its traceback): the checkpointer
-    raises one CheckpointWriteError or CheckpointDamaged naming the step instead."""
+    """Orbax's own error logs of a failed background write (its traceback, and asyncio's "exception
+    was never retrieved" for the writes it left): the checkpointer raises one CheckpointWriteError
+    or CheckpointDamaged naming the step instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+        if record.levelno < logging.ERROR:
+            return True
+        if "orbax" in record.pathname:
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+        return not ("never retrieved" in str(record.msg) and any("orbax" in f.filename for f in frames))
 
 
 def _quiet_orbax_errors() -> None:
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
-        logger.addFilter(_OrbaxErrors())
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+            logger.addFilter(_OrbaxErrors())
 
 
 def shape_problem(step_dir, abstract_params, model: ModelConfig | None = None) -> str | None:
