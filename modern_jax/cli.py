@@ -243,6 +243,10 @@ def cmd_plan(args) -> int:
         raise ValueError("plan needs explicit mesh sizes (no -1)")
     if args.slices > 1 and not args.topology:
         raise ValueError("--slices needs --topology (the slices of a TPU topology)")
+    if args.topology:
+        from modern_jax.parallel.topology import check_topology
+
+        check_topology(args.topology)
     from modern_jax.training.config import load_run_config
 
     overrides = list(args.overrides) + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"]

@@ -71,8 +71,9 @@ class Trainer:
         # the devices splitting the sequence (context parallelism) and the order laid over them
         self.context = math.prod(mesh.shape[a] for a in mesh_axes("activation_length", rules) if a in mesh.shape)
         if train_cfg.seq_len % self.context:
-            raise ValueError(f"train.seq_len={train_cfg.seq_len} is not divisible by the context axis "
-                             f"({self.context} devices split the sequence): make it a multiple of {self.context}")
+            raise ValueError(f"train.seq_len={train_cfg.seq_len} is not divisible by the mesh's context={self.context} "
+                             f"(the devices that split the sequence): make it a multiple of {self.context}, or "
+                             f"change context in --mesh (parallel.context)")
         self.context_layout = context_layout
         layout_order(train_cfg.seq_len, self.context, context_layout)  # its errors name the fields
         if train_cfg.moe_bias_update_rate and not model_cfg.router_selection_bias:
