@@ -156,3 +156,110 @@ def test_a_model_the_fsdp_and_context_axes_do_not_divide_names_both():
                                                    "context=2 = 4: choose a mesh whose fsdp x context size divides "
                                                    "18")):
         Trainer(cfg, TrainConfig(seq_len=16, warmup_steps=0), make_mesh(data=2, fsdp=2, context=2))
+
+
+# ----- data files: not UTF-8, unreadable, damaged, local files read as source: hf -----------------
+
+def test_a_file_that_is_not_utf8_in_a_text_directory_is_named_with_its_byte(tmp_path, capsys):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(TEXT[:3000])
+    (tmp_path / "docs" / "b.txt").write_bytes(TEXT[:2000].encode() + b"\xff\xfe" + TEXT[:4000].encode())
+    (tmp_path / "docs" / "c.txt").write_text(TEXT[:1000])
+    line = refused(["train", "--data", tmp_path / "docs", "--output-dir", tmp_path / "run"], capsys)
+    assert line.endswith(f"data.path='{tmp_path / 'docs'}' (b.txt) is not UTF-8 text (byte 2000: 0xff): convert "
+                         f"it to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) or move it out of the directory")
+    (tmp_path / "docs" / "b.txt").unlink()
+    _, train_stream, val_stream = load_splits(DataConfig(source="text", path=str(tmp_path / "docs")))
+    assert len(train_stream) + len(val_stream) == 4000 + 2 * 2 * 2  # a.txt, c.txt: both parts in <bos> ... <eos>
+
+
+def deny_reads(monkeypatch):
+    """From now on, reading a file named `secret*` raises PermissionError, as it does for a user without
+    read permission."""
+    def deny(read):
+        def guarded(self, *args, **kwargs):
+            if self.name.startswith("secret"):
+                raise PermissionError(13, "Permission denied", str(self))
+            return read(self, *args, **kwargs)
+        return guarded
+
+    for method in ("read_bytes", "read_text", "open"):
+        monkeypatch.setattr(pathlib.Path, method, deny(getattr(pathlib.Path, method)))
+
+
+@pytest.mark.parametrize("layout, named", [
+    ({"secret.txt": TEXT}, "data.path='{tmp}/secret.txt'"),
+    ({"docs/a.txt": TEXT, "docs/secret.txt": TEXT}, "data.path='{tmp}/docs' (secret.txt)"),
+    ({"secret.bin": np.arange(64, dtype=np.uint16).tobytes()}, "data.path='{tmp}/secret.bin'"),
+], ids=["text_file", "text_directory", "token_file"])
+def test_an_unreadable_data_file_is_named(layout, named, tmp_path, capsys, monkeypatch):
+    for name, content in layout.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    data = tmp_path / next(iter(layout)).split("/")[0]
+    deny_reads(monkeypatch)
+    line = refused(["train", "--data", data, "--output-dir", tmp_path / "run"], capsys)
+    assert line.endswith(named.format(tmp=tmp_path) + " cannot be read (Permission denied): check its permissions")
+
+
+def test_an_unreadable_config_file_is_named(tmp_path, capsys, monkeypatch):
+    (tmp_path / "secret.yaml").write_text("model: {}\n")
+    deny_reads(monkeypatch)
+    line = refused(["info", "--config", tmp_path / "secret.yaml"], capsys)
+    assert line.endswith(f"{tmp_path / 'secret.yaml'} cannot be read (Permission denied): check its permissions")
+
+
+TEXTS = [f"document {i}: " + TEXT[i * 40:(i + 1) * 40] for i in range(12)]
+
+
+def write_records(directory: pathlib.Path) -> None:
+    pq.write_table(pa.table({"text": TEXTS, "id": list(range(12))}), directory / "d.parquet")
+    (directory / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    (directory / "shards").mkdir()
+    for k in range(3):
+        pq.write_table(pa.table({"text": TEXTS[4 * k:4 * (k + 1)]}), directory / "shards" / f"part-{k}.parquet")
+
+
+@pytest.mark.parametrize("name", ["d.parquet", "d.jsonl", "shards"])
+def test_source_hf_reads_local_files_with_their_datasets_builder(name, tmp_path, monkeypatch):
+    """A relative path, as a user types it: read here, never looked up on the hub."""
+    write_records(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    docs = record_documents(DataConfig(source="hf", path=name), "hf")
+    assert [text for _, text in docs] == TEXTS
+
+
+def test_source_hf_refuses_a_local_file_it_has_no_builder_for(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text(TEXT)
+    line = refused(["train", "--data", tmp_path / "notes.txt", "data.source=hf", "--output-dir", tmp_path / "run"],
+                   capsys)
+    assert line.endswith(f"data.path='{tmp_path / 'notes.txt'}' is a local file: source: hf reads a file with the "
+                         f"`datasets` builder of its extension (.parquet, .jsonl, .jsonl.gz, .json, .csv): give one "
+                         f"of those, or set data.source: auto")
+
+
+@pytest.mark.parametrize("data, source", [
+    ("shards/part-1.parquet", "auto"), ("shards", "auto"), ("shards", "parquet"), ("shards", "hf"),
+])
+def test_a_damaged_parquet_file_is_named(data, source, tmp_path, capsys):
+    write_records(tmp_path)
+    bad = tmp_path / "shards" / "part-1.parquet"
+    bad.write_bytes(bad.read_bytes()[:300])
+    line = refused(["train", "--data", tmp_path / data, f"data.source={source}", "--output-dir", tmp_path / "run"],
+                   capsys)
+    assert str(bad) in line and "Parquet magic bytes not found in footer" in line, line
+
+
+def test_a_train_seq_len_as_long_as_the_training_split_is_said(recwarn):
+    stream = TokenStream(np.arange(20, dtype=np.int32), np.zeros(1, np.int64))
+    with pytest.warns(UserWarning, match=r"train.seq_len=24 is as long as the training split \(20 tokens\): every "
+                                         r"row of every batch is the whole split from its start, padded; lower "
+                                         r"train.seq_len to at most 18 for windows at random starts"):
+        batches = TrainBatches(stream, seq_len=24, batch_size=4)
+    inputs_RT = batches[0]["inputs"][0]
+    assert (inputs_RT == np.r_[np.arange(20), np.zeros(4)][None]).all()  # every row the same padded window
+    with pytest.warns(UserWarning, match=r"train.seq_len=19 is as long as the training split \(20 tokens\): every "
+                                         r"row of every batch is the whole split from its start; lower"):
+        TrainBatches(stream, seq_len=19, batch_size=4)  # one window of T + 1 tokens: full, but only one
+    TrainBatches(stream, seq_len=18, batch_size=4)  # two starts: no warning
+    assert not [w for w in recwarn if "train.seq_len" in str(w.message)]
