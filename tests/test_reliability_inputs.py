@@ -263,3 +263,53 @@ def test_a_train_seq_len_as_long_as_the_training_split_is_said(recwarn):
         TrainBatches(stream, seq_len=19, batch_size=4)  # one window of T + 1 tokens: full, but only one
     TrainBatches(stream, seq_len=18, batch_size=4)  # two starts: no warning
     assert not [w for w in recwarn if "train.seq_len" in str(w.message)]
+
+
+# ----- initial weights: NaN or inf, and a model without its tokenizer -----------------------------
+
+def test_train_from_hf_weights_with_nan_or_inf_is_refused_before_training(tmp_path, capsys):
+    def damage(tensors):
+        tensors["model.layers.0.self_attn.q_proj.weight"][0, :3] = np.nan
+        tensors["model.layers.2.mlp.down_proj.weight"][1, 1] = -np.inf
+
+    hf = hf_copy(tmp_path, damage)
+    line = refused(finetune(hf, tmp_path), capsys)
+    assert f"{hf}: 2 tensor(s) hold NaN or infinite values: " in line
+    assert "model.layers.0.self_attn.q_proj.weight in model.safetensors (3 NaN, 0 inf of 1,024 values)" in line
+    assert "model.layers.2.mlp.down_proj.weight in model.safetensors (0 NaN, 1 inf of 2,048 values)" in line
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_converted_checkpoint_with_nan_is_refused_as_initial_weights(tmp_path):
+    def damage(params):
+        params["embed_tokens"][5, 2] = np.nan
+
+    ckpt = checkpoint(tmp_path / "ckpt", damage)
+    _, init = initial_weights(ckpt)
+    with pytest.raises(CheckpointError, match=re.escape(f"{ckpt / 'params'}: 1 tensor(s) hold NaN or infinite "
+                                                        f"values: embed_tokens (1 NaN, 0 inf of 4,160 values)")):
+        init.params()
+
+
+def test_a_model_without_a_tokenizer_is_refused_and_the_suggested_fix_trains(tmp_path, capsys):
+    hf = hf_copy(tmp_path, files=("config.json", "model.safetensors"))
+    line = refused(finetune(hf, tmp_path), capsys)
+    assert line.endswith(f"--init-from-hf {hf} has no tokenizer.json, and the model's token ids mean nothing to "
+                         f"another tokenizer: put the model's tokenizer files (tokenizer.json, tokenizer_config.json) "
+                         f"beside its weights, or set data.tokenizer_path=FILE (the model's tokenizer.json)")
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "bytes.json").write_text('{"kind": "byte"}')
+    line = refused(finetune(hf, tmp_path, f"data.tokenizer_path={tmp_path / 'bytes.json'}"), capsys)
+    assert line.endswith(f"data.tokenizer_path='{tmp_path / 'bytes.json'}' has 260 ids, more than the vocab_size=128 "
+                         f"of the model from --init-from-hf {hf}: give the tokenizer the model was trained with")
+    # the fix as suggested: the model's tokenizer.json (with its chat template beside it)
+    assert main([str(a) for a in finetune(hf, tmp_path, f"data.tokenizer_path={HF_CHAT / 'tokenizer.json'}")]) == 0
+    assert "val_loss: " in capsys.readouterr().out
+    saved = json.loads((tmp_path / "run" / "tokenizer.json").read_text())
+    assert saved["kind"] == "hf" and "<|im_end|>" in json.dumps(saved["tokenizer"])
+
+
+def test_a_tokenizer_path_beside_a_model_with_its_own_tokenizer_is_refused(tmp_path, capsys):
+    line = refused(finetune(HF_CHAT, tmp_path, f"data.tokenizer_path={HF_CHAT / 'tokenizer.json'}"), capsys)
+    assert line.endswith(f"--init-from-hf {HF_CHAT} brings the model's own tokenizer, so data.tokenizer_path="
+                         f"'{HF_CHAT / 'tokenizer.json'}' would not be used: remove it")
