@@ -313,3 +313,159 @@ def test_a_tokenizer_path_beside_a_model_with_its_own_tokenizer_is_refused(tmp_p
     line = refused(finetune(HF_CHAT, tmp_path, f"data.tokenizer_path={HF_CHAT / 'tokenizer.json'}"), capsys)
     assert line.endswith(f"--init-from-hf {HF_CHAT} brings the model's own tokenizer, so data.tokenizer_path="
                          f"'{HF_CHAT / 'tokenizer.json'}' would not be used: remove it")
+
+
+# ----- evaluate and generate: the values they use, the memory they need, the flags they name ------
+
+def test_evaluate_refuses_a_seq_len_past_learned_positions(learned, corpus, capsys):
+    """The positions of a window run to seq_len - 1; past the table JAX would clamp them silently."""
+    line = refused(["evaluate", "--checkpoint", learned, "--data", corpus, "--seq-len", "65"], capsys)
+    assert line.endswith("--seq-len 65 exceeds the model's max_position_embeddings=64 (learned positions have no "
+                         "row past it): give --seq-len 64 or less")
+
+
+def test_evaluate_says_which_values_it_uses(rope, corpus, capsys):
+    argv = ["evaluate", "--checkpoint", str(rope), "--data", str(corpus)]
+    assert main(argv + ["--max-windows", "100000", "--batch-size", "100000"]) == 0
+    err = capsys.readouterr().err
+    windows = -(-(len(TEXT) + 1) // 64)  # <bos> text <eos>: 13,502 tokens, 13,501 targets in windows of 64
+    assert f"no tokenizer.json in {rope}: using the byte tokenizer" in err
+    assert "windows of 64 tokens: the checkpoint's config has no train.seq_len (--seq-len sets it)" in err
+    assert (f"--max-windows 100000: --data {corpus} has {windows} windows of 64 tokens; evaluating all of them"
+            in err)
+    assert f"--batch-size 100000: --data {corpus} gives {windows} windows of 64 tokens; one batch of {windows}" in err
+    assert main(argv + ["--seq-len", "65"]) == 0
+    assert ("--seq-len 65 exceeds the model's max_position_embeddings=64: the windows run past the trained context "
+            "(rope positions), and the loss there measures that") in capsys.readouterr().err
+
+
+def test_evaluate_refuses_the_byte_tokenizer_for_a_model_its_ids_do_not_fit(tmp_path, corpus, capsys):
+    small = checkpoint(tmp_path / "ckpt", vocab_size=128)
+    line = refused(["evaluate", "--checkpoint", small, "--data", corpus], capsys)
+    assert line.endswith(f"no tokenizer.json in {small} (nor in its hf/), and the byte tokenizer's 260 ids do not "
+                         f"fit the model's vocab_size=128: copy the tokenizer.json the model was trained with into "
+                         f"{small}")
+
+
+def test_evaluate_prints_an_infinite_perplexity_as_inf(tmp_path, corpus, capsys):
+    """A loss past 700 nats: exp(loss) overflows; it was printed as exp(700)."""
+    def scale_head(params):
+        params["lm_head"]["kernel"] *= 1e6  # logits of thousands
+
+    ckpt = checkpoint(tmp_path / "ckpt", scale_head)
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(corpus), "--max-windows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert float(re.search(r"^loss: (\S+)$", out, re.M).group(1)) > 1000
+    assert re.search(r"^perplexity: inf$", out, re.M), out
+
+
+def test_generate_says_in_one_line_that_it_stops_at_learned_positions(learned, capsys):
+    assert main(["generate", "--checkpoint", str(learned), "--max-new-tokens", "100", "--greedy"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1] == ("generation stops at the context of max_position_embeddings=64 tokens "
+                                             "(learned positions): 63 new tokens after the 1-token prompt, not "
+                                             "max_new_tokens=100")
+    assert "Warning" not in captured.err, captured.err
+
+
+def needs(compiled, resident) -> int:
+    """XLA's count of a compiled program's peak, less the parameters already in memory."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes - \
+        resident
+
+
+def test_evaluate_refuses_a_batch_larger_than_the_memory_and_says_what_fits(rope, corpus, capsys, monkeypatch):
+    monkeypatch.setattr(accounting, "free_memory", lambda device: (3 * 2**20, "this host"))
+    line = refused(["evaluate", "--checkpoint", rope, "--data", corpus, "--batch-size", "128", "--seq-len", "64"],
+                   capsys)
+    match = re.fullmatch(r"modern-jax evaluate: error: evaluate needs ([\d.]+) MiB for --batch-size 128 x "
+                         r"--seq-len 64 \(XLA's count\); this host has 3.00 MiB free: lower --batch-size \(at most "
+                         r"about (\d+) fit\)", line)
+    assert match, line
+    fits = int(match.group(2))
+    # the reference: XLA's own count of the evaluation step at those batch sizes
+    cfg = ModelConfig.from_dict(TINY)
+    trainer = Trainer(cfg, TrainConfig(seq_len=64, warmup_steps=0), make_mesh(data=-1, devices=jax.devices()[:1]))
+    graphdef, abstract = abstract_model(cfg)
+    params = nnx.to_pure_dict(abstract)
+    resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+    def need(rows):
+        return needs(trainer.lower("eval", params, trainer.abstract_batch((rows, 64)),
+                                   jax.ShapeDtypeStruct((260,), jnp.int32)).compile(), resident)
+
+    assert abs(float(match.group(1)) - need(128) / 2**20) < 0.01
+    assert need(fits) <= 3 * 2**20 * 1.02 and need(int(fits * 1.2) + 1) > 3 * 2**20  # nearly affine
+
+
+def test_evaluate_names_the_seq_len_when_one_window_does_not_fit(rope, corpus, capsys):
+    """On this host, for real: one window of a million tokens needs terabytes (dense attention scores)."""
+    line = refused(["evaluate", "--checkpoint", rope, "--data", corpus, "--seq-len", "1000000"], capsys)
+    assert re.fullmatch(r"modern-jax evaluate: error: evaluate needs [\d.,]+ TiB for --batch-size 1 x --seq-len "
+                        r"1000000 \(XLA's count\); this host has [\d.,]+ [KMGT]iB free: lower --seq-len", line), line
+
+
+def test_generate_refuses_more_tokens_than_the_memory_holds_and_says_how_many_fit(rope, capsys, monkeypatch):
+    line = refused(["generate", "--checkpoint", rope, "--max-new-tokens", "1000000000"], capsys)  # for real
+    assert re.fullmatch(r"modern-jax generate: error: generate needs [\d.,]+ (GiB|TiB) for --max-new-tokens "
+                        r"1000000000 x --num-samples 1 \(XLA's count\); this host has [\d.,]+ [KMGT]iB free: "
+                        r"lower --max-new-tokens \(at most about [\d,]+ fit\)", line), line
+    free = 2 * 2**20
+    monkeypatch.setattr(accounting, "free_memory", lambda device: (free, "this host"))
+    line = refused(["generate", "--checkpoint", rope, "--max-new-tokens", "20000", "--num-samples", "2"], capsys)
+    fits = int(re.search(r"lower --max-new-tokens \(at most about ([\d,]+) fit\)$", line).group(1).replace(",", ""))
+    # the reference: XLA's own count of the sampling program with that many new tokens
+    cfg = ModelConfig.from_dict(TINY)
+    graphdef, abstract = abstract_model(cfg)
+    params = nnx.to_pure_dict(abstract)
+    resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+    def need(tokens):
+        return needs(_generate.lower(graphdef, params, jax.ShapeDtypeStruct((2, 1), jnp.int32), jax.random.key(0),
+                                     max_new_tokens=tokens, temperature=0.8, top_k=None, top_p=None,
+                                     eos_id=258).compile(), resident)
+
+    assert need(fits) <= free * 1.02 and need(int(fits * 1.2) + 1) > free  # "about": XLA's count is nearly affine
+    line = refused(["generate", "--checkpoint", rope, "--max-new-tokens", "10", "--num-samples", "100000"], capsys)
+    assert re.search(r"x --num-samples 100000 \(XLA's count\); this host has 2.00 MiB free: lower --num-samples "
+                     r"\(at most about [\d,]+ fit\)$", line), line
+
+
+def test_a_prompt_with_a_byte_that_is_not_utf8_names_the_flag(capsys):
+    """The shell hands a byte that is not UTF-8 to Python as a surrogate escape ('\\udcff' for 0xff)."""
+    line = refused(["generate", "--checkpoint", MISSING, "--prompt", "ab\udcffc"], capsys)
+    assert line.endswith("--prompt is not UTF-8 text: the byte 0xff at character 2; give the prompt as UTF-8 (check "
+                         "the terminal's or the file's encoding)")
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_names_the_flag(tmp_path, capsys):
+    ckpt = checkpoint(tmp_path / "ckpt", vocab_size=6)
+    (ckpt / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abcd"}))
+    line = refused(["generate", "--checkpoint", ckpt, "--prompt", "abz"], capsys)
+    assert line.endswith("--prompt cannot be encoded: characters outside the char tokenizer's vocabulary: ['z']")
+
+
+def test_evaluate_names_its_flags_not_settings_it_does_not_take(rope, tmp_path, capsys):
+    (tmp_path / "body.jsonl").write_text(json.dumps({"body": TEXT}) + "\n")
+    line = refused(["evaluate", "--checkpoint", rope, "--data", tmp_path / "body.jsonl"], capsys)
+    assert line.endswith(f"{tmp_path / 'body.jsonl'}, line 1: no field 'text' (data.text_field); the fields are "
+                         f"'body': evaluate reads --data with the run's data: settings ({rope / 'config.yaml'}), "
+                         f"which it does not change: give --data a file they read")
+    (tmp_path / "bytes.txt").write_bytes(b"ab\xffc")
+    line = refused(["evaluate", "--checkpoint", rope, "--data", tmp_path / "bytes.txt"], capsys)
+    assert line.endswith(f"--data {tmp_path / 'bytes.txt'} is not UTF-8 text (byte 2: 0xff): evaluate reads --data "
+                         f"with the run's data: settings ({rope / 'config.yaml'}), which it does not change: give "
+                         f"--data a file they read")
+    line = refused(["evaluate", "--checkpoint", rope, "--data", "org/name"], capsys)
+    assert line.endswith("--data org/name does not exist: give a file or directory of documents")
+
+
+def test_evaluate_names_the_runs_data_path_when_it_is_gone(tmp_path, capsys):
+    ckpt = checkpoint(tmp_path / "ckpt")
+    config = ckpt / "config.yaml"
+    config.write_text(yaml.safe_dump({"model": yaml.safe_load(config.read_text()),
+                                      "data": {"path": str(tmp_path / "moved.txt")}}))
+    line = refused(["evaluate", "--checkpoint", ckpt], capsys)
+    assert line.endswith(f"the run's data.path='{tmp_path / 'moved.txt'}' (in {config}) does not exist: give --data "
+                         f"FILE to evaluate a file instead")

@@ -153,10 +153,11 @@ class Trainer:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                             self.state_shardings)
 
-    def abstract_batch(self) -> dict:
-        """ShapeDtypeStructs (with shardings) of one step's batch: `[grad_accum, rows, seq_len]` each."""
+    def abstract_batch(self, eval_shape: tuple[int, int] | None = None) -> dict:
+        """ShapeDtypeStructs (with shardings) of one step's batch: `[grad_accum, rows, seq_len]` each;
+        with `eval_shape` (rows, length), of one evaluation batch `[1, rows, length]`."""
         A = self.cfg.grad_accum
-        shape = (A, self.cfg.batch_size // A, self.cfg.seq_len)
+        shape = (A, self.cfg.batch_size // A, self.cfg.seq_len) if eval_shape is None else (1, *eval_shape)
         return {key: jax.ShapeDtypeStruct(shape, jnp.float32 if key == "weights" else jnp.int32,
                                           sharding=self.batch_sharding)
                 for key in ("inputs", "targets", "positions", "segment_ids", "weights")}
@@ -288,6 +289,12 @@ class Trainer:
     def eval_step(self, params, batch, token_bytes):
         """Sums of cross-entropy, target weight and target bytes over one batch."""
         return self._run("eval", params, batch, token_bytes)
+
+    def eval_executable(self, params, batch, token_bytes):
+        """The evaluation step compiled for these arguments (abstract ones will do), without running
+        it: `eval_step` runs the one compiled last (its `memory_analysis()` is XLA's count)."""
+        self._executables["eval"] = self._executable("eval", params, batch, token_bytes)
+        return self._executables["eval"]
 
     def compile(self, state, batch: dict, eval_batch: dict | None = None, token_bytes=None) -> float:
         """Compile the steps for these shapes now (returns seconds), so timing excludes it."""
