@@ -1,12 +1,20 @@
-"""Sizing a model without weights: parameters, KV-cache bytes and training FLOPs.
+"""Sizing a model without weights: parameters, KV-cache bytes and training FLOPs; and
+whether a compiled program fits the memory a device has free.
 
 Parameter counts come from the abstract model itself (`nnx.eval_shape`), so they are
 exact for every switch by construction and cost no memory, even for a 70B config.
+
+`check_fits` compiles a program (nothing is allocated), takes XLA's own count of what it
+holds at its peak (`memory_analysis()`: arguments + outputs - donated + temporaries), and
+compares it with what is free: `memory_stats()["bytes_limit"]` less what is in use where a
+device reports it (GPU, TPU), the host's `MemAvailable` (/proc/meminfo) on CPU. A program
+that does not fit raises `DoesNotFit`, with the largest size that would.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
 import jax
@@ -92,3 +100,94 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     )
     return {"weights": 6 * n_matmul, "attention": attention, "total": 6 * n_matmul + attention,
             "matmul_params": n_matmul}
+
+
+# ----- memory ------------------------------------------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """`1536` -> `1.50 KiB`; binary units up to TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.2f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    raise AssertionError
+
+
+def free_memory(device) -> tuple[int, str] | None:
+    """`(bytes free for new arrays, where)`: the device's own count where it reports one (GPU, TPU),
+    else the host's available memory (CPU); None where neither is known."""
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"the {device.device_kind}"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib * 1024, "this host"
+
+
+def program_bytes(compiled) -> int:
+    """XLA's count of what a compiled program holds at its peak: arguments + outputs - donated + temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+class DoesNotFit(ValueError):
+    """A program that needs more memory than is free: the sizes it was asked for (in order), the
+    one to lower and the largest value of it that fits (None: not estimated), and `smallest`, the
+    sizes and need of the smallest request tried when even that does not fit."""
+
+    def __init__(self, program: str, need: int, free: int, where: str, sizes: dict[str, int],
+                 lower: str | None = None, fits: int | None = None,
+                 smallest: tuple[dict[str, int], int] | None = None):
+        self.program, self.need, self.free, self.where = program, need, free, where
+        self.sizes, self.lower, self.fits, self.smallest = dict(sizes), lower, fits, smallest
+        super().__init__(self.describe())
+
+    def describe(self, names: dict[str, str] | None = None) -> str:
+        """The message, each size named `names[size]` (a flag: `--batch-size 8`), else `size=8`."""
+        def asked(sizes):
+            return " x ".join(f"{names[k]} {v}" if names else f"{k}={v}" for k, v in sizes.items())
+
+        text = (f"{self.program} needs {format_bytes(self.need)} for {asked(self.sizes)} (XLA's count); "
+                f"{self.where} has {format_bytes(self.free)} free")
+        if self.smallest is not None:
+            text += f"; even {asked(self.smallest[0])} needs {format_bytes(self.smallest[1])}"
+        if self.lower is not None:
+            text += f": lower {names[self.lower] if names else self.lower}"
+            text += f" (at most about {self.fits:,} fit)" if self.fits is not None else ""
+        return text
+
+
+def check_fits(program: str, compile_at: Callable, sizes: dict[str, int], *, resident, lower: tuple[str, ...],
+               otherwise: str | None = None):
+    """`compile_at(**sizes)`, compiled, if XLA's count of its memory fits what its device has free;
+    else `DoesNotFit`. `resident`: the arguments already on the device (the parameters), a tree of
+    arrays whose bytes are not needed again and whose device the program runs on.
+
+    Then, for each size of `lower` in turn, one more compile with it at 1 (the others as asked)
+    says how far to lower it, memory taken as affine in it; the first for which 1 fits is named
+    with the largest value that fits. If none does, the error names `otherwise`.
+    """
+    placed = [x for x in jax.tree.leaves(resident) if isinstance(x, jax.Array)]
+    device = min(placed[0].devices(), key=lambda d: d.id) if placed else jax.devices()[0]
+    resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in placed)  # one device's
+    compiled = compile_at(**sizes)
+    free = free_memory(device)
+    need = program_bytes(compiled) - resident
+    if free is None or need <= free[0]:
+        return compiled
+    available, where = free
+    smallest = None
+    for key in (k for k in lower if sizes[k] > 1):
+        trial = {**sizes, key: 1}
+        at_one = program_bytes(compile_at(**trial)) - resident
+        if at_one <= available:
+            per_unit = max((need - at_one) / (sizes[key] - 1), 1.0)
+            fits = min(1 + int((available - at_one) // per_unit), sizes[key] - 1)
+            raise DoesNotFit(program, need, available, where, sizes, key, fits)
+        smallest = (trial, at_one)
+    rest = otherwise if otherwise is not None and sizes[otherwise] > 1 else None
+    raise DoesNotFit(program, need, available, where, sizes, rest, smallest=smallest)

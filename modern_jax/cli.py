@@ -19,23 +19,21 @@ train, evaluate, generate and plan join the other processes first (`parallel.dis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import pathlib
+import re
 import sys
 import traceback
+import warnings
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 FINETUNE_CONFIG = DEFAULT_CONFIG.parent / "finetune_chat.yaml"  # the default run file of --init-from-hf
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.2f} {unit}" if unit != "B" else f"{int(n):,} B"
-        n /= 1024
-    raise AssertionError
+DEFAULT_EVAL_BATCH = 32  # evaluate --batch-size
+# the data layer's fixes through a data: setting ("set data.text_field to ...", "use source: tokens")
+_SETTING_FIX = re.compile(r"(?:[:;]| \(or) (?:set|point|use|for token ids use) (?:data\.|source: ).*$")
 
 
 def _check_flags(args, *checks) -> None:
@@ -76,7 +74,8 @@ def _load_model_config(args):
 
 
 def cmd_info(args) -> None:
-    from modern_jax.accounting import flops_per_token, kv_cache_bytes, kv_cache_bytes_per_token, param_counts
+    from modern_jax.accounting import (flops_per_token, format_bytes, kv_cache_bytes, kv_cache_bytes_per_token,
+                                       param_counts)
 
     cfg = _load_model_config(args)
     counts = param_counts(cfg)
@@ -97,10 +96,10 @@ def cmd_info(args) -> None:
             start = i
     print("parameters per block: " + "; ".join(runs))
     per_token = kv_cache_bytes_per_token(cfg, dtype_bytes)
-    print(f"kv cache per token ({args.kv_dtype}): {per_token} ({_size(per_token)})")
+    print(f"kv cache per token ({args.kv_dtype}): {per_token} ({format_bytes(per_token)})")
     context = args.context or cfg.max_position_embeddings
     total = kv_cache_bytes(cfg, context, dtype_bytes)
-    print(f"kv cache at {context} tokens: {total} ({_size(total)}) per sequence")
+    print(f"kv cache at {context} tokens: {total} ({format_bytes(total)}) per sequence")
     seq = args.seq_len or min(context, 4096)
     flops = flops_per_token(cfg, seq)
     print(f"training flops per token at seq_len {seq}: {flops['total']:.4e} "
@@ -134,7 +133,8 @@ def cmd_train(args) -> int:
     if main:
         print(f"training {source} -> {run.train.output_dir}", flush=True)
     try:
-        result = train(run, init=init)
+        with _warnings_as_notes(quiet=not main):
+            result = train(run, init=init)
     except TrainingDiverged as e:
         if main:
             print(f"modern-jax train: {e}", file=sys.stderr)
@@ -154,59 +154,133 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _checkpoint_tokenizer(run_dir):
-    """The run's tokenizer.json, a converted checkpoint's hf/tokenizer.json, else bytes."""
+def _checkpoint_tokenizer(run_dir, cfg):
+    """The run's tokenizer.json, a converted checkpoint's hf/tokenizer.json, else bytes (if the
+    model has room for their ids)."""
     from modern_jax.convert.checkpoint import checkpoint_tokenizer
     from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer
 
     tokenizer = checkpoint_tokenizer(run_dir)
     if tokenizer is None:
-        print(f"no {TOKENIZER_FILE} in {run_dir}: using the byte tokenizer", file=sys.stderr)
+        if cfg.vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(f"no {TOKENIZER_FILE} in {run_dir} (nor in its hf/), and the byte tokenizer's "
+                             f"{ByteTokenizer.vocab_size} ids do not fit the model's vocab_size={cfg.vocab_size}: "
+                             f"copy the tokenizer.json the model was trained with into {run_dir}")
+        _note(f"no {TOKENIZER_FILE} in {run_dir}: using the byte tokenizer")
         return ByteTokenizer()
     return tokenizer
 
 
-def _checkpoint_data(args, raw: dict, run_dir):
+def _checkpoint_data(args, raw: dict, run_dir, cfg):
     """The tokenizer and the token stream to evaluate: a split of the run's data, or every document
     of a file read as the run reads its data (`data.format`, its fields and chat template)."""
     from modern_jax.data.config import DataConfig
     from modern_jax.data.corpora import load_splits, load_stream
 
-    tokenizer = _checkpoint_tokenizer(run_dir)
+    tokenizer = _checkpoint_tokenizer(run_dir, cfg)
     data_cfg = DataConfig.from_dict(raw.get("data"))
     if args.data:
-        return tokenizer, load_stream(data_cfg.replace(source="auto", path=args.data, streaming=False,
-                                                               max_documents=None), tokenizer)
+        if not pathlib.Path(args.data).exists():
+            raise ValueError(f"--data {args.data} does not exist: give a file or directory of documents")
+        file_cfg = data_cfg.replace(source="auto", path=args.data, streaming=False, max_documents=None)
+        try:
+            return tokenizer, load_stream(file_cfg, tokenizer)
+        except ValueError as e:  # name the flag; a fix through a data: setting is not evaluate's to make
+            message = str(e).replace(f"data.path={args.data!r}", f"--data {args.data}")
+            raise ValueError(_SETTING_FIX.sub(f": evaluate reads --data with the run's data: settings "
+                                              f"({run_dir / 'config.yaml'}), which it does not change: give "
+                                              f"--data a file they read", message)) from None
+    if data_cfg.path and not pathlib.Path(data_cfg.path).exists() and data_cfg.resolved_source != "hf":
+        raise ValueError(f"the run's data.path={data_cfg.path!r} (in {run_dir / 'config.yaml'}) does not exist: "
+                         f"give --data FILE to evaluate a file instead")
     _, train_stream, val_stream = load_splits(data_cfg, tokenizer)
     return tokenizer, {"train": train_stream, "val": val_stream}[args.split]
+
+
+def _windows(n: int, seq_len: int) -> str:
+    return f"{n:,} window{'s' if n != 1 else ''} of {seq_len} tokens"
+
+
+def _eval_seq_len(args, cfg, raw: dict) -> int:
+    """`--seq-len`, else the run's train.seq_len, else (said so) min(1024, max_position_embeddings);
+    a length past the positions is refused for learned ones, said so for the others."""
+    P = cfg.max_position_embeddings
+    seq_len = args.seq_len or (raw.get("train") or {}).get("seq_len")
+    if seq_len is None:
+        seq_len = min(1024, P)
+        _note(f"windows of {seq_len} tokens: the checkpoint's config has no train.seq_len (--seq-len sets it)")
+    if seq_len > P and cfg.position_embedding == "learned":
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings={P} (learned positions "
+                         f"have no row past it): give --seq-len {P} or less")
+    if args.seq_len and seq_len > P:
+        _note(f"--seq-len {seq_len} exceeds the model's max_position_embeddings={P}: the windows run past the "
+              f"trained context ({cfg.position_embedding} positions), and the loss there measures that")
+    return seq_len
+
+
+@contextlib.contextmanager
+def _warnings_as_notes(quiet: bool = False):
+    """The library's warnings (a request it shortens, a context it runs past) as one line each on
+    stderr (`quiet`: none, on the processes of a launch other than 0)."""
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def note(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, UserWarning):
+                if not quiet:
+                    _note(str(message))
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = note
+        yield
 
 
 def cmd_evaluate(args) -> int:
     _check_flags(args, _positive("--seq-len"), _positive("--batch-size"), _positive("--max-windows"))
     import jax
 
-    from modern_jax.data.pipeline import eval_batches
+    from modern_jax.accounting import DoesNotFit, check_fits
+    from modern_jax.data.pipeline import eval_batches, eval_windows
     from modern_jax.parallel.mesh import make_mesh
     from modern_jax.training import TrainConfig, Trainer, evaluate_batches
     from modern_jax.training.checkpoint import load_params
 
-    cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note if jax.process_index() == 0 else None)
-    tokenizer, stream = _checkpoint_data(args, raw, run_dir)
-    seq_len = args.seq_len or (raw.get("train") or {}).get("seq_len") or min(1024, cfg.max_position_embeddings)
-    tc = TrainConfig(seq_len=seq_len, eval_batch_size=args.batch_size, warmup_steps=0)
+    main = jax.process_index() == 0
+    note = _note if main else (lambda *_: None)
+    cfg, params, raw, run_dir = load_params(args.checkpoint, log=note)
+    seq_len = _eval_seq_len(args, cfg, raw)
+    tokenizer, stream = _checkpoint_data(args, raw, run_dir, cfg)
+    what = f"--data {args.data}" if args.data else f"the {args.split} split"
+    windows = len(eval_windows(stream, seq_len))
+    if args.max_windows is not None and args.max_windows > windows:
+        note(f"--max-windows {args.max_windows}: {what} has {_windows(windows, seq_len)}; evaluating all of them")
+    windows = min(windows, args.max_windows or windows)
+    batch_size = min(args.batch_size or DEFAULT_EVAL_BATCH, windows)
+    if args.batch_size is not None and args.batch_size > windows:
+        note(f"--batch-size {args.batch_size}: {what} gives {_windows(windows, seq_len)}; one batch of {windows:,}")
+    tc = TrainConfig(seq_len=seq_len, eval_batch_size=batch_size, warmup_steps=0)
     # one device; in a launch of several processes every device, each process feeding its rows
     trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None))
-    rows, _ = trainer.local_slices(args.batch_size)
-    batches = eval_batches(stream, seq_len=seq_len, batch_size=args.batch_size, max_windows=args.max_windows,
-                           rows=rows)
-    values = evaluate_batches(trainer, params, batches, jax.device_put(tokenizer.token_bytes(), trainer.replicated),
-                              rows=args.batch_size)
-    if jax.process_index() != 0:
+    token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
+
+    def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
+        return trainer.eval_executable(params, trainer.abstract_batch((batch_size, seq_len)), token_bytes)
+
+    try:
+        check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
+                   lower=("batch_size",), otherwise="seq_len")
+    except DoesNotFit as e:
+        raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
+    rows, _ = trainer.local_slices(batch_size)
+    batches = eval_batches(stream, seq_len=seq_len, batch_size=batch_size, max_windows=args.max_windows, rows=rows)
+    values = evaluate_batches(trainer, params, batches, token_bytes, rows=batch_size)
+    if not main:
         return 0
     print(f"split: {'file ' + args.data if args.data else args.split}")
     print(f"tokens: {values['tokens']}")
     print(f"loss: {values['loss']:.4f}")
-    print(f"perplexity: {math.exp(min(values['loss'], 700)):.4f}")
+    print(f"perplexity: {math.exp(values['loss']) if values['loss'] < 700 else math.inf:.4f}")
     print(f"bits_per_byte: {values['bpb']:.4f}")
     return 0
 
@@ -215,6 +289,14 @@ def cmd_generate(args) -> int:
     _check_flags(args, _positive("--max-new-tokens"), _positive("--num-samples"), _positive("--top-k"),
                  ("--top-p", lambda p: 0 < p <= 1, "a probability in (0, 1]"),
                  ("--temperature", lambda t: 0 <= t < math.inf, "a finite number >= 0 (0: greedy)"))
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # a byte of the shell's argv that is not UTF-8 (surrogate-escaped)
+        byte = ord(args.prompt[e.start]) - 0xDC00 if 0xDC80 <= ord(args.prompt[e.start]) <= 0xDCFF else None
+        shown = f"the byte 0x{byte:02x}" if byte is not None else f"{args.prompt[e.start]!r}"
+        raise ValueError(f"--prompt is not UTF-8 text: {shown} at character {e.start}; give the prompt as "
+                         f"UTF-8 (check the terminal's or the file's encoding)") from None
+    from modern_jax.accounting import DoesNotFit
     from modern_jax.generate import sample_texts
     from modern_jax.training.checkpoint import load_params
     from modern_jax.training.step import abstract_model
@@ -222,12 +304,20 @@ def cmd_generate(args) -> int:
     import jax
 
     cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note if jax.process_index() == 0 else None)
-    tokenizer = _checkpoint_tokenizer(run_dir)
+    tokenizer = _checkpoint_tokenizer(run_dir, cfg)
+    try:
+        tokenizer.encode(args.prompt)
+    except ValueError as e:
+        raise ValueError(f"--prompt cannot be encoded: {e}") from None
     graphdef, _ = abstract_model(cfg)
     temperature = 0.0 if args.greedy else args.temperature
-    texts = sample_texts(graphdef, params, tokenizer, args.prompt, n=args.num_samples,
-                         max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=temperature,
-                         top_k=args.top_k, top_p=args.top_p)
+    try:
+        with _warnings_as_notes():
+            texts = sample_texts(graphdef, params, tokenizer, args.prompt, n=args.num_samples,
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=temperature,
+                                 top_k=args.top_k, top_p=args.top_p)
+    except DoesNotFit as e:
+        raise ValueError(e.describe({"max_new_tokens": "--max-new-tokens", "rows": "--num-samples"})) from None
     if jax.process_index() != 0:  # every process of a launch samples; process 0 prints
         return 0
     for i, text in enumerate(texts):
@@ -266,6 +356,10 @@ def cmd_plan(args) -> int:
         raise ValueError("plan needs explicit mesh sizes (no -1)")
     if args.slices > 1 and not args.topology:
         raise ValueError("--slices needs --topology (the slices of a TPU topology)")
+    if args.topology:
+        from modern_jax.parallel.topology import check_topology
+
+        check_topology(args.topology)
     from modern_jax.training.config import load_run_config
 
     overrides = list(args.overrides) + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"]
@@ -353,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", help="evaluate on every document of this file or directory instead, read as the "
                                    "run reads its data (data.format, fields, chat template)")
     ev.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
-    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--batch-size", type=int,
+                    help=f"windows per batch (default: {DEFAULT_EVAL_BATCH}, or all the windows if fewer)")
     ev.add_argument("--max-windows", type=int, help="evaluate this many windows spread over the split")
     ev.set_defaults(func=cmd_evaluate)
 

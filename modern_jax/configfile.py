@@ -103,6 +103,8 @@ def read_yaml(path):
         raise ValueError(f"config file {str(path)!r} does not exist")
     try:
         text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror or e}): check its permissions") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): is it a YAML file?") from None
     try:
@@ -133,6 +135,8 @@ def read_json(path, expect: type | None = dict):
         raise ValueError(f"{path} does not exist")
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror or e}): check its permissions") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): is it a JSON file?") from None
     except json.JSONDecodeError as e:

@@ -9,7 +9,10 @@ one jit. After a sequence emits `eos_id` it keeps emitting it (callers cut there
 A model with learned positions has no row past `max_position_embeddings`: `generate`
 refuses a prompt plus `max_new_tokens` longer than that, and `sample_texts` stops there
 with a warning. Other models may run past it; `sample_texts` warns that it leaves the
-trained context.
+trained context. The program is compiled first and its memory (the KV cache, the tokens
+and the step, by XLA's count) checked against what the device has free, so a request too
+large is refused with the largest `max_new_tokens` that fits (`accounting.check_fits`)
+before anything is allocated.
 
 Letters as in `modern_jax`: B batch, T prompt or generated length, V vocabulary.
 """
@@ -23,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from modern_jax.accounting import check_fits
 
 
 def filter_logits(logits_BV, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
@@ -86,9 +91,15 @@ def generate(graphdef, params, prompt_BT, *, max_new_tokens: int, rng=None, temp
     if room is not None and max_new_tokens > room:
         raise ValueError(_past_the_context(cfg, T, max_new_tokens))
     rng = jax.random.key(0) if rng is None else rng
-    out = _generate(graphdef, params, prompt_BT, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
-                    top_k=top_k, top_p=top_p, eos_id=eos_id)
-    return np.asarray(out)
+
+    def compile_at(max_new_tokens: int, rows: int):
+        prompt = jax.ShapeDtypeStruct((rows, T), jnp.int32)
+        return _generate.lower(graphdef, params, prompt, rng, max_new_tokens=max_new_tokens,
+                               temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id).compile()
+
+    sizes = {"max_new_tokens": max_new_tokens, "rows": prompt_BT.shape[0]}
+    compiled = check_fits("generate", compile_at, sizes, resident=params, lower=("max_new_tokens", "rows"))
+    return np.asarray(compiled(params, prompt_BT, rng))
 
 
 def new_tokens_that_fit(cfg, prompt_len: int) -> int | None:

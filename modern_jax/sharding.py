@@ -173,9 +173,10 @@ def check_mesh(cfg, mesh, rules=RULES) -> None:
     for field, value, logical in checks:
         n = size(logical)
         if value % n:
-            axes = "x".join(mesh_axes(logical, rules))
+            axes = [a for a in mesh_axes(logical, rules) if a in mesh.shape]
+            split = " x ".join(f"{a}={mesh.shape[a]}" for a in axes) + (f" = {n}" if len(axes) > 1 else "")
             fix = (f"set model.vocab_pad_to={n} (pads {(-value) % n} rows whose logits are masked)"
-                   if field == "vocab_size" else f"choose a mesh whose {axes} size divides {value}")
-            raise ValueError(f"model.{field}={value} is not divisible by the mesh's {axes}={n}: {fix}")
+                   if field == "vocab_size" else f"choose a mesh whose {' x '.join(axes)} size divides {value}")
+            raise ValueError(f"model.{field}={value} is not divisible by the mesh's {split}: {fix}")
     # n_heads divisible by the tensor axis is enough for any n_kv_heads: shard_map attention
     # replicates each KV head tp / gcd(n_kv, tp) times, which always divides the query group

@@ -298,8 +298,8 @@ def test_a_failed_start_leaves_nothing_behind_and_prints_one_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == [f"modern-jax train: error: data.path={str(tmp_path / 'binary.txt')!r} is not UTF-8 text; "
-                     "for token ids use source: tokens"], proc.stderr
+    assert lines == [f"modern-jax train: error: data.path={str(tmp_path / 'binary.txt')!r} is not UTF-8 text "
+                     "(byte 128: 0x80): for token ids use source: tokens"], proc.stderr
     assert not (tmp_path / "run").exists()
 
 

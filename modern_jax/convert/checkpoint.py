@@ -16,7 +16,9 @@ that holds anything else (`modern_jax.training.outputs`).
 `finetune_run(run, source)` makes a fine-tuning run (`modern-jax train --init-from-hf`): the
 model and tokenizer of `source` (a Hugging Face model directory or hub name, a converted
 checkpoint, or a training run), the `train:` and `data:` of the run file, whose `model:`
-section may set only fields that leave the network as it is (dtype, remat, ...). A run
+section may set only fields that leave the network as it is (dtype, remat, ...). A source
+without a tokenizer needs `data.tokenizer_path` (the model's ids mean nothing to another
+tokenizer), and initial weights holding NaN or infinite values are refused, by name. A run
 trained from a Hugging Face source keeps its config.json and tokenizer files in `hf/`, so
 `convert_to_hf(run_dir)` writes the same family with the same tokenizer.
 """
@@ -29,12 +31,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
 from modern_jax.config import ModelConfig
-from modern_jax.convert.hf_checkpoint import from_hf, read_hf_config, resolve_hf, to_hf
+from modern_jax.convert.hf_checkpoint import from_hf, nonfinite, read_hf_config, refuse_nonfinite, resolve_hf, to_hf
 from modern_jax.convert.hf_config import NON_ARCHITECTURE_FIELDS, config_from_hf, model_type_of
 from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from modern_jax.model import Transformer
@@ -136,12 +139,21 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
     the network. The parameters are read only when `Initial.params()` is called."""
     path = Path(source)
     if path.is_dir() and ((path / PARAMS).is_dir() or (path / "checkpoints").is_dir()):  # one of ours
-        _, config_path, what, _ = resolve_checkpoint(path)
+        directory, config_path, what, _ = resolve_checkpoint(path)
         cfg = ModelConfig.from_dict({**read_config(config_path)["model"], **overrides})
         home = config_path.parent
         tokenizer = checkpoint_tokenizer(home)
         assets = tuple(home / HF / name for name in HF_ASSETS if (home / HF / name).is_file())
-        return cfg, Initial(what, lambda: load_params(path, log=log, **overrides)[1], tokenizer, assets)
+
+        def ours() -> dict:
+            params = load_params(path, log=log, **overrides)[1]
+            flat = jax.tree_util.tree_flatten_with_path(params)[0]
+            counts = ((".".join(str(getattr(k, "key", k)) for k in key), nonfinite(x)) for key, x in flat)
+            refuse_nonfinite(str(directory / PARAMS), [f"{name} ({count})" for name, count in counts
+                                                       if count is not None])
+            return params
+
+        return cfg, Initial(what, ours, tokenizer, assets)
     path = resolve_hf(source)
     hf = read_hf_config(path)
     try:
@@ -170,4 +182,19 @@ def finetune_run(run: RunConfig, source: str | os.PathLike, log=None) -> tuple[R
                          f"fields that leave its network as it is ({allowed}), not {', '.join(fixed)}: remove them, "
                          f"or use configs/finetune_chat.yaml")
     cfg, init = initial_weights(source, log=log, **run.model_dict)
+    if init.tokenizer is not None and run.data.tokenizer_path:
+        raise ValueError(f"--init-from-hf {source} brings the model's own tokenizer, so data.tokenizer_path="
+                         f"{run.data.tokenizer_path!r} would not be used: remove it")
+    if init.tokenizer is None:
+        if not run.data.tokenizer_path:
+            raise ValueError(f"--init-from-hf {source} has no {TOKENIZER_FILE}, and the model's token ids mean "
+                             f"nothing to another tokenizer: put the model's tokenizer files ({TOKENIZER_FILE}, "
+                             f"tokenizer_config.json) beside its weights, or set data.tokenizer_path=FILE (the "
+                             f"model's {TOKENIZER_FILE})")
+        tokenizer = load_tokenizer(run.data.tokenizer_path)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"data.tokenizer_path={run.data.tokenizer_path!r} has {tokenizer.vocab_size} ids, more "
+                             f"than the vocab_size={cfg.vocab_size} of the model from --init-from-hf {source}: give "
+                             f"the tokenizer the model was trained with")
+        init = dataclasses.replace(init, tokenizer=tokenizer)
     return dataclasses.replace(run, model_dict=cfg.to_dict()), init

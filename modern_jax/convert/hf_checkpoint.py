@@ -13,10 +13,11 @@ those the family says its network does not use, such as DeepSeek's multi-token-p
 layer, which are skipped and logged; every shape right; errors name the tensors and both
 shapes; a quantised checkpoint is refused, naming how to dequantise it), then streams the tensors
 from the (possibly sharded) safetensors files into one preallocated array per stacked
-parameter. A parameter is handed to JAX as soon as its last layer is filled, so the
-host holds about one copy of the model, never two. Writing fetches one slot (a layer, an
-expert) of a parameter at a time from the devices and holds at most one safetensors shard,
-so the host never holds a whole stacked parameter.
+parameter (a tensor holding NaN or infinite values is refused, naming it and its file). A
+parameter is handed to JAX as soon as its last layer is filled, so the host holds about one
+copy of the model, never two. Writing fetches one slot (a layer, an expert) of a parameter
+at a time from the devices and holds at most one safetensors shard, so the host never holds
+a whole stacked parameter.
 """
 
 from __future__ import annotations
@@ -207,6 +208,22 @@ def refuse_quantised(path: Path, hf: dict[str, Any]) -> None:
         f"dtype=torch.bfloat16).save_pretrained(out), then load `out`")
 
 
+def nonfinite(x) -> str | None:
+    """`"1 NaN, 2 inf of 1,024 values"` for an array of floats holding NaN or infinite values, else None."""
+    xp = np if isinstance(x, np.ndarray) else jnp  # a host tensor is counted on the host
+    if not jnp.issubdtype(x.dtype, jnp.inexact) or bool(xp.isfinite(x).all()):
+        return None
+    return f"{int(xp.isnan(x).sum()):,} NaN, {int(xp.isinf(x).sum()):,} inf of {x.size:,} values"
+
+
+def refuse_nonfinite(where: str, bad: list[str]) -> None:
+    """`bad`: the tensors holding NaN or infinite values, each with its file and count."""
+    if bad:
+        raise CheckpointError(f"{where}: {len(bad)} tensor(s) hold NaN or infinite values: {_listed(bad)}. The "
+                              f"weights are damaged or come from a run that diverged: download them again, or start "
+                              f"from another checkpoint")
+
+
 def _listed(names) -> str:
     names = sorted(names)
     more = f" ... and {len(names) - LISTED} more" if len(names) > LISTED else ""
@@ -301,6 +318,7 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for canonical, (file, name) in found.items():
         by_file.setdefault(file, []).append((canonical, name))
+    bad = []
     for file, names in by_file.items():
         with _open_safetensors(file) as f:
             for canonical, name in names:
@@ -309,9 +327,13 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
                 except Exception as e:  # safetensors raises its own error types on a damaged file
                     raise CheckpointError(f"{file}: cannot read tensor {name} ({type(e).__name__}: {e}): "
                                           f"the file is damaged or truncated") from None
+                count = nonfinite(x)
+                if count is not None:
+                    bad.append(f"{name} in {file.name} ({count})")
                 for src in sources[canonical]:
                     fill(src, x, cfg.vocab_size)
                 del x
+    refuse_nonfinite(str(path), bad)
     unfilled = {target.name for target in params if target.buffer is not None}
     assert not unfilled, f"parameters left unfilled: {sorted(unfilled)}"
     return cfg, nnx.merge(graphdef, state, rest)

@@ -132,12 +132,17 @@ def text_documents(path) -> list[tuple[str, str]]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
     docs = []
     for file in files:
+        name = str(file.relative_to(path) if path.is_dir() else file.name)
+        where = f"data.path={str(path)!r}" + (f" ({name})" if path.is_dir() else "")
         try:
-            docs.append((str(file.relative_to(path) if path.is_dir() else file.name), file.read_text(encoding="utf-8")))
-        except UnicodeDecodeError:
-            if path.is_file():
-                raise ValueError(f"data.path={str(path)!r} is not UTF-8 text; for token ids use "
-                                 "source: tokens") from None
+            docs.append((name, file.read_bytes().decode("utf-8")))
+        except OSError as e:
+            raise ValueError(f"{where} cannot be read ({e.strerror or e}): check its permissions") from None
+        except UnicodeDecodeError as e:
+            fix = ("for token ids use source: tokens" if path.is_file() else
+                   "convert it to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) or move it out of the directory")
+            raise ValueError(f"{where} is not UTF-8 text (byte {e.start}: 0x{e.object[e.start]:02x}): {fix}") \
+                from None
     if not docs:
         raise ValueError(f"data.path={str(path)!r} holds no readable text files")
     if not any(text for _, text in docs):
@@ -157,7 +162,11 @@ def arrayrecord_documents(path, record_format: str, token_dtype: str):
     for i in range(len(source)):
         record = source[i]
         if record_format == "text":
-            docs.append((f"record-{i}", record.decode("utf-8")))
+            try:
+                docs.append((f"record-{i}", record.decode("utf-8")))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"data.path={str(path)!r} (record-{i}) is not UTF-8 text (byte {e.start}): for "
+                                 f"token ids set data.record_format: tokens") from None
         else:
             docs.append((f"record-{i}", np.frombuffer(record, token_dtype)))
     return docs
@@ -283,7 +292,12 @@ def _encoder(tokenizer: Tokenizer, rendered: dict | None):
 
 
 def _stream(cfg: DataConfig, docs, encode, tokenizer: Tokenizer, what: str, fix: str) -> TokenStream:
-    encoded = [encode(name, content) for name, content in docs]
+    encoded = []
+    for name, content in docs:
+        try:
+            encoded.append(encode(name, content))
+        except ValueError as e:  # a character the tokenizer has no id for
+            raise ValueError(f"{what} ({name}): {e}") from None
     chat_marks = [t for _, t in encoded] if cfg.format == "chat" else None
     return TokenStream.from_documents([ids for ids, _ in encoded], tokenizer.bos_id, tokenizer.eos_id,
                                       _stream_dtype(tokenizer.vocab_size), trained=chat_marks, what=what, fix=fix)
@@ -455,8 +469,11 @@ def _token_file_splits(cfg: DataConfig, tokenizer: Tokenizer | None):
     if not path.is_file():
         raise ValueError(f"data.path={str(path)!r} does not exist")
     where, size, itemsize = f"data.path={str(path)!r}", path.stat().st_size, np.dtype(cfg.token_dtype).itemsize
-    with path.open("rb") as f:
-        head = f.read(65536)
+    try:
+        with path.open("rb") as f:
+            head = f.read(65536)
+    except OSError as e:
+        raise ValueError(f"{where} cannot be read ({e.strerror or e}): check its permissions") from None
     if size == 0:
         raise ValueError(f"{where} is empty: no tokens")
     if size % itemsize:

@@ -17,15 +17,18 @@ the assistant turns (`TokenStream.trained`) have weight 0 too, wherever its wind
 
 Training batch `i` is a pure function of `(seed, i)`: `A * B` window starts drawn
 uniformly from the stream by `numpy.random.default_rng([seed, i])` (the classic random
-window sampling of char-LM training). A process takes the rows `rows` of every accumulation
-step that its devices hold (all of them on one process; `Trainer.local_rows` says which), so
-processes read disjoint rows that together make the global batch, and the global batch is the
-same however many processes share it. The grain iterator's state is its next batch index:
-saving it with the checkpoint and restoring it makes a resumed run see exactly the batches
-the uninterrupted run sees.
+window sampling of char-LM training; a split of at most T + 1 tokens gives every row the
+whole split, with a warning). A process takes the rows `rows` of every accumulation step that
+its devices hold (all of them on one process; `Trainer.local_slices` says which), so processes
+read disjoint rows that together make the global batch, and the global batch is the same
+however many processes share it. The grain iterator's state is its next batch index: saving
+it with the checkpoint and restoring it makes a resumed run see exactly the batches the
+uninterrupted run sees.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import grain
 import numpy as np
@@ -71,6 +74,12 @@ class TrainBatches:
         self.stream, self.seq_len, self.seed = stream, seq_len, seed
         self.shape = (grad_accum, batch_size // grad_accum)
         self.rows = slice(None) if rows is None else rows
+        if len(stream) <= seq_len + 1:  # one start only: a window takes T + 1 tokens
+            padded = ", padded" if len(stream) <= seq_len else ""
+            warnings.warn(f"train.seq_len={seq_len} is as long as the training split ({len(stream):,} tokens): "
+                          f"every row of every batch is the whole split from its start{padded}; lower "
+                          f"train.seq_len to at most {max(len(stream) - 2, 1):,} for windows at random starts",
+                          stacklevel=2)
         self.high = max(1, len(stream) - seq_len)  # windows of T + 1 tokens fit below this start
 
     def __len__(self) -> int:

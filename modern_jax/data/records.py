@@ -10,20 +10,29 @@ fields it has.
 - `jsonl`: a `.jsonl` / `.jsonl.gz` file, or a directory of them; one JSON object per line.
 - `parquet`: a `.parquet` file, or a directory of them (pyarrow).
 - `hf`: Hugging Face `datasets`: a directory written by `save_to_disk` (a `DatasetDict`'s
-  `data.hf_split`), local data files, or a hub name (`org/name`, when the network or the
+  `data.hf_split`), a local data file (read by the `datasets` builder of its extension,
+  `HF_BUILDERS`) or a directory of them, or a hub name (`org/name`, when the network or the
   local cache has it; `data.hf_config`, `data.hf_split`), streamed with `data.streaming`.
+  A local path is never looked up on the hub.
+
+A file that cannot be read (damaged, truncated, no permission) is named, also when
+`datasets` is the reader (it names the file only in its log, which is kept off stderr).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import logging
 import pathlib
+import re
 from collections.abc import Iterator
 
 from modern_jax.data.config import EXTENSIONS, SAVED_DATASET, DataConfig, data_files
 
 Record = tuple[str, str, object]  # (name for the split, where for errors, the field's value)
+HF_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".csv": "csv"}
 
 
 def record_documents(cfg: DataConfig, source: str) -> list[tuple[str, object]]:
@@ -96,15 +105,32 @@ def _parquet(cfg: DataConfig, field: str, setting: str) -> Iterator[Record]:
     for file, name in _files(cfg, "parquet"):
         try:
             names = pq.read_schema(file).names
-            if field not in names:
-                raise _missing(str(file), field, setting, names)
-            column = pq.read_table(file, columns=[field]).column(field).to_pylist()
-        except ValueError:
-            raise
-        except Exception as e:  # pyarrow raises ArrowInvalid and others on a damaged file
+            column = pq.read_table(file, columns=[field]).column(field).to_pylist() if field in names else None
+        except PermissionError as e:
+            raise ValueError(f"{file} cannot be read ({e.strerror or e}): check its permissions") from None
+        except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) and others on a damaged file
             raise ValueError(f"{file}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        if column is None:
+            raise _missing(str(file), field, setting, names)
         for row, value in enumerate(column):
             yield f"{name}, row {row}", f"{file}, row {row}", value
+
+
+@contextlib.contextmanager
+def _datasets_log(messages: list[str]):
+    """`datasets`' log records (its errors name the file they failed on) into `messages`, off stderr."""
+    logger = logging.getLogger("datasets")
+    saved = logger.handlers[:], logger.propagate
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logger.handlers, logger.propagate = [Collect(logging.ERROR)], False
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = saved
 
 
 def _hf(cfg: DataConfig, field: str, setting: str) -> Iterator[Record]:
@@ -112,26 +138,39 @@ def _hf(cfg: DataConfig, field: str, setting: str) -> Iterator[Record]:
 
     datasets.disable_progress_bars()
     path, where = pathlib.Path(cfg.path), f"data.path={str(cfg.path)!r}"
-    local = path.exists() or str(cfg.path).startswith(("/", ".", "~"))
+    builder = next((b for ext, b in HF_BUILDERS.items() if path.name.endswith(ext)), None)
+    local = path.exists() or str(cfg.path).startswith(("/", ".", "~")) or builder is not None
     if local and not path.exists():
         raise ValueError(f"{where} does not exist")
+    if path.is_file() and builder is None:
+        raise ValueError(f"{where} is a local file: source: hf reads a file with the `datasets` builder of its "
+                         f"extension ({', '.join(HF_BUILDERS)}): give one of those, or set data.source: auto")
+    logged: list[str] = []
     try:
-        if path.is_dir() and any((path / marker).is_file() for marker in SAVED_DATASET):
-            dataset = datasets.load_from_disk(str(path))
-            if isinstance(dataset, datasets.DatasetDict):
-                if cfg.hf_split not in dataset:
-                    raise ValueError(f"{where} has no split {cfg.hf_split!r} (data.hf_split); its splits are "
-                                     f"{', '.join(map(repr, dataset))}")
-                dataset = dataset[cfg.hf_split]
-            if cfg.streaming:
-                dataset = dataset.to_iterable_dataset()
-        else:
-            dataset = datasets.load_dataset(str(cfg.path), cfg.hf_config, split=cfg.hf_split, streaming=cfg.streaming)
+        with _datasets_log(logged):
+            if path.is_dir() and any((path / marker).is_file() for marker in SAVED_DATASET):
+                dataset = datasets.load_from_disk(str(path))
+                if isinstance(dataset, datasets.DatasetDict):
+                    if cfg.hf_split not in dataset:
+                        raise ValueError(f"{where} has no split {cfg.hf_split!r} (data.hf_split); its splits are "
+                                         f"{', '.join(map(repr, dataset))}")
+                    dataset = dataset[cfg.hf_split]
+                if cfg.streaming:
+                    dataset = dataset.to_iterable_dataset()
+            elif path.is_file():  # the file is the split asked for
+                dataset = datasets.load_dataset(builder, data_files={cfg.hf_split: str(path)}, split=cfg.hf_split,
+                                                streaming=cfg.streaming)
+            else:
+                dataset = datasets.load_dataset(str(cfg.path), cfg.hf_config, split=cfg.hf_split,
+                                                streaming=cfg.streaming)
     except ValueError as e:
         if str(e).startswith(where):
             raise
         raise ValueError(f"{where} (source: hf): {e}") from None
     except Exception as e:  # datasets raises many kinds: no network, not on the hub, no such config or split
+        failed = next((m for m in logged if re.search(r"file '[^']+'", m)), None)
+        if failed is not None:  # e.g. "Failed to read file '...' with error ArrowInvalid: ..."
+            raise ValueError(f"{where} (source: hf): {failed}"[:500]) from None
         hint = "" if local else ("; a hub name needs the network or the dataset in the local Hugging Face cache "
                                  "(HF_DATASETS_OFFLINE=1 reads the cache only)")
         first = (str(e).strip().splitlines() or [""])[0][:300]

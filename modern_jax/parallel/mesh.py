@@ -40,7 +40,11 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None, *, ex
     known = math.prod(size for size in sizes.values() if size != -1)
     if fill:
         if len(devices) % known:
-            raise ValueError(f"mesh: {len(devices)} devices cannot be split into {known} x {fill[0]}")
+            given = {k: v for k, v in sizes.items() if v > 1}
+            named = " x ".join(given)
+            product = " x ".join(f"{k}={v}" for k, v in given.items()) + (f" = {known}" if len(given) > 1 else "")
+            raise ValueError(f"mesh {product} with {fill[0]}=-1 (fill): {len(devices)} devices do not split into "
+                             f"{known} x a whole {fill[0]}: make {named} a divisor of {len(devices)}")
         sizes[fill[0]] = len(devices) // known
     total = math.prod(sizes.values())
     if total != len(devices):

@@ -71,8 +71,9 @@ class Trainer:
         # the devices splitting the sequence (context parallelism) and the order laid over them
         self.context = math.prod(mesh.shape[a] for a in mesh_axes("activation_length", rules) if a in mesh.shape)
         if train_cfg.seq_len % self.context:
-            raise ValueError(f"train.seq_len={train_cfg.seq_len} is not divisible by the context axis "
-                             f"({self.context} devices split the sequence): make it a multiple of {self.context}")
+            raise ValueError(f"train.seq_len={train_cfg.seq_len} is not divisible by the mesh's context={self.context} "
+                             f"(the devices that split the sequence): make it a multiple of {self.context}, or "
+                             f"change context in --mesh (parallel.context)")
         self.context_layout = context_layout
         layout_order(train_cfg.seq_len, self.context, context_layout)  # its errors name the fields
         if train_cfg.moe_bias_update_rate and not model_cfg.router_selection_bias:
@@ -152,10 +153,11 @@ class Trainer:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                             self.state_shardings)
 
-    def abstract_batch(self) -> dict:
-        """ShapeDtypeStructs (with shardings) of one step's batch: `[grad_accum, rows, seq_len]` each."""
+    def abstract_batch(self, eval_shape: tuple[int, int] | None = None) -> dict:
+        """ShapeDtypeStructs (with shardings) of one step's batch: `[grad_accum, rows, seq_len]` each;
+        with `eval_shape` (rows, length), of one evaluation batch `[1, rows, length]`."""
         A = self.cfg.grad_accum
-        shape = (A, self.cfg.batch_size // A, self.cfg.seq_len)
+        shape = (A, self.cfg.batch_size // A, self.cfg.seq_len) if eval_shape is None else (1, *eval_shape)
         return {key: jax.ShapeDtypeStruct(shape, jnp.float32 if key == "weights" else jnp.int32,
                                           sharding=self.batch_sharding)
                 for key in ("inputs", "targets", "positions", "segment_ids", "weights")}
@@ -302,6 +304,12 @@ class Trainer:
     def eval_step(self, params, batch, token_bytes):
         """Sums of cross-entropy, target weight and target bytes over one batch."""
         return self._run("eval", params, batch, token_bytes)
+
+    def eval_executable(self, params, batch, token_bytes):
+        """The evaluation step compiled for these arguments (abstract ones will do), without running
+        it: `eval_step` runs the one compiled last (its `memory_analysis()` is XLA's count)."""
+        self._executables["eval"] = self._executable("eval", params, batch, token_bytes)
+        return self._executables["eval"]
 
     def compile(self, state, batch: dict, eval_batch: dict | None = None, token_bytes=None) -> float:
         """Compile the steps for these shapes now (returns seconds), so timing excludes it."""
