@@ -172,7 +172,8 @@ def check_fits(program: str, compile_at: Callable, sizes: dict[str, int], *, res
     with the largest value that fits. If none does, the error names `otherwise`.
     """
     placed = [x for x in jax.tree.leaves(resident) if isinstance(x, jax.Array)]
-    device = min(placed[0].devices(), key=lambda d: d.id) if placed else jax.devices()[0]
+    local = [d for d in placed[0].devices() if d.process_index == jax.process_index()] if placed else []
+    device = min(local, key=lambda d: d.id) if local else jax.local_devices()[0]  # one this process can ask
     resident = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in placed)  # one device's
     compiled = compile_at(**sizes)
     free = free_memory(device)
