@@ -30,9 +30,9 @@ def param_counts(cfg: ModelConfig) -> dict:
     `active`: the parameters one token uses: all of them less, in each mixture-of-experts
     layer, the E - k routed experts it is not sent to (router and shared experts included)."""
     from modern_jax.layers.moe import SelectionBias
-    from modern_jax.model import Transformer
+    from modern_jax.model import abstract_model
 
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_model(cfg)
     counted = nnx.All(nnx.Param, nnx.Not(SelectionBias))  # the selection bias is no weight (transformers: a buffer)
 
     def size(node) -> int:

@@ -299,7 +299,7 @@ def cmd_generate(args) -> int:
     from modern_jax.accounting import DoesNotFit
     from modern_jax.generate import sample_texts
     from modern_jax.training.checkpoint import load_params
-    from modern_jax.training.step import abstract_model
+    from modern_jax.model import abstract_params
 
     import jax
 
@@ -309,7 +309,7 @@ def cmd_generate(args) -> int:
         tokenizer.encode(args.prompt)
     except ValueError as e:
         raise ValueError(f"--prompt cannot be encoded: {e}") from None
-    graphdef, _ = abstract_model(cfg)
+    graphdef, _ = abstract_params(cfg)
     temperature = 0.0 if args.greedy else args.temperature
     try:
         with _warnings_as_notes():
@@ -487,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--slices", type=int, default=1, help="--topology: the number of slices (multi-slice)")
     pl.add_argument("--hbm-gib", type=float, help="device memory to check the plan against (default with "
                                                   "--topology: the chip's)")
-    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat=full model.dtype=bfloat16")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. execution.remat=full model.dtype=bfloat16")
     pl.set_defaults(func=_plan_once)
 
     la = sub.add_parser("launch", help="run a command as N processes of one launch on this machine (a pod run "

@@ -27,9 +27,6 @@ NORM_TYPES = ("rmsnorm", "gemma_rmsnorm", "layernorm")
 PLACEMENTS = ("post", "pre", "sandwich", "output", "parallel", "deepnorm")
 FFN_TYPES = ("mlp", "gated", "moe")
 ROUTER_SCORES = ("softmax", "topk_softmax", "sigmoid")
-MOE_DISPATCHES = ("grouped", "dense", "capacity")
-GROUPED_IMPLS = ("default", "ragged_dot", "megablox")
-MOE_EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity")
 POSITIONS = ("none", "rope", "sinusoidal", "learned")
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -37,14 +34,22 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ATTENTION_TYPES = ("mha", "mla")
 QK_NORMS = ("none", "head", "full", "l2")
 INITS = ("normal", "xavier")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_out")
 DTYPES = ("float32", "bfloat16", "float16")
-CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention over a context axis (`ops.attention`)
-ATTENTION_IMPLS = ("default", "reference", "chunked", "cudnn", "pallas_gpu", "pallas_tpu")
-NORM_IMPLS = ("default", "reference", "pallas")
+# settings that once lived here and now live in another section of a run file (how it runs,
+# not what it is): a key in the old place is read there, with a notice
+MOVED = {**{name: "execution" for name in ("attention_impl", "norm_impl", "moe_dispatch", "moe_capacity_factor",
+                                           "moe_grouped_impl", "remat", "scan_layers")},
+         **{name: "parallel" for name in ("context_strategy", "moe_exchange", "moe_exchange_factor")}}
 
 
 _fail = functools.partial(fail, "ModelConfig")
+
+
+def _setting(default=None, **kwargs):
+    """A field that is not the network itself but how its numbers are kept, made and trained
+    (dtypes, initialisation, dropout, row padding): a fine-tune may set it, and a Hugging Face
+    round trip does not compare it."""
+    return field(default=default, metadata={"network": False}, **kwargs)
 
 
 def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
@@ -157,14 +162,14 @@ class ModelConfig:
 
     # sizes
     vocab_size: int = 256
-    vocab_pad_to: int = 1  # embedding/head rows padded to a multiple (tensor parallelism); pad logits masked
+    vocab_pad_to: int = _setting(1)  # embedding/head rows padded to a multiple (tensor parallelism); pad logits masked
     d_model: int = 128
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; else GQA
     head_dim: int | None = None  # None: d_model // n_heads
     d_ff: int | None = None  # None: 4d (mlp) or ceil(8d/3) rounded up to ffn_multiple_of (gated)
-    ffn_multiple_of: int = 1
+    ffn_multiple_of: int = _setting(1)  # the width rule's rounding (d_ff, the network's width, is derived)
     max_position_embeddings: int = 2048
 
     # normalisation and its placement
@@ -195,16 +200,10 @@ class ModelConfig:
     router_groups: int = 1  # experts split into groups, each scored by the sum of its top 2 (DeepSeek-V3)
     router_topk_groups: int = 1  # groups kept per token
     router_on_input: bool = False  # the weight scales the expert's input, not its output (Llama 4)
-    moe_aux_per_sequence: bool = False  # the balance loss per sequence, not over the batch
+    moe_aux_per_sequence: bool = _setting(False)  # the balance loss per sequence, not over the batch
     expert_bias: bool = False  # biases on the expert projections (gpt-oss)
     expert_swiglu_limit: float | None = None  # gpt-oss: clamp gate and up, (up + 1) * gate * sigmoid(alpha gate)
     expert_swiglu_alpha: float = 1.702
-    moe_dispatch: str = "grouped"  # dropless grouped matmuls | every expert on every token | capacity
-    moe_capacity_factor: float = 1.0  # capacity dispatch: slots per expert = factor * tokens * k / E
-    moe_grouped_impl: str = "default"  # the grouped matmul: ragged_dot, or megablox (TPU kernel)
-    moe_exchange: str = "all_to_all"  # experts split over a mesh: tokens swapped all-to-all (slots or ragged), or all-gathered
-    moe_exchange_factor: float | None = None  # all_to_all slots per destination (factor * local assignments / P);
-    # ragged_all_to_all receive rows (factor * local assignments); None: room for all, no drops
 
     # positions
     position_embedding: str = "rope"
@@ -228,9 +227,6 @@ class ModelConfig:
     attention_pattern: str = "G"
     attn_temperature_floor: int | None = None  # temperature tuning of the NoPE layers (Llama 4: 8192); None: off
     attn_temperature_scale: float = 0.1
-    attention_impl: str = "reference"
-    context_strategy: str = "all_gather"  # the sequence split over a context axis: keys gathered, or a ring
-    norm_impl: str = "reference"
     # MLA (attention_type="mla")
     mla_kv_rank: int = 0
     mla_q_rank: int = 0  # 0: full-rank query projection
@@ -245,14 +241,12 @@ class ModelConfig:
     final_softcap: float | None = None
 
     # initialisation, regularisation, numerics, depth
-    init: str = "normal"
-    init_std: float = 0.02
-    attn_dropout: float = 0.0
-    resid_dropout: float = 0.0
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    scan_layers: bool = True
-    remat: str = "none"
+    init: str = _setting("normal")
+    init_std: float = _setting(0.02)
+    attn_dropout: float = _setting(0.0)
+    resid_dropout: float = _setting(0.0)
+    dtype: str = _setting("float32")  # the compute dtype (activations); parameters are param_dtype
+    param_dtype: str = _setting("float32")
 
     def __post_init__(self):
         for name in ("vocab_size", "vocab_pad_to", "d_model", "n_layers", "n_heads", "max_position_embeddings"):
@@ -264,21 +258,14 @@ class ModelConfig:
             ("norm_placement", PLACEMENTS),
             ("ffn_type", FFN_TYPES),
             ("router_score", ROUTER_SCORES),
-            ("moe_dispatch", MOE_DISPATCHES),
-            ("moe_grouped_impl", GROUPED_IMPLS),
-            ("moe_exchange", MOE_EXCHANGES),
             ("activation", ACTIVATIONS),
             ("position_embedding", POSITIONS),
             ("rope_layout", ROPE_LAYOUTS),
             ("attention_type", ATTENTION_TYPES),
             ("qk_norm", QK_NORMS),
             ("init", INITS),
-            ("remat", REMAT_POLICIES),
             ("dtype", DTYPES),
             ("param_dtype", DTYPES),
-            ("attention_impl", ATTENTION_IMPLS),
-            ("context_strategy", CONTEXT_STRATEGIES),
-            ("norm_impl", NORM_IMPLS),
         ):
             _check_choice(name, getattr(self, name), choices)
         if not isinstance(self.rope_scaling, RopeScaling):
@@ -391,11 +378,9 @@ class ModelConfig:
 
     def _check_moe(self) -> None:
         if self.ffn_type != "moe":
-            for name, default in (("n_experts", 0), ("experts_per_token", 0), ("n_shared_experts", 0),
-                                  ("router_selection_bias", False), ("router_bias", False), ("expert_bias", False),
-                                  ("expert_swiglu_limit", None), ("moe_pattern", "E"), ("moe_first_dense", 0),
-                                  ("expert_d_ff", None), ("shared_expert_d_ff", None)):
-                if getattr(self, name) != default:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in MOE_FIELDS:
+                if getattr(self, name) != defaults[name]:
                     _fail(name, getattr(self, name), "applies to a mixture of experts: set ffn_type='moe'")
             return
         if self.activation in ("identity",):
@@ -433,10 +418,6 @@ class ModelConfig:
             _fail("router_scale", self.router_scale, "expected a positive scale")
         if self.expert_swiglu_limit is not None and not self.expert_swiglu_limit > 0:
             _fail("expert_swiglu_limit", self.expert_swiglu_limit, "expected a positive limit or null")
-        if not self.moe_capacity_factor > 0:
-            _fail("moe_capacity_factor", self.moe_capacity_factor, "expected a positive factor")
-        if self.moe_exchange_factor is not None and not self.moe_exchange_factor > 0:
-            _fail("moe_exchange_factor", self.moe_exchange_factor, "expected a positive factor or null (no drops)")
 
     def _check_pattern(self, name: str, letters: str) -> None:
         pattern = getattr(self, name)
@@ -516,10 +497,12 @@ class ModelConfig:
     # ----- (de)serialisation ---------------------------------------------------
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, values: dict[str, Any], where: str = "") -> ModelConfig:
+        """`values` of a `model:` section; a setting that now lives in another section is left
+        out, with a notice (`split_moved` reads it there)."""
         if not isinstance(values, dict):
             raise ValueError(f"model: expected a mapping of ModelConfig fields, got {values!r}"[:300])
-        values = dict(values)
+        values, _ = split_moved(values, where)
         check_keys("model", values, [f.name for f in dataclasses.fields(cls)])
         if isinstance(values.get("rope_scaling"), dict):
             scaling = values["rope_scaling"]
@@ -540,6 +523,35 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+# the fields of a mixture of experts: each at its default unless ffn_type is "moe"
+MOE_FIELDS = ("n_experts", "experts_per_token", "expert_d_ff", "n_shared_experts", "shared_expert_d_ff", "moe_pattern",
+              "moe_first_dense", "router_score", "router_norm_topk", "router_scale", "router_bias",
+              "router_selection_bias", "router_groups", "router_topk_groups", "router_on_input", "moe_aux_per_sequence",
+              "expert_bias", "expert_swiglu_limit", "expert_swiglu_alpha")
+NETWORK_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("network", True))
+
+
+class MovedSetting(UserWarning):
+    """A setting read in the place it used to live (the notice says where it lives now)."""
+
+
+def split_moved(model: dict, where: str = "") -> tuple[dict, dict[str, dict]]:
+    """`(the model: section without the settings that moved, {section: {field: value}} of those)`,
+    with one notice per setting naming its new place."""
+    import warnings
+
+    kept, moved = {}, {}
+    for key, value in model.items():
+        if key in MOVED:
+            section = MOVED[key]
+            moved.setdefault(section, {})[key] = value
+            warnings.warn(f"{where + ': ' if where else ''}model.{key} is read as {section}.{key}, where it lives now "
+                          f"(how the model runs, not what it is): move it there", MovedSetting, stacklevel=3)
+        else:
+            kept[key] = value
+    return kept, moved
+
+
 def ffn_width_rule(d_model: int, multiple_of: int) -> int:
     """Llama's width: ceil(8d/3) rounded up to a multiple of `multiple_of`."""
     width = math.ceil(8 * d_model / 3)
@@ -550,4 +562,4 @@ def model_config_from_file(path, overrides: list[str] = ()) -> ModelConfig:
     raw = load_config_file(path, overrides)
     if "model" not in raw:
         raise ValueError(f"{path}: no `model:` section")
-    return ModelConfig.from_dict(raw["model"] or {})
+    return ModelConfig.from_dict(raw["model"] or {}, str(path))

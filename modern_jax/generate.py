@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from modern_jax import execution
+
 from modern_jax.accounting import check_fits
 
 
@@ -53,8 +55,13 @@ def sample_token(logits_BV, rng, *, temperature: float, top_k: int | None, top_p
     return jax.random.categorical(rng, filtered_BV, axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"))
-def _generate(graphdef, params, prompt_BT, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id):
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "run"))
+def _generate(graphdef, params, prompt_BT, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, run):
+    with execution.use(run):  # static: another execution is another program
+        return _sample(graphdef, params, prompt_BT, rng, max_new_tokens, temperature, top_k, top_p, eos_id)
+
+
+def _sample(graphdef, params, prompt_BT, rng, max_new_tokens, temperature, top_k, top_p, eos_id):
     model = nnx.merge(graphdef, params)
     B, T = prompt_BT.shape
     sample = partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -95,7 +102,8 @@ def generate(graphdef, params, prompt_BT, *, max_new_tokens: int, rng=None, temp
     def compile_at(max_new_tokens: int, rows: int):
         prompt = jax.ShapeDtypeStruct((rows, T), jnp.int32)
         return _generate.lower(graphdef, params, prompt, rng, max_new_tokens=max_new_tokens,
-                               temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id).compile()
+                               temperature=float(temperature), top_k=top_k, top_p=top_p, eos_id=eos_id,
+                               run=execution.current()).compile()
 
     sizes = {"max_new_tokens": max_new_tokens, "rows": prompt_BT.shape[0]}
     compiled = check_fits("generate", compile_at, sizes, resident=params, lower=("max_new_tokens", "rows"))

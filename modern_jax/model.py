@@ -18,7 +18,9 @@ the model sows the result as its own, for the trainer to capture:
 Layers with identical parameter shapes and static choices (window, RoPE) are stacked
 along a `layers` axis and run by `jax.lax.scan`. A per-layer pattern (Gemma's local /
 global, Llama 4's NoPE layers) becomes a repeating unit of a few blocks, scanned as many
-times as it repeats, so compile time does not grow with depth.
+times as it repeats, so compile time does not grow with depth. How they run, scanned or in a
+Python loop and what the backward pass recomputes, is the active `execution` (`scan_layers`,
+`remat`), as are the kernels the layers' ops call: the model's config is its architecture only.
 
 Ranges (token ids, learned positions, the cache's length and batch) are checked wherever the
 values are known: shapes always, values eagerly. Under jit the values are tracers; wrap the
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from modern_jax import execution
 from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.layers.attention import MAX_LOGIT
 from modern_jax.layers.block import Block
@@ -48,7 +51,7 @@ from modern_jax.layers.positions import sinusoidal
 from modern_jax.ops import vocab
 from modern_jax.sharding import constrain
 
-REMAT_POLICIES = {
+REMAT_POLICIES = {  # execution.remat: what the backward pass keeps (every other name recomputes)
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -140,7 +143,7 @@ class Stage(nnx.Module):
         """`(x, caches, reduced, loads)`: `reduced` maps each SUMMED / MAXED name some layer sowed to
         its sum / max over the stage's layers; `loads[j]` is `moe_load` of block j of the unit,
         `[repeats, E]`, or None for a dense block."""
-        cfg, period = self.cfg, len(self.unit)
+        period, run = len(self.unit), execution.current()
         graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
         caches = [None] * period if caches is None else caches
         zero = jnp.zeros((), jnp.float32)  # the identity of both the sum and the max (of |logits|)
@@ -157,9 +160,9 @@ class Stage(nnx.Module):
                 reduced = {name: zero if value is None else value for name, value in reduced.items()}
                 return x_BTD, cache, reduced, sown_value(sown_j, LOAD) if moe[j] else None
 
-            if cfg.remat == "none":
+            if run.remat == "none":
                 return apply
-            return jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            return jax.checkpoint(apply, policy=REMAT_POLICIES[run.remat], prevent_cse=not run.scan_layers)
 
         layers = [layer(j) for j in range(period)]
 
@@ -179,7 +182,7 @@ class Stage(nnx.Module):
 
         xs = (list(states), list(caches), jnp.arange(self.repeats))
         carry = (x_BTD, {name: zero for name in SUMMED + MAXED})
-        if cfg.scan_layers:
+        if run.scan_layers:
             carry, (new_caches, loads) = jax.lax.scan(unit, carry, xs)
         else:
             outs = []
@@ -358,6 +361,17 @@ class Transformer(nnx.Module):
 
 
 _CHECKS = os.environ.get("MODERN_JAX_CHECKS", "") == "1"
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with every parameter a ShapeDtypeStruct (no memory, no initialisation): what
+    counts, sharding plans, checkpoint readers and converters read."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def abstract_params(cfg: ModelConfig):
+    """`(graphdef, parameters as ShapeDtypeStructs)` of `abstract_model(cfg)`."""
+    return nnx.split(abstract_model(cfg), nnx.Param)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 
 import jax
@@ -58,22 +59,56 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 REPLICABLE = ("kv_heads", "activation_kv_heads", "activation_batch", "activation_length", "activation_norm_length",
               "q_lora", "kv_lora")
 
+# The strategies of the axes that communicate inside a layer (`parallel:` section): one name each,
+# read by the op that implements it (`ops.attention`, `ops.moe`).
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention over a context axis: keys gathered, or a ring
+MOE_EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")  # tokens to the devices of their experts
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategies:
+    """How the context axis and the expert axis communicate (`ParallelConfig` holds the run's)."""
+
+    context_strategy: str = "all_gather"
+    moe_exchange: str = "all_to_all"
+    moe_exchange_factor: float | None = None  # exchange room per destination; None: room for all, no drops
+
+    def __post_init__(self):
+        for name, choices in (("context_strategy", CONTEXT_STRATEGIES), ("moe_exchange", MOE_EXCHANGES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"ParallelConfig.{name}={getattr(self, name)!r} is invalid: expected one of "
+                                 f"{', '.join(choices)}")
+        factor = self.moe_exchange_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+            raise ValueError(f"ParallelConfig.moe_exchange_factor={factor!r} is invalid: expected a positive factor "
+                             f"or null (no drops)")
+
+
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("modern_jax_logical_rules", default=None)
+_STRATEGIES: contextvars.ContextVar = contextvars.ContextVar("modern_jax_strategies", default=Strategies())
 
 
 @contextlib.contextmanager
-def logical_rules(mesh, rules=RULES):
-    """Activate `rules` (a sequence of (logical name, mesh axes or None)) on `mesh`."""
+def logical_rules(mesh, rules=RULES, strategies: Strategies | None = None):
+    """Activate `rules` (a sequence of (logical name, mesh axes or None)) on `mesh`, with the
+    axes' `strategies` (None: the defaults)."""
     token = _ACTIVE.set((mesh, tuple(rules)))
+    strategies_token = _STRATEGIES.set(strategies or Strategies())
     try:
         yield
     finally:
+        _STRATEGIES.reset(strategies_token)
         _ACTIVE.reset(token)
 
 
 def active():
     """The active `(mesh, rules)`, or None."""
     return _ACTIVE.get()
+
+
+def strategies() -> Strategies:
+    """The active strategies of the context and expert axes (the defaults outside `logical_rules`)."""
+    return _STRATEGIES.get()
 
 
 def mesh_axes(name, rules) -> tuple[str, ...]:

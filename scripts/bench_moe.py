@@ -38,15 +38,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from modern_jax import execution
+from modern_jax.execution import ExecutionConfig
 from modern_jax.config import ModelConfig
 from modern_jax.layers.ffn import FFN
 from modern_jax.layers.moe import MoE
 from modern_jax.parallel.mesh import make_mesh
 from modern_jax.report import median_seconds
-from modern_jax.sharding import logical_rules, state_shardings
+from modern_jax.sharding import Strategies, logical_rules, state_shardings
 
 
-def step_seconds(layer, x, repeats: int, mesh=None) -> float:
+def step_seconds(layer, x, repeats: int, mesh=None, run: ExecutionConfig = ExecutionConfig(),
+                 strategies: Strategies | None = None) -> float:
     graphdef, state = nnx.split(layer)
 
     def loss(state, x):
@@ -55,10 +58,11 @@ def step_seconds(layer, x, repeats: int, mesh=None) -> float:
 
     step = jax.jit(jax.value_and_grad(loss))
     if mesh is None:
-        return median_seconds(step, state, x, repeats=repeats)
+        with execution.use(run):
+            return median_seconds(step, state, x, repeats=repeats)
     state = jax.device_put(state, state_shardings(state, mesh))
     x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp", "expert"))))
-    with logical_rules(mesh):
+    with logical_rules(mesh, strategies=strategies), execution.use(run):
         return median_seconds(step, state, x, repeats=repeats)
 
 
@@ -79,15 +83,14 @@ def main():
     for kind, changes in (("dense (every expert, every token)", dict(moe_dispatch="dense")),
                           ("grouped (ragged_dot, dropless)", dict(moe_dispatch="grouped")),
                           ("capacity (factor 1.25)", dict(moe_dispatch="capacity", moe_capacity_factor=1.25))):
-        rows.append((kind, step_seconds(MoE(base.replace(**changes), rngs=nnx.Rngs(0)), x, args.repeats)))
+        rows.append((kind, step_seconds(MoE(base, rngs=nnx.Rngs(0)), x, args.repeats, run=ExecutionConfig(**changes))))
     if args.sharded:
         moe = MoE(base, rngs=nnx.Rngs(0))
         unsharded = step_seconds(moe, x, args.repeats, make_mesh(data=8))
         rows.append(("grouped, data=8 (experts replicated)", unsharded))
         for exchange in ("all_to_all", "all_gather"):
-            layer = MoE(base.replace(moe_exchange=exchange), rngs=nnx.Rngs(0))
-            rows.append((f"{exchange}, data=2 x expert=4", step_seconds(layer, x, args.repeats,
-                                                                      make_mesh(data=2, expert=4))))
+            rows.append((f"{exchange}, data=2 x expert=4", step_seconds(
+                moe, x, args.repeats, make_mesh(data=2, expert=4), strategies=Strategies(moe_exchange=exchange))))
     print("| FFN | ms | tokens/s | vs dense FFN |")
     print("|---|---|---|---|")
     for name, seconds in rows:

@@ -6,7 +6,7 @@
 Rows:
   - configs/tiny.yaml at its training batch, configs/stack_100m.yaml at a small batch;
   - compile time against depth: the Stack-100M block (every layer RoPE, so one block
-    repeats) at 2, 8 and 30 layers, scanned (`model.scan_layers: true`) and unrolled (a
+    repeats) at 2, 8 and 30 layers, scanned (`execution.scan_layers: true`) and unrolled (a
     Python loop over the same stacked weights).
 It also times a 2048^3 matmul in float32 and bfloat16 in the same process, and reports
 each step's model FLOP/s (accounting FLOPs per token x tokens/s) against that measured
@@ -27,6 +27,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from modern_jax.execution import ExecutionConfig
 from modern_jax.accounting import flops_per_token, param_counts  # noqa: E402
 from modern_jax.config import model_config_from_file  # noqa: E402
 from modern_jax.parallel.mesh import make_mesh  # noqa: E402
@@ -55,13 +56,14 @@ def synthetic_batch(cfg, batch: int, seq: int, seed: int = 0) -> dict:
             "segment_ids": np.ones((1, batch, seq), np.int32), "weights": np.ones((1, batch, seq), np.float32)}
 
 
-def bench(name: str, cfg, batch: int, seq: int, steps: int, peak: float, time_steps: bool = True) -> dict:
+def bench(name: str, cfg, batch: int, seq: int, steps: int, peak: float, time_steps: bool = True,
+          run: ExecutionConfig = ExecutionConfig()) -> dict:
     tc = TrainConfig(batch_size=batch, seq_len=seq, steps=1000, warmup_steps=10)
-    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1]))
+    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1]), execution=run)
     state = trainer.init_state(0)
     data = trainer.put_batch(synthetic_batch(cfg, batch, seq))
     compile_s = trainer.compile(state, data)
-    row = {"name": name, "params": param_counts(cfg)["total"], "layers": cfg.n_layers, "scan": cfg.scan_layers,
+    row = {"name": name, "params": param_counts(cfg)["total"], "layers": cfg.n_layers, "scan": run.scan_layers,
            "batch": f"{batch}x{seq}", "compile_s": compile_s}
     if time_steps:
         state, metrics = trainer.train_step(state, data)  # warm-up
@@ -103,20 +105,21 @@ def main() -> None:
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
     tiny = model_config_from_file(ROOT / "configs/tiny.yaml")
-    shakespeare = load_run_config(ROOT / "configs/shakespeare_char_cpu.yaml").with_vocab(67).model
+    shakespeare_run = load_run_config(ROOT / "configs/shakespeare_char_cpu.yaml").with_vocab(67)
     stack = model_config_from_file(ROOT / "configs/stack_100m.yaml")
     rows = [
         bench("tiny.yaml", tiny, 16, 128, args.steps, fp32),
-        bench("tiny.yaml unrolled", tiny.replace(scan_layers=False), 16, 128, args.steps, fp32),
-        bench("shakespeare_char_cpu", shakespeare, 12, 64, args.steps, fp32),
+        bench("tiny.yaml unrolled", tiny, 16, 128, args.steps, fp32, run=ExecutionConfig(scan_layers=False)),
+        bench("shakespeare_char_cpu", shakespeare_run.model, 12, 64, args.steps, fp32, run=shakespeare_run.execution),
         bench("stack_100m.yaml", stack, 2, 256, 3, fp32),
     ]
     for layers in (2, 8, 30):
         for scan in (True, False):
             if args.quick and layers == 30 and not scan:
                 continue
-            cfg = stack.replace(n_layers=layers, scan_layers=scan, rope_pattern="R")  # one repeated block
-            rows.append(bench(f"stack_100m L={layers}", cfg, 2, 256, 2, fp32, time_steps=layers < 30))
+            cfg = stack.replace(n_layers=layers, rope_pattern="R")  # one repeated block
+            rows.append(bench(f"stack_100m L={layers}", cfg, 2, 256, 2, fp32, time_steps=layers < 30,
+                              run=ExecutionConfig(scan_layers=scan)))
     compile_of = {(r["layers"], r["scan"]): r["compile_s"] for r in rows[4:]}
     ratio = compile_of[(30, True)] / compile_of[(2, True)]
     print(f"\nscanned compile time, 30 layers / 2 layers: {ratio:.2f}x")

@@ -25,6 +25,7 @@ import time
 import jax
 import numpy as np
 
+from modern_jax.execution import ExecutionConfig
 from modern_jax.accounting import param_counts
 from modern_jax.config import ModelConfig
 from modern_jax.data.corpora import text_or_embedded_splits
@@ -52,7 +53,8 @@ def windows(steps: int) -> list[tuple[int, int]]:
 
 def train_losses(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int) -> np.ndarray:
     """The training loss of every step of one run."""
-    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
+    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]),
+                      execution=ExecutionConfig(scan_layers=False, remat="dots_no_batch"))
     source = TrainBatches(stream, train_cfg.seq_len, train_cfg.batch_size, seed=seed)
     state = trainer.init_state(seed)
     losses = []
@@ -90,7 +92,7 @@ def main():
     for name, ffn in VARIANTS.items():
         model_cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=D, n_layers=2, n_heads=4,
                                 norm_type="rmsnorm", norm_placement="pre", tie_embeddings=True,
-                                max_position_embeddings=seq_len, scan_layers=False, remat="dots_no_batch", **ffn)
+                                max_position_embeddings=seq_len, **ffn)
         curves[name] = np.stack([train_losses(model_cfg, train_cfg, stream, seed) for seed in range(args.seeds)])
         means = np.stack([curves[name][:, lo - 1 : hi].mean(axis=1) for lo, hi in spans], axis=1)  # [seeds, 3]
         counts = param_counts(model_cfg)

@@ -33,6 +33,7 @@ import time
 import jax
 import numpy as np
 
+from modern_jax.execution import ExecutionConfig
 from modern_jax.config import ModelConfig
 from modern_jax.data.corpora import text_or_embedded_splits
 from modern_jax.data.pipeline import TrainBatches
@@ -47,7 +48,8 @@ VARIANTS = {"no QK-norm": "none", "QK-norm": "head"}
 
 def run(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int = 0) -> dict:
     """Train one run; its losses, final loss and the max |attention| / |output| logits."""
-    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
+    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]),
+                      execution=ExecutionConfig(remat="dots_no_batch"))
     source = TrainBatches(stream, train_cfg.seq_len, train_cfg.batch_size, seed=seed)
     state = trainer.init_state(seed)
     metrics = []
@@ -92,8 +94,7 @@ def main():
     for name, qk_norm in VARIANTS.items():
         model_cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=256, n_layers=6, n_heads=4,
                                 norm_type="rmsnorm", norm_placement="pre", ffn_type="gated", activation="silu",
-                                qk_norm=qk_norm, max_position_embeddings=seq_len, scan_layers=True,
-                                remat="dots_no_batch")
+                                qk_norm=qk_norm, max_position_embeddings=seq_len)
         results[name] = []
         for lr in LEARNING_RATES:
             train_cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq_len, lr=lr, schedule="cosine",

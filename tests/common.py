@@ -85,19 +85,22 @@ def step_gradients(trainer, state, batch) -> tuple[dict, dict]:
     return jax.tree.map(gradient, before, jax.device_get(new_state["params"])), metrics
 
 
-def train_step_gradients(model_cfg, tc, mesh, batch, rules=None, seed: int = 0) -> tuple[dict, dict]:
-    """`step_gradients` of a fresh Trainer on `mesh` (initialised from `seed`)."""
+def train_step_gradients(model_cfg, tc, mesh, batch, rules=None, seed: int = 0, **trainer) -> tuple[dict, dict]:
+    """`step_gradients` of a fresh Trainer on `mesh` (initialised from `seed`); `trainer`: its
+    `execution=` and `strategies=`."""
     from modern_jax.training import Trainer
 
-    trainer = Trainer(model_cfg, probe(tc), mesh, **({} if rules is None else {"rules": rules}))
+    trainer = Trainer(model_cfg, probe(tc), mesh, **({} if rules is None else {"rules": rules}), **trainer)
     return step_gradients(trainer, trainer.init_state(seed), batch)
 
 
-def assert_step_matches_one_device(model_cfg, tc, mesh, batch, *, rules=None, rtol: float = 1e-4) -> tuple[dict, dict]:
-    """One training step on `mesh` against one device from the same state and batch: the loss
-    (1e-5 relative) and every gradient leaf (`assert_leaves_match`). Returns both metrics."""
-    want, one = train_step_gradients(model_cfg, tc, one_device(), batch)
-    got, many = train_step_gradients(model_cfg, tc, mesh, batch, rules)
+def assert_step_matches_one_device(model_cfg, tc, mesh, batch, *, rules=None, rtol: float = 1e-4,
+                                   **trainer) -> tuple[dict, dict]:
+    """One training step on `mesh` against one device from the same state and batch, both with
+    the `trainer` settings (`execution=`, `strategies=`): the loss (1e-5 relative) and every
+    gradient leaf (`assert_leaves_match`). Returns both metrics."""
+    want, one = train_step_gradients(model_cfg, tc, one_device(), batch, **trainer)
+    got, many = train_step_gradients(model_cfg, tc, mesh, batch, rules, **trainer)
     np.testing.assert_allclose(many["loss"], one["loss"], rtol=1e-5)
     assert_leaves_match(got, want, rtol=rtol)
     return many, one

@@ -12,7 +12,7 @@ PACKAGE = pathlib.Path(__file__).parent.parent / "modern_jax"
 
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
-    ("configfile", "config"),
+    ("configfile", "config", "execution"),  # what a model is, and how it runs
     ("sharding",),
     ("kernels",),
     ("ops",),

@@ -76,8 +76,7 @@ def test_norm_compiles_for_sm90a():
 
 def test_training_step_compiles_for_sm90a():
     """Lowered for cuda from the CPU mesh: the dispatch picks the Triton kernels, and each compiles."""
-    cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512,
-                      attention_impl="default", norm_impl="default")
+    cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512)  # kernels: default
     trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=256), make_mesh(devices=jax.devices()[:1]))
     with pallas_interpret(False):
         lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch(), platform="cuda")

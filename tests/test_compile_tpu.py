@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
 from modern_jax.data.config import DataConfig
+from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels.attention import AttentionSpec, attention
 from modern_jax.kernels.backend import compiling_for, platform, recording_kernels
 from modern_jax.kernels.grouped import grouped_matmul
@@ -24,12 +25,13 @@ from modern_jax.model import Transformer
 from modern_jax.parallel.mesh import make_mesh
 from modern_jax.parallel.topology import CHIPS, chip, topology_devices
 from modern_jax.planner import plan
+from modern_jax.sharding import Strategies
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.step import Trainer
 
 GiB = 1024**3
 TINY = dict(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512, head_dim=128,
-            attention_impl="default", norm_impl="default", dtype="bfloat16")
+            dtype="bfloat16")  # the kernels: the execution defaults, the platform's best
 
 
 def one_chip(name):
@@ -131,11 +133,11 @@ def test_training_step_compiles_for_a_tpu_mesh_with_the_tpu_kernels():
 
 def test_moe_step_compiles_for_tpu_with_megablox_and_the_ragged_exchange():
     """The dropless exchange XLA:CPU lacks: forward and backward compile for TPU chips."""
-    moe = dict(TINY, ffn_type="moe", n_experts=4, experts_per_token=2, expert_d_ff=256, attention_impl="reference",
-               moe_exchange="ragged_all_to_all")
+    moe = dict(TINY, ffn_type="moe", n_experts=4, experts_per_token=2, expert_d_ff=256)
     devices = topology_devices("v5e:2x2")
     trainer = Trainer(ModelConfig.from_dict(moe), TrainConfig(batch_size=4, seq_len=128),
-                      make_mesh(data=2, expert=2, devices=devices))
+                      make_mesh(data=2, expert=2, devices=devices), execution=ExecutionConfig(attention_impl="reference"),
+                      strategies=Strategies(moe_exchange="ragged_all_to_all"))
     with recording_kernels() as seen:
         lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch())
     assert seen["moe_grouped"] == {"megablox"} and seen["attention"] == {"reference"}
@@ -145,8 +147,9 @@ def test_moe_step_compiles_for_tpu_with_megablox_and_the_ragged_exchange():
 
 
 def test_plan_command_with_a_topology_prints_the_chip_kernels_and_verdict(capsys):
+    """With no kernel named, the plan runs the TPU's (the execution defaults pick the platform's best)."""
     code = main(["plan", "--config", "configs/tiny.yaml", "--topology", "v5e:2x2", "--mesh", "fsdp=2,tensor=2",
-                 "--batch", "4", "--seq", "256", "model.attention_impl=default", "model.norm_impl=default"])
+                 "--batch", "4", "--seq", "256"])
     out = capsys.readouterr().out
     assert code == 0
     assert "device: TPU v5 lite (v5e) (compiled by TPU)" in out and "attention: pallas_tpu" in out
@@ -160,7 +163,7 @@ def test_a_plan_the_tpu_compiler_refuses_for_hbm_is_a_verdict_not_a_traceback(ca
     """Llama 3.2 1B at 32 x 8192 on 4 v5e chips with the reference attention (dense T x T
     scores): the compiler stops at its HBM check, and the planner reports what it counted."""
     code = main(["plan", "--config", "configs/llama3_2_1b.yaml", "--topology", "v5e:2x2", "--mesh", "fsdp=4",
-                 "--batch", "32", "--seq", "8192", "model.dtype=bfloat16"])
+                 "--batch", "32", "--seq", "8192", "model.dtype=bfloat16", "execution.attention_impl=reference"])
     out = capsys.readouterr().out
     assert code == 0 and "does NOT fit in 16 GiB of device memory" in out
     peak = float(out.split("donated + temporaries): ")[1].split(" GiB")[0])

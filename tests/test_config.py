@@ -40,7 +40,6 @@ BAD = [
     (dict(vocab_size=0), "vocab_size"),
     (dict(n_layers=2.5), "n_layers"),
     (dict(dtype="int8"), "dtype"),
-    (dict(remat="some"), "remat"),
     (dict(rope_local_theta=10.0), "rope_local_theta"),
     (dict(parallel_shared_norm=False), "parallel_shared_norm"),
     (dict(d_ff=-1), "d_ff"),
@@ -141,3 +140,40 @@ def test_llama4_layer_rules_are_per_layer_specs():
         ModelConfig(attn_temperature_floor=8192)
     with pytest.raises(ValueError, match=r"qk_norm='l2'.*RoPE layers"):
         ModelConfig(qk_norm="l2", position_embedding="none")
+
+
+def test_how_it_runs_is_not_the_model():
+    """The kernels, the dispatch, remat and scan are the `execution:` section; the context and
+    expert axes' strategies the `parallel:` section. A run file or checkpoint config that still
+    sets them under `model:` is read into their new place, each with a one-line notice."""
+    import dataclasses
+    import warnings
+
+    from modern_jax.config import MovedSetting, NETWORK_FIELDS
+    from modern_jax.execution import ExecutionConfig
+    from modern_jax.training.config import run_config_from_dict
+
+    moved = {"attention_impl": "chunked", "norm_impl": "reference", "moe_dispatch": "dense", "remat": "full",
+             "scan_layers": False, "context_strategy": "ring", "moe_exchange": "all_gather"}
+    assert not set(moved) & {f.name for f in dataclasses.fields(ModelConfig)}
+    with warnings.catch_warnings(record=True) as notices:
+        warnings.simplefilter("always")
+        run = run_config_from_dict({"model": {"n_layers": 2, **moved}}, "old.yaml")
+    assert (run.execution.attention_impl, run.execution.norm_impl, run.execution.moe_dispatch, run.execution.remat,
+            run.execution.scan_layers) == ("chunked", "reference", "dense", "full", False)
+    assert (run.parallel.context_strategy, run.parallel.moe_exchange) == ("ring", "all_gather")
+    assert run.model.n_layers == 2 and set(run.model_dict) == {"n_layers"}
+    texts = sorted(str(n.message) for n in notices if issubclass(n.category, MovedSetting))
+    assert len(texts) == len(moved) and texts[0] == ("old.yaml: model.attention_impl is read as "
+                                                     "execution.attention_impl, where it lives now (how the model "
+                                                     "runs, not what it is): move it there")
+    with pytest.warns(MovedSetting), pytest.raises(ValueError, match="model.remat='full' and execution.remat='dots' "
+                                                                    "disagree"):
+        run_config_from_dict({"model": {"remat": "full"}, "execution": {"remat": "dots"}}, "old.yaml")
+    with pytest.warns(MovedSetting, match="model.remat is read as execution.remat"):  # an old checkpoint's config
+        assert ModelConfig.from_dict({"n_layers": 3, "remat": "full"}).n_layers == 3
+    with pytest.raises(ValueError, match="ExecutionConfig.remat='some' is invalid: expected one of none, full"):
+        ExecutionConfig(remat="some")
+    with pytest.raises(ValueError, match="ParallelConfig.context_strategy='spiral' is invalid"):
+        run_config_from_dict({"model": {}, "parallel": {"context_strategy": "spiral"}})
+    assert "dtype" not in NETWORK_FIELDS and "n_layers" in NETWORK_FIELDS  # what a Hugging Face round trip compares

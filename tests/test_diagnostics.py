@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 import modern_jax.layers.attention as attention_layers
+from modern_jax import execution
 from modern_jax.config import ModelConfig
+from modern_jax.execution import ExecutionConfig
 from modern_jax.parallel.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
-from modern_jax.training.step import abstract_model
+from modern_jax.model import abstract_params
 
 from common import QUICK
 
@@ -58,7 +60,7 @@ def dense_max_logit(q_BTKGH, k_BSKH, spec, vis) -> float:
 
 def reference_max_logit(cfg, params, batch, monkeypatch) -> tuple[float, int]:
     """Over the micro-batches and every layer of an eager unscanned model: (max, attention calls)."""
-    graphdef, _ = abstract_model(cfg.replace(scan_layers=False, remat="none"))
+    graphdef, _ = abstract_params(cfg)
     from flax import nnx
 
     model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
@@ -70,9 +72,10 @@ def reference_max_logit(cfg, params, batch, monkeypatch) -> tuple[float, int]:
         return original(q, k, v, spec, vis, **kw)
 
     monkeypatch.setattr(attention_layers, "attention", recording)
-    for a in range(batch["inputs"].shape[0]):
-        model.hidden_states(jnp.asarray(batch["inputs"][a]), positions=jnp.asarray(batch["positions"][a]),
-                            segment_ids=jnp.asarray(batch["segment_ids"][a]))
+    with execution.use(ExecutionConfig(scan_layers=False, attention_impl="reference")):  # eager, layer by layer
+        for a in range(batch["inputs"].shape[0]):
+            model.hidden_states(jnp.asarray(batch["inputs"][a]), positions=jnp.asarray(batch["positions"][a]),
+                                segment_ids=jnp.asarray(batch["segment_ids"][a]))
     monkeypatch.setattr(attention_layers, "attention", original)
     return max(found), len(found)
 
@@ -81,21 +84,21 @@ MODELS = {
     # GQA, local/global layers, a soft-cap well below the logits (the max is taken before it),
     # sinks; scanned and rematerialised, two micro-batches, the chunked kernel
     "gqa_local_global": (dict(n_heads=4, n_kv_heads=2, sliding_window=5, attention_pattern="LG", n_layers=4,
-                              attn_softcap=2.0, attention_sinks=True, scan_layers=True, remat="full",
-                              attention_impl="chunked"), 2),
+                              attn_softcap=2.0, attention_sinks=True),
+                         ExecutionConfig(scan_layers=True, remat="full", attention_impl="chunked"), 2),
     # MLA (the training path expands the latent into per-head keys), unscanned, the reference kernel
     "mla": (dict(attention_type="mla", mla_kv_rank=16, mla_q_rank=8, mla_rope_dim=4, mla_nope_dim=8, mla_v_dim=8,
-                 rope_layout="interleaved", scan_layers=False, remat="none", attention_impl="reference"), 1),
+                 rope_layout="interleaved"), ExecutionConfig(scan_layers=False, attention_impl="reference"), 1),
 }
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_train_step_reports_the_max_attention_logit_of_its_own_forward(name, monkeypatch):
-    overrides, accum = MODELS[name]
+    overrides, run, accum = MODELS[name]
     cfg = ModelConfig(vocab_size=48, d_model=32, d_ff=64, max_position_embeddings=32, init_std=0.3, **overrides)
     tc = TrainConfig(batch_size=4, seq_len=16, grad_accum=accum, warmup_steps=0)
     batch = packed_batch(accum, 4 // accum, 16, 48)
-    trainer = Trainer(cfg, tc, one_device())
+    trainer = Trainer(cfg, tc, one_device(), execution=run)
     state = trainer.init_state(0)
     params = jax.device_get(state["params"])  # the step donates the state
     _, metrics = trainer.train_step(state, trainer.put_batch(batch))
@@ -106,7 +109,7 @@ def test_train_step_reports_the_max_attention_logit_of_its_own_forward(name, mon
     np.testing.assert_allclose(float(metrics["max_attention_logit"]), want, rtol=1e-4)
 
     trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=16, grad_accum=accum, warmup_steps=0,
-                                       diagnostics=False), one_device())
+                                       diagnostics=False), one_device(), execution=run)
     _, quiet = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch))
     assert "max_attention_logit" not in quiet
     np.testing.assert_allclose(float(quiet["loss"]), float(metrics["loss"]), rtol=1e-6)
@@ -116,12 +119,12 @@ def test_max_attention_logit_on_a_mesh_equals_one_device():
     """Under the sharded attention (batch over data x fsdp, kv heads over tensor) each device
     measures its own shard and the wrapper takes the max over the devices."""
     cfg = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, max_position_embeddings=32,
-                      init_std=0.3, attention_impl="chunked")
+                      init_std=0.3)
     tc = TrainConfig(batch_size=8, seq_len=16, warmup_steps=0)
     batch = packed_batch(1, 8, 16, 48, seed=1)
     values = []
     for mesh in (one_device(), make_mesh(2, 2, 2)):
-        trainer = Trainer(cfg, tc, mesh)
+        trainer = Trainer(cfg, tc, mesh, execution=ExecutionConfig(attention_impl="chunked"))
         _, metrics = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch))
         values.append(float(metrics["max_attention_logit"]))
     np.testing.assert_allclose(values[1], values[0], rtol=1e-5)
@@ -150,10 +153,9 @@ def test_the_loop_logs_the_max_over_its_interval(tmp_path):
 
 def train_step_temp_bytes(diagnostics: bool, T: int = 4096) -> int:
     """XLA's temporary bytes of the compiled train step (compiled from abstract arrays, not run)."""
-    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_position_embeddings=T,
-                      attention_impl="chunked")
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_position_embeddings=T)
     trainer = Trainer(cfg, TrainConfig(batch_size=1, seq_len=T, warmup_steps=0, diagnostics=diagnostics),
-                      one_device())
+                      one_device(), execution=ExecutionConfig(attention_impl="chunked"))
     batch = {name: jax.ShapeDtypeStruct((1, 1, T), dtype, sharding=trainer.batch_sharding)
              for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("positions", jnp.int32),
                                  ("segment_ids", jnp.int32), ("weights", jnp.float32))}

@@ -17,7 +17,7 @@ from modern_jax.config import ModelConfig
 from modern_jax.layers.moe import MoE
 from modern_jax.model import Transformer
 from modern_jax.parallel.mesh import make_mesh
-from modern_jax.sharding import check_mesh, logical_rules, state_shardings
+from modern_jax.sharding import Strategies, check_mesh, logical_rules, state_shardings
 from modern_jax.training import TrainConfig, Trainer, load_run_config, train
 from modern_jax.training.checkpoint import Checkpointer
 
@@ -69,8 +69,8 @@ TC = TrainConfig(batch_size=8, seq_len=16, moe_aux_weight=0.01, moe_router_z_wei
 def test_a_training_step_with_experts_split_equals_one_device(mesh_name, exchange):
     """Loss, balance and router z-losses, per-layer loads and every gradient leaf (the router's
     included) equal the single-device step (the loads are global: the aux-free bias moves alike)."""
-    many, one = assert_step_matches_one_device(CFG.replace(moe_exchange=exchange), TC,
-                                               make_mesh(**MESHES[mesh_name]), batch())
+    many, one = assert_step_matches_one_device(CFG, TC, make_mesh(**MESHES[mesh_name]), batch(),
+                                               strategies=Strategies(moe_exchange=exchange))
     np.testing.assert_allclose(many["moe_aux_loss"], one["moe_aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(many["moe_router_z_loss"], one["moe_router_z_loss"], rtol=1e-5)
     np.testing.assert_array_equal(many["moe_load_max"], one["moe_load_max"])
@@ -110,11 +110,11 @@ def test_dropped_assignments_under_a_tight_bound_match_numpy():
     """`moe_exchange_factor` bounds each (source device, destination device) pair to
     C = ceil(factor * local assignments / P) slots, filled in token order."""
     factor, P = 0.5, 4
-    cfg = CFG.replace(moe_exchange_factor=factor, n_shared_experts=0)
+    cfg = CFG.replace(n_shared_experts=0)
     layer = MoE(cfg, rngs=nnx.Rngs(3))
     x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 32)), jnp.float32)
     mesh = make_mesh(data=2, expert=P)
-    with logical_rules(mesh):
+    with logical_rules(mesh, strategies=Strategies(moe_exchange_factor=factor)):
         _, sown = nnx.capture(layer, nnx.Intermediate)(x)
     dropped = int([v.get_value()[0] for p, v in nnx.to_flat_state(sown) if "moe_dropped" in map(str, p)][0])
     experts, _, _, _ = layer.router(x.reshape(-1, 32))
@@ -131,8 +131,8 @@ def test_the_ragged_exchange_equals_one_device(mesh_name, ragged_on_cpu):
     """`ragged_all_to_all` (emulated by its documented semantics): the offsets and sizes the
     exchange computes send every assignment to its expert's device and back, so the step
     (loss, loads, every gradient leaf) is one device's."""
-    many, one = assert_step_matches_one_device(CFG.replace(moe_exchange="ragged_all_to_all"), TC,
-                                               make_mesh(**MESHES[mesh_name]), batch())
+    many, one = assert_step_matches_one_device(CFG, TC, make_mesh(**MESHES[mesh_name]), batch(),
+                                               strategies=Strategies(moe_exchange="ragged_all_to_all"))
     assert many["moe_dropped"] == 0
     np.testing.assert_array_equal(many["moe_load_max"], one["moe_load_max"])
 
@@ -142,10 +142,11 @@ def test_the_ragged_exchange_drops_what_overflows_a_receive_buffer_as_numpy_coun
     assignments) rows; what its expert group sends past that is dropped: per destination,
     max(0, rows sent to it - R)."""
     factor, P = 0.75, 4
-    cfg = CFG.replace(moe_exchange="ragged_all_to_all", moe_exchange_factor=factor, n_shared_experts=0)
+    cfg = CFG.replace(n_shared_experts=0)
     layer = MoE(cfg, rngs=nnx.Rngs(3))
     x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 32)), jnp.float32)
-    with logical_rules(make_mesh(data=2, expert=P)):
+    ragged = Strategies(moe_exchange="ragged_all_to_all", moe_exchange_factor=factor)
+    with logical_rules(make_mesh(data=2, expert=P), strategies=ragged):
         _, sown = nnx.capture(layer, nnx.Intermediate)(x)
     dropped = int([v.get_value()[0] for p, v in nnx.to_flat_state(sown) if "moe_dropped" in map(str, p)][0])
     experts, _, _, _ = layer.router(x.reshape(-1, 32))
@@ -158,8 +159,9 @@ def test_the_ragged_exchange_drops_what_overflows_a_receive_buffer_as_numpy_coun
 def test_the_ragged_exchange_is_refused_on_cpu():
     from modern_jax.kernels import UnsupportedFeatureError
 
-    layer = MoE(CFG.replace(moe_exchange="ragged_all_to_all"), rngs=nnx.Rngs(0))
-    with logical_rules(make_mesh(data=2, expert=4)), pytest.raises(UnsupportedFeatureError,
+    layer = MoE(CFG, rngs=nnx.Rngs(0))
+    ragged = Strategies(moe_exchange="ragged_all_to_all")
+    with logical_rules(make_mesh(data=2, expert=4), strategies=ragged), pytest.raises(UnsupportedFeatureError,
                                                                     match="XLA:CPU does not implement it"):
         layer(jnp.ones((8, 4, 32)))
 

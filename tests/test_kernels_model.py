@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from modern_jax import execution
 from modern_jax.config import ModelConfig
+from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels import pallas_interpret
 from modern_jax.model import Transformer
 
@@ -56,7 +58,7 @@ def random_model(cfg):
                                   abstract)
 
 
-def logits_and_grads(cfg):
+def logits_and_grads(cfg, run=ExecutionConfig(attention_impl="reference", norm_impl="reference")):
     tokens, seg, pos = packed_batch(V=cfg.vocab_size)
     graphdef, params = random_model(cfg)
     cotangent = jnp.asarray(np.random.default_rng(1).standard_normal((*tokens.shape, cfg.vocab_size)), jnp.float32)
@@ -66,7 +68,8 @@ def logits_and_grads(cfg):
         return jnp.sum(logits * cotangent), logits
 
     step = jax.jit(jax.grad(loss, has_aux=True))
-    grads, logits = step.lower(params).compile(QUICK)(params)
+    with execution.use(run):
+        grads, logits = step.lower(params).compile(QUICK)(params)
     return logits, grads
 
 
@@ -90,13 +93,13 @@ def test_model_matches_reference(config, impl):
     want = reference(config)
     attention_impl, norm_impl, target = IMPLS[impl]
     with pallas_interpret(target or False):
-        got = logits_and_grads(cfg.replace(attention_impl=attention_impl, norm_impl=norm_impl))
+        got = logits_and_grads(cfg, ExecutionConfig(attention_impl=attention_impl, norm_impl=norm_impl))
     assert_trees_close(got, want)
 
 
-def test_config_names_the_implementations():
-    with pytest.raises(ValueError, match="attention_impl.*pallas_gpu"):
-        ModelConfig(attention_impl="flash")
-    with pytest.raises(ValueError, match="norm_impl.*pallas"):
-        ModelConfig(norm_impl="fused")
-    assert ModelConfig(attention_impl="default", norm_impl="default").norm_impl == "default"
+def test_the_execution_config_names_the_implementations():
+    with pytest.raises(ValueError, match="ExecutionConfig.attention_impl='flash' is invalid: .*pallas_gpu"):
+        ExecutionConfig(attention_impl="flash")
+    with pytest.raises(ValueError, match="ExecutionConfig.norm_impl='fused' is invalid: .*pallas"):
+        ExecutionConfig(norm_impl="fused")
+    assert ExecutionConfig().attention_impl == ExecutionConfig().norm_impl == "default"

@@ -14,9 +14,11 @@ import pytest
 import yaml
 from flax import nnx
 
+from modern_jax import execution
 from modern_jax.accounting import param_counts
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
+from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels.backend import pallas_interpret
 from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax.layers.moe import MoE, balance_loss, route
@@ -115,10 +117,10 @@ def layer_and_input(seed=0, **overrides):
     return cfg, layer, x
 
 
-def run_layer(layer, x, **changes):
-    cfg = layer.cfg.replace(**changes)
-    other = nnx.merge(nnx.graphdef(MoE(cfg, rngs=nnx.Rngs(0))), nnx.state(layer))
-    y, sown = nnx.capture(other, nnx.Intermediate)(x)
+def run_layer(layer, x, **run):
+    """The layer on `x` with the execution settings `run` (moe_dispatch, moe_capacity_factor, ...)."""
+    with execution.use(ExecutionConfig(**run)):
+        y, sown = nnx.capture(layer, nnx.Intermediate)(x)
     return y, {str(path[0]): v.get_value()[0] for path, v in nnx.to_flat_state(sown)}
 
 
@@ -230,10 +232,9 @@ def test_a_dense_first_pattern_is_scanned_and_remat_changes_nothing():
         return jnp.mean(jax.nn.log_softmax(m(toks))[..., 0])
 
     grads = {}
-    for name, changes in (("scan", {}), ("unrolled_remat", dict(scan_layers=False, remat="full"))):
-        model = Transformer(cfg.replace(**changes), rngs=nnx.Rngs(1))
-        nnx.update(model, nnx.state(scanned))
-        grads[name] = (model(toks), nnx.state(nnx.grad(loss)(model), nnx.Param))
+    for name, run in (("scan", ExecutionConfig()), ("unrolled_remat", ExecutionConfig(scan_layers=False, remat="full"))):
+        with execution.use(run):
+            grads[name] = (scanned(toks), nnx.state(nnx.grad(loss)(scanned), nnx.Param))
     np.testing.assert_allclose(grads["unrolled_remat"][0], grads["scan"][0], atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close(grads["unrolled_remat"][1], grads["scan"][1], atol=1e-6, rtol=1e-5)
     dense_ffn = scanned.stages[0].blocks[0].mlp
@@ -298,7 +299,6 @@ def test_auxiliary_loss_free_balancing_moves_only_the_selection_bias():
     ("router_on_input", True, "experts_per_token=1"),
     ("moe_pattern", "DX", "string of D, E"),
     ("moe_first_dense", 2, "no layer has experts"),
-    ("moe_dispatch", "sparse", "expected one of grouped, dense, capacity"),
 ])
 def test_bad_moe_fields_are_named(field, value, message):
     changes = {field: value}

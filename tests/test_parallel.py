@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from modern_jax import execution
 from modern_jax.config import ModelConfig
+from modern_jax.execution import ExecutionConfig
 from modern_jax.model import Transformer
 from modern_jax.parallel import create_sharded, make_mesh, parse_mesh
 from modern_jax.sharding import check_mesh, logical_rules, state_shardings
@@ -163,9 +165,9 @@ def test_fused_kernels_run_per_device_under_the_mesh():
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=8, n_kv_heads=2, d_ff=64, qk_norm="head")
     toks = tokens(B=4, T=8, V=64)
     want = Transformer(cfg, rngs=nnx.Rngs(0))(toks)
-    fused = cfg.replace(attention_impl="pallas_gpu", norm_impl="pallas")
-    mesh, model = sharded(fused, (2, 1, 4))
-    with pallas_interpret(), logical_rules(mesh):
+    mesh, model = sharded(cfg, (2, 1, 4))
+    fused = ExecutionConfig(attention_impl="pallas_gpu", norm_impl="pallas")
+    with pallas_interpret(), logical_rules(mesh), execution.use(fused):
         got = nnx.jit(lambda m, t: m(t))(model, toks)
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
 
@@ -260,7 +262,7 @@ def test_fsdp_gathers_each_layer_inside_the_scan():
     `layers` dimension is gathered (the whole model is never resident on one device)."""
     from modern_jax.training import TrainConfig, Trainer
 
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, d_ff=192, scan_layers=True)
+    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, d_ff=192)  # scanned (the default)
     trainer = Trainer(cfg, TrainConfig(batch_size=8, seq_len=16, steps=10, warmup_steps=1), make_mesh(fsdp=8))
     batch = trainer.put_batch(token_batch(1, 8, 16, 128))
     hlo = trainer.lower("train", trainer.abstract_state(), batch).compile().as_text()

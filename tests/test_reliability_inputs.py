@@ -37,7 +37,7 @@ from modern_jax.generate import _generate
 from modern_jax.parallel.mesh import make_mesh
 from modern_jax.parallel.topology import check_topology
 from modern_jax.training import TrainConfig, Trainer
-from modern_jax.training.step import abstract_model
+from modern_jax.model import abstract_params
 
 REPO = pathlib.Path(__file__).parent.parent
 HF_CHAT = REPO / "tests" / "fixtures" / "hf_chat"
@@ -65,7 +65,7 @@ def checkpoint(directory: pathlib.Path, edit=None, **model) -> pathlib.Path:
     """A converted checkpoint (config.yaml + params/) of a tiny model, no tokenizer: its parameters
     drawn from normal(0, 0.02) on the host (quicker than the model's own initialisation), then
     `edit(params)` (a pure dict of numpy arrays) changes them."""
-    graphdef, state = abstract_model(ModelConfig.from_dict({**TINY, **model}))
+    graphdef, state = abstract_params(ModelConfig.from_dict({**TINY, **model}))
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: rng.normal(0, 0.02, s.shape).astype(s.dtype), nnx.to_pure_dict(state))
     if edit is not None:
@@ -387,7 +387,7 @@ def test_evaluate_refuses_a_batch_larger_than_the_memory_and_says_what_fits(rope
     # the reference: XLA's own count of the evaluation step at those batch sizes
     cfg = ModelConfig.from_dict(TINY)
     trainer = Trainer(cfg, TrainConfig(seq_len=64, warmup_steps=0), make_mesh(data=-1, devices=jax.devices()[:1]))
-    graphdef, abstract = abstract_model(cfg)
+    graphdef, abstract = abstract_params(cfg)
     params = nnx.to_pure_dict(abstract)
     resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
@@ -417,7 +417,7 @@ def test_generate_refuses_more_tokens_than_the_memory_holds_and_says_how_many_fi
     fits = int(match.group(1).replace(",", ""))
     # the reference: XLA's own count of the sampling program with that many new tokens
     cfg = ModelConfig.from_dict(TINY)
-    graphdef, abstract = abstract_model(cfg)
+    graphdef, abstract = abstract_params(cfg)
     params = nnx.to_pure_dict(abstract)
     resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 

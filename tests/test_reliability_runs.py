@@ -197,7 +197,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_step_before_resumes(tmp_p
         err = [line for line in full.stderr.splitlines() if line.strip()]
         failed = re.match(r"modern-jax train: error: checkpoint step (\d+) could not be written to ", err[0])
         assert len(err) == 1 and failed, full.stderr
-        step, intact = int(failed.group(1)), int(failed.group(1)) - 2
+        intact = int(failed.group(1)) - 2
         assert err[0].endswith(f"{run / 'checkpoints'} (No space left on device); step {intact} before it is intact: "
                                "free space there (or lower train.keep_checkpoints) and run the same command to "
                                "resume") and intact >= 2, err

@@ -9,12 +9,14 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from modern_jax import execution
 from modern_jax.config import ModelConfig
+from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels.backend import recording_kernels
 from modern_jax.model import Transformer
 from modern_jax.parallel import create_sharded, make_mesh
 from modern_jax.parallel.config import ParallelConfig, layout_order
-from modern_jax.sharding import RULES, logical_rules
+from modern_jax.sharding import RULES, Strategies, logical_rules
 from modern_jax.training.loss import loss_sums
 
 from common import assert_leaves_match
@@ -24,7 +26,8 @@ B, T = 4, 32
 # a vocabulary split over tensor: every mask rule and both vocabulary shard_maps
 CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=128, qk_norm="head",
                   attention_sinks=True, sliding_window=6, attention_pattern="LG", attn_softcap=20.0,
-                  final_softcap=30.0, tie_embeddings=False, attention_impl="default", norm_impl="default")
+                  final_softcap=30.0, tie_embeddings=False)
+RUN = ExecutionConfig(attention_impl="chunked")  # the blocked kernel (the platform's default on TPU / GPU is flash)
 
 
 def packed_batch(V=128):
@@ -59,18 +62,19 @@ def flat_grads(grads):
 @pytest.fixture(scope="module")
 def reference():
     batch = packed_batch()
-    (loss, (sums, logits)), grads = nnx.jit(GRAD)(Transformer(CFG, rngs=nnx.Rngs(0)), batch)
+    with execution.use(RUN):
+        (loss, (sums, logits)), grads = nnx.jit(GRAD)(Transformer(CFG, rngs=nnx.Rngs(0)), batch)
     return np.asarray(logits), loss, sums, flat_grads(grads)
 
 
-def run_sharded(cfg, sizes, rules=RULES, layout="two_chunk", hlo=False):
+def run_sharded(cfg, sizes, rules=RULES, layout="two_chunk", hlo=False, strategies=None, run=RUN):
     """Logits, loss, sums and gradients on a mesh of `sizes`, the batch laid out for its context axis."""
     mesh = make_mesh(**sizes)
     model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, rules)
     order = layout_order(T, sizes.get("context", 1), layout)
     batch = {k: v if order is None else v[:, order] for k, v in packed_batch().items()}
     batch = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp", "expert"), "context")))
-    with logical_rules(mesh, rules), recording_kernels() as kernels:
+    with logical_rules(mesh, rules, strategies), execution.use(run), recording_kernels() as kernels:
         step = nnx.jit(GRAD)
         (loss, (sums, logits)), grads = step(model, batch)
         text = step.lower(model, batch).compile().as_text() if hlo else None
@@ -131,7 +135,7 @@ def test_sequence_parallelism_reduce_scatters_block_outputs():
     from modern_jax.training.step import Trainer
 
     cfg = ModelConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=512, head_dim=128,
-                      attention_impl="default", norm_impl="default", dtype="bfloat16")
+                      dtype="bfloat16")  # the TPU's kernels: the execution defaults
     mesh = make_mesh(data=2, tensor=4, devices=topology_devices("v5p:2x2x2"))
     tc = TrainConfig(batch_size=4, seq_len=512)
 
@@ -166,7 +170,7 @@ CONTEXT_MESHES = [dict(data=2, context=4), dict(data=2, context=2, tensor=2)]
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 @pytest.mark.parametrize("sizes", CONTEXT_MESHES, ids=["context4", "context2xtensor2"])
 def test_context_parallelism_matches_one_device(sizes, strategy, reference):
-    got = run_sharded(CFG.replace(context_strategy=strategy), sizes)
+    got = run_sharded(CFG, sizes, strategies=Strategies(context_strategy=strategy))
     assert_matches(got, reference)
     assert got[4]["attention"] == ({"ring"} if strategy == "ring" else {"chunked"})  # what ran per device
 
@@ -197,8 +201,9 @@ def test_layouts_balance_the_causal_work():
 def test_context_parallelism_never_gathers_the_queries():
     """Under context=4 the keys and values are all-gathered along the sequence; the queries
     (8 heads of 16, or 2 KV heads x 4) are never gathered to the whole sequence."""
-    cfg = CFG.replace(attention_impl="reference", norm_impl="reference", head_dim=16)
-    *_, hlo = run_sharded(cfg, dict(data=2, context=4), hlo=True)
+    cfg = CFG.replace(head_dim=16)
+    *_, hlo = run_sharded(cfg, dict(data=2, context=4), hlo=True,
+                          run=ExecutionConfig(attention_impl="reference", norm_impl="reference"))
     gathers = [line for line in hlo.splitlines() if re.search(r" all-gather(-start)?\(", line)]
     kv = [g for g in gathers if re.search(rf"\[{B // 2},{T},2,16\]", g)]
     q = [g for g in gathers if re.search(rf"\[{B // 2},{T},(8,16|2,4,16)\]", g)]
@@ -209,9 +214,9 @@ def test_context_parallelism_never_gathers_the_queries():
 def test_ring_refuses_what_it_cannot_run():
     from modern_jax.kernels.backend import UnsupportedFeatureError
 
-    cfg = CFG.replace(context_strategy="ring", attention_impl="pallas_gpu")
-    with pytest.raises(UnsupportedFeatureError, match="context_strategy='ring'"):
-        run_sharded(cfg, dict(data=2, context=4))
+    with pytest.raises(UnsupportedFeatureError, match="parallel.context_strategy='ring'"):
+        run_sharded(CFG, dict(data=2, context=4), strategies=Strategies(context_strategy="ring"),
+                    run=ExecutionConfig(attention_impl="pallas_gpu"))
 
 
 def test_a_checkpoint_saved_with_context_4_restores_with_context_1(tmp_path):

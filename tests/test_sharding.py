@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from modern_jax import execution
 from modern_jax.config import ModelConfig, model_config_from_file
+from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels import UnsupportedFeatureError, pallas_interpret
 from modern_jax.model import Transformer
 from modern_jax.parallel import create_sharded, make_mesh
@@ -159,7 +161,7 @@ def _loss(model, toks):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], -1))
 
 
-def _forward_and_grad(cfg, mesh):
+def _forward_and_grad(cfg, mesh, norm_impl="reference"):
     """Logits, loss, gradients and the compiled HLO texts of both, on `mesh` (None: one device)."""
     factory = lambda: Transformer(cfg, rngs=nnx.Rngs(0))  # noqa: E731
     model = factory() if mesh is None else create_sharded(factory, mesh)
@@ -167,7 +169,8 @@ def _forward_and_grad(cfg, mesh):
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 9)), jnp.int32)
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t[:, :-1]))
     grad = jax.jit(jax.value_and_grad(lambda p, t: _loss(nnx.merge(graphdef, p), t)))
-    with pallas_interpret(), (contextlib.nullcontext() if mesh is None else logical_rules(mesh)):
+    run = ExecutionConfig(norm_impl=norm_impl, attention_impl="reference")
+    with pallas_interpret(), (contextlib.nullcontext() if mesh is None else logical_rules(mesh)), execution.use(run):
         compiled = [f.lower(params, toks).compile(QUICK) for f in (forward, grad)]
     logits, (loss, grads) = (c(params, toks) for c in compiled)
     return logits, loss, grads, [c.as_text() for c in compiled]
@@ -181,14 +184,14 @@ def test_qk_norm_runs_on_the_head_shards_without_gathering_q_or_k(norm_impl, qk_
     implementation (Pallas: interpret mode) and QK-norm kind; logits, loss and gradients
     equal one device's. (Before the fix, Pallas with `qk_norm: head` gathered both kernels in
     the forward, and the kernels and the q/k cotangents in the gradient.)"""
-    cfg = QK_CFG.replace(norm_impl=norm_impl, qk_norm=qk_norm)
+    cfg = QK_CFG.replace(qk_norm=qk_norm)
     mesh = make_mesh(2, 1, 4)
     if (norm_impl, qk_norm) == ("pallas", "full"):  # rows span the head shards: refused, not silently replaced
         with pytest.raises(UnsupportedFeatureError, match="cannot run qk_norm='full' with its heads split"):
-            _forward_and_grad(cfg, mesh)
+            _forward_and_grad(cfg, mesh, norm_impl)
         return
-    want_logits, want_loss, want_grads, _ = _forward_and_grad(cfg, None)
-    logits, loss, grads, hlos = _forward_and_grad(cfg, mesh)
+    want_logits, want_loss, want_grads, _ = _forward_and_grad(cfg, None, norm_impl)
+    logits, loss, grads, hlos = _forward_and_grad(cfg, mesh, norm_impl)
     for what, hlo in zip(("forward", "gradient"), hlos):
         bad = [shape for shape in _gathered(hlo) if _whole_heads(shape, cfg)]
         assert not bad, f"{what}: q/k projections (kernels or activations) all-gathered over their heads: {bad}"

@@ -18,8 +18,10 @@ import yaml
 from flax import nnx
 
 from modern_jax.cli import main
+from modern_jax import execution
 from modern_jax.config import ModelConfig
-from modern_jax.model import Transformer
+from modern_jax.execution import ExecutionConfig
+from modern_jax.model import Transformer, abstract_params
 from modern_jax.parallel.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, TrainingDiverged, run_config_from_dict, train
 from modern_jax.training.checkpoint import Checkpointer
@@ -148,9 +150,9 @@ def test_moe_aux_loss_sown_by_layers_joins_the_loss(monkeypatch, scan, remat):
         return original(self, x_BTD)
 
     monkeypatch.setattr(FFN, "__call__", sowing)
-    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=3, n_heads=2, d_ff=64, scan_layers=scan, remat=remat)
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=3, n_heads=2, d_ff=64)
     tc = TrainConfig(steps=10, batch_size=4, seq_len=16, warmup_steps=0, moe_aux_weight=0.5)
-    trainer = Trainer(cfg, tc, one_device())
+    trainer = Trainer(cfg, tc, one_device(), execution=ExecutionConfig(scan_layers=scan, remat=remat))
     state = trainer.init_state(0)
     data = _batch(np.random.default_rng(0), 1, 4, 16, 32)
     micro = jax.tree.map(lambda x: jnp.asarray(x[0]), data)
@@ -190,8 +192,7 @@ def test_every_term_of_the_objective_against_a_hand_computation(monkeypatch):
     data = _batch(np.random.default_rng(1), 1, 4, 8, 64)
     data["weights"] = (np.random.default_rng(2).random((1, 4, 8)) > 0.25).astype(np.float32)  # some padding
     micro = jax.tree.map(lambda x: jnp.asarray(x[0]), data)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))),
-                            nnx.Param)
+    graphdef, _ = abstract_params(cfg)
     router_logits = []
     recorded = Router.__call__
 
@@ -219,7 +220,8 @@ def test_every_term_of_the_objective_against_a_hand_computation(monkeypatch):
                 "z": jnp.sum(w_BT * lse_BT**2) / jnp.sum(w_BT), "balance": balance, "router_z": router_z}
 
     names = ("ce", "z", "balance", "router_z")
-    hand, term_grads = jax.jit(lambda p: (terms(p), {k: jax.grad(lambda p: terms(p)[k])(p) for k in names}))(params)
+    with execution.use(ExecutionConfig(scan_layers=False)):  # layer by layer: each MoE layer's own router call
+        hand, term_grads = jax.jit(lambda p: (terms(p), {k: jax.grad(lambda p: terms(p)[k])(p) for k in names}))(params)
     assert len(router_logits) == 2  # one per MoE layer
     grads, metrics = step_gradients(trainer, state, data)
     for metric, term in [("loss", "ce"), ("z_loss", "z"), ("moe_aux_loss", "balance"), ("moe_router_z_loss", "router_z")]:

@@ -8,7 +8,8 @@
 """
 
 from modern_jax.convert.checkpoint import (convert_from_hf, convert_to_hf, finetune_run, initial_weights,
-                                          load_checkpoint, save_checkpoint)
+                                          load_checkpoint)
+from modern_jax.training.checkpoint import save_checkpoint
 from modern_jax.convert.hf_checkpoint import CheckpointError, from_hf, resolve_hf, to_hf
 from modern_jax.convert.hf_config import config_from_hf, config_to_hf
 from modern_jax.convert.hf_families import SUPPORTED_MODEL_TYPES

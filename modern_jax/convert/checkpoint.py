@@ -15,8 +15,8 @@ that holds anything else (`modern_jax.training.outputs`).
 
 `finetune_run(run, source)` makes a fine-tuning run (`modern-jax train --init-from-hf`): the
 model and tokenizer of `source` (a Hugging Face model directory or hub name, a converted
-checkpoint, or a training run), the `train:` and `data:` of the run file, whose `model:`
-section may set only fields that leave the network as it is (dtype, remat, ...). A source
+checkpoint, or a training run), the `train:`, `data:`, `execution:` and `parallel:` of the run file, whose `model:`
+section may set only fields that are not the network itself (dtypes, dropout, ...). A source
 without a tokenizer needs `data.tokenizer_path` (the model's ids mean nothing to another
 tokenizer), and initial weights holding NaN or infinite values are refused, by name. A run
 trained from a Hugging Face source keeps its config.json and tokenizer files in `hf/`, so
@@ -32,20 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
-import yaml
 from flax import nnx
 
-from modern_jax.config import ModelConfig
+from modern_jax.config import NETWORK_FIELDS, ModelConfig
 from modern_jax.convert.hf_checkpoint import from_hf, nonfinite, read_hf_config, refuse_nonfinite, resolve_hf, to_hf
-from modern_jax.convert.hf_config import NON_ARCHITECTURE_FIELDS, config_from_hf, model_type_of
+from modern_jax.convert.hf_config import config_from_hf, model_type_of
 from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
-from modern_jax.model import Transformer
+from modern_jax.model import Transformer, abstract_params
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import HF_ASSETS_DIR, load_params, read_config, resolve_checkpoint, write_checksums
+from modern_jax.training.checkpoint import (HF_ASSETS_DIR, load_params, read_config, resolve_checkpoint, save_checkpoint,
+                                           write_checksums)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.loop import Initial
-from modern_jax.training.step import abstract_model
 
 CONFIG, PARAMS, HF = "config.yaml", "params", HF_ASSETS_DIR
 # files of a Hugging Face model directory that are not weights, kept for the way back
@@ -55,24 +53,11 @@ HF_ASSETS = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
 CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept in config.json, not in ModelConfig
 
 
-def save_checkpoint(model: Transformer, out: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Save `model` as config.yaml + params/ (Orbax, the parameters as a pure dict) under `out`:
-    a new or empty directory, or with `overwrite` a converted checkpoint (replaced)."""
-    out = Path(out).absolute()
-    outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite)
-    with outputs.RunLock(out, "output directory", command="convert").acquire(), ocp.StandardCheckpointer() as saver:
-        saver.save(out / PARAMS, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        saver.wait_until_finished()
-        (out / CONFIG).write_text(yaml.safe_dump(model.cfg.to_dict(), sort_keys=False))
-    write_checksums(out)
-    return out
-
-
 def load_checkpoint(ckpt: str | os.PathLike, log=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """`(config, model)` from a converted checkpoint, a training run directory (its newest
     step) or one step directory; parameters come back in their saved dtype."""
     cfg, params, _, _ = load_params(ckpt, log=log, **overrides)
-    graphdef, _ = abstract_model(cfg)
+    graphdef, _ = abstract_params(cfg)
     return cfg, nnx.merge(graphdef, params)
 
 
@@ -175,12 +160,12 @@ def finetune_run(run: RunConfig, source: str | os.PathLike, log=None) -> tuple[R
     """`run` with the model of `source` (see `initial_weights`), and the `Initial` that
     `train(run, init=...)` starts from. The run's `model:` section may set only the fields that
     do not change the network."""
-    fixed = [k for k in run.model_dict if k not in NON_ARCHITECTURE_FIELDS and not k.endswith("_impl")]
+    fixed = [k for k in run.model_dict if k in NETWORK_FIELDS]
     if fixed:
-        allowed = ", ".join(NON_ARCHITECTURE_FIELDS) + ", *_impl"
+        allowed = ", ".join(f for f in ModelConfig.__dataclass_fields__ if f not in NETWORK_FIELDS)
         raise ValueError(f"the model comes from --init-from-hf {source}, so the run's model: section may set only "
-                         f"fields that leave its network as it is ({allowed}), not {', '.join(fixed)}: remove them, "
-                         f"or use configs/finetune_chat.yaml")
+                         f"fields that leave its network as it is ({allowed}; how it runs is the execution: "
+                         f"section), not {', '.join(fixed)}: remove them, or use configs/finetune_chat.yaml")
     cfg, init = initial_weights(source, log=log, **run.model_dict)
     if init.tokenizer is not None and run.data.tokenizer_path:
         raise ValueError(f"--init-from-hf {source} brings the model's own tokenizer, so data.tokenizer_path="

@@ -46,7 +46,7 @@ from modern_jax.convert.hf_config import config_from_hf, config_to_hf, family_of
 from modern_jax.convert.hf_families import FAMILIES, Family
 from modern_jax.convert.hf_keys import Reader
 from modern_jax.convert.hf_weights import Rule
-from modern_jax.model import Transformer
+from modern_jax.model import Transformer, abstract_model
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -238,7 +238,7 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameters' dtype;
     tensors are cast as they stream in. With a `mesh`, each parameter is placed sharded by
     the logical-axis `rules` (default `sharding.RULES`) as soon as it is complete.
-    `overrides` set other non-architecture fields (remat, scan_layers, vocab_pad_to, ...).
+    `overrides` set other fields that are not the network itself (vocab_pad_to, dropout, ...).
     `log(message)` is told of tensors the model does not use that are skipped (DeepSeek-V3's
     multi-token-prediction layer); without it they go to the `logging` module at INFO.
     `path` may be a hub name (`org/name`), read from the Hugging Face cache (`resolve_hf`).
@@ -254,7 +254,7 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     refuse_quantised(path, hf)
     model_type, table = family.model_type, family.weights
     skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(model_type, hf, family.defaults))}
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg)
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise CheckpointError(f"the model holds state other than parameters, which a checkpoint does not fill: "

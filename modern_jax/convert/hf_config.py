@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from modern_jax.config import ModelConfig, RopeScaling
+from modern_jax.config import MOE_FIELDS, NETWORK_FIELDS, ModelConfig, RopeScaling
 from modern_jax.convert.hf_families import FAMILIES, SUPPORTED_MODEL_TYPES, Family
 from modern_jax.convert.hf_keys import Reader, expand_pattern
 
@@ -38,7 +38,8 @@ def family_of(hf: dict[str, Any]) -> Family:
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     """The `ModelConfig` of the network a Hugging Face `config.json` describes.
 
-    `overrides` set fields that do not change the network (dtype, param_dtype, remat, ...).
+    `overrides` set fields that are not the network itself (`config.NETWORK_FIELDS` are the
+    others): dtype, param_dtype, vocab_pad_to, dropout, initialisation.
     """
     family = family_of(hf)
     fields = family.from_hf(Reader(family.model_type, hf, family.defaults))
@@ -47,21 +48,9 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
 
 # ----- ModelConfig -> config.json ---------------------------------------------------
 
-# fields that do not change the network: not compared when checking a round trip
-NON_ARCHITECTURE_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "init", "init_std", "attn_dropout",
-                           "resid_dropout", "ffn_multiple_of", "vocab_pad_to", "moe_dispatch", "moe_capacity_factor",
-                           "moe_aux_per_sequence", "moe_exchange", "moe_exchange_factor",
-                           "context_strategy")  # and every "*_impl"
-# the fields of a mixture of experts: moot unless ffn_type is "moe"
-MOE_FIELDS = ("n_experts", "experts_per_token", "expert_d_ff", "n_shared_experts", "shared_expert_d_ff", "moe_pattern",
-              "moe_first_dense", "router_score", "router_norm_topk", "router_scale", "router_bias",
-              "router_selection_bias", "router_groups", "router_topk_groups", "router_on_input", "expert_bias",
-              "expert_swiglu_limit", "expert_swiglu_alpha")
-
-
 def architecture(cfg: ModelConfig) -> dict[str, Any]:
     """The fields that define the network, with derived sizes resolved and patterns spelled out per layer."""
-    out = {k: v for k, v in cfg.to_dict().items() if k not in NON_ARCHITECTURE_FIELDS and not k.endswith("_impl")}
+    out = {k: v for k, v in cfg.to_dict().items() if k in NETWORK_FIELDS}  # not dtypes, initialisation, dropout
     out.update(n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_size, d_ff=cfg.ffn_width,
                attention_pattern=expand_pattern(cfg.attention_pattern, cfg.n_layers),
                rope_pattern=expand_pattern(cfg.rope_pattern, cfg.n_layers))
@@ -83,7 +72,7 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
         out.pop("head_dim")
     if cfg.ffn_type != "moe":
         for k in MOE_FIELDS:
-            out.pop(k)
+            out.pop(k, None)
         return out
     # a mixture: which layers have experts, spelled out; the shared experts as the one FFN they run as
     specs = cfg.layer_specs()

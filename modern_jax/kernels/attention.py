@@ -34,7 +34,8 @@ window masks count indices, not positions), so it is there for comparison, not a
 the dense mask carries every rule (windows, chunks, segments) exactly.
 
 `default` resolves by platform (the one compiled for, `backend.platform()`) to the first implementation that can run the call:
-GPU `pallas_gpu`, TPU `pallas_tpu`, CPU `chunked`, then `chunked`, then `reference`.
+GPU `pallas_gpu`, TPU `pallas_tpu` (then `chunked`, then `reference`), CPU `reference` (the
+oracle; name `chunked` for its O(T) memory on long sequences).
 An explicit choice that cannot run the call raises `UnsupportedFeatureError` naming
 what is missing. Attention dropout exists only in `reference`. A single query (decoding
 one token against the cache) always runs `chunked` (or `reference` with dropout): a
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from modern_jax.execution import ATTENTION_IMPLS
 from modern_jax.kernels.backend import UnsupportedFeatureError, can_run_pallas, interpret_target, note_kernel, platform
 from modern_jax.kernels.chunked import attention_chunked
 from modern_jax.kernels.flash_gpu import flash_attention_gpu
@@ -56,13 +58,8 @@ from modern_jax.kernels.flash_tpu import flash_attention_tpu
 from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
 
 
-class AttentionImpl(enum.StrEnum):
-    DEFAULT = "default"
-    REFERENCE = "reference"
-    CHUNKED = "chunked"
-    CUDNN = "cudnn"
-    PALLAS_GPU = "pallas_gpu"
-    PALLAS_TPU = "pallas_tpu"
+# DEFAULT, REFERENCE, CHUNKED, CUDNN, PALLAS_GPU, PALLAS_TPU: the names `execution.ATTENTION_IMPLS` defines
+AttentionImpl = enum.StrEnum("AttentionImpl", {name.upper(): name for name in ATTENTION_IMPLS})
 
 
 @dataclass(frozen=True)
@@ -115,7 +112,7 @@ def dropout_mask(rng, rate: float, B: int, K: int, G: int, T: int, S: int):
 DEFAULTS = {
     "gpu": (AttentionImpl.PALLAS_GPU, AttentionImpl.CHUNKED, AttentionImpl.REFERENCE),
     "tpu": (AttentionImpl.PALLAS_TPU, AttentionImpl.CHUNKED, AttentionImpl.REFERENCE),
-    "cpu": (AttentionImpl.CHUNKED, AttentionImpl.REFERENCE),
+    "cpu": (AttentionImpl.REFERENCE,),
 }
 
 
@@ -138,7 +135,7 @@ def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKU, spec: Attentio
             return f"an NVIDIA GPU with cuDNN (this computation is compiled for {platform()!r})"
         if max_logit:
             return ("the max attention logit (cuDNN does not expose its scores; train with "
-                    "train.diagnostics=false, or another attention_impl)")
+                    "train.diagnostics=false, or another execution.attention_impl)")
         if sinks_KG is not None:
             return "attention sinks"
         if spec.softcap is not None:
@@ -163,7 +160,8 @@ def resolve(impl: AttentionImpl | str, q_BTKGH, k_BSKH, v_BSKU, spec: AttentionS
         return next(c for c in candidates if missing_feature(c, *features) is None)
     reason = missing_feature(impl, *features)
     if reason is not None:
-        raise UnsupportedFeatureError(f"attention_impl={impl.value!r} cannot run this call: it needs {reason}")
+        raise UnsupportedFeatureError(f"execution.attention_impl={impl.value!r} cannot run this call: it needs "
+                                      f"{reason}")
     return impl
 
 

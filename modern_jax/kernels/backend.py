@@ -34,7 +34,7 @@ INTERPRET_ENV = "MODERN_JAX_PALLAS_INTERPRET"
 _INTERPRET: contextvars.ContextVar[str | None] = contextvars.ContextVar("modern_jax_pallas_interpret", default=None)
 _OFF = ("", "0", "false", "no", "off")
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("modern_jax_target_platform", default=None)
-_SEEN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("modern_jax_resolved_kernels", default=None)
+_SEEN: contextvars.ContextVar[tuple] = contextvars.ContextVar("modern_jax_resolved_kernels", default=())
 
 
 class UnsupportedFeatureError(ValueError):
@@ -110,9 +110,10 @@ def platform() -> str:
 @contextlib.contextmanager
 def recording_kernels():
     """Collect, while tracing inside the block, the implementation each dispatch resolved:
-    yields a dict `{"attention": {"pallas_tpu"}, "norm": {"pallas"}, ...}`."""
+    yields a dict `{"attention": {"pallas_tpu"}, "norm": {"pallas"}, ...}` (nested recordings
+    each see everything)."""
     seen: dict[str, set[str]] = {}
-    token = _SEEN.set(seen)
+    token = _SEEN.set(_SEEN.get() + (seen,))
     try:
         yield seen
     finally:
@@ -121,8 +122,7 @@ def recording_kernels():
 
 def note_kernel(kind: str, impl: str) -> None:
     """Record that a `kind` dispatch (attention, norm, moe_grouped) resolved to `impl`."""
-    seen = _SEEN.get()
-    if seen is not None:
+    for seen in _SEEN.get():
         seen.setdefault(kind, set()).add(str(impl))
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from modern_jax.execution import GROUPED_IMPLS
 from modern_jax.kernels.backend import UnsupportedFeatureError, interpret_target, note_kernel, platform
 from modern_jax.kernels.masks import pad_axis, round_up
 
-IMPLS = ("default", "ragged_dot", "megablox")
 
 
 def _tile(n: int) -> int:
@@ -40,10 +40,10 @@ def grouped_matmul(x_XI, w_EIO, group_sizes_E, *, impl: str = "default"):
                                   preferred_element_type=jnp.float32)
         return y_XO.astype(x_XI.dtype)
     if impl != "megablox":
-        raise ValueError(f"grouped matmul impl={impl!r}: expected one of {', '.join(IMPLS)}")
+        raise ValueError(f"grouped matmul impl={impl!r}: expected one of {', '.join(GROUPED_IMPLS)}")
     interpret = interpret_target() is not None
     if not interpret and platform() != "tpu":
-        raise UnsupportedFeatureError(f"moe_grouped_impl='megablox' is a TPU kernel; this computation is compiled "
+        raise UnsupportedFeatureError(f"execution.moe_grouped_impl='megablox' is a TPU kernel; this computation is compiled "
                                       f"for {platform()!r}: use 'ragged_dot' or 'default'")
     from jax.experimental.pallas.ops.tpu.megablox import ops
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from modern_jax.execution import NORM_IMPLS
 from modern_jax.kernels import norm_gpu, norm_tpu
 from modern_jax.kernels.backend import (
     UnsupportedFeatureError,
@@ -46,10 +47,8 @@ from modern_jax.kernels.backend import (
 KINDS = ("rmsnorm", "gemma_rmsnorm", "layernorm")
 
 
-class NormImpl(enum.StrEnum):
-    DEFAULT = "default"
-    REFERENCE = "reference"
-    PALLAS = "pallas"
+# DEFAULT, REFERENCE, PALLAS: the names `execution.NORM_IMPLS` defines
+NormImpl = enum.StrEnum("NormImpl", {name.upper(): name for name in NORM_IMPLS})
 
 
 def resolve(impl: NormImpl | str) -> NormImpl:
@@ -58,7 +57,7 @@ def resolve(impl: NormImpl | str) -> NormImpl:
         return NormImpl.PALLAS if platform() in ("gpu", "tpu") else NormImpl.REFERENCE
     if impl is NormImpl.PALLAS and pallas_platform() is None:
         raise UnsupportedFeatureError(
-            f"norm_impl='pallas' cannot run here: it needs a GPU or a TPU (this computation is compiled for "
+            f"execution.norm_impl='pallas' cannot run here: it needs a GPU or a TPU (this computation is compiled for "
             f"{platform()!r}; "
             "on CPU set MODERN_JAX_PALLAS_INTERPRET=1 or use kernels.pallas_interpret())")
     return impl

@@ -131,7 +131,7 @@ class Attention(nnx.Module):
             AttentionSpec(scale=scale, window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
                           dropout_rate=cfg.attn_dropout),
             Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS), sinks_KG=sinks_KG, dropout_rng=rng,
-            impl=cfg.attention_impl, return_max_logit=diagnostics, context_strategy=cfg.context_strategy,
+            return_max_logit=diagnostics,
         ), diagnostics)
         o_BTNH = constrain(o_BTKGH.reshape(B, T, K * G, H),
                            ("activation_batch", "activation_length", "activation_heads", None))
@@ -207,8 +207,7 @@ class MLAttention(nnx.Module):
         spec_ = AttentionSpec(scale=self.scale(), window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
                               dropout_rate=cfg.attn_dropout)
         vis = Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS)
-        kwargs = dict(dropout_rng=rng, impl=cfg.attention_impl, return_max_logit=diagnostics,
-                      context_strategy=cfg.context_strategy)
+        kwargs = dict(dropout_rng=rng, return_max_logit=diagnostics)
         if absorb:  # MQA over the latent: one shared "kv head" of width Z + Y, N queries per group
             q_lat_BTNZ = jnp.einsum("BTNH,ZNH->BTNZ", q_nope_BTNH, w_uk_ZNH)
             q_BT1NX = jnp.concatenate([q_lat_BTNZ, q_pe_BTNY], axis=-1)[:, :, None]

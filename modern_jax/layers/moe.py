@@ -139,10 +139,8 @@ class MoE(nnx.Module):
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
         experts_MK, weights_MK, probs_ME, z_ME = self.router(x_MD)
-        y_MD, dropped = dispatch(cfg.moe_dispatch, x_MD, experts_MK, weights_MK, self.experts,
-                                 n_experts=cfg.n_experts, on_input=cfg.router_on_input,
-                                 capacity_factor=cfg.moe_capacity_factor, grouped_impl=cfg.moe_grouped_impl, batch=B,
-                                 exchange=cfg.moe_exchange, exchange_factor=cfg.moe_exchange_factor)
+        y_MD, dropped = dispatch(x_MD, experts_MK, weights_MK, self.experts, n_experts=cfg.n_experts,
+                                 on_input=cfg.router_on_input, batch=B)
         y_BTD = y_MD.reshape(B, T, D).astype(x_BTD.dtype)
         if self.shared_experts is not None:
             y_BTD = y_BTD + self.shared_experts(x_BTD)

@@ -24,7 +24,7 @@ class Norm(nnx.Module):
     def __init__(self, cfg: ModelConfig, shape=None, axes=("norm",), *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.param_dtype)
         self.length = "activation_norm_length" if shape is None else "activation_length"
-        self.kind, self.eps, self.impl = cfg.norm_type, cfg.norm_eps, cfg.norm_impl
+        self.kind, self.eps = cfg.norm_type, cfg.norm_eps
         gamma_init = jax.nn.initializers.zeros if self.kind == "gemma_rmsnorm" else jax.nn.initializers.ones
         shape = (cfg.d_model,) if shape is None else tuple(shape)
         self.weight = param(rngs, gamma_init, shape, axes, dtype)
@@ -33,13 +33,12 @@ class Norm(nnx.Module):
     @jax.named_scope("norm")
     def __call__(self, x):
         bias = None if self.bias is None else self.bias[...]
-        return norm(x, self.weight[...], bias, kind=self.kind, eps=self.eps, impl=self.impl, length=self.length)
+        return norm(x, self.weight[...], bias, kind=self.kind, eps=self.eps, length=self.length)
 
     def add_norm(self, x, residual):
         """`(h, Norm(h))` with `h = residual + x`: the residual add fused into the norm's kernel."""
         bias = None if self.bias is None else self.bias[...]
-        return add_norm(x, residual, self.weight[...], bias, kind=self.kind, eps=self.eps, impl=self.impl,
-                        length=self.length)
+        return add_norm(x, residual, self.weight[...], bias, kind=self.kind, eps=self.eps, length=self.length)
 
 
 def l2_norm(x, eps: float):

@@ -13,7 +13,8 @@ over the batch axes when it divides them. The kernel runs per device.
 Context parallelism: with `activation_length` mapped to a `context` axis of C > 1 devices,
 each device holds `T / C` queries and keys (in whatever order the sequence was laid out over
 the axis: the masks are positions and segment ids, so packing, windows, chunks, sinks and
-soft-cap hold for any order). Two strategies (`context_strategy`):
+soft-cap hold for any order). Two strategies (`parallel.context_strategy`, read from the
+active `sharding.strategies()`):
 
 - `all_gather` (default): each device gathers the keys and values (and their positions and
   segments) of the whole sequence along the axis and runs the kernel on its own queries; the
@@ -41,12 +42,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from modern_jax import kernels
-from modern_jax.config import CONTEXT_STRATEGIES
+from modern_jax import execution, kernels
 from modern_jax.kernels.attention import AttentionImpl, AttentionSpec, dropout_mask
 from modern_jax.kernels.backend import UnsupportedFeatureError, note_kernel
 from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
-from modern_jax.sharding import active, live_axes, mesh_axes
+from modern_jax.sharding import active, live_axes, mesh_axes, strategies
 
 
 def kv_replication(n_kv: int, group: int, tp: int) -> int:
@@ -59,15 +59,14 @@ def kv_replication(n_kv: int, group: int, tp: int) -> int:
     return r
 
 
-def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=None, impl="reference",
-              return_max_logit: bool = False, context_strategy: str = "all_gather"):
-    """`kernels.attention`, run per device under shard_map when a mesh is active.
+def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=None, return_max_logit: bool = False):
+    """`kernels.attention` with the active `execution.attention_impl`, run per device under
+    shard_map when a mesh is active, the context axis as the active strategy says.
 
     With `return_max_logit`, returns `(o, max_logit)`: each device's max, maxed over the
     devices (`pmax`) so every device holds the global one.
     """
-    if context_strategy not in CONTEXT_STRATEGIES:
-        raise ValueError(f"context_strategy={context_strategy!r}: expected one of {', '.join(CONTEXT_STRATEGIES)}")
+    impl = execution.current().attention_impl
     kwargs = dict(impl=impl, return_max_logit=return_max_logit)
     B, T, K, G, H = q_BTKGH.shape
     S = k_BSKH.shape[1]
@@ -94,7 +93,7 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
     ctx = live_axes("activation_length", rules, mesh, T)
     ctx = None if ctx is None or taken & set(ctx) else ctx
     k_ctx = ctx if ctx is not None and S % math.prod(mesh.shape[a] for a in ctx) == 0 else None
-    ring = context_strategy == "ring" and ctx is not None and S == T
+    ring = strategies().context_strategy == "ring" and ctx is not None and S == T
     if ring:
         _check_ring(impl, keep_BKGTS)
     split = tuple(batch or ()) + tuple(heads or ()) + tuple(ctx or ())  # the axes each device's share differs over
@@ -134,12 +133,12 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
 
 def _check_ring(impl, keep_BKGTS) -> None:
     if AttentionImpl(impl) not in (AttentionImpl.DEFAULT, AttentionImpl.REFERENCE, AttentionImpl.CHUNKED):
-        raise UnsupportedFeatureError(f"attention_impl={AttentionImpl(impl).value!r} cannot run "
-                                      f"context_strategy='ring' (the ring folds its blocks in plain JAX): use "
-                                      f"attention_impl=default, or context_strategy=all_gather")
+        raise UnsupportedFeatureError(f"execution.attention_impl={AttentionImpl(impl).value!r} cannot run "
+                                      f"parallel.context_strategy='ring' (the ring folds its blocks in plain JAX): use "
+                                      f"execution.attention_impl=default, or parallel.context_strategy=all_gather")
     if keep_BKGTS is not None:
-        raise UnsupportedFeatureError("attention dropout cannot run context_strategy='ring': set model.attn_dropout=0 "
-                                      "or use context_strategy=all_gather")
+        raise UnsupportedFeatureError("attention dropout cannot run parallel.context_strategy='ring': set "
+                                      "model.attn_dropout=0 or use parallel.context_strategy=all_gather")
 
 
 def ring_attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, axes, *, sinks_KG=None,

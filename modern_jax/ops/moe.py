@@ -57,23 +57,23 @@ from jax.sharding import PartitionSpec as P
 
 from modern_jax.kernels.backend import UnsupportedFeatureError, platform
 from modern_jax.kernels.grouped import grouped_matmul
-from modern_jax.sharding import active, axis_position, live_axes, logical_to_spec, mesh_axes
+from modern_jax import execution
+from modern_jax.sharding import MOE_EXCHANGES, active, axis_position, live_axes, logical_to_spec, mesh_axes, strategies
 
-DISPATCHES = ("grouped", "dense", "capacity")
-EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")
-
-
-def dispatch(kind: str, x_MD, experts_MK, weights_MK, experts_fn, *, n_experts: int, on_input: bool = False,
-             capacity_factor: float = 1.0, grouped_impl: str = "default", batch: int | None = None,
-             exchange: str = "all_to_all", exchange_factor: float | None = None):
+def dispatch(x_MD, experts_MK, weights_MK, experts_fn, *, n_experts: int, on_input: bool = False,
+             batch: int | None = None):
     """`(y[M, D], dropped)`: the weighted sum of each token's chosen experts' outputs and the
-    number of assignments a capacity bound dropped (0 for the dropless dispatches).
+    number of assignments a capacity bound dropped (0 for the dropless dispatches), by the
+    active `execution.moe_dispatch` (and grouped matmul) and, experts split over a mesh, the
+    active `moe_exchange` strategy.
 
     `experts_fn(x, matmul)`: the expert FFN, an `nnx.Module` when experts may be split over a
     mesh (its weights enter the shard_map); `batch`: the B of the `M = B T` rows, whose
     sharding the rows keep."""
-    local = dict(kind=kind, n_experts=n_experts, on_input=on_input, capacity_factor=capacity_factor,
-                 grouped_impl=grouped_impl)
+    run, strategy = execution.current(), strategies()
+    exchange, exchange_factor = strategy.moe_exchange, strategy.moe_exchange_factor
+    local = dict(kind=run.moe_dispatch, n_experts=n_experts, on_input=on_input,
+                 capacity_factor=run.moe_capacity_factor, grouped_impl=run.moe_grouped_impl)
     split = _mesh_split(n_experts, batch or x_MD.shape[0])
     if split is not None:
         return _under_mesh(split, x_MD, experts_MK, weights_MK, experts_fn, local, exchange, exchange_factor)
@@ -88,7 +88,7 @@ def _local(x_MD, experts_MK, weights_MK, experts_fn, *, kind, n_experts, on_inpu
         return _dense(x_MD, experts_MK, weights_MK, experts_fn, n_experts, on_input, psum_axes), jnp.zeros(
             (), jnp.int32)
     if kind not in ("grouped", "capacity"):
-        raise ValueError(f"moe_dispatch={kind!r}: expected one of {', '.join(DISPATCHES)}")
+        raise ValueError(f"moe_dispatch={kind!r}: expected one of {', '.join(execution.MOE_DISPATCHES)}")
     M, K = experts_MK.shape
     E = n_experts
     expert_X = experts_MK.reshape(M * K)
@@ -199,11 +199,12 @@ def _under_mesh(split, x_MD, experts_MK, weights_MK, experts_module, local, exch
     """The dispatch under `shard_map`: each device its own rows; with the experts split, the exchange."""
     mesh, rules, ep_axes, row_axes, tensor_axes = split
     E, on_input, impl = local["n_experts"], local["on_input"], local["grouped_impl"]
-    if exchange not in EXCHANGES:
-        raise ValueError(f"moe_exchange={exchange!r}: expected one of {', '.join(EXCHANGES)}")
+    if exchange not in MOE_EXCHANGES:
+        raise ValueError(f"moe_exchange={exchange!r}: expected one of {', '.join(MOE_EXCHANGES)}")
     if exchange == "ragged_all_to_all" and platform() not in ("tpu", "gpu"):
-        raise UnsupportedFeatureError(f"moe_exchange='ragged_all_to_all' needs a TPU or a GPU: XLA:{platform().upper()} "
-                                      f"does not implement it; use all_to_all or all_gather here")
+        raise UnsupportedFeatureError(f"parallel.moe_exchange='ragged_all_to_all' needs a TPU or a GPU: "
+                                      f"XLA:{platform().upper()} does not implement it; use all_to_all or all_gather "
+                                      f"here")
     EP = math.prod(mesh.shape[a] for a in ep_axes)
     graphdef, state, rest = nnx.split(experts_module, nnx.Param, ...)  # rest: what nnx.capture attaches
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from modern_jax import execution
 from modern_jax.kernels.backend import UnsupportedFeatureError
 from modern_jax.kernels.norm import NormImpl, resolve
 from modern_jax.kernels.norm import add_norm as kernel_add_norm
@@ -27,19 +28,20 @@ from modern_jax.kernels.norm import norm as kernel_norm
 from modern_jax.sharding import active, live_axes
 
 
-def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference", length="activation_length"):
-    """`kernels.norm.norm`, per device under shard_map when a mesh is active and a kernel runs;
-    `length`: the logical name of x's sequence dimension (its second)."""
-    return _per_device(x, None, weight, bias, kind, eps, impl, length)
+def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, length="activation_length"):
+    """`kernels.norm.norm` with the active `execution.norm_impl`, per device under shard_map when a
+    mesh is active and a kernel runs; `length`: the logical name of x's sequence dimension (its second)."""
+    return _per_device(x, None, weight, bias, kind, eps, length)
 
 
-def add_norm(x, residual, weight, bias=None, *, kind="rmsnorm", eps=1e-6, impl="reference",
-             length="activation_length"):
+def add_norm(x, residual, weight, bias=None, *, kind="rmsnorm", eps=1e-6, length="activation_length"):
     """`(h, norm(h))` with `h = residual + x` (`kernels.norm.add_norm`), per device like `norm`."""
-    return _per_device(x, residual, weight, bias, kind, eps, impl, length)
+    return _per_device(x, residual, weight, bias, kind, eps, length)
 
 
-def _per_device(x, residual, weight, bias, kind, eps, impl, length):
+def _per_device(x, residual, weight, bias, kind, eps, length):
+    impl = execution.current().norm_impl
+
     def kernel(x, residual, weight, bias, impl=impl):
         if residual is None:
             return kernel_norm(x, weight, bias, kind=kind, eps=eps, impl=impl)
@@ -57,8 +59,9 @@ def _per_device(x, residual, weight, bias, kind, eps, impl, length):
         if x_spec[2] and weight.ndim == 2:  # "full": each row [N, H] spans the head shards
             if NormImpl(impl) is NormImpl.PALLAS:
                 raise UnsupportedFeatureError(
-                    "norm_impl='pallas' cannot run qk_norm='full' with its heads split over the mesh (each row's "
-                    "statistics span devices, which a per-device kernel cannot sum): use norm_impl='default', "
+                    "execution.norm_impl='pallas' cannot run qk_norm='full' with its heads split over the mesh (each "
+                    "row's statistics span devices, which a per-device kernel cannot sum): use execution.norm_impl="
+                    "'default', "
                     "which runs the reference norm there, or keep the heads on one device")
             return kernel(x, residual, weight, bias, impl=NormImpl.REFERENCE)
     rows = P(*x_spec)

@@ -6,6 +6,9 @@
       expert: 1         # splits a mixture's experts; data parallelism everywhere else
       context: 1        # splits the sequence (context parallelism) and, like fsdp, the weights
       context_layout: two_chunk   # the sequence's order over the context axis (causal load balance)
+      context_strategy: all_gather  # attention over the context axis: keys gathered, or a ring
+      moe_exchange: all_to_all    # experts split over `expert`: tokens swapped (slots), all-gathered, or ragged
+      moe_exchange_factor: null   # the exchange's room per destination; null: room for all, no drops
       tensor: 4
       rules:            # entries replacing those of `sharding.RULES`
         embed: null     #   e.g. no FSDP of the model dimension
@@ -17,13 +20,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 from dataclasses import dataclass, field
 
 from modern_jax.configfile import check_keys, fail
 from modern_jax.parallel.mesh import AXES, make_mesh
-from modern_jax.sharding import RULES
+from modern_jax.sharding import RULES, Strategies
 
 
 _fail = functools.partial(fail, "ParallelConfig")
@@ -48,6 +52,9 @@ class ParallelConfig:
     rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = field(default=())
     context: int = 1
     context_layout: str = "two_chunk"
+    context_strategy: str = "all_gather"
+    moe_exchange: str = "all_to_all"
+    moe_exchange_factor: float | None = None
 
     def sizes(self) -> dict[str, int]:
         return {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "context": self.context,
@@ -62,6 +69,7 @@ class ParallelConfig:
             _fail("data", self.data, "only one of data, fsdp, expert, context, tensor may be -1")
         if self.context_layout not in CONTEXT_LAYOUTS:
             _fail("context_layout", self.context_layout, f"expected one of {', '.join(CONTEXT_LAYOUTS)}")
+        self.strategies()  # its errors name the fields
         known = dict(RULES)
         for name, axes in self.rules:
             if name not in known:
@@ -77,7 +85,7 @@ class ParallelConfig:
     @classmethod
     def from_dict(cls, values: dict | None) -> ParallelConfig:
         values = dict(values or {})
-        check_keys("parallel", values, ["data", "fsdp", "expert", "context", "context_layout", "tensor", "rules"])
+        check_keys("parallel", values, [f.name for f in dataclasses.fields(cls)])
         rules = values.pop("rules", None) or {}
         if not isinstance(rules, dict):
             _fail("rules", rules, "expected a mapping of logical axis -> mesh axes")
@@ -86,7 +94,12 @@ class ParallelConfig:
 
     def to_dict(self) -> dict:
         rules = {name: list(axes) if isinstance(axes, tuple) else axes for name, axes in self.rules}
-        return {**self.sizes(), "context_layout": self.context_layout, "rules": rules}
+        return {**self.sizes(), "context_layout": self.context_layout, **dataclasses.asdict(self.strategies()),
+                "rules": rules}
+
+    def strategies(self) -> Strategies:
+        """The strategies of the context and expert axes, as the ops read them (`sharding.strategies`)."""
+        return Strategies(self.context_strategy, self.moe_exchange, self.moe_exchange_factor)
 
     def rules_table(self) -> tuple:
         """`sharding.RULES` with this config's entries replaced."""

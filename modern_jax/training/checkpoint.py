@@ -448,6 +448,25 @@ def resolve_checkpoint(path) -> tuple[pathlib.Path, pathlib.Path, str, str]:
     raise ValueError(f"{str(path)!r} is not a checkpoint: expected params/ (and config.yaml), or a run directory")
 
 
+def save_checkpoint(model, out, overwrite: bool = False) -> pathlib.Path:
+    """Save the Transformer `model` as a converted checkpoint, config.yaml + params/ (Orbax, the
+    parameters as a pure dict), under `out`: a new or empty directory, or with `overwrite` a
+    converted checkpoint (replaced). `load_params` reads it."""
+    import yaml
+    from flax import nnx
+
+    from modern_jax.training import outputs
+
+    out = pathlib.Path(out).absolute()
+    outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite)
+    with outputs.RunLock(out, "output directory", command="convert").acquire(), ocp.StandardCheckpointer() as saver:
+        saver.save(out / "params", nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        saver.wait_until_finished()
+        (out / CONFIG_FILE).write_text(yaml.safe_dump(model.cfg.to_dict(), sort_keys=False))
+    write_checksums(out)
+    return out
+
+
 def load_params(path, log=None, **overrides):
     """`(ModelConfig, params pure dict, raw config dict, run directory)` from a checkpoint
     directory; `overrides` replace ModelConfig fields (e.g. `dtype`). `log` is told which
@@ -456,7 +475,7 @@ def load_params(path, log=None, **overrides):
     first device, or replicated on every device of a launch of several processes."""
     from flax import nnx
 
-    from modern_jax.training.step import abstract_model
+    from modern_jax.model import abstract_params
 
     directory, config_path, what, elsewhere = resolve_checkpoint(path)
     raw = read_config(config_path)
@@ -465,7 +484,7 @@ def load_params(path, log=None, **overrides):
         log(f"loading {what}")
     problem = check_files(directory, items=("params",))
     if problem is None:
-        _, abstract = abstract_model(cfg)
+        _, abstract = abstract_params(cfg)
         if jax.process_count() > 1:
             sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
                                                   jax.sharding.PartitionSpec())

@@ -2,7 +2,8 @@
 
 A run file has these sections, each validated by its own frozen dataclass:
 
-    model:     ModelConfig     (modern_jax.config)
+    model:     ModelConfig     (modern_jax.config: the architecture)
+    execution: ExecutionConfig (modern_jax.execution: kernels, dispatch, remat, scan; optional)
     train:     TrainConfig     (this module)
     data:      DataConfig      (modern_jax.data.config)
     parallel:  ParallelConfig  (modern_jax.parallel.config; optional: all devices on `data`)
@@ -19,9 +20,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-from modern_jax.config import ModelConfig
+from modern_jax.config import ModelConfig, split_moved
 from modern_jax.configfile import RUN_SECTIONS, check_keys, check_sections, fail, load_config_file
 from modern_jax.data.config import DataConfig
+from modern_jax.execution import ExecutionConfig
 from modern_jax.parallel.config import ParallelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -185,6 +187,7 @@ class RunConfig:
     train: TrainConfig
     data: DataConfig
     parallel: ParallelConfig = ParallelConfig()
+    execution: ExecutionConfig = ExecutionConfig()
 
     @property
     def model(self) -> ModelConfig:
@@ -202,19 +205,27 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         model = self.model.to_dict() if self.vocab_size is not None else dict(self.model_dict)
-        return {"model": model, "train": self.train.to_dict(), "data": self.data.to_dict(),
-                "parallel": self.parallel.to_dict()}
+        return {"model": model, "execution": self.execution.to_dict(), "train": self.train.to_dict(),
+                "data": self.data.to_dict(), "parallel": self.parallel.to_dict()}
 
 
 def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
     """Validate every section; `model.vocab_size: auto` is checked once the tokenizer exists."""
     _check_sections(raw, where)
-    model = dict(raw.get("model") or {})
     if "model" not in raw:
         raise ValueError(f"{where}: no `model:` section")
+    model, moved = split_moved(dict(raw.get("model") or {}), where)
+    sections = {name: dict(raw.get(name) or {}) for name in ("execution", "parallel")}
+    for section, values in moved.items():
+        for key, value in values.items():
+            if key in sections[section] and sections[section][key] != value:
+                raise ValueError(f"{where}: model.{key}={value!r} and {section}.{key}={sections[section][key]!r} "
+                                 f"disagree: {key} now lives in {section}, keep that one")
+            sections[section].setdefault(key, value)
     train = TrainConfig.from_dict(raw.get("train"))
     data = DataConfig.from_dict(raw.get("data"))
-    parallel = ParallelConfig.from_dict(raw.get("parallel"))
+    parallel = ParallelConfig.from_dict(sections["parallel"])
+    execution = ExecutionConfig.from_dict(sections["execution"])
     if model.get("vocab_size") != "auto":
         model_cfg = ModelConfig.from_dict(model)  # validate now
     else:
@@ -223,7 +234,7 @@ def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
     if model_cfg.position_embedding == "learned" and train.seq_len > P:
         raise ValueError(f"{where}: train.seq_len={train.seq_len} exceeds model.max_position_embeddings={P} "
                          f"(learned positions have no row past it): lower train.seq_len")
-    return RunConfig(model, train, data, parallel)
+    return RunConfig(model, train, data, parallel, execution)
 
 
 def _check_sections(raw: dict, where: str) -> None:

@@ -43,18 +43,18 @@ import jax
 import numpy as np
 import yaml
 
+from modern_jax import execution
 from modern_jax.accounting import flops_per_token
 from modern_jax.configfile import read_yaml
 from modern_jax.data.corpora import load_splits
 from modern_jax.data.pipeline import eval_batches, train_iterator
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.parallel import distributed
-from modern_jax.sharding import RULES, mesh_axes
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer, CheckpointWriteError
+from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
-from modern_jax.training.step import Trainer
+from modern_jax.training.step import Trainer, describe_kernels
 
 
 class TrainingDiverged(RuntimeError):
@@ -153,15 +153,6 @@ def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, me
         return False
     checkpointer.save(state, meta)
     return True
-
-
-def _check_divisible(name: str, rows: int, mesh, rules=RULES) -> None:
-    """The batch rows split over the mesh axes of `activation_batch` (each process holds whole shards)."""
-    axes = [a for a in mesh_axes("activation_batch", rules) if a in mesh.shape]
-    shards = math.prod(mesh.shape[a] for a in axes)
-    if rows % shards:
-        raise ValueError(f"train.{name} gives {rows} rows, not divisible by the {shards} data shards of the mesh "
-                         f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}): make it a multiple of {shards}")
 
 
 def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None, shared: pathlib.Path | None = None):
@@ -385,10 +376,9 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     if steps:
         distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
     rules = run.parallel.rules_table()
-    _check_divisible("batch_size / grad_accum", tc.batch_size // tc.grad_accum, mesh, rules)
-    _check_divisible("eval_batch_size", tc.eval_batch_size, mesh, rules)
     model_cfg = run.model
-    trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout)
+    trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout,
+                      strategies=run.parallel.strategies(), execution=run.execution)
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log, model=model_cfg)
@@ -420,6 +410,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     log(f"model: {n_params:,} parameters | train {len(train_stream):,} tokens, validation {len(val_stream):,} "
         f"tokens | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
+    log(f"kernels: {describe_kernels(trainer.kernels)}")
     return session
 
 
@@ -535,9 +526,10 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
         except ValueError as e:
             log(f"train.sample_prompt={prompt!r} cannot be encoded ({e}); sampling from <bos>")
             prompt = ""
-        result.samples = sample_texts(s.trainer.graphdef, s.state["params"], s.tokenizer, prompt, n=tc.samples,
-                                      max_new_tokens=tc.sample_tokens, seed=tc.seed,
-                                      temperature=tc.sample_temperature, top_k=tc.sample_top_k, top_p=tc.sample_top_p)
+        with execution.use(s.run.execution):
+            result.samples = sample_texts(s.trainer.graphdef, s.state["params"], s.tokenizer, prompt, n=tc.samples,
+                                          max_new_tokens=tc.sample_tokens, seed=tc.seed, temperature=tc.sample_temperature,
+                                          top_k=tc.sample_top_k, top_p=tc.sample_top_p)
         if distributed.is_main():
             (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
     if tc.plot and distributed.is_main():

@@ -30,11 +30,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from modern_jax.config import ModelConfig
 from modern_jax.kernels import gpu_compile
-from modern_jax.kernels.backend import compiling_for
+from modern_jax.execution import ExecutionConfig
+from modern_jax.execution import use as use_execution
+from modern_jax.kernels.backend import compiling_for, recording_kernels
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
-from modern_jax.model import Transformer, max_attention_logit, sown_value
+from modern_jax.model import Transformer, abstract_params, max_attention_logit, sown_value
 from modern_jax.parallel.config import layout_order
-from modern_jax.sharding import RULES, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
+from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
@@ -42,13 +44,6 @@ from modern_jax.training.optimizer import global_norm, learning_rate_schedule, m
 def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
     """Batches `[A, B, T]` (micro-batches, rows, tokens): rows split as `activation_batch` is."""
     return NamedSharding(mesh, logical_to_spec((None, "activation_batch", "activation_length"), rules, mesh))
-
-
-def abstract_model(cfg: ModelConfig):
-    """The model's graph and its parameters as ShapeDtypeStructs (no memory, no init)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(model, nnx.Param)
-    return graphdef, params
 
 
 # XLA options for the compiled steps, e.g. {"xla_backend_optimization_level": 0} for quick
@@ -66,8 +61,11 @@ class Trainer:
     """
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES,
-                 context_layout: str = "two_chunk"):
+                 context_layout: str = "two_chunk", *, strategies: Strategies | None = None,
+                 execution: ExecutionConfig | None = None):
         check_mesh(model_cfg, mesh, rules)
+        _check_divisible("batch_size / grad_accum", train_cfg.batch_size // train_cfg.grad_accum, mesh, rules)
+        _check_divisible("eval_batch_size", train_cfg.eval_batch_size, mesh, rules)
         # the devices splitting the sequence (context parallelism) and the order laid over them
         self.context = math.prod(mesh.shape[a] for a in mesh_axes("activation_length", rules) if a in mesh.shape)
         if train_cfg.seq_len % self.context:
@@ -81,13 +79,15 @@ class Trainer:
                              f"the router's selection bias, which this model has none of: set "
                              f"model.router_selection_bias=true (and ffn_type=moe), or the rate to 0")
         self.model_cfg, self.cfg, self.mesh, self.rules = model_cfg, train_cfg, mesh, tuple(rules)
+        self.strategies, self.execution = strategies or Strategies(), execution or ExecutionConfig()
+        self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the steps were traced
         self.moe = model_cfg.ffn_type == "moe"
-        self.graphdef, abstract_params = abstract_model(model_cfg)
+        self.graphdef, abstract = abstract_params(model_cfg)
         self.tx = make_optimizer(train_cfg, frozen=model_cfg.router_selection_bias)
         self.schedule = learning_rate_schedule(train_cfg)
         replicated = NamedSharding(mesh, PartitionSpec())
-        params_sh = nnx.to_pure_dict(state_shardings(abstract_params, mesh, rules))
-        abstract_pure = nnx.to_pure_dict(abstract_params)
+        params_sh = nnx.to_pure_dict(state_shardings(abstract, mesh, rules))
+        abstract_pure = nnx.to_pure_dict(abstract)
         opt_abstract = jax.eval_shape(self.tx.init, abstract_pure)
         opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, params_sh,
                                        transform_non_params=lambda _: replicated)
@@ -119,9 +119,11 @@ class Trainer:
         """Trace and lower step `name` for the mesh's devices (their platform picks the kernels), or
         for `platform` ('cuda', 'tpu') with no such device here (lowered only: compile it with that
         platform's compiler); on a multi-device mesh the rules shape every activation."""
-        with compiling_for(platform or self.mesh), contextlib.ExitStack() as stack:
+        with compiling_for(platform or self.mesh), use_execution(self.execution), recording_kernels() as seen, \
+                contextlib.ExitStack() as stack:
+            stack.callback(lambda: [self.kernels.setdefault(k, set()).update(v) for k, v in seen.items()])
             if self.mesh.size > 1:
-                stack.enter_context(logical_rules(self.mesh, self.rules))
+                stack.enter_context(logical_rules(self.mesh, self.rules, self.strategies))
             if platform is None:
                 return self._jitted[name].lower(*args)
             if platform == "cuda":  # the Triton lowering asks for a GPU: name one (an H100; the IR is the same)
@@ -322,6 +324,20 @@ class Trainer:
         return time.perf_counter() - start
 
 
+def describe_kernels(kernels: dict[str, set[str]]) -> str:
+    """`attention pallas_tpu, norm pallas, moe_grouped megablox`: what the dispatches chose."""
+    return ", ".join(f"{kind} {'/'.join(sorted(impls))}" for kind, impls in sorted(kernels.items())) or "none"
+
+
+def _check_divisible(name: str, rows: int, mesh, rules=RULES) -> None:
+    """The batch rows split over the mesh axes of `activation_batch` (each process holds whole shards)."""
+    axes = [a for a in mesh_axes("activation_batch", rules) if a in mesh.shape]
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if rows % shards:
+        raise ValueError(f"train.{name} gives {rows} rows, not divisible by the {shards} data shards of the mesh "
+                         f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}): make it a multiple of {shards}")
+
+
 def _span(slices, size: int, what: str) -> slice:
     """One slice covering `slices` (a process's devices' shares of one dimension), which must touch."""
     ranges = sorted({(s.start or 0, size if s.stop is None else s.stop) for s in slices})
@@ -347,4 +363,4 @@ def _accumulate(carry, result, n_micro):
     return c_loss + loss, new_sums, new_aux, jax.tree.map(jnp.add, c_grads, grads)
 
 
-__all__ = ["Trainer", "abstract_model", "batch_sharding"]
+__all__ = ["Trainer", "batch_sharding", "describe_kernels"]
