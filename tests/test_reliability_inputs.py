@@ -33,6 +33,7 @@ from modern_jax.data.config import DataConfig
 from modern_jax.data.corpora import TokenStream, load_splits
 from modern_jax.data.pipeline import TrainBatches
 from modern_jax.data.records import record_documents
+from modern_jax import execution
 from modern_jax.generate import _generate
 from modern_jax.parallel.mesh import make_mesh
 from modern_jax.parallel.topology import check_topology
@@ -424,7 +425,7 @@ def test_generate_refuses_more_tokens_than_the_memory_holds_and_says_how_many_fi
     def need(tokens):
         return needs(_generate.lower(graphdef, params, jax.ShapeDtypeStruct((2, 1), jnp.int32), jax.random.key(0),
                                      max_new_tokens=tokens, temperature=0.8, top_k=None, top_p=None,
-                                     eos_id=258).compile(), resident)
+                                     eos_id=258, run=execution.current()).compile(), resident)
 
     assert need(fits) <= free * 1.02 and need(int(fits * 1.2) + 1) > free  # "about": XLA's count is nearly affine
     line = refused(["generate", "--checkpoint", rope, "--max-new-tokens", "10", "--num-samples", "100000"], capsys)

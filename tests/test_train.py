@@ -456,6 +456,7 @@ def test_cli_train_on_a_yaml_mesh_with_rule_overrides_matches_one_device(tmp_pat
     assert main(["train", "--config", str(config), "--mesh", "data=2,fsdp=2,tensor=2"]) == 0, capsys.readouterr().err
     saved = yaml.safe_load((tmp_path / "mesh/config.yaml").read_text())["parallel"]
     assert saved == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2, "context_layout": "two_chunk",
+                     "context_strategy": "all_gather", "moe_exchange": "all_to_all", "moe_exchange_factor": None,
                      "rules": {"mlp": None}}
     logged = [json.loads(line) for line in (tmp_path / "mesh/metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in logged if r.get("split") == "train"]

@@ -114,6 +114,7 @@ DEFAULTS = {
     "tpu": (AttentionImpl.PALLAS_TPU, AttentionImpl.CHUNKED, AttentionImpl.REFERENCE),
     "cpu": (AttentionImpl.REFERENCE,),
 }
+DECODE = (AttentionImpl.CHUNKED, AttentionImpl.REFERENCE)  # one query: nothing to tile, O(S) memory
 
 
 def missing_feature(impl: AttentionImpl, q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, sinks_KG, dropout,
@@ -156,7 +157,7 @@ def resolve(impl: AttentionImpl | str, q_BTKGH, k_BSKH, v_BSKU, spec: AttentionS
     impl = AttentionImpl(impl)
     features = (q_BTKGH, k_BSKH, v_BSKU, spec, sinks_KG, dropout, max_logit)
     if impl is AttentionImpl.DEFAULT or (q_BTKGH.shape[1] == 1 and impl is not AttentionImpl.REFERENCE):
-        candidates = DEFAULTS.get(platform(), DEFAULTS["cpu"]) if q_BTKGH.shape[1] > 1 else DEFAULTS["cpu"]
+        candidates = DEFAULTS.get(platform(), DEFAULTS["cpu"]) if q_BTKGH.shape[1] > 1 else DECODE
         return next(c for c in candidates if missing_feature(c, *features) is None)
     reason = missing_feature(impl, *features)
     if reason is not None:
