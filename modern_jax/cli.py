@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
     if args.output_dir is not None:
         overrides.append(f"train.output_dir={json.dumps(args.output_dir)}")
     if args.mesh is not None:
-        from modern_jax.parallel.mesh import parse_mesh
+        from modern_jax.sharding.mesh import parse_mesh
 
         overrides += [f"parallel.{axis}={size}" for axis, size in parse_mesh(args.mesh).items()]
     config = args.config or (FINETUNE_CONFIG if args.init_from_hf else DEFAULT_CONFIG)
@@ -242,7 +242,7 @@ def cmd_evaluate(args) -> int:
 
     from modern_jax.accounting import DoesNotFit, check_fits
     from modern_jax.data.pipeline import eval_batches, eval_windows
-    from modern_jax.parallel.mesh import make_mesh
+    from modern_jax.sharding.mesh import make_mesh
     from modern_jax.training import TrainConfig, Trainer, evaluate_batches
     from modern_jax.training.checkpoint import load_params
 
@@ -347,7 +347,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from modern_jax.parallel.mesh import parse_mesh
+    from modern_jax.sharding.mesh import parse_mesh
 
     _check_flags(args, _positive("--batch"), _positive("--seq"), _positive("--slices"),
                  ("--hbm-gib", lambda g: 0 < g < math.inf, "a positive number of GiB"))
@@ -357,7 +357,7 @@ def cmd_plan(args) -> int:
     if args.slices > 1 and not args.topology:
         raise ValueError("--slices needs --topology (the slices of a TPU topology)")
     if args.topology:
-        from modern_jax.parallel.topology import check_topology
+        from modern_jax.sharding.targets import check_topology
 
         check_topology(args.topology)
     from modern_jax.training.config import load_run_config

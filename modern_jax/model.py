@@ -50,6 +50,7 @@ from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import sinusoidal
 from modern_jax.ops import vocab
 from modern_jax.sharding import constrain
+from modern_jax.sharding.sequence import residual
 
 REMAT_POLICIES = {  # execution.remat: what the backward pass keeps (every other name recomputes)
     "full": None,
@@ -173,7 +174,7 @@ class Stage(nnx.Module):
             for j in range(period):
                 rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
                 x_BTD, cache_j, reduced_j, load_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
-                x_BTD = constrain(x_BTD, ("activation_batch", "activation_norm_length", "activation_embed"))
+                x_BTD = residual(x_BTD)
                 new_caches.append(cache_j)
                 loads.append(load_j)
                 reduced = {name: (jnp.maximum if name in MAXED else jnp.add)(value, reduced_j[name])
@@ -302,7 +303,7 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + self.embed_positions[...].astype(cfg.dtype)[pos_BT]
         elif cfg.position_embedding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
-        x_BTD = constrain(x_BTD, ("activation_batch", "activation_norm_length", "activation_embed"))
+        x_BTD = residual(x_BTD)
 
         new_stage_caches, reduced, loads = [], {}, []
         for s, stage in enumerate(self.stages):

@@ -38,8 +38,8 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     import jax
 
     from modern_jax.kernels.backend import recording_kernels
-    from modern_jax.parallel.mesh import make_mesh
-    from modern_jax.parallel.topology import chip, topology_devices
+    from modern_jax.sharding.mesh import make_mesh
+    from modern_jax.sharding.targets import chip, topology_devices
     from modern_jax.training.step import Trainer
 
     if topology is not None:
@@ -52,7 +52,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     if topology is None and execution.attention_impl == "default":  # host devices stand in for accelerators:
         execution = execution.replace(attention_impl="chunked")  # O(T) attention, as the flash kernels are
     trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(),
-                      context_layout=run.parallel.context_layout, strategies=run.parallel.strategies(),
+                      context_layout=run.parallel.context_layout, strategies=run.parallel,
                       execution=execution)
     state = trainer.abstract_state()
     batch = trainer.abstract_batch()

@@ -43,7 +43,7 @@ from modern_jax.execution import ExecutionConfig
 from modern_jax.config import ModelConfig
 from modern_jax.layers.ffn import FFN
 from modern_jax.layers.moe import MoE
-from modern_jax.parallel.mesh import make_mesh
+from modern_jax.sharding.mesh import make_mesh
 from modern_jax.report import median_seconds
 from modern_jax.sharding import Strategies, logical_rules, state_shardings
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from modern_jax.execution import ExecutionConfig
 from modern_jax.accounting import flops_per_token, param_counts  # noqa: E402
 from modern_jax.config import model_config_from_file  # noqa: E402
-from modern_jax.parallel.mesh import make_mesh  # noqa: E402
+from modern_jax.sharding.mesh import make_mesh  # noqa: E402
 from modern_jax.training import TrainConfig, Trainer, load_run_config  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from modern_jax.parallel.mesh import make_mesh
+from modern_jax.sharding.mesh import make_mesh
 
 QUICK = {"xla_backend_optimization_level": 0}  # XLA options: quick compiles of tiny programs
 QUICK_FLAG = "--xla_backend_optimization_level=0"  # the same, as XLA_FLAGS for a subprocess

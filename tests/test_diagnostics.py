@@ -18,7 +18,7 @@ import modern_jax.layers.attention as attention_layers
 from modern_jax import execution
 from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
-from modern_jax.parallel.mesh import make_mesh
+from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
 from modern_jax.model import abstract_params
 

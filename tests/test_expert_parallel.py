@@ -16,7 +16,7 @@ from modern_jax.cli import main
 from modern_jax.config import ModelConfig
 from modern_jax.layers.moe import MoE
 from modern_jax.model import Transformer
-from modern_jax.parallel.mesh import make_mesh
+from modern_jax.sharding.mesh import make_mesh
 from modern_jax.sharding import Strategies, check_mesh, logical_rules, state_shardings
 from modern_jax.training import TrainConfig, Trainer, load_run_config, train
 from modern_jax.training.checkpoint import Checkpointer

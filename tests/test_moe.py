@@ -23,7 +23,7 @@ from modern_jax.kernels.backend import pallas_interpret
 from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax.layers.moe import MoE, balance_loss, route
 from modern_jax.model import Transformer
-from modern_jax.parallel.mesh import make_mesh
+from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
 from modern_jax.training.checkpoint import load_params
 

@@ -12,7 +12,7 @@ from modern_jax import execution
 from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.model import Transformer
-from modern_jax.parallel import create_sharded, make_mesh, parse_mesh
+from modern_jax.sharding import create_sharded, make_mesh, parse_mesh
 from modern_jax.sharding import check_mesh, logical_rules, state_shardings
 
 from common import assert_leaves_match, assert_step_matches_one_device, token_batch

@@ -24,7 +24,7 @@ import yaml
 
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
-from modern_jax.parallel.mesh import make_mesh
+from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
 from modern_jax.training.checkpoint import CheckpointDamaged, load_params
 from modern_jax.training.optimizer import learning_rate_schedule

@@ -14,8 +14,8 @@ from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels.backend import recording_kernels
 from modern_jax.model import Transformer
-from modern_jax.parallel import create_sharded, make_mesh
-from modern_jax.parallel.config import ParallelConfig, layout_order
+from modern_jax.sharding import create_sharded, make_mesh
+from modern_jax.sharding.config import ParallelConfig, layout_order
 from modern_jax.sharding import RULES, Strategies, logical_rules
 from modern_jax.training.loss import loss_sums
 
@@ -130,7 +130,7 @@ def test_sequence_parallelism_reduce_scatters_block_outputs():
     tensor=4): the block outputs leave attention and the FFN by reduce-scatters along T (forward,
     and the gradients entering them backward), the sequence enters them by all-gathers, and no
     block-sized [B, T, D] all-reduce is left; turned off in the rules, they are all-reduced whole."""
-    from modern_jax.parallel.topology import topology_devices
+    from modern_jax.sharding.targets import topology_devices
     from modern_jax.training.config import TrainConfig
     from modern_jax.training.step import Trainer
 

@@ -17,7 +17,7 @@ from modern_jax.config import ModelConfig, model_config_from_file
 from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels import UnsupportedFeatureError, pallas_interpret
 from modern_jax.model import Transformer
-from modern_jax.parallel import create_sharded, make_mesh
+from modern_jax.sharding import create_sharded, make_mesh
 from modern_jax.sharding import RULES, constrain, logical_rules, logical_to_spec, mesh_axes, state_shardings
 
 from common import QUICK, assert_leaves_match

@@ -22,7 +22,7 @@ from modern_jax import execution
 from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.model import Transformer, abstract_params
-from modern_jax.parallel.mesh import make_mesh
+from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, TrainingDiverged, run_config_from_dict, train
 from modern_jax.training.checkpoint import Checkpointer
 from modern_jax.training.loop import save_if_finite

@@ -15,11 +15,8 @@ the platform whose kernels an implementation that has one per platform (`norm_im
 `pallas_tpu`), so any value lets both run. Interpret mode never changes what `default`
 resolves to.
 
-The platform is the one the computation is compiled for, not the host's: inside
-`compiling_for(mesh)` (the trainer enters it for its mesh) it is that mesh's devices'
-platform, so a step compiled for a TPU topology from a CPU host (`plan --topology`) picks
-and compiles the TPU kernels. Else an abstract mesh in context that names its device
-(`jax.sharding.use_abstract_mesh`) decides, then the default backend.
+The platform is the one the computation is compiled for, not the host's
+(`sharding.targets.platform`: inside `compiling_for(mesh)` that mesh's devices' platform).
 """
 
 from __future__ import annotations
@@ -30,10 +27,11 @@ import os
 
 import jax
 
+from modern_jax.sharding.targets import platform
+
 INTERPRET_ENV = "MODERN_JAX_PALLAS_INTERPRET"
 _INTERPRET: contextvars.ContextVar[str | None] = contextvars.ContextVar("modern_jax_pallas_interpret", default=None)
 _OFF = ("", "0", "false", "no", "off")
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("modern_jax_target_platform", default=None)
 _SEEN: contextvars.ContextVar[tuple] = contextvars.ContextVar("modern_jax_resolved_kernels", default=())
 
 
@@ -66,45 +64,6 @@ def interpret_target() -> str | None:
     if value == "tpu":
         return "tpu"
     raise ValueError(f"{INTERPRET_ENV}={value!r}: expected 1, gpu, tpu or 0")
-
-
-def _platform_name(name: str) -> str:
-    return "gpu" if name in ("cuda", "rocm") else name
-
-
-def device_platform(target) -> str:
-    """The platform of `target`: a name ('cpu', 'gpu', 'cuda', 'tpu'), a Mesh, or a sequence of devices."""
-    if isinstance(target, str):
-        return _platform_name(target)
-    devices = getattr(target, "devices", target)
-    devices = list(devices.flat) if hasattr(devices, "flat") else list(devices)
-    if not devices:
-        raise ValueError("compiling_for: no devices to take the platform from")
-    kinds = {_platform_name(d.platform) for d in devices}
-    if len(kinds) > 1:
-        raise ValueError(f"compiling_for: the devices mix platforms ({', '.join(sorted(kinds))})")
-    return kinds.pop()
-
-
-@contextlib.contextmanager
-def compiling_for(target):
-    """Trace kernels inside the block for `target` (a platform name, a Mesh or devices)."""
-    token = _TARGET.set(device_platform(target))
-    try:
-        yield
-    finally:
-        _TARGET.reset(token)
-
-
-def platform() -> str:
-    """The platform computations are compiled for: 'cpu', 'gpu' or 'tpu' (see the module docstring)."""
-    target = _TARGET.get()
-    if target is not None:
-        return target
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    if device is not None:
-        return _platform_name(device.platform)
-    return _platform_name(jax.default_backend())
 
 
 @contextlib.contextmanager

@@ -22,37 +22,19 @@ which is why the tile choices (`flash_gpu.default_blocks`) keep a margin below t
 
 from __future__ import annotations
 
-import contextlib
 import re
 import subprocess
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 
-from modern_jax.kernels.backend import compiling_for
+from modern_jax.sharding.targets import gpu_arch, lowering_for
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 MAX_REGISTERS = 255  # per thread, every NVIDIA architecture since Kepler
 REGISTERS_PER_SM = 65536
-
-
-@dataclass(frozen=True)
-class Arch:
-    """A GPU architecture to compile for: its compute capability, a device that has it, and its limits."""
-
-    capability: int
-    device_kind: str  # an abstract device of this architecture, for the lowering
-    num_cores: int
-    shared_bytes: int  # the most dynamic shared memory one block may use (opt-in)
-
-
-ARCHS = {
-    "sm_90a": Arch(90, "NVIDIA H100 80GB HBM3", 132, 227 * 1024),
-    "sm_80": Arch(80, "NVIDIA A100-SXM4-80GB", 108, 163 * 1024),
-}
 
 
 @dataclass(frozen=True)
@@ -96,12 +78,6 @@ class KernelReport:
                 f"warps {self.num_warps:2d} stages {self.num_stages}")
 
 
-def _arch(arch: str) -> Arch:
-    if arch not in ARCHS:
-        raise ValueError(f"GPU arch {arch!r}: expected one of {', '.join(ARCHS)}")
-    return ARCHS[arch]
-
-
 def _triton():
     try:
         import triton
@@ -111,24 +87,6 @@ def _triton():
         raise ImportError("compiling the Pallas GPU kernels needs the `triton` package: `uv sync` (it is in the "
                           "dev group) or `pip install triton==3.9.0`") from e
     return triton, GPUTarget, get_ptxas
-
-
-@contextlib.contextmanager
-def lowering_for(arch: str = "sm_90a", mesh=None):
-    """Trace and lower inside the block for GPUs of `arch`, with no GPU here.
-
-    The kernel dispatch resolves for GPU, and the Triton lowering finds its device in an
-    abstract mesh of `mesh`'s axes (default: one device, axis `x`). Jax's deprecation of the
-    Triton backend is silenced.
-    """
-    spec = _arch(arch)
-    device = jax.sharding.AbstractDevice(device_kind=spec.device_kind, num_cores=spec.num_cores, platform="gpu")
-    sizes, names, types = ((1,), ("x",), (jax.sharding.AxisType.Explicit,)) if mesh is None else (
-        mesh.axis_sizes, mesh.axis_names, mesh.axis_types)
-    abstract = jax.sharding.AbstractMesh(sizes, names, types, abstract_device=device)
-    with compiling_for("gpu"), jax.sharding.use_abstract_mesh(abstract), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        yield
 
 
 def lower(fn, *args, arch: str = "sm_90a"):
@@ -197,7 +155,7 @@ def _ptxas_usage(ptxas: str, ptx: str, gpu_name: str, workdir: Path) -> dict[str
 
 def compile_triton(call: TritonCall, arch: str = "sm_90a") -> KernelReport:
     """Compile one Triton kernel for `arch` ('sm_90a' or 'sm_80') and report what it needs."""
-    spec = _arch(arch)
+    spec = gpu_arch(arch)
     triton, GPUTarget, get_ptxas = _triton()
     with tempfile.TemporaryDirectory(prefix="modern_jax_triton_") as tmp:
         workdir = Path(tmp)

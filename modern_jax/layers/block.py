@@ -13,11 +13,9 @@ Norm names follow Gemma 2's checkpoints: `input_layernorm` (before attention),
 `post_attention_layernorm` (after it), `pre_feedforward_layernorm`,
 `post_feedforward_layernorm`.
 
-Attention and the FFN are the tensor-parallel regions (`region`): their input is constrained
-to the whole sequence of the context shard (`activation_length`) and their output to the
-residual stream's split (`activation_norm_length`), so under sequence parallelism XLA
-all-gathers along T entering them and reduce-scatters their row-parallel outputs leaving them;
-the norms, residual adds and dropout between run on the sequence shard.
+Attention and the FFN run as the tensor-parallel regions (`sharding.sequence.region`): under
+sequence parallelism the norms, residual adds and dropout between them run on the residual
+stream's sequence shard.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from modern_jax.layers.attention import Attention, MLAttention
 from modern_jax.layers.ffn import FFN
 from modern_jax.layers.moe import MoE
 from modern_jax.layers.norms import Norm
-from modern_jax.sharding import constrain
+from modern_jax.sharding.sequence import region
 
 # which norms each placement owns: (before attention, after attention, before FFN, after FFN)
 NORMS = {
@@ -42,27 +40,6 @@ NORMS = {
     "output": (False, True, False, True),
     "parallel": (True, False, False, False),
 }
-
-
-def to_residual(x_BTD):
-    """The residual stream's split: from partial sums over `tensor`, a reduce-scatter along T."""
-    return constrain(x_BTD, ("activation_batch", "activation_norm_length", "activation_embed"))
-
-
-@jax.custom_vjp
-def gather_sequence(x_BTD):
-    """Megatron-SP's entry into a tensor-parallel region: the sequence all-gathered over `tensor`;
-    in the backward pass the gradient (partial sums over the heads or the FFN width) is
-    reduce-scattered straight back to the residual stream's split, not all-reduced whole."""
-    return constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
-
-
-gather_sequence.defvjp(lambda x_BTD: (gather_sequence(x_BTD), None), lambda _, g_BTD: (to_residual(g_BTD),))
-
-
-def region(f, x_BTD):
-    """`f(x)` run as a tensor-parallel region: all-gathered along T in, reduce-scattered out."""
-    return to_residual(f(gather_sequence(x_BTD)))
 
 
 def dropout(x, rate, rng):

@@ -16,14 +16,11 @@ class Norm(nnx.Module):
     or `(x - mean) * rsqrt(var + eps) * gamma + beta` (layernorm).
 
     Normalises over the trailing `len(shape)` dimensions; statistics are computed in
-    float32 and the result is cast back to the input dtype. A norm of the residual stream
-    (`shape` None: over d_model) sees it as sequence parallelism splits it
-    (`activation_norm_length`); the others (QK-norm, MLA's latents) run inside a layer.
+    float32 and the result is cast back to the input dtype.
     """
 
     def __init__(self, cfg: ModelConfig, shape=None, axes=("norm",), *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.param_dtype)
-        self.length = "activation_norm_length" if shape is None else "activation_length"
         self.kind, self.eps = cfg.norm_type, cfg.norm_eps
         gamma_init = jax.nn.initializers.zeros if self.kind == "gemma_rmsnorm" else jax.nn.initializers.ones
         shape = (cfg.d_model,) if shape is None else tuple(shape)
@@ -33,12 +30,12 @@ class Norm(nnx.Module):
     @jax.named_scope("norm")
     def __call__(self, x):
         bias = None if self.bias is None else self.bias[...]
-        return norm(x, self.weight[...], bias, kind=self.kind, eps=self.eps, length=self.length)
+        return norm(x, self.weight[...], bias, kind=self.kind, eps=self.eps)
 
     def add_norm(self, x, residual):
         """`(h, Norm(h))` with `h = residual + x`: the residual add fused into the norm's kernel."""
         bias = None if self.bias is None else self.bias[...]
-        return add_norm(x, residual, self.weight[...], bias, kind=self.kind, eps=self.eps, length=self.length)
+        return add_norm(x, residual, self.weight[...], bias, kind=self.kind, eps=self.eps)
 
 
 def l2_norm(x, eps: float):

@@ -46,7 +46,8 @@ from modern_jax import execution, kernels
 from modern_jax.kernels.attention import AttentionImpl, AttentionSpec, dropout_mask
 from modern_jax.kernels.backend import UnsupportedFeatureError, note_kernel
 from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
-from modern_jax.sharding import active, live_axes, mesh_axes, strategies
+from modern_jax.sharding.context import active, strategies
+from modern_jax.sharding.rules import free_axes, live_axes, mesh_axes
 
 
 def kv_replication(n_kv: int, group: int, tp: int) -> int:
@@ -89,9 +90,7 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
             keep_BKGTS = keep_BKGTS.reshape(B, K * r, G // r, T, S)
     batch = live_axes("activation_batch", rules, mesh, B)
     heads = tp_axes or None
-    taken = set(batch or ()) | set(heads or ())
-    ctx = live_axes("activation_length", rules, mesh, T)
-    ctx = None if ctx is None or taken & set(ctx) else ctx
+    ctx = free_axes(live_axes("activation_length", rules, mesh, T), batch, heads)
     k_ctx = ctx if ctx is not None and S % math.prod(mesh.shape[a] for a in ctx) == 0 else None
     ring = strategies().context_strategy == "ring" and ctx is not None and S == T
     if ring:

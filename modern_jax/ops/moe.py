@@ -55,10 +55,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from modern_jax.kernels.backend import UnsupportedFeatureError, platform
+from modern_jax.kernels.backend import UnsupportedFeatureError
 from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax import execution
-from modern_jax.sharding import MOE_EXCHANGES, active, axis_position, live_axes, logical_to_spec, mesh_axes, strategies
+from modern_jax.sharding.config import MOE_EXCHANGES
+from modern_jax.sharding.context import active, strategies
+from modern_jax.sharding.rules import axis_position, live_axes, logical_to_spec, mesh_axes
+from modern_jax.sharding.targets import platform
 
 def dispatch(x_MD, experts_MK, weights_MK, experts_fn, *, n_experts: int, on_input: bool = False,
              batch: int | None = None):

@@ -3,9 +3,10 @@
 Letters: B batch, T length, N heads, H head dim.
 
 XLA cannot split a Pallas call, so under a sharded `jit` the kernel would see gathered
-inputs; here it runs per device over the batch shard, the sequence shard (`length`: the
-residual stream's `activation_norm_length`, split over `context` x `tensor` under sequence
-parallelism, or `activation_length` inside a layer) and, for QK-norm of q/k `[B, T, N, H]`,
+inputs; here it runs per device over the batch shard, the sequence shard (as it is split
+where the norm runs: the residual stream's `activation_norm_length`, over `context` x
+`tensor` under sequence parallelism, or `activation_length` inside a tensor-parallel region,
+`sharding.sequence.length`) and, for QK-norm of q/k `[B, T, N, H]`,
 over the head shard the projections produce (gamma `[H]` replicated), so the projections
 are never gathered. QK-norm over the whole projection (`full`, gamma `[N, H]`) with its
 heads split has rows whose statistics span devices, which a per-device kernel cannot sum:
@@ -25,21 +26,23 @@ from modern_jax.kernels.backend import UnsupportedFeatureError
 from modern_jax.kernels.norm import NormImpl, resolve
 from modern_jax.kernels.norm import add_norm as kernel_add_norm
 from modern_jax.kernels.norm import norm as kernel_norm
-from modern_jax.sharding import active, live_axes
+from modern_jax.sharding import sequence
+from modern_jax.sharding.context import active
+from modern_jax.sharding.rules import free_axes, live_axes
 
 
-def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6, length="activation_length"):
+def norm(x, weight, bias=None, *, kind="rmsnorm", eps=1e-6):
     """`kernels.norm.norm` with the active `execution.norm_impl`, per device under shard_map when a
-    mesh is active and a kernel runs; `length`: the logical name of x's sequence dimension (its second)."""
-    return _per_device(x, None, weight, bias, kind, eps, length)
+    mesh is active and a kernel runs (x's second dimension is its sequence)."""
+    return _per_device(x, None, weight, bias, kind, eps)
 
 
-def add_norm(x, residual, weight, bias=None, *, kind="rmsnorm", eps=1e-6, length="activation_length"):
+def add_norm(x, residual, weight, bias=None, *, kind="rmsnorm", eps=1e-6):
     """`(h, norm(h))` with `h = residual + x` (`kernels.norm.add_norm`), per device like `norm`."""
-    return _per_device(x, residual, weight, bias, kind, eps, length)
+    return _per_device(x, residual, weight, bias, kind, eps)
 
 
-def _per_device(x, residual, weight, bias, kind, eps, length):
+def _per_device(x, residual, weight, bias, kind, eps):
     impl = execution.current().norm_impl
 
     def kernel(x, residual, weight, bias, impl=impl):
@@ -53,9 +56,9 @@ def _per_device(x, residual, weight, bias, kind, eps, length):
     mesh, rules = state
     x_spec = [live_axes("activation_batch", rules, mesh, x.shape[0])] + [None] * (x.ndim - 1)
     if x.ndim >= 3:
-        x_spec[1] = _free(live_axes(length, rules, mesh, x.shape[1]), x_spec[0])
+        x_spec[1] = free_axes(live_axes(sequence.length(), rules, mesh, x.shape[1]), x_spec[0])
     if x.ndim == 4:  # QK-norm of q/k [B, T, N, H]: on the head shards of the projections
-        x_spec[2] = _free(live_axes("activation_kv_heads", rules, mesh, x.shape[2]), x_spec[0], x_spec[1])
+        x_spec[2] = free_axes(live_axes("activation_kv_heads", rules, mesh, x.shape[2]), x_spec[0], x_spec[1])
         if x_spec[2] and weight.ndim == 2:  # "full": each row [N, H] spans the head shards
             if NormImpl(impl) is NormImpl.PALLAS:
                 raise UnsupportedFeatureError(
@@ -76,8 +79,3 @@ def _per_device(x, residual, weight, bias, kind, eps, length):
                          out_specs=rows if residual is None else (rows, rows),
                          check_vma=False)(*(arrays[n][0] for n in names))
 
-
-def _free(axes, *taken):
-    """`axes`, or None if a dimension before already uses one of them (a mesh axis splits one dimension)."""
-    used = {a for t in taken if t for a in t}
-    return None if axes is None or used & set(axes) else axes

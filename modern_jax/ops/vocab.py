@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from modern_jax.kernels.masks import MASK_VALUE, softcap
-from modern_jax.sharding import active, axis_position, live_axes
+from modern_jax.sharding.context import active
+from modern_jax.sharding.rules import axis_position, live_axes
 
 
 @dataclasses.dataclass(frozen=True)

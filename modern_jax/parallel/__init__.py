@@ -1,11 +1,8 @@
-"""Parallelism: the device mesh, sharded creation, shard_map attention and the memory planner.
-
-The logical-axis rules themselves live in `modern_jax.sharding`.
+"""Many processes, one run: joining a launch (`distributed`), rehearsing one on one machine
+(`launch`), and watching for a lost process (`watch`). How the arrays are split is
+`modern_jax.sharding`'s.
 """
 
 from modern_jax.parallel.distributed import initialize_distributed
-from modern_jax.parallel.mesh import AXES, make_mesh, parse_mesh
-from modern_jax.parallel.config import ParallelConfig
-from modern_jax.parallel.create import create_sharded
 
-__all__ = ["AXES", "ParallelConfig", "create_sharded", "initialize_distributed", "make_mesh", "parse_mesh"]
+__all__ = ["initialize_distributed"]

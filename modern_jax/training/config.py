@@ -6,7 +6,7 @@ A run file has these sections, each validated by its own frozen dataclass:
     execution: ExecutionConfig (modern_jax.execution: kernels, dispatch, remat, scan; optional)
     train:     TrainConfig     (this module)
     data:      DataConfig      (modern_jax.data.config)
-    parallel:  ParallelConfig  (modern_jax.parallel.config; optional: all devices on `data`)
+    parallel:  ParallelConfig  (modern_jax.sharding.config; optional: all devices on `data`)
 
 `model.vocab_size: auto` takes the tokenizer's vocabulary size (the char tokenizer builds
 its vocabulary from the data).
@@ -24,7 +24,7 @@ from modern_jax.config import ModelConfig, split_moved
 from modern_jax.configfile import RUN_SECTIONS, check_keys, check_sections, fail, load_config_file
 from modern_jax.data.config import DataConfig
 from modern_jax.execution import ExecutionConfig
-from modern_jax.parallel.config import ParallelConfig
+from modern_jax.sharding.config import ParallelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 NO_DECAY_GROUPS = ("embedding", "norm", "bias")

@@ -378,7 +378,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     rules = run.parallel.rules_table()
     model_cfg = run.model
     trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout,
-                      strategies=run.parallel.strategies(), execution=run.execution)
+                      strategies=run.parallel, execution=run.execution)
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log, model=model_cfg)

@@ -10,7 +10,7 @@ The train state is a plain pytree of arrays:
 
 `train_step(state, batch) -> (state, metrics)` is one `jax.jit` of a pure function with the
 state donated; batch and state carry `NamedSharding`s on a mesh with axes
-`('data', 'fsdp', 'expert', 'context', 'tensor')` (`parallel.mesh.make_mesh`; all 1 on one CPU). Parameter
+`('data', 'fsdp', 'expert', 'context', 'tensor')` (`sharding.make_mesh`; all 1 on one CPU). Parameter
 shardings come from each parameter's logical axes through the rules table
 (`sharding.state_shardings`), so the sharding layer only has to supply rules.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,14 +28,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from modern_jax.config import ModelConfig
-from modern_jax.kernels import gpu_compile
 from modern_jax.execution import ExecutionConfig
 from modern_jax.execution import use as use_execution
-from modern_jax.kernels.backend import compiling_for, recording_kernels
+from modern_jax.kernels.backend import recording_kernels
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
 from modern_jax.model import Transformer, abstract_params, max_attention_logit, sown_value
-from modern_jax.parallel.config import layout_order
+from modern_jax.sharding.config import layout_order
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
+from modern_jax.sharding.rules import split_size
+from modern_jax.sharding.targets import compiling_for, lowering_for
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
@@ -67,7 +67,7 @@ class Trainer:
         _check_divisible("batch_size / grad_accum", train_cfg.batch_size // train_cfg.grad_accum, mesh, rules)
         _check_divisible("eval_batch_size", train_cfg.eval_batch_size, mesh, rules)
         # the devices splitting the sequence (context parallelism) and the order laid over them
-        self.context = math.prod(mesh.shape[a] for a in mesh_axes("activation_length", rules) if a in mesh.shape)
+        self.context = split_size("activation_length", mesh, rules)
         if train_cfg.seq_len % self.context:
             raise ValueError(f"train.seq_len={train_cfg.seq_len} is not divisible by the mesh's context={self.context} "
                              f"(the devices that split the sequence): make it a multiple of {self.context}, or "
@@ -127,7 +127,7 @@ class Trainer:
             if platform is None:
                 return self._jitted[name].lower(*args)
             if platform == "cuda":  # the Triton lowering asks for a GPU: name one (an H100; the IR is the same)
-                stack.enter_context(gpu_compile.lowering_for("sm_90a", self.mesh))
+                stack.enter_context(lowering_for("sm_90a", self.mesh))
             return self._jitted[name].trace(*args).lower(lowering_platforms=(platform,))
 
     def _run(self, name: str, *args):
@@ -332,7 +332,7 @@ def describe_kernels(kernels: dict[str, set[str]]) -> str:
 def _check_divisible(name: str, rows: int, mesh, rules=RULES) -> None:
     """The batch rows split over the mesh axes of `activation_batch` (each process holds whole shards)."""
     axes = [a for a in mesh_axes("activation_batch", rules) if a in mesh.shape]
-    shards = math.prod(mesh.shape[a] for a in axes)
+    shards = split_size("activation_batch", mesh, rules)
     if rows % shards:
         raise ValueError(f"train.{name} gives {rows} rows, not divisible by the {shards} data shards of the mesh "
                          f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}): make it a multiple of {shards}")

@@ -26,8 +26,8 @@ import functools
 from dataclasses import dataclass, field
 
 from modern_jax.configfile import check_keys, fail
-from modern_jax.parallel.mesh import AXES, make_mesh
-from modern_jax.sharding import RULES, Strategies
+from modern_jax.sharding.mesh import AXES, make_mesh
+from modern_jax.sharding.rules import RULES
 
 
 _fail = functools.partial(fail, "ParallelConfig")
@@ -39,11 +39,35 @@ _fail = functools.partial(fail, "ParallelConfig")
 # ids, so the order of the tokens changes no number (`layout_order`).
 CONTEXT_LAYOUTS = ("two_chunk", "striped", "contiguous")
 
+# The strategies of the axes that communicate inside a layer: one name each, read by the op that
+# implements it (`ops.attention`, `ops.moe`) from the active `sharding.context.strategies()`.
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention over a context axis: keys gathered, or a ring
+MOE_EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")  # tokens to the devices of their experts
+
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Mesh sizes (`data` x `fsdp` x `expert` x `context` x `tensor`), the context layout and rule
-    overrides (logical name -> mesh axes)."""
+class Strategies:
+    """How the axes that communicate inside a layer do it: what the ops read. A new strategy is a
+    field here (and its op function); `ParallelConfig` is a `Strategies`, so the run file, the
+    overrides and the saved `parallel:` section have it too."""
+
+    context_strategy: str = "all_gather"
+    moe_exchange: str = "all_to_all"
+    moe_exchange_factor: float | None = None  # exchange room per destination; None: room for all, no drops
+
+    def __post_init__(self):
+        for name, choices in (("context_strategy", CONTEXT_STRATEGIES), ("moe_exchange", MOE_EXCHANGES)):
+            if getattr(self, name) not in choices:
+                _fail(name, getattr(self, name), f"expected one of {', '.join(choices)}")
+        factor = self.moe_exchange_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+            _fail("moe_exchange_factor", factor, "expected a positive factor or null (no drops)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig(Strategies):
+    """Mesh sizes (`data` x `fsdp` x `expert` x `context` x `tensor`), the context layout, rule
+    overrides (logical name -> mesh axes) and the axes' strategies."""
 
     data: int = -1
     fsdp: int = 1
@@ -52,15 +76,13 @@ class ParallelConfig:
     rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = field(default=())
     context: int = 1
     context_layout: str = "two_chunk"
-    context_strategy: str = "all_gather"
-    moe_exchange: str = "all_to_all"
-    moe_exchange_factor: float | None = None
 
     def sizes(self) -> dict[str, int]:
         return {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "context": self.context,
                 "tensor": self.tensor}
 
     def __post_init__(self):
+        super().__post_init__()
         sizes = self.sizes()
         for name, size in sizes.items():
             if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
@@ -69,7 +91,6 @@ class ParallelConfig:
             _fail("data", self.data, "only one of data, fsdp, expert, context, tensor may be -1")
         if self.context_layout not in CONTEXT_LAYOUTS:
             _fail("context_layout", self.context_layout, f"expected one of {', '.join(CONTEXT_LAYOUTS)}")
-        self.strategies()  # its errors name the fields
         known = dict(RULES)
         for name, axes in self.rules:
             if name not in known:
@@ -94,12 +115,8 @@ class ParallelConfig:
 
     def to_dict(self) -> dict:
         rules = {name: list(axes) if isinstance(axes, tuple) else axes for name, axes in self.rules}
-        return {**self.sizes(), "context_layout": self.context_layout, **dataclasses.asdict(self.strategies()),
-                "rules": rules}
-
-    def strategies(self) -> Strategies:
-        """The strategies of the context and expert axes, as the ops read them (`sharding.strategies`)."""
-        return Strategies(self.context_strategy, self.moe_exchange, self.moe_exchange_factor)
+        strategies = {f.name: getattr(self, f.name) for f in dataclasses.fields(Strategies)}
+        return {**self.sizes(), "context_layout": self.context_layout, **strategies, "rules": rules}
 
     def rules_table(self) -> tuple:
         """`sharding.RULES` with this config's entries replaced."""

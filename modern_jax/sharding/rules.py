@@ -3,9 +3,10 @@
 Parameters carry logical names in their `out_sharding` metadata (`embed`, `vocab`,
 `q_heads`, `kv_heads`, `head_dim`, `mlp`, `experts`, `norm`, `layers`, `q_lora`, `kv_lora`);
 key activations are constrained to `activation_*` names. Model code names no mesh
-axis: `RULES` maps logical names to mesh axes, a mesh axis is used at most once per
-array, and `constrain` does nothing unless `with logical_rules(mesh, rules):` is active,
-so the same model runs on one CPU and on a pod slice.
+axis: `RULES` maps logical names to mesh axes and a mesh axis is used at most once per
+array. These are pure functions of a mesh and a rules table; `sharding.context` holds the
+active ones (`constrain` does nothing outside them), so the same model runs on one CPU and
+on a pod slice.
 
 Megatron layout by default: q/k/v/gate/up column-parallel and o/down row-parallel over
 `tensor`, embedding and head vocab-parallel over `tensor`, weights sharded over `fsdp`
@@ -14,17 +15,13 @@ over `data` x `fsdp` x `expert`, the sequence over `context`.
 
 Sequence parallelism (Megatron-SP) by default: between the tensor-parallel regions the
 residual stream `[B, T, D]` is split along T over `context` x `tensor`
-(`activation_norm_length`), inside them along T over `context` only (`activation_length`),
-so entering attention or the FFN it is all-gathered over `tensor` and leaving them it is
-reduce-scattered instead of all-reduced. Mapping `activation_norm_length` to `context`
+(`activation_norm_length`), inside them along T over `context` only (`activation_length`);
+`sharding.sequence` marks the regions. Mapping `activation_norm_length` to `context`
 (`parallel.rules.activation_norm_length=context`) turns it off.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import math
 
 import jax
@@ -59,58 +56,6 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 REPLICABLE = ("kv_heads", "activation_kv_heads", "activation_batch", "activation_length", "activation_norm_length",
               "q_lora", "kv_lora")
 
-# The strategies of the axes that communicate inside a layer (`parallel:` section): one name each,
-# read by the op that implements it (`ops.attention`, `ops.moe`).
-CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention over a context axis: keys gathered, or a ring
-MOE_EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")  # tokens to the devices of their experts
-
-
-@dataclasses.dataclass(frozen=True)
-class Strategies:
-    """How the context axis and the expert axis communicate (`ParallelConfig` holds the run's)."""
-
-    context_strategy: str = "all_gather"
-    moe_exchange: str = "all_to_all"
-    moe_exchange_factor: float | None = None  # exchange room per destination; None: room for all, no drops
-
-    def __post_init__(self):
-        for name, choices in (("context_strategy", CONTEXT_STRATEGIES), ("moe_exchange", MOE_EXCHANGES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"ParallelConfig.{name}={getattr(self, name)!r} is invalid: expected one of "
-                                 f"{', '.join(choices)}")
-        factor = self.moe_exchange_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
-            raise ValueError(f"ParallelConfig.moe_exchange_factor={factor!r} is invalid: expected a positive factor "
-                             f"or null (no drops)")
-
-
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("modern_jax_logical_rules", default=None)
-_STRATEGIES: contextvars.ContextVar = contextvars.ContextVar("modern_jax_strategies", default=Strategies())
-
-
-@contextlib.contextmanager
-def logical_rules(mesh, rules=RULES, strategies: Strategies | None = None):
-    """Activate `rules` (a sequence of (logical name, mesh axes or None)) on `mesh`, with the
-    axes' `strategies` (None: the defaults)."""
-    token = _ACTIVE.set((mesh, tuple(rules)))
-    strategies_token = _STRATEGIES.set(strategies or Strategies())
-    try:
-        yield
-    finally:
-        _STRATEGIES.reset(strategies_token)
-        _ACTIVE.reset(token)
-
-
-def active():
-    """The active `(mesh, rules)`, or None."""
-    return _ACTIVE.get()
-
-
-def strategies() -> Strategies:
-    """The active strategies of the context and expert axes (the defaults outside `logical_rules`)."""
-    return _STRATEGIES.get()
-
-
 def mesh_axes(name, rules) -> tuple[str, ...]:
     """The mesh axes a logical name maps to (empty: replicated; None is always replicated).
 
@@ -130,6 +75,18 @@ def live_axes(name, rules, mesh, size: int) -> tuple[str, ...] | None:
     """The mesh axes (of size > 1) that split a dimension `name` of `size`; None if they do not divide it."""
     axes = tuple(a for a in mesh_axes(name, rules) if mesh.shape.get(a, 1) > 1)  # a mesh without an axis: size 1
     return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
+
+
+def split_size(name, mesh, rules) -> int:
+    """How many parts the mesh splits a dimension `name` into (the product of its mesh axes' sizes)."""
+    return math.prod(mesh.shape[a] for a in mesh_axes(name, rules) if a in mesh.shape)
+
+
+def free_axes(axes, *taken) -> tuple[str, ...] | None:
+    """`axes`, or None if a dimension before already uses one of them: a mesh axis splits one
+    dimension of an array (the rule `logical_to_spec` applies, for the specs ops build by hand)."""
+    used = {a for t in taken if t for a in t}
+    return None if axes is None or used & set(axes) else axes
 
 
 def axis_position(axes) -> jax.Array:
@@ -166,16 +123,6 @@ def logical_to_spec(axes, rules, mesh=None, shape=None, where: str = "") -> Part
     return PartitionSpec(*out)
 
 
-def constrain(x, axes):
-    """Constrain the activation `x` to the logical `axes` under the active rules."""
-    state = _ACTIVE.get()
-    if state is None:
-        return x
-    mesh, rules = state
-    spec = logical_to_spec(axes, rules, mesh, x.shape, where="activation")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
 def state_shardings(state, mesh, rules=RULES):
     """NamedShardings for an `nnx.State` whose Variables carry logical axes (`out_sharding`):
     the one map from parameters to shardings (the Trainer, `create_sharded`, `from_hf(mesh=)`).
@@ -197,16 +144,13 @@ def state_shardings(state, mesh, rules=RULES):
 
 def check_mesh(cfg, mesh, rules=RULES) -> None:
     """Reject, before anything compiles, a model the mesh cannot split; name the field and the fix."""
-    def size(name):
-        return math.prod(mesh.shape[a] for a in mesh_axes(name, rules) if a in mesh.shape)
-
     checks = [("n_heads", cfg.n_heads, "q_heads"), ("d_ff", cfg.ffn_width, "mlp"),
               ("vocab_size", cfg.padded_vocab_size, "vocab"), ("d_model", cfg.d_model, "embed")]
     if cfg.ffn_type == "moe":
         checks += [("n_experts", cfg.n_experts, "experts"), ("expert_d_ff", cfg.expert_width, "mlp")]
         checks += [("shared_expert_d_ff", cfg.shared_width, "mlp")] if cfg.n_shared_experts else []
     for field, value, logical in checks:
-        n = size(logical)
+        n = split_size(logical, mesh, rules)
         if value % n:
             axes = [a for a in mesh_axes(logical, rules) if a in mesh.shape]
             split = " x ".join(f"{a}={mesh.shape[a]}" for a in axes) + (f" = {n}" if len(axes) > 1 else "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from modern_jax.sharding import RULES, state_shardings
+from modern_jax.sharding.rules import RULES, state_shardings
 
 
 def create_sharded(factory, mesh, rules=RULES):
