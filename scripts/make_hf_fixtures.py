@@ -26,8 +26,8 @@ Writes under tests/fixtures/hf/:
 And `tests/fixtures/hf_chat/`: a tiny Llama as transformers initialises and saves it, with a
 word-level tokenizer (ChatML's `<|im_start|>` / `<|im_end|>`, `<|im_end|>` the eos token) and
 its chat template saved by `PreTrainedTokenizerFast.save_pretrained`, and `chat.jsonl`: 25
-conversations of sums in words, to fine-tune it on (README, "Fine-tune a Hugging Face model
-on your conversations").
+conversations of sums in words, to fine-tune it on (docs/training.md, "Fine-tune a Hugging Face
+model on your conversations").
 
 The tests read only these files, so the default test run needs neither torch nor
 transformers. `tests/test_convert_live.py` runs the same comparisons live, through this

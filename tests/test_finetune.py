@@ -1,4 +1,5 @@
-"""Fine-tuning a Hugging Face model on conversations: the README's section run as written on
+"""Fine-tuning a Hugging Face model on conversations: the documented section (docs/training.md,
+and its example on the README's front page) run as written on
 the tiny fixture, the exported weights, `--init-from-hf` sources and refusals, and hub names
 resolved through the local Hugging Face cache."""
 
@@ -20,16 +21,17 @@ from modern_jax.convert import CheckpointError, convert_from_hf, from_hf, initia
 
 REPO = pathlib.Path(__file__).parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "hf_chat"
-SECTION = "### Fine-tune a Hugging Face model on your conversations"
+SECTION = "## Fine-tune a Hugging Face model on your conversations"
+FRONT_SECTION = "### Fine-tune a Hugging Face model on conversations"
 
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
-def readme_commands() -> list[list[str]]:
-    """The `uv run modern-jax ...` lines of the README's fine-tuning section (continuations joined)."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index(SECTION):]
+def readme_commands(page: str = "docs/training.md", heading: str = SECTION) -> list[list[str]]:
+    """The `uv run modern-jax ...` lines of a page's fine-tuning section (continuations joined)."""
+    text = (REPO / page).read_text()
+    section = text[text.index(heading):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
     return [shlex.split(line.split("#")[0])[3:] for line in block.splitlines() if line.startswith("uv run modern-jax")]
 
@@ -41,9 +43,10 @@ def params_of(model) -> dict:
 
 def test_the_readme_fine_tuning_section_runs_as_written(tmp_path, monkeypatch, capsys):
     commands = readme_commands()
+    assert readme_commands("README.md", FRONT_SECTION) == commands  # the front page's example is this one
     assert [c[0] for c in commands] == ["train", "evaluate", "convert"]
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tests").symlink_to(REPO / "tests")  # the paths of the README, from the repository root
+    (tmp_path / "tests").symlink_to(REPO / "tests")  # the paths of the docs, from the repository root
     outputs = []
     for argv in commands:
         assert main(argv) == 0, capsys.readouterr().err
