@@ -133,6 +133,24 @@ def test_a_start_that_fails_late_leaves_nothing_behind(tmp_path, text, monkeypat
     capsys.readouterr()
 
 
+def test_evaluation_windows_past_the_validation_split_are_said(tmp_path, text, monkeypatch, capsys):
+    """train.eval_windows and train.final_eval_windows beyond the windows the validation split
+    holds are said as the run starts (it evaluates all of them), not used quietly."""
+    def refuse(*_):  # stop once the start has said what it uses: nothing needs compiling here
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(Trainer, "compile", refuse)
+    assert _train(tmp_path / "run", text, "train.eval_every=2", "train.eval_windows=100000",
+                  "train.final_eval_windows=100000") == 2
+    out = capsys.readouterr().out
+    said = re.findall(r"train\.(eval_windows|final_eval_windows)=100,000: the validation split has ([\d,]+) windows of "
+                      r"16 tokens; evaluating all of them", out)
+    assert [name for name, _ in said] == ["eval_windows", "final_eval_windows"], out
+    assert 0 < int(said[0][1].replace(",", "")) < 100_000
+    assert _train(tmp_path / "run", text, "train.eval_windows=100000") == 2  # eval_every=0: no periodic evaluation
+    assert "train.eval_windows" not in capsys.readouterr().out
+
+
 def test_a_resume_keeps_its_tokenizer_and_names_changed_settings(tmp_path, text, capsys):
     assert _train(tmp_path / "run", text) == 0
     before = _files(tmp_path / "run")

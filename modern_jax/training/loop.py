@@ -47,7 +47,7 @@ from modern_jax import execution
 from modern_jax.accounting import flops_per_token
 from modern_jax.configfile import read_yaml
 from modern_jax.data.corpora import load_splits
-from modern_jax.data.pipeline import eval_batches, train_iterator
+from modern_jax.data.pipeline import eval_batches, eval_windows, train_iterator
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.parallel import distributed
 from modern_jax.training import outputs
@@ -398,6 +398,12 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
                        jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
                        iterator.get_state(), {}, start, latest, 0.0)
     session.periodic_eval = list(session.eval_batches(tc.eval_windows))
+    windows = len(eval_windows(val_stream, tc.seq_len))  # what the validation split holds: say so when asked more
+    for name in ("eval_windows", "final_eval_windows") if tc.eval_every > 0 else ("final_eval_windows",):
+        asked = getattr(tc, name)
+        if asked is not None and asked > windows:
+            log(f"train.{name}={asked:,}: the validation split has {windows:,} window{'s' if windows != 1 else ''} "
+                f"of {tc.seq_len} tokens; evaluating all of them")
     # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
     session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum)
     session.compile_s = trainer.compile(state, session.next_batch,
