@@ -107,3 +107,24 @@ def test_profiles_name_the_stages_blocks_attention_ffn_head_and_loss():
 
     for name in ("loss", "stage", "block", "attention", "ffn", "norm", "head"):  # e.g. .../jvp(loss)/stage/...
         assert re.search(rf"[/(]{name}[/)]", text), name
+
+
+def test_no_layer_names_a_mesh_axis_or_a_parallel_strategy():
+    """Parallelism lives below the layers (`modern_jax.sharding`, `modern_jax.ops`): a layer or the
+    model names logical axes only, never a mesh axis, a strategy of an axis, or the active mesh."""
+    from modern_jax.sharding import AXES, Strategies
+    import dataclasses
+
+    banned = set(AXES) | {f.name for f in dataclasses.fields(Strategies)} | {"strategies", "active", "logical_rules",
+                                                                           "shard_map", "Mesh", "mesh"}
+    found = []
+    for path in sorted([*(PACKAGE / "layers").glob("*.py"), PACKAGE / "model.py"]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in banned:
+                found.append(f"{path.name}:{node.lineno} the string {node.value!r}")
+            elif isinstance(node, (ast.Name, ast.Attribute, ast.alias, ast.arg)):
+                name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None) \
+                    or getattr(node, "arg", None)
+                if name in banned:
+                    found.append(f"{path.name}:{node.lineno} the name {name!r}")
+    assert not found, found
