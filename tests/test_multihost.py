@@ -13,8 +13,10 @@ devices on localhost, the SLURM variables of each task, no code of the user's) a
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
+import shlex
 import signal
 import socket
 import textwrap
@@ -213,3 +215,21 @@ def test_a_half_given_launch_is_one_line(monkeypatch, capsys, env, message):
     assert main(["train", "train.steps=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("modern-jax train: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_the_readme_rehearsal_is_a_valid_run():
+    """The `modern-jax launch ... train ...` of the README's "Many hosts" section is a run its
+    processes accept (its overrides resolve to a valid config), read as `train` reads them."""
+    from modern_jax.cli import DEFAULT_CONFIG, parse_args
+    from modern_jax.parallel.mesh import parse_mesh
+    from modern_jax.training import load_run_config
+
+    section = (REPO / "README.md").read_text().split("### Many hosts", 1)[1]
+    command = re.search(r"uv run modern-jax (launch .*?)\n\s*```", section, re.S).group(1).replace("\\\n", " ")
+    launch = parse_args(shlex.split(command))
+    args = parse_args(launch.rest)
+    assert (launch.processes, launch.devices, args.command) == (2, 4, "train")
+    mesh = parse_mesh(args.mesh)
+    assert math.prod(mesh.values()) == launch.processes * launch.devices
+    overrides = [*args.overrides, *(f"parallel.{axis}={size}" for axis, size in mesh.items())]
+    load_run_config(args.config or DEFAULT_CONFIG, overrides)  # raises on an invalid run
