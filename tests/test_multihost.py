@@ -13,8 +13,10 @@ devices on localhost, the SLURM variables of each task, no code of the user's) a
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
+import shlex
 import signal
 import socket
 import textwrap
@@ -62,8 +64,8 @@ def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys
     _in_process(["train", *run, "--output-dir", str(tmp_path / "one")], capsys)
     launch = Launch(["train", *run, "--output-dir", str(tmp_path / "two")], n=2, devices=4, logdir=tmp_path)
     assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
-    for i in range(2):
-        assert f"process {i} of 2, 8 devices (4 local), launched by SLURM" in launch.log(i)
+    for i in range(2):  # the first line each process prints, before anything of the run
+        assert launch.log(i).splitlines()[0] == f"process {i} of 2, 8 devices (4 local), launched by SLURM"
     one, two = tmp_path / "one", tmp_path / "two"
     assert [r["step"] for r in records(two)] == list(range(1, 7))  # logged once, by process 0
     assert len(records(two, "val")) == 1
@@ -213,3 +215,21 @@ def test_a_half_given_launch_is_one_line(monkeypatch, capsys, env, message):
     assert main(["train", "train.steps=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("modern-jax train: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_the_readme_rehearsal_is_a_valid_run():
+    """The `modern-jax launch ... train ...` of the docs' "Many hosts" section is a run its
+    processes accept (its overrides resolve to a valid config), read as `train` reads them."""
+    from modern_jax.cli import DEFAULT_CONFIG, parse_args
+    from modern_jax.sharding.mesh import parse_mesh
+    from modern_jax.training import load_run_config
+
+    section = (REPO / "docs" / "parallelism.md").read_text().split("## Many hosts", 1)[1]
+    command = re.search(r"uv run modern-jax (launch .*?)\n\s*```", section, re.S).group(1).replace("\\\n", " ")
+    launch = parse_args(shlex.split(command))
+    args = parse_args(launch.rest)
+    assert (launch.processes, launch.devices, args.command) == (2, 4, "train")
+    mesh = parse_mesh(args.mesh)
+    assert math.prod(mesh.values()) == launch.processes * launch.devices
+    overrides = [*args.overrides, *(f"parallel.{axis}={size}" for axis, size in mesh.items())]
+    load_run_config(args.config or DEFAULT_CONFIG, overrides)  # raises on an invalid run

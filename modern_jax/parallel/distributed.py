@@ -244,13 +244,15 @@ def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTB
                          f"reachable (--heartbeat-timeout sets the wait to twice its value)") from None
     from modern_jax.parallel import watch
 
+    # said before stderr goes through the watcher, which starts as a process of its own: after it,
+    # this line could come out after the first lines the command prints on stdout
+    (log or _stderr)(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices "
+                     f"({jax.local_device_count()} local), launched by {launch.launcher}")
     watch.watch_stderr()
     _JOINED = _Joined(command, heartbeat_timeout)
     _JOINED.start_heartbeats()
     watch.status(command=command, index=_JOINED.index, count=_JOINED.count,
                  peers={str(j): peer for j, peer in _JOINED.peers.items()})
-    (log or _stderr)(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices "
-                     f"({jax.local_device_count()} local), launched by {launch.launcher}")
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,

@@ -1,6 +1,6 @@
 """Rehearse a pod run on one machine: N processes of one launch, each with its own host CPU devices.
 
-    modern-jax launch --processes 2 --devices 4 train --mesh data=2,fsdp=2,tensor=2 train.steps=20
+    modern-jax launch --processes 2 --devices 4 train --mesh data=2,fsdp=2,tensor=2 train.steps=20 train.warmup_steps=5
 
 starts `modern-jax train ...` N times with `JAX_COORDINATOR_ADDRESS=localhost:PORT`,
 `JAX_NUM_PROCESSES=N`, `JAX_PROCESS_ID=i`, `JAX_PLATFORMS=cpu` and

@@ -57,8 +57,8 @@ def close() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)  # our end of the pipe closes: the watcher reads its end
     os.close(devnull)
-    try:
-        watcher.wait(timeout=5)
+    try:  # a loaded host can take seconds to start the watcher: an error said at start-up must not be lost
+        watcher.wait(timeout=60)
     except subprocess.TimeoutExpired:
         pass
 
