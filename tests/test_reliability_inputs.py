@@ -25,7 +25,6 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import modern_jax.accounting as accounting
-import modern_jax.training.step as step_module
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
 from modern_jax.convert import CheckpointError, initial_weights, save_checkpoint
@@ -47,9 +46,7 @@ TINY = dict(vocab_size=260, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_f
 TEXT = "the quick brown fox jumps over the lazy dog; " * 300  # 13,500 bytes
 
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def refused(argv, capsys, command=None) -> str:
