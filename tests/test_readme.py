@@ -30,6 +30,7 @@ def test_every_model_config_field_is_documented():
     assert not missing, f"docs/configuration.md lacks rows for ModelConfig fields: {missing}"
 
 
+@pytest.mark.quick
 def test_every_run_config_field_is_documented():
     """A row of the run config's tables names each field of `execution:`, `train:`, `data:`, `parallel:`."""
     cells = table_cells(CONFIGURATION)
@@ -49,6 +50,7 @@ def test_every_script_is_documented():
     assert not missing, f"docs/testing.md's scripts table does not name: {missing}"
 
 
+@pytest.mark.quick
 def test_the_front_page_keeps_the_commands_ci_runs():
     """.ci/run builds the environment as the README says and runs its test command."""
     readme = (ROOT / "README.md").read_text()
@@ -102,6 +104,7 @@ def broken_links(page: pathlib.Path) -> list[str]:
     return broken
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_points_at_a_file_and_heading_that_exist(page):
     broken = broken_links(page)

@@ -112,6 +112,7 @@ def finetune(hf, tmp_path, *overrides):
 
 # ----- mesh axes and TPU topologies: named, and checked before libtpu sees them -------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name, problem", [
     ("v5e:0x2", "every dimension of the shape '0x2' must be a positive integer"),
     ("v5e:2x-1", "every dimension of the shape '2x-1' must be a positive integer"),
