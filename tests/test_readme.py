@@ -57,6 +57,8 @@ def test_the_front_page_keeps_the_commands_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = "uv run pytest -n 2"
     assert test_command in ci and f"\n{test_command} " in readme
+    quick = f"{test_command} -m quick"  # the day-to-day subset, beside it and in docs/testing.md
+    assert f"\n{quick} " in readme and f"\n{quick}\n" in (ROOT / "docs" / "testing.md").read_text()
     assert "\nuv run modern-jax train " in readme
     for page in ("configuration", "training", "parallelism", "kernels", "huggingface", "reliability",
                  "experiments", "testing", "model"):
