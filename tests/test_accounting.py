@@ -19,6 +19,7 @@ def test_llama_3_2_3b_exact():
     assert param_counts(model_config_from_file(CONFIGS / "llama3_2_3b.yaml"))["total"] == 3_212_749_824
 
 
+@pytest.mark.quick
 def test_llama_2_7b_exact():
     cfg = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008)
     assert param_counts(cfg)["total"] == 6_738_415_616
@@ -44,6 +45,7 @@ def test_llama_style_lm():
     assert param_counts(cfg)["total"] == 3_283_456
 
 
+@pytest.mark.quick
 def test_kv_cache_oracles():
     llama3_70b = ModelConfig(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8)
     assert kv_cache_bytes_per_token(llama3_70b) == 327_680
@@ -71,6 +73,7 @@ def test_flops_per_token_is_6n_plus_attention():
     assert flops["attention"] == 12 * 2 * 4 * 16 * 32  # PaLM: 12 L H Q T
 
 
+@pytest.mark.quick
 def test_info_command_prints_the_total(capsys):
     assert main(["info", "--config", str(CONFIGS / "llama2_7b.yaml")]) == 0
     out = capsys.readouterr().out

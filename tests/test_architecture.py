@@ -8,7 +8,10 @@ import pathlib
 import subprocess
 import sys
 
-PACKAGE = pathlib.Path(__file__).parent.parent / "modern_jax"
+import pytest
+
+TESTS = pathlib.Path(__file__).parent
+PACKAGE = TESTS.parent / "modern_jax"
 
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
@@ -33,8 +36,12 @@ def _unit(module: str) -> str:
 
 
 def _imports(path: pathlib.Path) -> set[str]:
+    return _imported(ast.walk(ast.parse(path.read_text())))
+
+
+def _imported(nodes) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -44,11 +51,78 @@ def _imports(path: pathlib.Path) -> set[str]:
     return {m for m in found if m.startswith("modern_jax.")}
 
 
+def _units() -> set[str]:
+    """`config`, `layers`, ...: the package's modules and subpackages."""
+    return {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")} - {"__init__"}
+
+
+def _is_quick(node) -> bool:
+    """`node` (a decorator or a `pytestmark` value) holds `pytest.mark.quick`."""
+    return any(isinstance(n, ast.Attribute) and n.attr == "quick" for n in ast.walk(node))
+
+
+def _quick_imports(source: str) -> set[str]:
+    """The `modern_jax` modules a test file's quick tests import: the file's own imports and those
+    inside its `quick`-marked tests (all of them when `pytestmark` has the mark); none when the
+    file has no quick test."""
+    tree = ast.parse(source)
+    marked = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+                 and _is_quick(node.value) for node in tree.body)
+    quick = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+             and node.name.startswith(("test_", "Test")) and (marked or any(map(_is_quick, node.decorator_list)))]
+    if not quick:
+        return set()
+    return _imported(tree.body) | _imported(n for node in quick for n in ast.walk(node))
+
+
+def quick_units(tests=TESTS) -> set[str]:
+    """The units of the package (`_unit`) that some test file's quick tests import."""
+    return {_unit(m) for path in sorted(tests.glob("test_*.py")) for m in _quick_imports(path.read_text())}
+
+
+@pytest.mark.quick
 def test_every_module_has_a_layer():
-    units = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    units = _units()
     assert units <= set(RANK), f"modules without a layer: {units - set(RANK)}"
 
 
+@pytest.mark.quick
+def test_every_module_has_a_quick_test():
+    """`uv run pytest -m quick` reaches every module and subpackage: some test file imports it and
+    marks a test `quick` (docs/testing.md). A file's own imports count, and the imports inside
+    its quick tests."""
+    missing = _units() - quick_units()
+    assert not missing, (f"no quick test imports modern_jax.{{{', '.join(sorted(missing))}}}: mark a fast test "
+                         f"of each `@pytest.mark.quick`")
+
+
+@pytest.mark.quick
+def test_the_quick_check_reads_marks_and_imports():
+    source = """
+import pytest
+from modern_jax.config import ModelConfig
+from modern_jax import sharding
+
+
+def helper():
+    from modern_jax.training import train
+
+
+@pytest.mark.quick
+def test_a():
+    import modern_jax.kernels.norm
+
+
+def test_b():
+    from modern_jax.cli import main
+"""
+    assert {_unit(m) for m in _quick_imports(source)} == {"config", "sharding", "kernels"}
+    assert _quick_imports(source.replace("@pytest.mark.quick", "")) == set()
+    marked = source.replace("@pytest.mark.quick", "").replace("\ndef helper", "pytestmark = [pytest.mark.quick]\ndef helper")
+    assert {_unit(m) for m in _quick_imports(marked)} == {"config", "sharding", "kernels", "cli"}
+
+
+@pytest.mark.quick
 def test_imports_point_down_the_layers():
     upward = []
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -62,6 +62,7 @@ def test_gqa_equals_mha_with_repeated_kv(K):
     np.testing.assert_allclose(np.asarray(got).reshape(B, T, N, H), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("feature", ["window", "segments", "softcap", "sinks", "non_causal", "empty_slots", "chunk",
                                      "chunk_segments", "chunk_non_causal"])
 def test_masks_softcap_and_sinks(feature):

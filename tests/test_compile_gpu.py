@@ -14,9 +14,10 @@ from modern_jax.config import ModelConfig
 from modern_jax.sharding import targets
 from modern_jax.kernels import AttentionSpec, Visibility, add_norm, attention, gpu_compile, pallas_interpret
 from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
-from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training.config import TrainConfig
 from modern_jax.training.step import Trainer
+
+from common import one_device
 
 H100_SHARED_BYTES = 227 * 1024
 FLASH = ["flash_attention_gpu_fwd", "flash_attention_gpu_dq", "flash_attention_gpu_dkdv"]
@@ -78,7 +79,7 @@ def test_norm_compiles_for_sm90a():
 def test_training_step_compiles_for_sm90a():
     """Lowered for cuda from the CPU mesh: the dispatch picks the Triton kernels, and each compiles."""
     cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512)  # kernels: default
-    trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=256), make_mesh(devices=jax.devices()[:1]))
+    trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=256), one_device())
     with pallas_interpret(False):
         lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch(), platform="cuda")
     calls = gpu_compile.triton_kernels(lowered)

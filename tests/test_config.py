@@ -56,6 +56,7 @@ BAD = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kwargs,field", BAD, ids=[f for _, f in BAD])
 def test_bad_config_names_the_field(kwargs, field):
     base = dict(vocab_size=64, d_model=128, n_layers=4, n_heads=4)
@@ -71,6 +72,7 @@ def test_bad_rope_scaling_names_the_field():
                                                 "high_freq_factor": 1}})
 
 
+@pytest.mark.quick
 def test_unknown_key_suggests_the_closest():
     with pytest.raises(ValueError, match=r"unknown key model\.n_layer; did you mean n_layers"):
         ModelConfig.from_dict({"n_layer": 4})
@@ -85,6 +87,7 @@ def test_ffn_width_rule_oracles(d, multiple, expected):
     assert ModelConfig(d_model=d, n_heads=8, ffn_multiple_of=multiple).ffn_width == expected
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_preset_loads_and_round_trips(path):
     from modern_jax.configfile import load_config_file
@@ -95,6 +98,7 @@ def test_every_preset_loads_and_round_trips(path):
     assert path.read_text().startswith("#"), "each preset documents itself and its launch command"
 
 
+@pytest.mark.quick
 def test_dotted_overrides():
     cfg = model_config_from_file(CONFIGS[0].parent / "tiny.yaml",
                                  ["model.n_layers=2", "model.rope_scaling={type: linear, factor: 2.0}",

@@ -103,6 +103,7 @@ def test_published_config_is_the_preset(name, preset):
     assert not diff, diff
 
 
+@pytest.mark.quick
 def test_llama3_rope_scaling_and_rope_type_key():
     cfg = config_from_hf(published("Llama-3.2-1B"))
     assert cfg.rope_scaling == RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
@@ -224,6 +225,7 @@ def test_cycle_pattern():
 
 # ----- round trips ------------------------------------------------------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("entry", PARAM_COUNTS, ids=[e["name"] for e in PARAM_COUNTS])
 def test_round_trip(entry):
     cfg = config_from_hf(entry["config"])
@@ -256,6 +258,7 @@ def test_config_to_hf_refuses_what_the_family_cannot_express():
 
 # ----- errors -----------------------------------------------------------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("change, match", [
     ({"model_type": "bert"}, r"model_type 'bert' is not supported; supported: llama, mistral"),
     ({"model_type": None}, "model_type None is not supported"),

@@ -312,6 +312,7 @@ def test_to_hf_refuses_a_family_that_cannot_express_the_model(loaded, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
+@pytest.mark.quick
 def test_orbax_checkpoint_round_trip(tmp_path):
     src = FIXTURES / "gpt_neox"
     convert_from_hf(src, tmp_path / "ckpt")
@@ -344,6 +345,7 @@ def rewrite(directory: Path, change) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
+@pytest.mark.quick
 def test_missing_tensor_is_named(tmp_path):
     directory = copy_fixture("llama", tmp_path)
     rewrite(directory, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
@@ -351,6 +353,7 @@ def test_missing_tensor_is_named(tmp_path):
         from_hf(directory)
 
 
+@pytest.mark.quick
 def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
     directory = copy_fixture("llama", tmp_path)
 

@@ -31,6 +31,7 @@ def stream_of(lengths, bos=90, eos=91):
     return TokenStream.from_documents([rng.integers(0, 80, n) for n in lengths], bos, eos)
 
 
+@pytest.mark.quick
 def test_pack_windows_marks_documents():
     stream = TokenStream(np.arange(10), np.array([0, 4, 7]))  # documents [0..3] [4..6] [7..9]
     batch = pack_windows(stream, np.array([2, 6]), seq_len=5)
@@ -97,6 +98,7 @@ def test_iterator_state_resumes_exactly():
     assert not np.array_equal(expected[0], expected[1])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("text", ["hello world", "naïve — ünïcödé ✓ 日本語", "", "line\nbreaks\ttabs"])
 def test_byte_and_char_tokenizers_round_trip(text, tmp_path):
     byte = ByteTokenizer()
@@ -320,6 +322,7 @@ def _chatml_tokenizer(directory):
     return directory / "tokenizer.json"
 
 
+@pytest.mark.quick
 def test_chat_loss_mask_token_by_token_for_a_chatml_template(tmp_path):
     tokenizer_path = _chatml_tokenizer(tmp_path / "tok")
     other = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]

@@ -22,14 +22,10 @@ from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
 from modern_jax.model import abstract_params
 
-from common import QUICK
+from common import QUICK, one_device
 
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
-
-
-def one_device():
-    return make_mesh(devices=jax.devices()[:1])
 
 
 def packed_batch(A, B, T, V, seed=0):

@@ -21,7 +21,7 @@ from modern_jax.sharding import Strategies, check_mesh, logical_rules, state_sha
 from modern_jax.training import TrainConfig, Trainer, load_run_config, train
 from modern_jax.training.checkpoint import Checkpointer
 
-from common import assert_step_matches_one_device, token_batch
+from common import assert_step_matches_one_device, one_device, token_batch
 
 REPO = pathlib.Path(__file__).parent.parent
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, ffn_type="moe",
@@ -199,7 +199,7 @@ def test_cli_train_on_data2_expert4_gives_the_one_device_losses(tmp_path, capsys
     overrides += [f"train.{k}={json.dumps(v)}" for k, v in settings.items()]
     config = str(REPO / "configs/moe_tiny.yaml")
     one = train(load_run_config(config, overrides + [f"train.output_dir={tmp_path / 'one'}"]),
-                mesh=make_mesh(devices=jax.devices()[:1]), log=lambda *_: None)
+                mesh=one_device(), log=lambda *_: None)
     assert main(["train", "--config", config, "--mesh", "data=2,expert=4", *overrides,
                  f"train.output_dir={tmp_path / 'split'}"]) == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / "split/metrics.jsonl").read_text().splitlines()]

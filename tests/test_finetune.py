@@ -19,6 +19,8 @@ from flax import nnx
 from modern_jax.cli import main
 from modern_jax.convert import CheckpointError, convert_from_hf, from_hf, initial_weights, load_checkpoint, resolve_hf
 
+from common import leaves
+
 REPO = pathlib.Path(__file__).parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "hf_chat"
 SECTION = "## Fine-tune a Hugging Face model on your conversations"
@@ -37,8 +39,7 @@ def readme_commands(page: str = "docs/training.md", heading: str = SECTION) -> l
 
 
 def params_of(model) -> dict:
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in
-            jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
+    return leaves(nnx.state(model, nnx.Param))
 
 
 def test_the_readme_fine_tuning_section_runs_as_written(tmp_path, monkeypatch, capsys):

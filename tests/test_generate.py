@@ -53,6 +53,7 @@ def test_greedy_with_the_cache_equals_full_forward_passes_for_llama4_attention()
     assert len(set(out[0].tolist())) > 1  # not one token repeated: the comparison has something to see
 
 
+@pytest.mark.quick
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     kept = lambda **kw: np.isfinite(np.asarray(filter_logits(logits, **kw)))[0].tolist()  # noqa: E731

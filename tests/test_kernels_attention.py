@@ -235,6 +235,7 @@ def test_default_resolves_by_platform_and_falls_back():
         assert resolve("cudnn", q1, k, v, spec) is AttentionImpl.CHUNKED
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("impl", "kwargs", "missing"), [
     ("pallas_tpu", {}, "TPU"),
     ("pallas_gpu", {}, "GPU"),
@@ -398,6 +399,7 @@ def test_chunked_attention_matches_the_numpy_rule(case, impl):
         assert_close(name, got[name], want[name], tol)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("chunk", "block_q", "block_k"), [(5, 8, 8), (12, 16, 8), (16, 16, 32), (7, 32, 16),
                                                            (40, 8, 16)])
 def test_chunk_tiles_are_exactly_the_visible_ones(chunk, block_q, block_k):

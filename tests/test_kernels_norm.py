@@ -74,6 +74,7 @@ def test_pallas_norm_matches_reference(case, target):
         assert err <= TOL[dtype], f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.quick
 def test_default_and_explicit_choice():
     with pallas_interpret(False):
         assert resolve("default") is NormImpl.REFERENCE  # CPU

@@ -11,10 +11,14 @@ lowering check below runs with `check_vma=True`.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
+from modern_jax import execution
 from modern_jax.kernels import AttentionSpec, Visibility, add_norm, attention, pallas_interpret
 from modern_jax.kernels.flash_tpu import flash_attention_tpu
+from modern_jax.ops import norm as ops_norm
+from modern_jax.sharding import logical_rules, make_mesh
 
 from common import QUICK
 
@@ -88,3 +92,21 @@ def test_pallas_tpu_lowers_under_shard_map():
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2, 3)))
     assert grad.trace(*inputs()).lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == 3
 
+
+
+@pytest.mark.quick
+def test_the_model_norm_runs_the_kernel_per_device_under_the_rules():
+    """`ops.norm.add_norm`, as the layers call it, on a (data=2, tensor=4) mesh with the Pallas
+    norm (interpret mode): wrapped in a shard_map, each device normalises its own rows, equal
+    to the reference norm on one device."""
+    rng = np.random.default_rng(0)
+    x, residual = (jnp.asarray(rng.standard_normal((2, 8, 64), np.float32)) for _ in range(2))
+    w = jnp.linspace(-0.5, 0.5, 64)
+    want = add_norm(x, residual, w, kind="rmsnorm", impl="reference")
+    f = jax.jit(lambda *a: ops_norm.add_norm(*a, kind="rmsnorm"))
+    with (logical_rules(make_mesh(data=2, tensor=4)), execution.use(execution.ExecutionConfig(norm_impl="pallas")),
+          pallas_interpret()):
+        traced = f.trace(x, residual, w)
+        assert "shard_map" in str(traced.jaxpr)
+        got = traced.lower().compile(QUICK)(x, residual, w)
+    assert_trees_close(got, want, "add_norm", atol=1e-5)

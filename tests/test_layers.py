@@ -21,6 +21,7 @@ def rand(shape, seed=0, scale=1.0):
 
 # ----- normalisation -----------------------------------------------------------
 
+@pytest.mark.quick
 def test_rmsnorm_statistics_in_fp32_under_bf16():
     cfg = ModelConfig(d_model=512, n_heads=8)
     norm = Norm(cfg, rngs=nnx.Rngs(0))
@@ -87,6 +88,7 @@ def _set_ffn(ffn, fused, seed):
     return w_gate, w_up, w_down
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", list(GATED))
 @pytest.mark.parametrize("fused", [False, True])
 def test_gated_ffn(name, fused):
@@ -124,6 +126,7 @@ def naive_rope(x, pos, theta, rotary_dim, layout):
     return out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
 def test_rope_against_complex_rotation(layout, rotary_dim):
@@ -182,6 +185,7 @@ def test_sinusoidal_positions():
             assert got[0, t, 2 * i + 1] == pytest.approx(math.cos(p / 10000 ** (2 * i / 8)), abs=1e-5)
 
 
+@pytest.mark.quick
 def test_softcap_oracles():
     assert float(softcap(jnp.float32(75.0), 50.0)) == pytest.approx(45.2574, abs=1e-4)
     assert float(softcap(jnp.float32(100.0), 30.0)) == pytest.approx(29.92, abs=5e-3)

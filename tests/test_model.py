@@ -207,6 +207,7 @@ def test_dropout_only_with_an_rng():
     assert float(jnp.max(jnp.abs(forward(model, jax.random.key(1)) - dropped))) > 1e-3
 
 
+@pytest.mark.quick
 def test_bad_inputs_are_named():
     model = make("llama")
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=97\); got values in \[0, 97\]"):

@@ -81,6 +81,7 @@ def np_route(cfg, z, bias):
     return experts, weights
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", list(ROUTERS))
 def test_each_router_matches_numpy(name):
     cfg = config(**ROUTERS[name])

@@ -179,6 +179,7 @@ def test_processes_that_differ_are_refused_before_any_step(tmp_path, corpus):
     assert not (tmp_path / "run").exists()  # a failed start leaves nothing behind
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("env, expected", [
     ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[01-02]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
       "SLURM_LOCALID": "0"}, "SLURM"),
@@ -201,6 +202,7 @@ def test_the_launcher_is_found_from_its_environment(monkeypatch, env, expected):
     assert (launch and launch.launcher) == expected
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("env, message", [
     ({"JAX_NUM_PROCESSES": "2"}, "JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID not set"),
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},

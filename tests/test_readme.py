@@ -11,7 +11,7 @@ import pytest
 from modern_jax.config import ModelConfig
 from modern_jax.data import DataConfig
 from modern_jax.execution import ExecutionConfig
-from modern_jax.parallel import ParallelConfig
+from modern_jax.sharding import ParallelConfig
 from modern_jax.training import TrainConfig
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -30,6 +30,7 @@ def test_every_model_config_field_is_documented():
     assert not missing, f"docs/configuration.md lacks rows for ModelConfig fields: {missing}"
 
 
+@pytest.mark.quick
 def test_every_run_config_field_is_documented():
     """A row of the run config's tables names each field of `execution:`, `train:`, `data:`, `parallel:`."""
     cells = table_cells(CONFIGURATION)
@@ -49,12 +50,15 @@ def test_every_script_is_documented():
     assert not missing, f"docs/testing.md's scripts table does not name: {missing}"
 
 
+@pytest.mark.quick
 def test_the_front_page_keeps_the_commands_ci_runs():
     """.ci/run builds the environment as the README says and runs its test command."""
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = "uv run pytest -n 2"
     assert test_command in ci and f"\n{test_command} " in readme
+    quick = f"{test_command} -m quick"  # the day-to-day subset, beside it and in docs/testing.md
+    assert f"\n{quick} " in readme and f"\n{quick}\n" in (ROOT / "docs" / "testing.md").read_text()
     assert "\nuv run modern-jax train " in readme
     for page in ("configuration", "training", "parallelism", "kernels", "huggingface", "reliability",
                  "experiments", "testing", "model"):
@@ -102,6 +106,7 @@ def broken_links(page: pathlib.Path) -> list[str]:
     return broken
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_points_at_a_file_and_heading_that_exist(page):
     broken = broken_links(page)

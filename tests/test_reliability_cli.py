@@ -199,6 +199,7 @@ def test_an_unknown_option_among_overrides_is_still_an_argparse_error(capsys):
 
 # ----- YAML reading ------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_yaml_reads_exponents_without_a_dot_as_floats_and_overrides_fill_an_empty_section(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  norm_eps: 1e-5\ntrain:\n")
@@ -206,6 +207,7 @@ def test_yaml_reads_exponents_without_a_dot_as_floats_and_overrides_fill_an_empt
     assert apply_overrides(read_yaml(path), ["train.steps=3", "train.lr=3e-4"])["train"] == {"steps": 3, "lr": 3e-4}
 
 
+@pytest.mark.quick
 def test_yaml_anchors_and_merge_keys_are_not_duplicates(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("base: &b {n_layers: 2, d_model: 64}\nmodel:\n  <<: *b\n  n_layers: 4\n")
@@ -214,6 +216,7 @@ def test_yaml_anchors_and_merge_keys_are_not_duplicates(tmp_path):
 
 # ----- tokenizer.json and safetensors files -------------------------------------------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("text, message", [
     ("{bad", "tokenizer.json, line 1, column 2: could not parse JSON"),
     ("[1]", "tokenizer.json: expected an object {...}, got list [1]"),

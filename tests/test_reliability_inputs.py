@@ -25,7 +25,6 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import modern_jax.accounting as accounting
-import modern_jax.training.step as step_module
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
 from modern_jax.convert import CheckpointError, initial_weights, save_checkpoint
@@ -47,9 +46,7 @@ TINY = dict(vocab_size=260, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_f
 TEXT = "the quick brown fox jumps over the lazy dog; " * 300  # 13,500 bytes
 
 
-@pytest.fixture(autouse=True)
-def quick_compiles(monkeypatch):
-    monkeypatch.setattr(step_module, "COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def refused(argv, capsys, command=None) -> str:
@@ -115,6 +112,7 @@ def finetune(hf, tmp_path, *overrides):
 
 # ----- mesh axes and TPU topologies: named, and checked before libtpu sees them -------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name, problem", [
     ("v5e:0x2", "every dimension of the shape '0x2' must be a positive integer"),
     ("v5e:2x-1", "every dimension of the shape '2x-1' must be a positive integer"),

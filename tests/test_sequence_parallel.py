@@ -19,7 +19,7 @@ from modern_jax.sharding.config import ParallelConfig, layout_order
 from modern_jax.sharding import RULES, Strategies, logical_rules
 from modern_jax.training.loss import loss_sums
 
-from common import assert_leaves_match
+from common import assert_leaves_match, leaves, one_device
 
 B, T = 4, 32
 # packing (3 documents per row), a window on the local layers, sinks, soft-caps, GQA 8 / 2,
@@ -55,16 +55,12 @@ def objective(model, batch):
 GRAD = nnx.value_and_grad(objective, has_aux=True)
 
 
-def flat_grads(grads):
-    return {str(path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(grads, nnx.Param))}
-
-
 @pytest.fixture(scope="module")
 def reference():
     batch = packed_batch()
     with execution.use(RUN):
         (loss, (sums, logits)), grads = nnx.jit(GRAD)(Transformer(CFG, rngs=nnx.Rngs(0)), batch)
-    return np.asarray(logits), loss, sums, flat_grads(grads)
+    return np.asarray(logits), loss, sums, leaves(nnx.state(grads, nnx.Param))
 
 
 def run_sharded(cfg, sizes, rules=RULES, layout="two_chunk", hlo=False, strategies=None, run=RUN):
@@ -81,7 +77,7 @@ def run_sharded(cfg, sizes, rules=RULES, layout="two_chunk", hlo=False, strategi
     logits = np.asarray(logits)
     if order is not None:  # back to the sequence's own order
         logits = logits[:, np.argsort(order)]
-    return logits, loss, sums, flat_grads(grads), kernels, text
+    return logits, loss, sums, leaves(nnx.state(grads, nnx.Param)), kernels, text
 
 
 def assert_matches(got, want):
@@ -231,7 +227,7 @@ def test_a_checkpoint_saved_with_context_4_restores_with_context_1(tmp_path):
                      "train.warmup_steps=0", "train.schedule=constant", "model.n_layers=1", *extra]
         return load_run_config(REPO / "configs" / "tiny.yaml", overrides)
 
-    one = make_mesh(devices=jax.devices()[:1])
+    one = one_device()
     quiet = lambda *_: None  # noqa: E731
     want = train(run(tmp_path / "one", 3), mesh=one, log=quiet).history
     first = train(run(tmp_path / "cp", 2, "parallel.data=2", "parallel.context=4"), log=quiet)

@@ -119,6 +119,7 @@ def test_fsdp_splits_every_large_parameter_of_every_preset():
                 assert np.prod(shard) * 8 == var.size, f"{path.stem}: {'/'.join(map(str, key))} {var.shape} -> {shard}"
 
 
+@pytest.mark.quick
 def test_an_unknown_logical_name_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"logical axis 'expert_groups' is not in the sharding rules"):
         mesh_axes("expert_groups", RULES)

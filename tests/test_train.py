@@ -81,6 +81,7 @@ def test_loss_matches_naive_reference_and_chunks_agree(chunk, softcap, bias):
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_padding_is_masked():
     rng = np.random.default_rng(1)
     h = jnp.asarray(rng.normal(size=(1, 6, 8)), jnp.float32)
@@ -111,6 +112,7 @@ def test_model_loss_equals_cross_entropy_of_the_model_logits(tie):
     assert model.head().w_VD.shape == (40, 16)
 
 
+@pytest.mark.quick
 def test_weight_decay_mask_and_schedules():
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, qk_norm="head", qkv_bias=True)
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param))
