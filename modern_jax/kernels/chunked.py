@@ -26,20 +26,9 @@ from modern_jax.kernels.masks import MASK_VALUE, Visibility, pad_axis, round_up,
 
 
 @dataclass(frozen=True)
-class _Call:
-    scale: float
-    causal: bool
-    window: int | None
-    chunk: int | None
-    softcap: float | None
+class _Call(flash.Call):
     block_q: int
     block_k: int
-    max_logit: bool = False
-
-    @property
-    def rule(self) -> dict:
-        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
-        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
 
 
 def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None, block_q: int = 512,
@@ -58,7 +47,7 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_K
     k, v = pad_axis(k_BSKH.astype(dtype), 1, Sp), pad_axis(v_BSKU.astype(dtype), 1, Sp)
     vis = vis.padded(Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, tile_t, tile_s, return_max_logit)
+    call = _Call.of(spec, return_max_logit, tile_t, tile_s)
     q, k, v, sinks = vary_over((q, k, v, sinks), varying_axes(q, k, v, sinks, vis))
     o, max_logit_BKGT = _chunked(call, q, k, v, sinks, vis)
     if return_max_logit:

@@ -19,11 +19,35 @@ A query that sees no key (and has no sink) returns zeros.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from modern_jax.kernels.masks import MASK_VALUE, softcap  # a masked score: finite, so never inf - inf
+
+@dataclass(frozen=True)
+class Call:
+    """The static part of one attention call (hashable: it keys the custom_vjp), shared by the
+    implementations (`chunked`, `flash_gpu`, `flash_tpu`); each subclass adds its tiling."""
+
+    scale: float
+    causal: bool
+    window: int | None
+    chunk: int | None
+    softcap: float | None
+    max_logit: bool
+
+    @classmethod
+    def of(cls, spec, max_logit: bool, *tiling):
+        """The call of `spec` (a `kernels.attention.AttentionSpec`) with the subclass's tiling."""
+        return cls(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, max_logit, *tiling)
+
+    @property
+    def rule(self) -> dict:
+        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
+        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
+
 
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
