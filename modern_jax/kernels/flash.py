@@ -1,4 +1,4 @@
-"""Flash-attention tile math shared by the Pallas GPU and TPU kernels.
+"""Flash-attention tile math shared by the Pallas GPU and TPU kernels, the chunked attention and the ring.
 
 Letters (as in `modern_jax`): T rows of a query tile, S columns (keys) of a key tile, H key head
 dim, U value head dim. Per-row statistics are columns `[T, 1]`; per-key ones rows `[1, S]`.
@@ -85,9 +85,12 @@ def softcap_grad(ds_TS, s_TS, softcap: float | None):
     return ds_TS * (1.0 - jnp.square(s_TS / softcap))
 
 
-def init_state(rows: int, v_dim: int):
-    return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, v_dim), jnp.float32))
+def init_state(rows: int | tuple[int, ...], v_dim: int):
+    """The running `(m, l, acc)` before any key tile, for `rows` queries (a count, or the leading
+    shape of a batch of them)."""
+    rows = rows if isinstance(rows, tuple) else (rows,)
+    return (jnp.full((*rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((*rows, 1), jnp.float32),
+            jnp.zeros((*rows, v_dim), jnp.float32))
 
 
 def forward_step(s_TS, mask_TS, v_SU, m_T1, l_T1, acc_TU, pv=matmul):
