@@ -10,7 +10,7 @@ vocabulary chunk of the loss is `V`):
 | letter | meaning | letter | meaning |
 |---|---|---|---|
 | B | batch | K | key / value heads |
-| T | query (input, generated) length | G | query heads per key / value head (N = K G) |
+| T | query (input, generated) length | G | query heads per key / value head (N = K G); a router's expert groups |
 | S | key length (cache slots) | H | head dim of queries and keys |
 | D | model width | U | head dim of values, where it differs from H (MLA) |
 | F | FFN width | V | vocabulary |
@@ -18,8 +18,9 @@ vocabulary chunk of the loss is `V`):
 | A | micro-batches (gradient accumulation) | E | experts |
 | C | MLA latent (d_c) | R | MLA rotary key dim (d_R) |
 | Q | MLA query rank | X | MLA's joint latent and rotary projection (C + R) |
-| M | rows of a flattened op (every leading axis) | P | programs / blocks of a kernel grid |
-| I, J | query / key block indices of a kernel grid | | |
+| M | rows of a flattened op (every leading axis) | P | programs / blocks of a kernel grid; devices of a mesh axis |
+| I, J | query / key block indices of a kernel grid | Y | experts chosen per token (top-k) |
+| Z | token-expert assignments (M Y; slots are a chunk of them) | W, O | a projection's input / output width |
 """
 
 import importlib

@@ -249,6 +249,16 @@ class ModelConfig:
     param_dtype: str = _setting("float32")
 
     def __post_init__(self):
+        self._check_values()
+        self._check_widths()
+        self._check_positions()
+        self._check_attention()
+        self._check_scales()
+        self._check_mla()
+        self._check_moe()
+
+    def _check_values(self) -> None:
+        """Sizes are positive integers, choices among their names, every field of its type."""
         for name in ("vocab_size", "vocab_pad_to", "d_model", "n_layers", "n_heads", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -272,6 +282,8 @@ class ModelConfig:
             _fail("rope_scaling", self.rope_scaling, "expected a RopeScaling (a mapping in YAML)")
         _check_types(self, "")
 
+    def _check_widths(self) -> None:
+        """Heads divide, widths and eps are positive, and the norm and FFN switches fit together."""
         n_kv = self.num_kv_heads
         if n_kv <= 0 or self.n_heads % n_kv:
             _fail("n_kv_heads", self.n_kv_heads, f"must be a positive divisor of n_heads={self.n_heads}")
@@ -294,7 +306,8 @@ class ModelConfig:
         if not self.parallel_shared_norm and self.norm_placement != "parallel":
             _fail("parallel_shared_norm", False, "only applies to norm_placement='parallel'")
 
-        # positions
+    def _check_positions(self) -> None:
+        """RoPE: its fraction, base, pattern and scaling; sinusoidal positions need an even width."""
         if not 0.0 < self.rope_fraction <= 1.0:
             _fail("rope_fraction", self.rope_fraction, "expected a fraction in (0, 1]")
         if self.rope_theta <= 0:
@@ -313,8 +326,11 @@ class ModelConfig:
             _fail("rope_pattern", self.rope_pattern, "NoPE layers ('N') need position_embedding='rope'")
         if self.rope_local_theta is not None and "L" not in self.attention_pattern:
             _fail("rope_local_theta", self.rope_local_theta, "applies to local layers; attention_pattern has no 'L'")
+        if self.position_embedding == "sinusoidal" and self.d_model % 2:
+            _fail("d_model", self.d_model, "sinusoidal positions need an even d_model")
 
-        # attention
+    def _check_attention(self) -> None:
+        """Layer patterns with their window or chunk, l2 qk-norm and temperature tuning."""
         self._check_pattern("attention_pattern", "GLC")
         if "L" in self.attention_pattern:
             if self.sliding_window is None or self.sliding_window <= 0:
@@ -328,7 +344,7 @@ class ModelConfig:
         elif self.attention_chunk_size is not None:
             _fail("attention_chunk_size", self.attention_chunk_size,
                   "set attention_pattern to 'C' (all chunked) or a mix like 'CCCG'")
-        if self.qk_norm == "l2" and (not uses_rope or "R" not in self.rope_pattern):
+        if self.qk_norm == "l2" and (self.position_embedding != "rope" or "R" not in self.rope_pattern):
             _fail("qk_norm", self.qk_norm, "'l2' normalises the RoPE layers (Llama 4) and this model has none: "
                   "set position_embedding='rope' with an 'R' in rope_pattern, or use 'head'")
         if self.attn_temperature_floor is not None:
@@ -344,6 +360,9 @@ class ModelConfig:
         if self.attn_temperature_floor is None and self.attn_temperature_scale != 0.1:
             _fail("attn_temperature_scale", self.attn_temperature_scale,
                   "only applies with attn_temperature_floor set (temperature tuning is off)")
+
+    def _check_scales(self) -> None:
+        """Soft-caps, scales, dropout rates and the init std are in range."""
         for name in ("attn_softcap", "final_softcap", "attn_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -353,6 +372,9 @@ class ModelConfig:
                 _fail(name, getattr(self, name), "expected a rate in [0, 1)")
         if self.init_std <= 0:
             _fail("init_std", self.init_std, "expected a positive standard deviation")
+
+    def _check_mla(self) -> None:
+        """MLA's latent sizes and what it excludes; latent sizes need MLA."""
         if self.attention_type == "mla":
             if self.mla_kv_rank <= 0:
                 _fail("mla_kv_rank", self.mla_kv_rank, "MLA needs a positive latent size d_c")
@@ -363,7 +385,7 @@ class ModelConfig:
                     _fail(name, getattr(self, name), "expected a positive integer")
             if self.mla_rope_dim % 2:
                 _fail("mla_rope_dim", self.mla_rope_dim, "RoPE rotates pairs: must be even")
-            if not uses_rope:
+            if self.position_embedding != "rope":
                 _fail("position_embedding", self.position_embedding, "MLA's decoupled key needs 'rope'")
             if self.n_kv_heads not in (None, self.n_heads):
                 _fail("n_kv_heads", self.n_kv_heads, "MLA shares one latent across heads; leave n_kv_heads unset")
@@ -372,9 +394,6 @@ class ModelConfig:
         elif self.mla_kv_rank or self.mla_q_rank:
             _fail("mla_kv_rank" if self.mla_kv_rank else "mla_q_rank", self.mla_kv_rank or self.mla_q_rank,
                   "set attention_type='mla' to use a latent")
-        if self.position_embedding == "sinusoidal" and self.d_model % 2:
-            _fail("d_model", self.d_model, "sinusoidal positions need an even d_model")
-        self._check_moe()
 
     def _check_moe(self) -> None:
         if self.ffn_type != "moe":

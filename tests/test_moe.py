@@ -179,6 +179,26 @@ def test_capacity_drops_the_assignments_past_each_experts_slots_and_counts_them(
     np.testing.assert_allclose(np.asarray(y).reshape(M, -1), want, rtol=1e-5, atol=1e-5)
 
 
+STAGES = ("router_logits", "moe_dispatched", "expert_gate", "expert_up", "expert_down", "moe_combined")
+
+
+@pytest.mark.parametrize("kind", ["grouped", "dense"])
+def test_a_remat_policy_that_saves_a_named_stage_of_the_experts_saves_it(kind, capsys):
+    _, layer, x = layer_and_input()
+    graphdef, state = nnx.split(layer)
+
+    def loss(state, x):
+        with execution.use(ExecutionConfig(moe_dispatch=kind)):
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)))
+
+    for name in STAGES:
+        policy = jax.checkpoint_policies.save_only_these_names(name)
+        jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=policy), state, x)
+        saved = capsys.readouterr().out
+        assert f"named '{name}'" in saved, (name, saved)
+        assert not any(f"named '{other}'" in saved for other in STAGES if other != name)
+
+
 def test_megablox_in_interpret_mode_equals_ragged_dot_forward_and_backward():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)

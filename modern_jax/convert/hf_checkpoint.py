@@ -244,32 +244,56 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     `path` may be a hub name (`org/name`), read from the Hugging Face cache (`resolve_hf`).
     """
     path = resolve_hf(path)
+    hf, family, cfg = _read_config(path, dtype, param_dtype or dtype, overrides)
+    graphdef, state, rest, params = _build_targets(cfg, family, mesh, rules)
+    sources = plan(params)
+    found = _check_headers(path, hf, family, cfg, sources, log)
+    _stream(path, found, sources, cfg)
+    unfilled = {target.name for target in params if target.buffer is not None}
+    assert not unfilled, f"parameters left unfilled: {sorted(unfilled)}"
+    return cfg, nnx.merge(graphdef, state, rest)
+
+
+def _read_config(path: Path, dtype: str, param_dtype: str, overrides: dict) -> tuple[dict, Family, ModelConfig]:
+    """`(config.json, its family, our config)`; a quantised checkpoint is refused."""
     hf = read_hf_config(path)
     try:
         family = family_of(hf)
-        cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
+        cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
     except ValueError as e:
         raise (CheckpointError if isinstance(e, CheckpointError) else ValueError)(f"{path / 'config.json'}: {e}") \
             from None
     refuse_quantised(path, hf)
-    model_type, table = family.model_type, family.weights
-    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(model_type, hf, family.defaults))}
+    return hf, family, cfg
+
+
+def _build_targets(cfg: ModelConfig, family: Family, mesh, rules):
+    """`(graphdef, state, rest, targets)` of the abstract model: each parameter a `Target` to fill,
+    with its sharding when there is a `mesh` (so a mesh that cannot split the model fails before
+    any reading)."""
     abstract = abstract_model(cfg)
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise CheckpointError(f"the model holds state other than parameters, which a checkpoint does not fill: "
                               f"{_listed('.'.join(map(str, p)) for p, _ in nnx.to_flat_state(rest))}")
     params = targets(abstract, state, family)
-    sources = plan(params)
-    if mesh is not None:  # shardings first: a mesh that cannot split the model fails before any reading
+    if mesh is not None:
         from modern_jax.sharding import RULES, state_shardings
 
         shardings = dict(nnx.to_flat_state(state_shardings(state, mesh, rules or RULES)))
         for target in params:
             target.sharding = shardings[target.path]
+    return graphdef, state, rest, params
+
+
+def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sources, log) -> dict:
+    """The file and name of each tensor the model reads (`{canonical name: (file, name)}`), from
+    the headers only: a missing, unused, doubled or misshapen tensor fails here, before any data
+    is read; tensors the family skips are logged."""
+    model_type, table = family.model_type, family.weights
+    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(model_type, hf, family.defaults))}
     tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
 
-    # 1. names and shapes, from the headers only
     found: dict[str, tuple[Path, str]] = {}
     unused, twice, wrong = [], [], []
     for file in checkpoint_files(path):
@@ -313,8 +337,12 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
                 logger.info(message)
             else:
                 log(message)
+    return found
 
-    # 2. stream the data, file by file, into one preallocated buffer per parameter
+
+def _stream(path: Path, found: dict[str, tuple[Path, str]], sources, cfg: ModelConfig) -> None:
+    """The data, file by file, into one preallocated buffer per parameter (`fill`); a tensor
+    holding NaN or infinite values is refused, by name."""
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for canonical, (file, name) in found.items():
         by_file.setdefault(file, []).append((canonical, name))
@@ -334,9 +362,6 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
                     fill(src, x, cfg.vocab_size)
                 del x
     refuse_nonfinite(str(path), bad)
-    unfilled = {target.name for target in params if target.buffer is not None}
-    assert not unfilled, f"parameters left unfilled: {sorted(unfilled)}"
-    return cfg, nnx.merge(graphdef, state, rest)
 
 
 def fill(src: Source, x: np.ndarray, vocab: int | None = None) -> None:

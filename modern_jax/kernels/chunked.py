@@ -22,24 +22,13 @@ import jax.numpy as jnp
 
 from modern_jax.kernels import flash
 from modern_jax.kernels.backend import varying_axes, vary_over
-from modern_jax.kernels.masks import MASK_VALUE, Visibility, pad_axis, round_up, softcap
+from modern_jax.kernels.masks import Visibility, pad_axis, round_up, softcap
 
 
 @dataclass(frozen=True)
-class _Call:
-    scale: float
-    causal: bool
-    window: int | None
-    chunk: int | None
-    softcap: float | None
+class _Call(flash.Call):
     block_q: int
     block_k: int
-    max_logit: bool = False
-
-    @property
-    def rule(self) -> dict:
-        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
-        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
 
 
 def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None, block_q: int = 512,
@@ -58,7 +47,7 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_K
     k, v = pad_axis(k_BSKH.astype(dtype), 1, Sp), pad_axis(v_BSKU.astype(dtype), 1, Sp)
     vis = vis.padded(Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, tile_t, tile_s, return_max_logit)
+    call = _Call.of(spec, return_max_logit, tile_t, tile_s)
     q, k, v, sinks = vary_over((q, k, v, sinks), varying_axes(q, k, v, sinks, vis))
     o, max_logit_BKGT = _chunked(call, q, k, v, sinks, vis)
     if return_max_logit:
@@ -80,21 +69,23 @@ def _unblock(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
+def tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
     """Visibility `[B, 1, 1, T, S]` of one tile (broadcasts over K and G)."""
     mask_BTS = Visibility(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS).mask(**call.rule)
     return mask_BTS[:, None, None]
 
 
-def _logits(call, q_BTKGH, k_BSKH):
+def logits(call, q_BTKGH, k_BSKH):
+    """`call.scale * q k^T` of one tile in fp32 (before any soft-cap)."""
     return jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * call.scale
 
 
 def _scores(call, q_BTKGH, k_BSKH):
-    return softcap(_logits(call, q_BTKGH, k_BSKH), call.softcap)
+    return softcap(logits(call, q_BTKGH, k_BSKH), call.softcap)
 
 
-def _pv(p_BKGTS, v_BSKU):
+def pv(p_BKGTS, v_BSKU):
+    """The probabilities times the values of one tile, accumulated in fp32."""
     return jnp.einsum("BKGTS,BSKU->BKGTU", p_BKGTS, v_BSKU, preferred_element_type=jnp.float32)
 
 
@@ -119,17 +110,16 @@ def _forward(call, q, k, v, sinks_KG, vis):
             k_BSKH, v_BSKU, k_pos_BS, k_seg_BS, visited = ys
 
             def fold(state):
-                mask = _tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
-                x_BKGTS = _logits(call, q_BTKGH, k_BSKH)
-                softmax = flash.forward_step(softcap(x_BKGTS, call.softcap), mask, v_BSKU, *state[:3], pv=_pv)
+                mask = tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
+                x_BKGTS = logits(call, q_BTKGH, k_BSKH)
+                softmax = flash.forward_step(softcap(x_BKGTS, call.softcap), mask, v_BSKU, *state[:3], pv=pv)
                 if not call.max_logit:
                     return softmax
                 return (*softmax, flash.fold_max_logit(state[3], x_BKGTS, mask))
 
             return jax.lax.cond(visited, fold, lambda state: state, state), None
 
-        init = (jnp.full((B, K, G, tile_t, 1), MASK_VALUE, jnp.float32), jnp.zeros((B, K, G, tile_t, 1), jnp.float32),
-                jnp.zeros((B, K, G, tile_t, U), jnp.float32))
+        init = flash.init_state((B, K, G, tile_t), U)
         if call.max_logit:
             init += (jnp.zeros((B, K, G, tile_t, 1), jnp.float32),)
         state, _ = jax.lax.scan(key_block, vary_over(init, varying_axes(inputs)), (*keys, vis_J))
@@ -165,7 +155,7 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
 
             def grads(_):
                 s_BKGTS = _scores(call, q_BTKGH, k_BSKH)
-                mask = _tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
+                mask = tile_mask(call, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
                 p_BKGTS = jnp.where(mask, jnp.exp(s_BKGTS - lse_BKGT[..., None]), 0.0)
                 dv_BSKU = jnp.einsum("BKGTS,BTKGU->BSKU", p_BKGTS.astype(do.dtype), do_BTKGU,
                                      preferred_element_type=jnp.float32)

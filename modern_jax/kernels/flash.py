@@ -1,4 +1,4 @@
-"""Flash-attention tile math shared by the Pallas GPU and TPU kernels.
+"""Flash-attention tile math shared by the Pallas GPU and TPU kernels, the chunked attention and the ring.
 
 Letters (as in `modern_jax`): T rows of a query tile, S columns (keys) of a key tile, H key head
 dim, U value head dim. Per-row statistics are columns `[T, 1]`; per-key ones rows `[1, S]`.
@@ -19,11 +19,35 @@ A query that sees no key (and has no sink) returns zeros.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from modern_jax.kernels.masks import MASK_VALUE, softcap  # a masked score: finite, so never inf - inf
+
+@dataclass(frozen=True)
+class Call:
+    """The static part of one attention call (hashable: it keys the custom_vjp), shared by the
+    implementations (`chunked`, `flash_gpu`, `flash_tpu`); each subclass adds its tiling."""
+
+    scale: float
+    causal: bool
+    window: int | None
+    chunk: int | None
+    softcap: float | None
+    max_logit: bool
+
+    @classmethod
+    def of(cls, spec, max_logit: bool, *tiling):
+        """The call of `spec` (a `kernels.attention.AttentionSpec`) with the subclass's tiling."""
+        return cls(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, max_logit, *tiling)
+
+    @property
+    def rule(self) -> dict:
+        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
+        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
+
 
 _NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
@@ -61,9 +85,12 @@ def softcap_grad(ds_TS, s_TS, softcap: float | None):
     return ds_TS * (1.0 - jnp.square(s_TS / softcap))
 
 
-def init_state(rows: int, v_dim: int):
-    return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, v_dim), jnp.float32))
+def init_state(rows: int | tuple[int, ...], v_dim: int):
+    """The running `(m, l, acc)` before any key tile, for `rows` queries (a count, or the leading
+    shape of a batch of them)."""
+    rows = rows if isinstance(rows, tuple) else (rows,)
+    return (jnp.full((*rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((*rows, 1), jnp.float32),
+            jnp.zeros((*rows, v_dim), jnp.float32))
 
 
 def forward_step(s_TS, mask_TS, v_SU, m_T1, l_T1, acc_TU, pv=matmul):

@@ -85,22 +85,9 @@ def default_blocks(head_dim: int, dtype) -> GpuBlocks:
 
 
 @dataclass(frozen=True)
-class _Call:
-    """The static part of one call (hashable: it keys the custom_vjp)."""
-
-    scale: float
-    causal: bool
-    window: int | None
-    chunk: int | None
-    softcap: float | None
+class _Call(flash.Call):
     blocks: GpuBlocks
     interpret: bool
-    max_logit: bool = False
-
-    @property
-    def rule(self) -> dict:
-        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
-        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
 
 
 def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None,
@@ -123,7 +110,7 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
     v = pad_axis(pad_axis(v_BSKU.astype(dtype), 3, Up), 1, Sp)
     vis = vis.padded(Tp, Sp)
     sinks_KG = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, blocks, interpret, return_max_logit)
+    call = _Call.of(spec, return_max_logit, blocks, interpret)
     q, k, v, sinks_KG = vary_over((q, k, v, sinks_KG), varying_axes(q, k, v, sinks_KG, vis))
     o_BTKGU, max_logit_BKGT = _flash(call, q, k, v, sinks_KG, vis)
     if return_max_logit:

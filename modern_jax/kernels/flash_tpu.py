@@ -54,20 +54,9 @@ class TpuBlocks:
 
 
 @dataclass(frozen=True)
-class _Call:
-    scale: float
-    causal: bool
-    window: int | None
-    chunk: int | None
-    softcap: float | None
+class _Call(flash.Call):
     blocks: TpuBlocks
     interpret: bool
-    max_logit: bool = False
-
-    @property
-    def rule(self) -> dict:
-        """Which keys a query sees, as `Visibility.pairs` / `mask` / `tiles` take it."""
-        return dict(causal=self.causal, window=self.window, chunk=self.chunk)
 
 
 def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None,
@@ -89,7 +78,7 @@ def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
     v_BKSU = pad_axis(v_BSKU.astype(dtype).transpose(0, 2, 1, 3), 2, Sp)
     vis = vis.padded(Tp, Sp)
     sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
-    call = _Call(spec.scale, spec.causal, spec.window, spec.chunk, spec.softcap, blocks, interpret, return_max_logit)
+    call = _Call.of(spec, return_max_logit, blocks, interpret)
     q_BKGTH, k_BKSH, v_BKSU, sinks = vary_over((q_BKGTH, k_BKSH, v_BKSU, sinks),
                                                varying_axes(q_BKGTH, k_BKSH, v_BKSU, sinks, vis))
     o_BKGTU, max_logit_BKGT1 = _flash(call, q_BKGTH, k_BKSH, v_BKSU, sinks, vis)

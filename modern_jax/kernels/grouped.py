@@ -1,9 +1,9 @@
 """Grouped matmul: rows sorted by group, each group multiplied by its own weight.
 
-Letters (the package legend): X rows (token-expert assignments, sorted by expert), I and O
+Letters (the package legend): Z rows (token-expert assignments, sorted by expert), W and O
 the contracted and output widths, E groups (experts).
 
-    y[x] = x[x] @ w[e(x)]      rows 0 .. n_0 - 1 use w[0], the next n_1 rows w[1], ...
+    y[z] = x[z] @ w[e(z)]      rows 0 .. n_0 - 1 use w[0], the next n_1 rows w[1], ...
 
 `impl`:
 - `ragged_dot`: `jax.lax.ragged_dot`, which XLA lowers to grouped GEMMs on GPU and TPU;
@@ -31,15 +31,15 @@ def _tile(n: int) -> int:
     return 128 if n % 128 == 0 else n
 
 
-def grouped_matmul(x_XI, w_EIO, group_sizes_E, *, impl: str = "default"):
-    """`[X, O]` in x's dtype (accumulated in float32) for rows `x[X, I]` sorted by group."""
+def grouped_matmul(x_ZW, w_EWO, group_sizes_E, *, impl: str = "default"):
+    """`[Z, O]` in x's dtype (accumulated in float32) for rows `x[Z, W]` sorted by group."""
     if impl == "default":
         impl = "megablox" if platform() == "tpu" else "ragged_dot"
     note_kernel("moe_grouped", impl)
     if impl == "ragged_dot":
-        y_XO = jax.lax.ragged_dot(x_XI, w_EIO.astype(x_XI.dtype), group_sizes_E.astype(jnp.int32),
+        y_ZO = jax.lax.ragged_dot(x_ZW, w_EWO.astype(x_ZW.dtype), group_sizes_E.astype(jnp.int32),
                                   preferred_element_type=jnp.float32)
-        return y_XO.astype(x_XI.dtype)
+        return y_ZO.astype(x_ZW.dtype)
     if impl != "megablox":
         raise ValueError(f"grouped matmul impl={impl!r}: expected one of {', '.join(GROUPED_IMPLS)}")
     interpret = interpret_target() is not None
@@ -48,12 +48,12 @@ def grouped_matmul(x_XI, w_EIO, group_sizes_E, *, impl: str = "default"):
                                       f"for {platform()!r}: use 'ragged_dot' or 'default'")
     from jax.experimental.pallas.ops.tpu.megablox import ops
 
-    X, I = x_XI.shape
-    O = w_EIO.shape[-1]
-    tile_x = min(128, round_up(X, 8))
-    Xp = round_up(X, tile_x)
+    Z, W = x_ZW.shape
+    O = w_EWO.shape[-1]
+    tile_z = min(128, round_up(Z, 8))
+    Zp = round_up(Z, tile_z)
     # padding rows join the last group: zero rows whose outputs are cut off below
-    sizes_E = group_sizes_E.astype(jnp.int32).at[-1].add(Xp - X)
-    y_XO = ops.gmm(pad_axis(x_XI, 0, Xp), w_EIO.astype(x_XI.dtype), sizes_E, preferred_element_type=jnp.float32,
-                   tiling=(tile_x, _tile(I), _tile(O)), interpret=interpret)
-    return y_XO[:X].astype(x_XI.dtype)
+    sizes_E = group_sizes_E.astype(jnp.int32).at[-1].add(Zp - Z)
+    y_ZO = ops.gmm(pad_axis(x_ZW, 0, Zp), w_EWO.astype(x_ZW.dtype), sizes_E, preferred_element_type=jnp.float32,
+                   tiling=(tile_z, _tile(W), _tile(O)), interpret=interpret)
+    return y_ZO[:Z].astype(x_ZW.dtype)

@@ -1,14 +1,14 @@
 """A mixture of experts: a router picks k of E gated FFNs per token (README: Mixture of experts).
 
 Letters (the package legend): B batch, T length, M tokens (B T), D model, F expert width,
-E experts, K experts per token, G expert groups.
+E experts, Y experts chosen per token, G the router's groups of experts.
 
     z      = x W_r [+ b_r]                                    router logits, float32
     s      = softmax(z) | sigmoid(z)                          scores
-    chosen = top-k of (s + bias_sel) within the top groups    (bias_sel: selection only)
+    chosen = top-k of (s + bias_sel) within the top groups    (bias_sel: selection only; k = Y)
     w      = s[chosen] [/ sum]  * router_scale                the combine weights
              (topk_softmax: chosen = top-k of z, w = softmax(z[chosen]))
-    y      = sum_k w_k Expert_{chosen_k}(x)  [+ Shared(x)]    (router_on_input: Expert(w x))
+    y      = sum_y w_y Expert_{chosen_y}(x)  [+ Shared(x)]    (router_on_input: Expert(w x))
     Expert(x) = W_down (act(W_gate x) * W_up x)
               | gpt-oss: W_down ((clip(up) + 1) * g sigmoid(alpha g)), g = min(gate, limit)
 
@@ -17,9 +17,14 @@ best `s + bias_sel`, the best `router_topk_groups` groups stay, and the top-k is
 among their experts.
 
 The layer sows, for the trainer: `moe_aux_loss` (Switch / GShard balance,
-`E sum_e f_e P_e`, f_e the fraction of the M k assignments routed to e, P_e the mean
+`E sum_e f_e P_e`, f_e the fraction of the M Y assignments routed to e, P_e the mean
 normalised score of e; over the batch or per sequence), `moe_router_z_loss`
 (mean of logsumexp(z)^2), `moe_load` (assignments per expert) and `moe_dropped`.
+
+Its stages run in named scopes (`router`, `dispatch`, `experts`, `combine`) and their outputs
+carry `checkpoint_name`s a remat policy can save or drop: `router_logits`, `moe_dispatched`
+(the rows sorted to their experts), `expert_gate`, `expert_up`, `expert_down` and
+`moe_combined`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from modern_jax.config import ModelConfig
 from modern_jax.layers.ffn import ACTIVATIONS, FFN
@@ -42,22 +48,22 @@ class SelectionBias(nnx.Param):
 
 
 def route(cfg: ModelConfig, z_ME, bias_E=None):
-    """`(experts[M, K], weights[M, K] float32, normalised scores[M, E])` from router logits z."""
-    K = cfg.experts_per_token
+    """`(experts[M, Y], weights[M, Y] float32, normalised scores[M, E])` from router logits z."""
+    Y = cfg.experts_per_token
     if cfg.router_score == "topk_softmax":
         choice_ME = z_ME if bias_E is None else z_ME + bias_E[None, :]
-        _, experts_MK = jax.lax.top_k(_group_limit(cfg, choice_ME), K)
-        weights_MK = jax.nn.softmax(jnp.take_along_axis(z_ME, experts_MK, axis=-1), axis=-1)
+        _, experts_MY = jax.lax.top_k(_group_limit(cfg, choice_ME), Y)
+        weights_MY = jax.nn.softmax(jnp.take_along_axis(z_ME, experts_MY, axis=-1), axis=-1)
         probs_ME = jax.nn.softmax(z_ME, axis=-1)
     else:
         s_ME = jax.nn.softmax(z_ME, axis=-1) if cfg.router_score == "softmax" else jax.nn.sigmoid(z_ME)
         choice_ME = s_ME if bias_E is None else s_ME + bias_E[None, :]
-        _, experts_MK = jax.lax.top_k(_group_limit(cfg, choice_ME), K)
-        weights_MK = jnp.take_along_axis(s_ME, experts_MK, axis=-1)
+        _, experts_MY = jax.lax.top_k(_group_limit(cfg, choice_ME), Y)
+        weights_MY = jnp.take_along_axis(s_ME, experts_MY, axis=-1)
         if cfg.router_norm_topk:
-            weights_MK = weights_MK / (jnp.sum(weights_MK, axis=-1, keepdims=True) + 1e-20)
+            weights_MY = weights_MY / (jnp.sum(weights_MY, axis=-1, keepdims=True) + 1e-20)
         probs_ME = s_ME / jnp.sum(s_ME, axis=-1, keepdims=True)
-    return experts_MK, weights_MK * cfg.router_scale, probs_ME
+    return experts_MY, weights_MY * cfg.router_scale, probs_ME
 
 
 def _group_limit(cfg: ModelConfig, choice_ME):
@@ -67,11 +73,11 @@ def _group_limit(cfg: ModelConfig, choice_ME):
     if G == 1:
         return choice_ME
     M, E = choice_ME.shape
-    choice_MGX = choice_ME.reshape(M, G, E // G)
-    group_MG = jnp.sum(jax.lax.top_k(choice_MGX, 2)[0], axis=-1)
+    choice_MGE = choice_ME.reshape(M, G, E // G)
+    group_MG = jnp.sum(jax.lax.top_k(choice_MGE, 2)[0], axis=-1)
     _, top_groups = jax.lax.top_k(group_MG, cfg.router_topk_groups)
     keep_MG = jnp.sum(jax.nn.one_hot(top_groups, G, dtype=jnp.int32), axis=1) > 0
-    return jnp.where(keep_MG[:, :, None], choice_MGX, -jnp.inf).reshape(M, E)
+    return jnp.where(keep_MG[:, :, None], choice_MGE, -jnp.inf).reshape(M, E)
 
 
 class Router(nnx.Module):
@@ -82,11 +88,13 @@ class Router(nnx.Module):
         self.selection_bias = (SelectionBias(jnp.zeros((cfg.n_experts,), jnp.float32), out_sharding=(None,),
                                              eager_sharding=False) if cfg.router_selection_bias else None)
 
+    @jax.named_scope("router")
     def __call__(self, x_MD):
-        """`(experts[M, K], weights[M, K], normalised scores[M, E], logits[M, E])`, all in float32."""
+        """`(experts[M, Y], weights[M, Y], normalised scores[M, E], logits[M, E])`, all in float32."""
         z_ME = jnp.einsum("MD,DE->ME", x_MD.astype(jnp.float32), self.proj.kernel[...].astype(jnp.float32))
         if self.proj.bias is not None:
             z_ME = z_ME + self.proj.bias[...].astype(jnp.float32)[None, :]
+        z_ME = checkpoint_name(z_ME, "router_logits")
         bias_E = None if self.selection_bias is None else self.selection_bias[...].astype(jnp.float32)
         return (*route(self.cfg, z_ME, bias_E), z_ME)
 
@@ -115,15 +123,17 @@ class Experts(nnx.Module):
         self.up_proj = ExpertProj(cfg, E, D, F, ("embed", "mlp"), role="in", bias=bias, rngs=rngs)
         self.down_proj = ExpertProj(cfg, E, F, D, ("mlp", "embed"), role="out", bias=bias, rngs=rngs)
 
+    @jax.named_scope("experts")
     def __call__(self, x, matmul):
-        gate, up = self.gate_proj(x, matmul), self.up_proj(x, matmul)
+        gate = checkpoint_name(self.gate_proj(x, matmul), "expert_gate")
+        up = checkpoint_name(self.up_proj(x, matmul), "expert_up")
         if self.limit is None:
             h = self.act(gate) * up
         else:  # gpt-oss: clamped, with the up branch shifted by one
             gate = jnp.minimum(gate, self.limit)
             up = jnp.clip(up, -self.limit, self.limit)
             h = (up + 1) * (gate * jax.nn.sigmoid(self.alpha * gate))
-        return self.down_proj(h, matmul)
+        return checkpoint_name(self.down_proj(h, matmul), "expert_down")
 
 
 class MoE(nnx.Module):
@@ -138,15 +148,15 @@ class MoE(nnx.Module):
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
-        experts_MK, weights_MK, probs_ME, z_ME = self.router(x_MD)
-        y_MD, dropped = dispatch(x_MD, experts_MK, weights_MK, self.experts, n_experts=cfg.n_experts,
+        experts_MY, weights_MY, probs_ME, z_ME = self.router(x_MD)
+        y_MD, dropped = dispatch(x_MD, experts_MY, weights_MY, self.experts, n_experts=cfg.n_experts,
                                  on_input=cfg.router_on_input, batch=B)
         y_BTD = y_MD.reshape(B, T, D).astype(x_BTD.dtype)
         if self.shared_experts is not None:
             y_BTD = y_BTD + self.shared_experts(x_BTD)
 
-        load_E = jnp.sum(jax.nn.one_hot(experts_MK, cfg.n_experts, dtype=jnp.float32), axis=(0, 1))
-        sown = {AUX_LOSS: balance_loss(experts_MK, probs_ME, cfg.n_experts, B if cfg.moe_aux_per_sequence else 1),
+        load_E = jnp.sum(jax.nn.one_hot(experts_MY, cfg.n_experts, dtype=jnp.float32), axis=(0, 1))
+        sown = {AUX_LOSS: balance_loss(experts_MY, probs_ME, cfg.n_experts, B if cfg.moe_aux_per_sequence else 1),
                 ROUTER_Z_LOSS: jnp.mean(jnp.square(jax.nn.logsumexp(z_ME, axis=-1))),
                 LOAD: jax.lax.stop_gradient(load_E), DROPPED: dropped.astype(jnp.float32)}
         for name, value in sown.items():  # read by the stages (`nnx.capture`); nothing outside one
@@ -154,11 +164,12 @@ class MoE(nnx.Module):
         return y_BTD
 
 
-def balance_loss(experts_MK, probs_ME, E: int, n_groups: int = 1):
+def balance_loss(experts_MY, probs_ME, E: int, n_groups: int = 1):
     """`E sum_e f_e P_e`, averaged over `n_groups` equal runs of tokens (1: the batch; B: per
-    sequence): f_e the fraction of the group's assignments that chose e, P_e its mean score."""
-    M, K = experts_MK.shape
-    chosen_SMKE = jax.nn.one_hot(experts_MK, E, dtype=jnp.float32).reshape(n_groups, M // n_groups, K, E)
-    f_SE = jnp.mean(jnp.sum(chosen_SMKE, axis=2), axis=1) / K
-    P_SE = jnp.mean(probs_ME.reshape(n_groups, M // n_groups, E), axis=1)
-    return E * jnp.mean(jnp.sum(f_SE * P_SE, axis=-1))
+    sequence): f_e the fraction of the group's assignments that chose e, P_e its mean score.
+    The groups are the B of `chosen_BTYE`, their tokens the T."""
+    M, Y = experts_MY.shape
+    chosen_BTYE = jax.nn.one_hot(experts_MY, E, dtype=jnp.float32).reshape(n_groups, M // n_groups, Y, E)
+    f_BE = jnp.mean(jnp.sum(chosen_BTYE, axis=2), axis=1) / Y
+    P_BE = jnp.mean(probs_ME.reshape(n_groups, M // n_groups, E), axis=1)
+    return E * jnp.mean(jnp.sum(f_BE * P_BE, axis=-1))

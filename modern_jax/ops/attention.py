@@ -23,8 +23,8 @@ active `sharding.strategies()`):
   folds every block into its queries' online softmax (running max, sum and output in float32),
   so no device holds more than one block of keys; the steps are rematerialised in the
   backward. The blocks are computed in plain JAX (the online softmax of the `chunked` kernel at
-  the ring's granularity), so an explicit Pallas or cuDNN `attention_impl` is refused with it;
-  attention dropout too.
+  the ring's granularity, folded by the same `kernels.flash` steps), so an explicit Pallas or
+  cuDNN `attention_impl` is refused with it; attention dropout too.
 
 Attention dropout draws one mask over the whole call's probabilities, `[B, K, G, T, S]`, as one
 device does (`kernels.attention.dropout_mask`), and each device gets its block of it (its rows,
@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from modern_jax import execution, kernels
+from modern_jax.kernels import chunked, flash
 from modern_jax.kernels.attention import AttentionImpl, AttentionSpec, dropout_mask
 from modern_jax.kernels.backend import UnsupportedFeatureError, note_kernel
 from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
@@ -153,37 +154,28 @@ def ring_attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility
     B, T, K, G, H = q_BTKGH.shape
     U = v_BSKU.shape[-1]
 
+    call = flash.Call.of(spec, return_max_logit)
+
     @jax.checkpoint
     def fold(carry, _):
-        m_BKGT, l_BKGT, acc_BKGTU, top, k_BSKH, v_BSKU, k_pos_BS, k_seg_BS = carry
-        x_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * spec.scale
-        mask_BTS = Visibility(vis.q_pos, k_pos_BS, vis.q_seg, k_seg_BS).mask(causal=spec.causal, window=spec.window,
-                                                                              chunk=spec.chunk)
-        visible = mask_BTS[:, None, None]
+        state, top_BKGT1, k_BSKH, v_BSKU, k_pos_BS, k_seg_BS = carry
+        x_BKGTS = chunked.logits(call, q_BTKGH, k_BSKH)
+        visible = chunked.tile_mask(call, vis.q_pos, k_pos_BS, vis.q_seg, k_seg_BS)
+        # masked before the step: the ring is differentiated through it, and exp of a masked
+        # score must stay finite
         s_BKGTS = jnp.where(visible, softcap(x_BKGTS, spec.softcap), MASK_VALUE)
-        m_new = jnp.maximum(m_BKGT, jnp.max(s_BKGTS, axis=-1))
-        p_BKGTS = jnp.where(visible, jnp.exp(s_BKGTS - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m_BKGT - m_new)
-        l_BKGT = l_BKGT * alpha + jnp.sum(p_BKGTS, axis=-1)
-        acc_BKGTU = acc_BKGTU * alpha[..., None] + jnp.einsum(
-            "BKGTS,BSKU->BKGTU", p_BKGTS.astype(v_BSKU.dtype), v_BSKU, preferred_element_type=jnp.float32)
+        state = flash.forward_step(s_BKGTS, visible, v_BSKU, *state, pv=chunked.pv)
         if return_max_logit:
-            top = jnp.maximum(top, jax.lax.stop_gradient(jnp.max(jnp.where(visible, jnp.abs(x_BKGTS), 0.0))))
+            top_BKGT1 = flash.fold_max_logit(top_BKGT1, jax.lax.stop_gradient(x_BKGTS), visible)
         passed = [jax.lax.ppermute(x, axes, perm) if x is not None else None
                   for x in (k_BSKH, v_BSKU, k_pos_BS, k_seg_BS)]
-        return (m_new, l_BKGT, acc_BKGTU, top, *passed), None
+        return (state, top_BKGT1, *passed), None
 
-    start = (jnp.full((B, K, G, T), MASK_VALUE, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
-             jnp.zeros((B, K, G, T, U), jnp.float32), jnp.zeros((), jnp.float32),
-             k_BSKH, v_BSKU, vis.k_pos, vis.k_seg)
-    (m_BKGT, l_BKGT, acc_BKGTU, top, *_), _ = jax.lax.scan(fold, start, None, length=C)
-    if sinks_KG is not None:  # the sink's logit joins the denominator only
-        sink_1KG1 = sinks_KG.astype(jnp.float32)[None, :, :, None]
-        m_all = jnp.maximum(m_BKGT, sink_1KG1)
-        scale = jnp.exp(m_BKGT - m_all)
-        l_BKGT = l_BKGT * scale + jnp.exp(sink_1KG1 - m_all)
-        acc_BKGTU = acc_BKGTU * scale[..., None]
-    o_BKGTU = acc_BKGTU / jnp.where(l_BKGT == 0.0, 1.0, l_BKGT)[..., None]
+    init = flash.init_state((B, K, G, T), U)
+    top = jnp.zeros((B, K, G, T, 1), jnp.float32) if return_max_logit else None
+    (state, top, *_), _ = jax.lax.scan(fold, (init, top, k_BSKH, v_BSKU, vis.k_pos, vis.k_seg), None, length=C)
+    sink = None if sinks_KG is None else sinks_KG.astype(jnp.float32)[None, :, :, None, None]
+    o_BKGTU, _ = flash.finish(*state, sink)  # the sink's logit joins the denominator only
     o_BTKGU = o_BKGTU.transpose(0, 3, 1, 2, 4).astype(q_BTKGH.dtype)
     note_kernel("attention", "ring")
-    return (o_BTKGU, top) if return_max_logit else o_BTKGU
+    return (o_BTKGU, jnp.max(top)) if return_max_logit else o_BTKGU

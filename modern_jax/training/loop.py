@@ -197,7 +197,7 @@ class RunDirectory:
             raise
         if self.lock is None:  # another process's view of the directory process 0 locked
             lock = self.path / outputs.LOCK_FILE
-            seen = outputs._read_lock(lock) if lock.exists() else None
+            seen = outputs.read_lock(lock) if lock.exists() else None
             if (seen or {}).get("token") != token:
                 raise distributed.Refused(
                     f"{self.WHAT}={str(self.path)!r} is not the directory that process 0 locked (its lock is not "

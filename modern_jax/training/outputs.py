@@ -174,7 +174,8 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22, starttime
 
 
-def _read_lock(path: pathlib.Path) -> dict | None:
+def read_lock(path: pathlib.Path) -> dict | None:
+    """The holder a lock file names (a dict), or None when it is unreadable or not ours."""
     try:
         holder = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
@@ -231,7 +232,7 @@ def refuse_if_locked(path, what: str, hint: str) -> None:
     """A directory with a live writer (a run in progress, a conversion) is refused, naming it."""
     lock = pathlib.Path(path) / LOCK_FILE
     if lock.exists():
-        holder = _read_lock(lock)
+        holder = read_lock(lock)
         if stale(lock, holder) is None:
             raise ValueError(f"{what}={str(path)!r} is being written by {_describe_holder(holder or {})}; nothing "
                              f"was written: wait for it to finish or {hint}")
@@ -272,7 +273,7 @@ class RunLock:
                         f.flush()
                         os.fsync(f.fileno())
             except FileExistsError:
-                holder = _read_lock(self.path)
+                holder = read_lock(self.path)
                 why = stale(self.path, holder)
                 if why is None:
                     self._forget()
@@ -281,7 +282,7 @@ class RunLock:
                 log(f"{what}={str(d)!r}: taking over the lock of {_describe_holder(holder or {})}, which is no "
                     f"longer running ({why})")
                 with contextlib.suppress(FileNotFoundError):
-                    if _read_lock(self.path) == holder:
+                    if read_lock(self.path) == holder:
                         os.unlink(self.path)
                 continue
             except OSError as e:
@@ -303,7 +304,7 @@ class RunLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            holder = _read_lock(self.path)
+            holder = read_lock(self.path)
             if holder is None or holder.get("token") != self.holder["token"]:
                 self.lost = f"the lock of {self.what}={str(self.directory)!r} is now held by " \
                             f"{_describe_holder(holder or {})}"
@@ -327,7 +328,7 @@ class RunLock:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        holder = _read_lock(self.path)
+        holder = read_lock(self.path)
         if holder is not None and holder.get("token") == self.holder["token"]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
