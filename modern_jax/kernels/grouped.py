@@ -32,14 +32,16 @@ def _tile(n: int) -> int:
 
 
 def grouped_matmul(x_ZW, w_EWO, group_sizes_E, *, impl: str = "default"):
-    """`[Z, O]` in x's dtype (accumulated in float32) for rows `x[Z, W]` sorted by group."""
+    """`[Z, O]` for rows `x[Z, W]` sorted by group, written in x's dtype (the compute dtype: no
+    float32 copy of the output exists) and accumulated in float32 by the kernel (megablox's
+    accumulator, XLA's on GPU and TPU); the backward's gradients come out in the operands'
+    dtypes the same way."""
     if impl == "default":
         impl = "megablox" if platform() == "tpu" else "ragged_dot"
     note_kernel("moe_grouped", impl)
     if impl == "ragged_dot":
-        y_ZO = jax.lax.ragged_dot(x_ZW, w_EWO.astype(x_ZW.dtype), group_sizes_E.astype(jnp.int32),
-                                  preferred_element_type=jnp.float32)
-        return y_ZO.astype(x_ZW.dtype)
+        return jax.lax.ragged_dot(x_ZW, w_EWO.astype(x_ZW.dtype), group_sizes_E.astype(jnp.int32),
+                                  preferred_element_type=x_ZW.dtype)
     if impl != "megablox":
         raise ValueError(f"grouped matmul impl={impl!r}: expected one of {', '.join(GROUPED_IMPLS)}")
     interpret = interpret_target() is not None
@@ -54,6 +56,6 @@ def grouped_matmul(x_ZW, w_EWO, group_sizes_E, *, impl: str = "default"):
     Zp = round_up(Z, tile_z)
     # padding rows join the last group: zero rows whose outputs are cut off below
     sizes_E = group_sizes_E.astype(jnp.int32).at[-1].add(Zp - Z)
-    y_ZO = ops.gmm(pad_axis(x_ZW, 0, Zp), w_EWO.astype(x_ZW.dtype), sizes_E, preferred_element_type=jnp.float32,
+    y_ZO = ops.gmm(pad_axis(x_ZW, 0, Zp), w_EWO.astype(x_ZW.dtype), sizes_E, preferred_element_type=x_ZW.dtype,
                    tiling=(tile_z, _tile(W), _tile(O)), interpret=interpret)
-    return y_ZO[:Z].astype(x_ZW.dtype)
+    return y_ZO[:Z]

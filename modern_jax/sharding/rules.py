@@ -10,7 +10,8 @@ on a pod slice.
 
 Megatron layout by default: q/k/v/gate/up column-parallel and o/down row-parallel over
 `tensor`, embedding and head vocab-parallel over `tensor`, weights sharded over `fsdp`
-(and `context`) on their `embed` dimension, a mixture's experts over `expert`, the batch
+(and `context` and `expert`, which outside a mixture's experts are more data parallelism)
+on their `embed` dimension, a mixture's experts over `expert`, the batch
 over `data` x `fsdp` x `expert`, the sequence over `context`.
 
 Sequence parallelism (Megatron-SP) by default: between the tensor-parallel regions the
@@ -38,15 +39,15 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_vocab", "tensor"),
     ("layers", None),
     ("vocab", "tensor"),
-    ("embed", ("fsdp", "context")),  # the context axis shards the weights as fsdp does
+    ("embed", ("fsdp", "context", "expert")),  # context and expert (data parallel outside the experts) shard as fsdp
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
     ("experts", "expert"),  # a mixture's routed experts, split over the expert axis
     ("norm", None),
-    ("q_lora", ("fsdp", "context")),  # MLA's ranks: q_b / kv_b have no embed dimension to split over fsdp
-    ("kv_lora", ("fsdp", "context")),
+    ("q_lora", ("fsdp", "context", "expert")),  # MLA's ranks: q_b / kv_b have no embed dimension to split over
+    ("kv_lora", ("fsdp", "context", "expert")),
 )
 
 # logical axes that are replicated, rather than rejected, when the mesh does not divide
