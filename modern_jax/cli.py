@@ -362,7 +362,9 @@ def cmd_plan(args) -> int:
         check_topology(args.topology)
     from modern_jax.training.config import load_run_config
 
-    overrides = list(args.overrides) + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"]
+    # only the training step is planned: the evaluation batch follows --batch unless it is given
+    overrides = ([f"train.eval_batch_size={args.batch}"] + list(args.overrides)
+                 + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"])
     run = load_run_config(args.config, overrides)  # config errors here, before any re-execution
     if not isinstance(run.model_dict.get("vocab_size"), int):
         raise ValueError("plan needs a numeric model.vocab_size (override model.vocab_size=N)")

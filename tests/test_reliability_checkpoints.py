@@ -408,6 +408,19 @@ def test_plan_re_runs_the_arguments_it_was_given(monkeypatch):
     assert "--xla_force_host_platform_device_count=2" in env["XLA_FLAGS"]
 
 
+def test_plan_sizes_the_evaluation_batch_by_its_batch(capsys):
+    """`plan` compiles only the training step: a --batch that the mesh splits is enough, whatever
+    the config's train.eval_batch_size (64 does not split over 6 data shards)."""
+    argv = ["plan", "--config", str(REPO / "configs" / "tiny.yaml"), "--mesh", "data=6", "--batch", "6",
+            "--seq", "32", "model.n_layers=1"]
+    assert subprocess.run([sys.executable, "-m", "modern_jax.cli", *argv], capture_output=True, text=True,
+                          timeout=300).returncode == 0
+    given = subprocess.run([sys.executable, "-m", "modern_jax.cli", *argv, "train.eval_batch_size=64"],
+                           capture_output=True, text=True, timeout=300)
+    assert given.returncode == 2 and "train.eval_batch_size gives 64 rows, not divisible by the 6 data shards" in \
+        given.stderr
+
+
 # ----- SIGKILL at random moments ------------------------------------------------------------
 
 
