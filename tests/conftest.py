@@ -12,6 +12,16 @@ _COUNT = "--xla_force_host_platform_device_count"
 _flags = re.sub(rf"{_COUNT}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"{_COUNT}={DEVICES}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run, made here (in the process that starts the
+# workers) and removed at its end: the two workers, and every command a test starts (the CLI,
+# the many-process launches), compile the same small programs again and again.
+_CACHE = None
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="modern_jax-tests-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # a silent broadcast of mismatched ranks is a bug
@@ -20,6 +30,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")  # a silent broadcast of 
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

@@ -146,8 +146,8 @@ def test_the_ragged_exchange_drops_what_overflows_a_receive_buffer_as_numpy_coun
     layer = MoE(cfg, rngs=nnx.Rngs(3))
     x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 32)), jnp.float32)
     ragged = Strategies(moe_exchange="ragged_all_to_all", moe_exchange_factor=factor)
-    with logical_rules(make_mesh(data=2, expert=P), strategies=ragged):
-        _, sown = nnx.capture(layer, nnx.Intermediate)(x)
+    with logical_rules(make_mesh(data=2, expert=P), strategies=ragged):  # jitted: one compile, not one per op
+        _, sown = nnx.jit(lambda layer, x: nnx.capture(layer, nnx.Intermediate)(x))(layer, x)
     dropped = int([v.get_value()[0] for p, v in nnx.to_flat_state(sown) if "moe_dropped" in map(str, p)][0])
     experts, _, _, _ = layer.router(x.reshape(-1, 32))
     per_device = np.asarray(experts).reshape(2 * P, 6 * 2)  # one sequence per device, data-major

@@ -101,7 +101,7 @@ def test_causality_by_gradient(name):
 
 def decode_matches_forward(model, T_prompt=5, T=12, chunks=None):
     toks = tokens(T=T)
-    full = model(toks)
+    full = jax.jit(lambda m, t: m(t))(model, toks)  # jitted: one compile, not one per operation
     cache = model.init_cache(2, max_len=16)
     step = jax.jit(lambda m, t, c: m(t, cache=c))
     pieces, start = [], 0

@@ -254,8 +254,8 @@ def test_a_dense_first_pattern_is_scanned_and_remat_changes_nothing():
 
     grads = {}
     for name, run in (("scan", ExecutionConfig()), ("unrolled_remat", ExecutionConfig(scan_layers=False, remat="full"))):
-        with execution.use(run):
-            grads[name] = (scanned(toks), nnx.state(nnx.grad(loss)(scanned), nnx.Param))
+        with execution.use(run):  # jitted (traced under `run`): one compile, not one per operation
+            grads[name] = nnx.jit(lambda m: (m(toks), nnx.state(nnx.grad(loss)(m), nnx.Param)))(scanned)
     np.testing.assert_allclose(grads["unrolled_remat"][0], grads["scan"][0], atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close(grads["unrolled_remat"][1], grads["scan"][1], atol=1e-6, rtol=1e-5)
     dense_ffn = scanned.stages[0].blocks[0].mlp
