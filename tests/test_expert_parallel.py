@@ -114,8 +114,8 @@ def test_dropped_assignments_under_a_tight_bound_match_numpy():
     layer = MoE(cfg, rngs=nnx.Rngs(3))
     x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 32)), jnp.float32)
     mesh = make_mesh(data=2, expert=P)
-    with logical_rules(mesh, strategies=Strategies(moe_exchange_factor=factor)):
-        _, sown = nnx.capture(layer, nnx.Intermediate)(x)
+    with logical_rules(mesh, strategies=Strategies(moe_exchange_factor=factor)):  # jitted: one compile
+        _, sown = nnx.jit(lambda layer, x: nnx.capture(layer, nnx.Intermediate)(x))(layer, x)
     dropped = int([v.get_value()[0] for p, v in nnx.to_flat_state(sown) if "moe_dropped" in map(str, p)][0])
     experts, _, _, _ = layer.router(x.reshape(-1, 32))
     experts = np.asarray(experts).reshape(8, 6 * 2)  # rows of one sequence: its 6 tokens x k
