@@ -32,6 +32,15 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 
+# the longest tests (many processes, random kills) start first, so that the two workers do not
+# end with one of them running one alone
+FIRST = ("tests/test_multihost.py::", "tests/test_reliability_checkpoints.py::test_random_sigkills")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: the rest keep their order
+
+
 def pytest_unconfigure(config):
     if _CACHE is not None:
         import shutil
