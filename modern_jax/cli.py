@@ -537,6 +537,10 @@ def main(argv=None) -> int:
     except BaseException as e:  # a bug, or Ctrl-C before the loop: the others must not wait for this process
         if not distributed.joined():
             raise
+        from jax.errors import JaxRuntimeError
+
+        if isinstance(e, JaxRuntimeError):  # a collective that lost its peer: the watchdog names it
+            distributed.await_lost_peer()
         traceback.print_exc()
         message = f"{type(e).__name__}: {e}"
     finally:

@@ -357,6 +357,18 @@ def _plain(value):
     return json.loads(json.dumps(value, default=str))
 
 
+def await_lost_peer() -> None:
+    """A computation across the processes failed (a connection reset inside a collective: gloo,
+    NCCL): most often because another process is gone. Wait, up to the heartbeat timeout and a
+    little more, for the watchdog to name it and stop this process (exit `LOST_EXIT`, its one
+    line), before the caller treats the error as this process's own."""
+    if _JOINED is None:
+        return
+    deadline = time.monotonic() + _JOINED.timeout + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def finish(failed: str | None = None) -> None:
     """Tell the others how this process ends: `done`, or `failed` with a message of its own (an
     error the others did not share), which stops them at once."""
