@@ -153,7 +153,7 @@ def check_mesh(cfg, mesh, rules=RULES) -> None:
     for field, value, logical in checks:
         n = split_size(logical, mesh, rules)
         if value % n:
-            axes = [a for a in mesh_axes(logical, rules) if a in mesh.shape]
+            axes = [a for a in mesh_axes(logical, rules) if mesh.shape.get(a, 1) > 1]
             split = " x ".join(f"{a}={mesh.shape[a]}" for a in axes) + (f" = {n}" if len(axes) > 1 else "")
             fix = (f"set model.vocab_pad_to={n} (pads {(-value) % n} rows whose logits are masked)"
                    if field == "vocab_size" else f"choose a mesh whose {' x '.join(axes)} size divides {value}")
