@@ -181,47 +181,47 @@ class MLAttention(nnx.Module):
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False, absorb=None):
         cfg, spec = self.cfg, self.spec
         B, T, _ = x_BTD.shape
-        N, Z, Hn = cfg.n_heads, cfg.mla_kv_rank, cfg.mla_nope_dim
+        N, C, Hn = cfg.n_heads, cfg.mla_kv_rank, cfg.mla_nope_dim
         if cfg.mla_q_rank:
             q_BTNH = self.q_b_proj("BTQ,QNH->BTNH", self.q_a_layernorm(self.q_a_proj("BTD,DQ->BTQ", x_BTD)))
         else:
             q_BTNH = self.q_proj("BTD,DNH->BTNH", x_BTD)
         if spec.temperature is not None:  # a NoPE layer's queries, both parts
             q_BTNH = scale_queries(q_BTNH, pos_BT, spec.temperature)
-        q_nope_BTNH, q_pe_BTNY = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
+        q_nope_BTNH, q_pe_BTNR = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
         ckv_BTX = self.kv_a_proj_with_mqa("BTD,DX->BTX", x_BTD)
-        c_BTZ = checkpoint_name(self.kv_a_layernorm(ckv_BTX[..., :Z]), "key_proj")
-        k_pe_BTY = ckv_BTX[..., Z:]
+        c_BTC = checkpoint_name(self.kv_a_layernorm(ckv_BTX[..., :C]), "key_proj")
+        k_pe_BTR = ckv_BTX[..., C:]
         if spec.rope is not None:  # a NoPE layer leaves the decoupled query / key parts unrotated
-            q_pe_BTNY = apply_rope(q_pe_BTNY, pos_BT, spec.rope)
-            k_pe_BTY = apply_rope(k_pe_BTY[:, :, None], pos_BT, spec.rope)[:, :, 0]
+            q_pe_BTNR = apply_rope(q_pe_BTNR, pos_BT, spec.rope)
+            k_pe_BTR = apply_rope(k_pe_BTR[:, :, None], pos_BT, spec.rope)[:, :, 0]
         k_pos_BS, k_seg_BS = pos_BT, seg_BT
         if cache is None:
-            c_BSZ, k_pe_BSY = c_BTZ, k_pe_BTY
+            c_BSC, k_pe_BSR = c_BTC, k_pe_BTR
         else:
-            keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTZ, "k_pe": k_pe_BTY}, pos_BT, spec.span)
-            c_BSZ, k_pe_BSY = keys["c"].astype(x_BTD.dtype), keys["k_pe"].astype(x_BTD.dtype)
+            keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTC, "k_pe": k_pe_BTR}, pos_BT, spec.span)
+            c_BSC, k_pe_BSR = keys["c"].astype(x_BTD.dtype), keys["k_pe"].astype(x_BTD.dtype)
         absorb = cache is not None if absorb is None else absorb
-        w_ZNX = self.kv_b_proj.kernel[...].astype(x_BTD.dtype)
-        w_uk_ZNH, w_uv_ZNU = w_ZNX[..., :Hn], w_ZNX[..., Hn:]
+        w_CNX = self.kv_b_proj.kernel[...].astype(x_BTD.dtype)
+        w_uk_CNH, w_uv_CNU = w_CNX[..., :Hn], w_CNX[..., Hn:]
         spec_ = AttentionSpec(scale=self.scale(), window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
                               dropout_rate=cfg.attn_dropout)
         vis = Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS)
         kwargs = dict(dropout_rng=rng, return_max_logit=diagnostics)
-        if absorb:  # MQA over the latent: one shared "kv head" of width Z + Y, N queries per group
-            q_lat_BTNZ = jnp.einsum("BTNH,ZNH->BTNZ", q_nope_BTNH, w_uk_ZNH)
-            q_BT1NX = jnp.concatenate([q_lat_BTNZ, q_pe_BTNY], axis=-1)[:, :, None]
-            k_BS1X = jnp.concatenate([c_BSZ, k_pe_BSY], axis=-1)[:, :, None]
+        if absorb:  # MQA over the latent: one shared "kv head" of width C + R, N queries per group
+            q_lat_BTNC = jnp.einsum("BTNH,CNH->BTNC", q_nope_BTNH, w_uk_CNH)
+            q_BT1NX = jnp.concatenate([q_lat_BTNC, q_pe_BTNR], axis=-1)[:, :, None]
+            k_BS1X = jnp.concatenate([c_BSC, k_pe_BSR], axis=-1)[:, :, None]
             sinks_1N = None if self.sinks is None else self.sinks[...][None]
-            o_BT1NZ = sow_max_logit(self, attention(q_BT1NX, k_BS1X, c_BSZ[:, :, None], spec_, vis, sinks_KG=sinks_1N,
+            o_BT1NC = sow_max_logit(self, attention(q_BT1NX, k_BS1X, c_BSC[:, :, None], spec_, vis, sinks_KG=sinks_1N,
                                                     **kwargs), diagnostics)
-            o_BTNU = jnp.einsum("BTNZ,ZNU->BTNU", o_BT1NZ[:, :, 0], w_uv_ZNU)
+            o_BTNU = jnp.einsum("BTNC,CNU->BTNU", o_BT1NC[:, :, 0], w_uv_CNU)
         else:  # expand the latent into per-head keys and values (training)
-            S = c_BSZ.shape[1]
-            k_nope_BSNH = jnp.einsum("BSZ,ZNH->BSNH", c_BSZ, w_uk_ZNH)
-            v_BSNU = jnp.einsum("BSZ,ZNU->BSNU", c_BSZ, w_uv_ZNU)
-            k_BSNX = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_pe_BSY[:, :, None], (B, S, N, k_pe_BSY.shape[-1]))], -1)
-            q_BTN1X = jnp.concatenate([q_nope_BTNH, q_pe_BTNY], axis=-1)[:, :, :, None]
+            S = c_BSC.shape[1]
+            k_nope_BSNH = jnp.einsum("BSC,CNH->BSNH", c_BSC, w_uk_CNH)
+            v_BSNU = jnp.einsum("BSC,CNU->BSNU", c_BSC, w_uv_CNU)
+            k_BSNX = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_pe_BSR[:, :, None], (B, S, N, k_pe_BSR.shape[-1]))], -1)
+            q_BTN1X = jnp.concatenate([q_nope_BTNH, q_pe_BTNR], axis=-1)[:, :, :, None]
             sinks_N1 = None if self.sinks is None else self.sinks[...][:, None]
             o_BTN1U = sow_max_logit(self, attention(q_BTN1X, k_BSNX, v_BSNU, spec_, vis, sinks_KG=sinks_N1, **kwargs),
                                     diagnostics)
