@@ -127,7 +127,9 @@ def cmd_train(args) -> int:
     if args.init_from_hf:
         from modern_jax.convert import finetune_run
 
-        run, init = finetune_run(run, args.init_from_hf, log=_note)
+        run, init = finetune_run(run, args.init_from_hf, log=_note, adapter=args.init_adapter)
+    elif args.init_adapter:
+        raise ValueError("--init-adapter needs --init-from-hf: the Hugging Face model the adapter was trained on")
     source = f"{config} from {args.init_from_hf}" if init is not None else str(config)
     main = distributed.is_main()
     if main:
@@ -244,6 +246,7 @@ def cmd_evaluate(args) -> int:
     from modern_jax.data.pipeline import eval_batches, eval_windows
     from modern_jax.sharding.mesh import make_mesh
     from modern_jax.training import TrainConfig, Trainer, evaluate_batches
+    from modern_jax.lora import LoRAConfig
     from modern_jax.training.checkpoint import load_params
 
     main = jax.process_index() == 0
@@ -261,7 +264,8 @@ def cmd_evaluate(args) -> int:
         note(f"--batch-size {args.batch_size}: {what} gives {_windows(windows, seq_len)}; one batch of {windows:,}")
     tc = TrainConfig(seq_len=seq_len, eval_batch_size=batch_size, warmup_steps=0)
     # one device; in a launch of several processes every device, each process feeding its rows
-    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None))
+    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None),
+                      lora=LoRAConfig.of_run(raw))
     token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
 
     def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
@@ -299,6 +303,7 @@ def cmd_generate(args) -> int:
     from modern_jax.accounting import DoesNotFit
     from modern_jax.generate import sample_texts
     from modern_jax.training.checkpoint import load_params
+    from modern_jax.lora import LoRAConfig
     from modern_jax.model import abstract_params
 
     import jax
@@ -309,7 +314,7 @@ def cmd_generate(args) -> int:
         tokenizer.encode(args.prompt)
     except ValueError as e:
         raise ValueError(f"--prompt cannot be encoded: {e}") from None
-    graphdef, _ = abstract_params(cfg)
+    graphdef, _ = abstract_params(cfg, LoRAConfig.of_run(raw))
     temperature = 0.0 if args.greedy else args.temperature
     try:
         with _warnings_as_notes():
@@ -334,10 +339,13 @@ def _note(message: str) -> None:
 
 def cmd_convert(args) -> int:
     from modern_jax.convert import convert_from_hf, convert_to_hf
+    from modern_jax.convert.checkpoint import convert_to_peft
 
-    if bool(args.from_hf) == bool(args.to_hf):
-        raise ValueError("give exactly one of --from-hf HF_DIR or --to-hf CHECKPOINT")
-    if args.from_hf:
+    if sum(map(bool, (args.from_hf, args.to_hf, args.to_peft))) != 1:
+        raise ValueError("give exactly one of --from-hf HF_DIR, --to-hf CHECKPOINT or --to-peft RUN")
+    if args.to_peft:
+        convert_to_peft(args.to_peft, args.out, model_type=args.model_type, overwrite=args.overwrite, log=_note)
+    elif args.from_hf:
         convert_from_hf(args.from_hf, args.out, dtype=args.dtype or "float32", overwrite=args.overwrite, log=_note)
     else:
         convert_to_hf(args.to_hf, args.out, model_type=args.model_type, dtype=args.dtype, overwrite=args.overwrite,
@@ -438,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fine-tune: start from this Hugging Face model directory or hub name (org/name, from the "
                          "local cache), or a converted checkpoint, with its config and tokenizer; the run file "
                          f"(default: {FINETUNE_CONFIG.name}) supplies train: and data:")
+    tr.add_argument("--init-adapter", metavar="DIR",
+                    help="with --init-from-hf: start a LoRA run from this PEFT adapter of that model (its rank, "
+                         "alpha and projections set lora:)")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=1,tensor=4 (-1 fills; sets "
                                    "parallel.data/fsdp/expert/context/tensor)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.n_layers=2")
@@ -469,11 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("convert", help="Hugging Face checkpoint <-> modern_jax (Orbax) checkpoint")
     co.add_argument("--from-hf", help="a Hugging Face model directory (config.json + safetensors) or a hub name "
                                       "(org/name, from the local cache)")
-    co.add_argument("--to-hf", help="a converted checkpoint, a run directory or a step directory")
+    co.add_argument("--to-hf", help="a converted checkpoint, a run directory or a step directory (a LoRA run: "
+                                    "its adapters merged into the base)")
+    co.add_argument("--to-peft", help="a LoRA run or a step of one: write its adapters in PEFT's format")
     co.add_argument("--out", required=True, help="the directory to write: new or empty (see --overwrite)")
     co.add_argument("--overwrite", action="store_true",
                     help="replace --out if it holds an earlier conversion of the same kind (never a training run)")
-    co.add_argument("--model-type", help="--to-hf: the Hugging Face family to write (default: the source's)")
+    co.add_argument("--model-type", help="--to-hf / --to-peft: the Hugging Face family to write (default: the "
+                                         "source's)")
     co.add_argument("--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 / as stored)")
     co.set_defaults(func=cmd_convert)
 

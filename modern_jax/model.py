@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 import jax
@@ -39,16 +40,18 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import traversals
 
 from modern_jax import execution
 from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.layers.attention import MAX_LOGIT
 from modern_jax.layers.block import Block
-from modern_jax.layers.linear import Proj, param
-from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS, MoE
+from modern_jax.layers.linear import LoRA, Proj, Quantized, param
+from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS, ExpertProj, MoE
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import sinusoidal
-from modern_jax.ops import vocab
+from modern_jax.lora import LoRAConfig
+from modern_jax.ops import quant, vocab
 from modern_jax.sharding import constrain
 from modern_jax.sharding.sequence import residual
 
@@ -204,8 +207,8 @@ class Transformer(nnx.Module):
     parallelism; padded entries hold the lowest float32 and are never predicted).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
+        self.cfg, self.lora = cfg, lora
         D, V, dtype = cfg.d_model, cfg.padded_vocab_size, jnp.dtype(cfg.param_dtype)
         self.embed_tokens = param(rngs, jax.nn.initializers.normal(cfg.init_std), (V, D), ("vocab", "embed"), dtype)
         self.embed_positions = (
@@ -222,6 +225,8 @@ class Transformer(nnx.Module):
             None if cfg.tie_embeddings
             else Proj(cfg, (D, V), ("embed", "vocab"), role="in", bias=cfg.head_bias, rngs=rngs)
         )
+        if lora is not None:
+            adapt(self, lora, rngs)
 
     # ----- decoding cache ------------------------------------------------------
 
@@ -364,15 +369,69 @@ class Transformer(nnx.Module):
 _CHECKS = os.environ.get("MODERN_JAX_CHECKS", "") == "1"
 
 
-def abstract_model(cfg: ModelConfig) -> Transformer:
+def abstract_model(cfg: ModelConfig, lora: LoRAConfig | None = None) -> Transformer:
     """The model with every parameter a ShapeDtypeStruct (no memory, no initialisation): what
     counts, sharding plans, checkpoint readers and converters read."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), lora=lora))
 
 
-def abstract_params(cfg: ModelConfig):
-    """`(graphdef, parameters as ShapeDtypeStructs)` of `abstract_model(cfg)`."""
-    return nnx.split(abstract_model(cfg), nnx.Param)
+def abstract_params(cfg: ModelConfig, lora: LoRAConfig | None = None):
+    """`(graphdef, parameters as ShapeDtypeStructs)` of `abstract_model(cfg, lora)`."""
+    return nnx.split(abstract_model(cfg, lora), nnx.Param)
+
+
+# ----- LoRA ----------------------------------------------------------------------
+
+ADAPTABLE = (Proj, ExpertProj)
+MERGED_SITES = (ExpertProj,)  # adapters added to the weight itself (no input to drop out)
+
+
+def projections(model: Transformer):
+    """`(name inside its block, module, stage, block index)` of every projection in the blocks."""
+    for s, stage in enumerate(model.stages):
+        for j, block in enumerate(stage.blocks):
+            for path, module in nnx.iter_graph(block):
+                if isinstance(module, ADAPTABLE):
+                    yield ".".join(map(str, path)), module, s, j
+
+
+def merged(model: Transformer) -> Transformer:
+    """A LoRA model as a plain one of its config: each adapter added into its (dequantized)
+    weight, in `param_dtype` (what `convert --to-hf` of a LoRA run writes)."""
+    if model.lora is None:
+        return model
+    graphdef, _ = abstract_params(model.cfg)
+    flat = traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    plain = {k: v for k, v in flat.items() if k[0] != "stages" or ("adapter" not in k and "kernel" not in k)}
+    dtype = jnp.dtype(model.cfg.param_dtype)
+    for name, module, s, j in projections(model):
+        plain[("stages", s, "blocks", j, *name.split("."), "kernel")] = module.weight(dtype)
+    return nnx.merge(graphdef, traversals.unflatten_mapping(plain))
+
+
+def adapt(model: Transformer, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
+    """Give the projections `lora.targets` names adapters (B zero: the model is unchanged) and,
+    with `lora.quantize`, store every projection in the blocks quantized (routers excepted: the
+    choice of experts stays in the base's precision)."""
+    names = sorted({name for name, *_ in projections(model)})
+    for target in lora.targets:
+        if not any(LoRAConfig(targets=(target,)).matches(name) for name in names):
+            raise ValueError(f"lora.targets: {target!r} names no projection of this model (its projections: "
+                             f"{', '.join(names)}; or all-linear)")
+    for salt, (name, module, _, _) in enumerate(projections(model)):
+        router = isinstance(module, Proj) and name.endswith("router.proj")
+        if lora.matches(name):
+            if lora.dropout and (isinstance(module, MERGED_SITES) or router):
+                raise ValueError(f"lora.dropout={lora.dropout} cannot apply to {name}: its adapter is added to the "
+                                 f"weight itself (as PEFT does for experts), which has no input of its own to drop "
+                                 f"out: set lora.dropout=0, or leave it out of lora.targets")
+            module.adapter = LoRA(module.kernel, module.in_dims, module.out_dims, lora, salt, rngs)
+        if lora.quantize != "none" and not router:
+            out = math.prod(module.kernel.shape[module.kernel.ndim - module.out_dims:])
+            if out % quant.BLOCK:
+                raise ValueError(f"lora.quantize={lora.quantize!r} quantizes each projection's outputs in blocks of "
+                                 f"{quant.BLOCK}, and {name} has {out}: use lora.quantize=none for this model")
+            module.kernel = Quantized(module.kernel, module.out_dims, lora.quantize)
 
 
 @contextlib.contextmanager

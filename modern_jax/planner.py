@@ -53,7 +53,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         execution = execution.replace(attention_impl="chunked")  # O(T) attention, as the flash kernels are
     trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(),
                       context_layout=run.parallel.context_layout, strategies=run.parallel,
-                      execution=execution)
+                      execution=execution, lora=run.lora)
     state = trainer.abstract_state()
     batch = trainer.abstract_batch()
     with recording_kernels() as kernels:

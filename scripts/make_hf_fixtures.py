@@ -10,6 +10,11 @@ Runs in its own Python 3.11 environment (torch is never a dependency of modern_j
     .hfvenv/bin/python scripts/make_hf_fixtures.py reference DIR ...   # for the live test
     .hfvenv/bin/python scripts/make_hf_fixtures.py chat [--out DIR]    # tests/fixtures/hf_chat
     .hfvenv/bin/python scripts/make_hf_fixtures.py chat-reference DIR ...   # for the live test
+    .hfvenv/bin/pip install peft trl                                        # for the three below
+    .hfvenv/bin/python scripts/make_hf_fixtures.py peft [--out DIR]    # tests/fixtures/hf_peft
+    .hfvenv/bin/python scripts/make_hf_fixtures.py peft-logits --base DIR --adapter DIR --tokens IDS.npy --out OUT.npz
+    .hfvenv/bin/python scripts/make_hf_fixtures.py dpo-reference --model DIR [--ref-model DIR] [--adapter DIR] \
+        --batch BATCH.npz --out OUT.npz [--beta B] [--loss-type sigmoid|ipo] [--label-smoothing S]
 
 Writes under tests/fixtures/hf/:
 - `param_counts.json`: for each config (tiny ones and the published sizes of the presets),
@@ -28,6 +33,13 @@ word-level tokenizer (ChatML's `<|im_start|>` / `<|im_end|>`, `<|im_end|>` the e
 its chat template saved by `PreTrainedTokenizerFast.save_pretrained`, and `chat.jsonl`: 25
 conversations of sums in words, to fine-tune it on (docs/training.md, "Fine-tune a Hugging Face
 model on your conversations").
+
+And `tests/fixtures/hf_peft/`: for a tiny Llama (untied head) and a tiny Qwen3 (tied), a random float32
+`base/`, a PEFT LoRA `adapter/` (r 4, alpha 8, on every projection, A and B random) as
+`PeftModel.save_pretrained` writes it, and `reference.npz` with `tokens` and the logits of the base,
+of the PeftModel and of its `merge_and_unload()`. `peft-logits` gives PEFT's logits for an adapter
+(one we export must load there, strictly); `dpo-reference` gives TRL's DPO loss and metrics on a
+batch of preference pairs, from TRL's own `DPOTrainer._compute_loss`.
 
 The tests read only these files, so the default test run needs neither torch nor
 transformers. `tests/test_convert_live.py` runs the same comparisons live, through this
@@ -595,15 +607,256 @@ def run_chat_reference(directories: list[Path]) -> None:
         (directory / "transformers_chat.json").write_text(json.dumps({"texts": texts, "ids": ids}))
 
 
+# ----- PEFT LoRA adapters and TRL's DPO -----------------------------------------------
+
+# the tiny llama and qwen3 (untied / tied head), two layers and a narrower MLP to keep the fixture small
+PEFT_FAMILIES = {"llama": dict(TINY["llama"], num_hidden_layers=2, intermediate_size=48),
+                 "qwen3": dict(TINY["qwen3"], intermediate_size=48)}
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+LORA_STD = 0.05  # lora_A and lora_B ~ N(0, LORA_STD^2): PEFT's zero B would make the adapter a no-op
+
+
+def load_hf(directory: Path):
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def load_peft(base, adapter: Path):
+    """`PeftModel.from_pretrained(base, adapter)`, strictly: PEFT only warns about missing adapter keys and says
+    nothing of unexpected ones, so both are errors here, and every saved tensor must be what the model now holds."""
+    import warnings
+
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*missing adapter keys")
+        model = PeftModel.from_pretrained(base, adapter).eval()
+    saved = load_file(adapter / "adapter_model.safetensors")
+    held = get_peft_model_state_dict(model)
+    missing, unexpected = sorted(held.keys() - saved.keys()), sorted(saved.keys() - held.keys())
+    if missing or unexpected:
+        raise SystemExit(f"{adapter}: adapter keys PEFT expects but the file lacks: {missing}; "
+                         f"keys in the file PEFT does not use: {unexpected}")
+    changed = [k for k in saved if not torch.equal(saved[k].float(), held[k].float())]
+    if changed:
+        raise SystemExit(f"{adapter}: PEFT did not load these tensors as saved: {changed}")
+    return model
+
+
+def make_peft_fixture(out: Path) -> None:
+    """Per family in PEFT_FAMILIES: a random float32 base (`base/`), a LoRA adapter on every projection with random
+    A and B (`adapter/`, PeftModel.save_pretrained), and reference.npz: `tokens` [2, 12] and the float32 logits of
+    the base, of the PeftModel (adapter loaded back from disk) and of its `merge_and_unload()`."""
+    import peft
+    from peft import LoraConfig, get_peft_model
+
+    shutil.rmtree(out, ignore_errors=True)
+    manifest = {"transformers": transformers.__version__, "torch": torch.__version__, "peft": peft.__version__,
+                "lora": LORA, "lora_std": LORA_STD, "families": {}}
+    for family, config in PEFT_FAMILIES.items():
+        directory, seed = out / family, zlib.crc32(f"peft-{family}".encode()) % 2**31
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="eager").eval()
+        randomise(model, seed)
+        model.save_pretrained(directory / "base")
+        (directory / "base" / "generation_config.json").unlink(missing_ok=True)
+
+        lora = get_peft_model(load_hf(directory / "base"), LoraConfig(**LORA))
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in lora.named_parameters():
+            if ".lora_" in name:
+                p.data.copy_(LORA_STD * torch.randn(p.shape, generator=g))
+        base_path = directory.resolve() / "base"  # as PEFT writes it, but relative to the repository when inside it
+        lora.peft_config["default"].base_model_name_or_path = str(
+            base_path.relative_to(ROOT) if base_path.is_relative_to(ROOT) else base_path)
+        lora.save_pretrained(directory / "adapter")
+        (directory / "adapter" / "README.md").unlink()  # PEFT's model card template
+        config_path = directory / "adapter" / "adapter_config.json"  # PEFT writes target_modules, a set, in hash order
+        adapter_config = json.loads(config_path.read_text())
+        adapter_config["target_modules"] = sorted(adapter_config["target_modules"])
+        config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True))  # as PEFT's PeftConfig writes
+
+        tokens = torch.randint(0, config["vocab_size"], (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+        base = load_hf(directory / "base")
+        base_logits = base(tokens).logits.float().numpy()
+        with_adapter = load_peft(base, directory / "adapter")
+        peft_logits = with_adapter(tokens).logits.float().numpy()
+        merged_logits = with_adapter.merge_and_unload()(tokens).logits.float().numpy()
+        np.savez_compressed(directory / "reference.npz", tokens=tokens.numpy().astype(np.int32),
+                            base_logits=base_logits, peft_logits=peft_logits, merged_logits=merged_logits)
+        effect = float(np.max(np.abs(peft_logits - base_logits)))
+        merge_gap = float(np.max(np.abs(merged_logits - peft_logits)))
+        assert effect > 1e-2, f"{family}: the adapter barely changes the logits ({effect})"
+        manifest["families"][family] = {"seed": seed, "config": config, "adapter_effect": effect,
+                                        "merge_gap": merge_gap}
+        print(f"{family}: seed {seed}  max|peft - base| {effect:.4f}  max|merged - peft| {merge_gap:.2e}")
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def run_peft_logits(base: Path, adapter: Path, tokens: Path, out: Path) -> None:
+    """The logits [B, T, V] PEFT gives with `adapter` on `base` for the ids in `tokens` [B, T] (.npy)."""
+    model = load_peft(load_hf(base), adapter)
+    ids = torch.from_numpy(np.load(tokens).astype(np.int64))
+    np.savez(out, logits=model(ids).logits.float().numpy())
+
+
+def trl_dpo(policy, ref_model, beta: float, loss_type: str, label_smoothing: float):
+    """A DPOTrainer with just what its `_compute_loss` reads, set as its __init__ sets it (TRL 1.16.0): the loss,
+    the log-probabilities (the fused LM head it patches onto the models) and the metrics are TRL's own code."""
+    from collections import defaultdict
+
+    from accelerate import Accelerator
+    from peft import PeftModel
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    args = DPOConfig(report_to="none", use_cpu=True, bf16=False, beta=beta, loss_type=[loss_type],
+                     label_smoothing=label_smoothing)  # writes nothing: no output_dir is made until training
+    trainer = DPOTrainer.__new__(DPOTrainer)
+    trainer.args, trainer.model, trainer.ref_model = args, policy, ref_model
+    trainer.accelerator = Accelerator(cpu=True)
+    trainer.beta, trainer.precompute_ref_logps = args.beta, args.precompute_ref_log_probs
+    trainer.loss_types, trainer.loss_weights = args.loss_type, args.loss_weights or [1.0] * len(args.loss_type)
+    trainer.ld_alpha, trainer.f_divergence_type = args.ld_alpha, args.f_divergence_type
+    trainer.f_alpha_divergence_coef = args.f_alpha_divergence_coef
+    trainer.label_smoothing, trainer.use_weighting = args.label_smoothing, args.use_weighting
+    trainer.aux_loss_enabled, trainer._total_train_tokens, trainer._tp_size = False, 0, 1
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+    add_fused_lm_head(policy.get_base_model() if isinstance(policy, PeftModel) else policy, outputs=outputs)
+    if ref_model is not None:
+        add_fused_lm_head(ref_model)
+
+    def step(inputs: dict) -> tuple[float, dict]:
+        trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        loss = trainer._compute_loss(policy, inputs, return_outputs=False)
+        return float(loss), {k: v[0] for k, v in trainer._metrics["eval"].items()}
+
+    return step
+
+
+def run_dpo_reference(model_dir: Path, ref_dir: Path | None, adapter: Path | None, batch: Path, out: Path,
+                      beta: float, loss_type: str, label_smoothing: float) -> None:
+    """TRL's DPO loss and logged metrics on a batch of preference pairs. batch.npz: `tokens` int [P, 2, T] (chosen,
+    rejected) and `weights` [P, 2, T], 1 where the next token (the target) is a completion token. Rows are right-padded
+    (attention through each row's last completion token, as TRL's collator). The policy is the model (with the adapter
+    through PEFT); the reference is --ref-model, else the policy with its adapter disabled, else the model again.
+    TRL's `_compute_loss` runs on the whole batch (the means it logs, `loss`) and on each pair (the per-pair arrays);
+    a plain transformers forward (log_softmax of the logits) must agree with it."""
+    import trl
+
+    with np.load(batch) as z:
+        tokens, weights = z["tokens"].astype(np.int64), z["weights"].astype(np.float32)
+    n_pairs, _, length = tokens.shape
+    if tokens.shape != weights.shape or tokens.shape[1] != 2:
+        raise SystemExit(f"{batch}: tokens {tokens.shape} and weights {weights.shape} must both be [P, 2, T]")
+    if np.any(weights[..., -1] != 0) or not np.all(np.isin(weights, (0, 1))) or np.any(weights.sum(-1) == 0):
+        raise SystemExit(f"{batch}: weights must be 0/1, 0 at the last position, with a completion token per row")
+    ids = torch.from_numpy(np.concatenate([tokens[:, 0], tokens[:, 1]]))  # [2P, T]: the chosen rows, then the rejected
+    shift = torch.from_numpy(np.concatenate([weights[:, 0], weights[:, 1]]))  # [2P, T]
+    completion = torch.zeros_like(ids)
+    completion[:, 1:] = shift[:, :-1].long()
+    last = length - 1 - completion.flip(1).argmax(1)  # each row's last completion token
+    attention = (torch.arange(length)[None] <= last[:, None]).long()
+    inputs = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+
+    policy = load_hf(model_dir)
+    if adapter is not None:
+        policy = load_peft(policy, adapter)
+    ref_model = load_hf(ref_dir) if ref_dir is not None else None if adapter is not None else load_hf(model_dir)
+
+    def plain_logps(model) -> torch.Tensor:  # [2P]
+        logits = model(input_ids=ids, attention_mask=attention).logits.float()
+        per_token = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        return (per_token * shift[:, :-1]).sum(1)
+
+    pol = plain_logps(policy)
+    if ref_model is not None:
+        ref = plain_logps(ref_model)
+    else:
+        with policy.disable_adapter():
+            ref = plain_logps(policy)
+    step = trl_dpo(policy, ref_model, beta, loss_type, label_smoothing)
+    loss, means = step(inputs)
+    pairs = [step({k: v[[p, n_pairs + p]] for k, v in inputs.items()}) for p in range(n_pairs)]
+
+    chosen_ratio, rejected_ratio = (pol - ref).chunk(2)
+    delta = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":  # TRL 1.16.0 DPOTrainer._compute_loss: `-F.logsigmoid(self.beta * delta_score)`
+        plain_losses = -torch.nn.functional.logsigmoid(beta * delta)
+    else:  # ipo, TRL 1.16.0: the log-ratios averaged over each row's completion tokens
+        n_chosen, n_rejected = completion.sum(1).chunk(2)
+        plain_losses = (chosen_ratio / n_chosen - rejected_ratio / n_rejected - 1 / (2 * beta)) ** 2
+    result = {
+        "policy_chosen_logps": np.array([m["logps/chosen"] for _, m in pairs]),
+        "policy_rejected_logps": np.array([m["logps/rejected"] for _, m in pairs]),
+        "ref_chosen_logps": ref.chunk(2)[0].numpy(), "ref_rejected_logps": ref.chunk(2)[1].numpy(),
+        "chosen_rewards": np.array([m["rewards/chosen"] for _, m in pairs]),
+        "rejected_rewards": np.array([m["rewards/rejected"] for _, m in pairs]),
+        "reward_accuracies": np.array([m["rewards/accuracies"] for _, m in pairs]),
+        "reward_margins": np.array([m["rewards/margins"] for _, m in pairs]),
+        "losses": np.array([loss for loss, _ in pairs]), "loss": np.array(loss),
+        **{name.replace("/", "_"): np.array(means[name]) for name in
+           ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected")},
+    }
+    if loss_type == "sigmoid":  # conservative DPO: TRL < 1's sigmoid with label smoothing (1.16.0 ignores it there)
+        smoothed = (-torch.nn.functional.logsigmoid(beta * delta) * (1 - label_smoothing)
+                    - torch.nn.functional.logsigmoid(-beta * delta) * label_smoothing)
+        result.update(losses_label_smoothed=smoothed.numpy(), loss_label_smoothed=smoothed.mean().numpy())
+    plain = {"policy_chosen_logps": pol.chunk(2)[0], "policy_rejected_logps": pol.chunk(2)[1],
+             "chosen_rewards": beta * chosen_ratio, "rejected_rewards": beta * rejected_ratio,
+             "reward_margins": beta * delta, "losses": plain_losses}
+    for name, value in plain.items():  # TRL's fused head and per-pair batches vs one plain forward
+        np.testing.assert_allclose(result[name], value.numpy(), rtol=1e-5, atol=1e-4, err_msg=name)
+    np.testing.assert_allclose(result["loss"], result["losses"].mean(), rtol=1e-5, atol=1e-6)
+    for key, per_pair in (("rewards_chosen", "chosen_rewards"), ("rewards_rejected", "rejected_rewards"),
+                          ("rewards_accuracies", "reward_accuracies"), ("rewards_margins", "reward_margins"),
+                          ("logps_chosen", "policy_chosen_logps"), ("logps_rejected", "policy_rejected_logps")):
+        np.testing.assert_allclose(result[key], result[per_pair].mean(), rtol=1e-5, atol=1e-5, err_msg=key)
+    result = {k: np.asarray(v, np.float32) for k, v in result.items()}
+    np.savez(out, **result, beta=np.float32(beta), label_smoothing=np.float32(label_smoothing),
+             loss_type=np.array(loss_type), trl_version=np.array(trl.__version__))
+    print(f"DPO ({loss_type}, beta {beta}, label smoothing {label_smoothing}, TRL {trl.__version__}): loss {loss:.6f}, "
+          + ", ".join(f"{k} {float(result[k]):.4f}" for k in ("rewards_chosen", "rewards_rejected",
+                                                               "rewards_accuracies", "rewards_margins")))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", choices=("all", "counts", "checkpoints", "reference", "chat",
-                                                    "chat-reference"), default="all")
+                                                    "chat-reference", "peft", "peft-logits", "dpo-reference"),
+                        default="all")
     parser.add_argument("directories", nargs="*", type=Path, help="reference: checkpoint directories")
     parser.add_argument("--out", type=Path, default=FIXTURES)
     parser.add_argument("--only", nargs="*", help="checkpoint names to (re)make")
+    parser.add_argument("--base", type=Path, help="peft-logits: the base checkpoint")
+    parser.add_argument("--adapter", type=Path, help="peft-logits, dpo-reference: a PEFT adapter directory")
+    parser.add_argument("--tokens", type=Path, help="peft-logits: token ids [B, T] (.npy)")
+    parser.add_argument("--model", type=Path, help="dpo-reference: the policy's checkpoint")
+    parser.add_argument("--ref-model", type=Path, help="dpo-reference: the reference's checkpoint")
+    parser.add_argument("--batch", type=Path, help="dpo-reference: tokens and weights [P, 2, T] (.npz)")
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--loss-type", choices=("sigmoid", "ipo"), default="sigmoid")
+    parser.add_argument("--label-smoothing", type=float, default=0.0)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
+    if args.what == "peft":
+        make_peft_fixture(FIXTURES.parent / "hf_peft" if args.out == FIXTURES else args.out)
+        return
+    if args.what in ("peft-logits", "dpo-reference") and args.out == FIXTURES:
+        parser.error(f"{args.what} needs --out FILE.npz")
+    if args.what == "peft-logits":
+        if None in (args.base, args.adapter, args.tokens):
+            parser.error("peft-logits needs --base, --adapter and --tokens")
+        run_peft_logits(args.base, args.adapter, args.tokens, args.out)
+        return
+    if args.what == "dpo-reference":
+        if None in (args.model, args.batch):
+            parser.error("dpo-reference needs --model and --batch")
+        run_dpo_reference(args.model, args.ref_model, args.adapter, args.batch, args.out, args.beta,
+                          args.loss_type, args.label_smoothing)
+        return
     if args.what == "reference":
         run_reference(args.directories)
         return

@@ -26,6 +26,7 @@ trained from a Hugging Face source keeps its config.json and tokenizer files in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -35,10 +36,12 @@ import jax
 from flax import nnx
 
 from modern_jax.config import NETWORK_FIELDS, ModelConfig
+from modern_jax.configfile import read_json
 from modern_jax.convert.hf_checkpoint import from_hf, nonfinite, read_hf_config, refuse_nonfinite, resolve_hf, to_hf
 from modern_jax.convert.hf_config import config_from_hf, model_type_of
 from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
-from modern_jax.model import Transformer, abstract_params
+from modern_jax.lora import LoRAConfig
+from modern_jax.model import Transformer, abstract_params, merged
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (HF_ASSETS_DIR, load_params, read_config, resolve_checkpoint, save_checkpoint,
                                            write_checksums)
@@ -56,8 +59,8 @@ CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept in confi
 def load_checkpoint(ckpt: str | os.PathLike, log=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """`(config, model)` from a converted checkpoint, a training run directory (its newest
     step) or one step directory; parameters come back in their saved dtype."""
-    cfg, params, _, _ = load_params(ckpt, log=log, **overrides)
-    graphdef, _ = abstract_params(cfg)
+    cfg, params, raw, _ = load_params(ckpt, log=log, **overrides)
+    graphdef, _ = abstract_params(cfg, LoRAConfig.of_run(raw))
     return cfg, nnx.merge(graphdef, params)
 
 
@@ -97,11 +100,38 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
         text = source.get("text_config") or {}
         extra = {k: source.get(k, text.get(k)) for k in CARRIED_KEYS if k in source or k in text}
     _, model = load_checkpoint(ckpt, log=log)
+    model = merged(model)  # a LoRA run: its adapters added into the base
     files = to_hf(model, out, model_type=model_type, dtype=dtype, extra_config=extra, overwrite=overwrite)
     for name in HF_ASSETS:
         if name != "config.json" and (ckpt / HF / name).is_file():
             shutil.copy2(ckpt / HF / name, Path(out) / name)
             files.append(name)
+    return files
+
+
+def convert_to_peft(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: str | None = None,
+                    overwrite: bool = False, log=None) -> list[str]:
+    """A LoRA run's adapters (its newest step, or a step directory) -> a PEFT adapter directory `out`,
+    which `PeftModel.from_pretrained(base, out)` loads onto the Hugging Face base."""
+    from modern_jax.convert.peft import write_peft
+    from modern_jax.training import outputs
+
+    ckpt = Path(ckpt)
+    outputs.claim(out, outputs.PEFT, "output directory", overwrite=overwrite, dry_run=True)  # before reading
+    source = read_hf_config(ckpt / HF) if (ckpt / HF / "config.json").is_file() else None
+    if model_type is None:
+        if source is None:
+            raise ValueError(f"{ckpt} was not started from a Hugging Face model: name the base's family with "
+                             f"--model-type")
+        model_type = model_type_of(source)
+    _, model = load_checkpoint(ckpt, log=log)
+    if model.lora is None:
+        raise ValueError(f"{ckpt} is not a LoRA run (its config.yaml has no lora: section): convert --to-hf "
+                         f"writes the whole model")
+    outputs.claim(out, outputs.PEFT, "output directory", overwrite=overwrite)
+    with outputs.RunLock(Path(out), "output directory", command="convert --to-peft").acquire():
+        files = write_peft(model, out, model_type, base=(source or {}).get("_name_or_path", ""))
+        outputs.mark(out, outputs.PEFT, f"modern-jax convert --to-peft (model_type {model_type})")
     return files
 
 
@@ -156,10 +186,12 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
     return cfg, Initial(f"the Hugging Face model {source}", params, tokenizer, assets)
 
 
-def finetune_run(run: RunConfig, source: str | os.PathLike, log=None) -> tuple[RunConfig, Initial]:
+def finetune_run(run: RunConfig, source: str | os.PathLike, log=None, adapter: str | os.PathLike | None = None
+                 ) -> tuple[RunConfig, Initial]:
     """`run` with the model of `source` (see `initial_weights`), and the `Initial` that
     `train(run, init=...)` starts from. The run's `model:` section may set only the fields that
-    do not change the network."""
+    do not change the network. `adapter`: a PEFT LoRA adapter of that model to start from (its
+    rank, alpha and projections become the run's `lora:`)."""
     fixed = [k for k in run.model_dict if k in NETWORK_FIELDS]
     if fixed:
         allowed = ", ".join(f for f in ModelConfig.__dataclass_fields__ if f not in NETWORK_FIELDS)
@@ -182,4 +214,35 @@ def finetune_run(run: RunConfig, source: str | os.PathLike, log=None) -> tuple[R
                              f"than the vocab_size={cfg.vocab_size} of the model from --init-from-hf {source}: give "
                              f"the tokenizer the model was trained with")
         init = dataclasses.replace(init, tokenizer=tokenizer)
-    return dataclasses.replace(run, model_dict=cfg.to_dict()), init
+    run = dataclasses.replace(run, model_dict=cfg.to_dict())
+    if adapter is not None:
+        run, init = _with_adapter(run, init, source, adapter)
+    return run, init
+
+
+def _with_adapter(run: RunConfig, init: Initial, source, adapter) -> tuple[RunConfig, Initial]:
+    """The run set to the PEFT adapter's rank, alpha and projections, starting from its weights."""
+    from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
+    from modern_jax.model import abstract_model
+
+    path = Path(source)
+    hf_config = (path / "config.json") if (path / "config.json").is_file() else path / HF / "config.json"
+    if not hf_config.is_file():
+        raise ValueError(f"--init-adapter {adapter}: the base {source} has no Hugging Face config.json, so the "
+                         f"adapter's module names cannot be mapped: start from the Hugging Face model")
+    model_type = model_type_of(read_json(hf_config))
+    cfg = run.model
+    found = read_peft_config(adapter)
+    targets = peft_targets(adapter, abstract_model(cfg), model_type)
+    lora = dataclasses.replace(found, targets=targets)
+    if run.lora is not None:
+        for name in ("rank", "alpha"):
+            if getattr(run.lora, name) != getattr(found, name):
+                raise ValueError(f"lora.{name}={getattr(run.lora, name)} disagrees with the adapter --init-adapter "
+                                 f"{adapter} ({name} {getattr(found, name)}): remove lora.{name}, or give the "
+                                 f"adapter's")
+        lora = dataclasses.replace(lora, dropout=run.lora.dropout, quantize=run.lora.quantize)
+    model = abstract_model(cfg, lora)
+    adapters = functools.partial(read_peft, adapter, model, model_type)
+    return dataclasses.replace(run, lora=lora), dataclasses.replace(
+        init, source=f"{init.source} with the PEFT adapter {adapter}", adapters=adapters)

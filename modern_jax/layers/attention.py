@@ -202,7 +202,7 @@ class MLAttention(nnx.Module):
             keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTC, "k_pe": k_pe_BTR}, pos_BT, spec.span)
             c_BSC, k_pe_BSR = keys["c"].astype(x_BTD.dtype), keys["k_pe"].astype(x_BTD.dtype)
         absorb = cache is not None if absorb is None else absorb
-        w_CNX = self.kv_b_proj.kernel[...].astype(x_BTD.dtype)
+        w_CNX = self.kv_b_proj.weight(x_BTD.dtype)
         w_uk_CNH, w_uv_CNU = w_CNX[..., :Hn], w_CNX[..., Hn:]
         spec_ = AttentionSpec(scale=self.scale(), window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
                               dropout_rate=cfg.attn_dropout)

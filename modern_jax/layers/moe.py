@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from modern_jax.config import ModelConfig
 from modern_jax.layers.ffn import ACTIVATIONS, FFN
-from modern_jax.layers.linear import Proj, init_std, param
+from modern_jax.layers.linear import LoRA, Proj, Quantized, init_std, param, weight
 from modern_jax.ops.moe import dispatch
 
 AUX_LOSS, ROUTER_Z_LOSS, LOAD, DROPPED = "moe_aux_loss", "moe_router_z_loss", "moe_load", "moe_dropped"
@@ -91,7 +91,7 @@ class Router(nnx.Module):
     @jax.named_scope("router")
     def __call__(self, x_MD):
         """`(experts[M, Y], weights[M, Y], normalised scores[M, E], logits[M, E])`, all in float32."""
-        z_ME = jnp.einsum("MD,DE->ME", x_MD.astype(jnp.float32), self.proj.kernel[...].astype(jnp.float32))
+        z_ME = jnp.einsum("MD,DE->ME", x_MD.astype(jnp.float32), self.proj.weight(jnp.float32))
         if self.proj.bias is not None:
             z_ME = z_ME + self.proj.bias[...].astype(jnp.float32)[None, :]
         z_ME = checkpoint_name(z_ME, "router_logits")
@@ -108,9 +108,20 @@ class ExpertProj(nnx.Module):
         std = init_std(cfg, role, I, O)
         self.kernel = param(rngs, jax.nn.initializers.normal(std), (E, I, O), ("experts", *axes), dtype)
         self.bias = param(rngs, jax.nn.initializers.zeros, (E, O), ("experts", axes[1]), dtype) if bias else None
+        self.in_dims, self.out_dims = 1, 1
+        self.adapter: LoRA | None = nnx.data(None)  # `adapt` adds one in a LoRA run: per expert, added to its weight
+
+    def weight(self, dtype):
+        """The kernel as it acts, in `dtype`: dequantized, plus the adapter's `scale A B`."""
+        w = weight(self.kernel, dtype)
+        return w if self.adapter is None else w + self.adapter.delta(dtype)
 
     def __call__(self, x, matmul):
-        return matmul(x, self.kernel[...], None if self.bias is None else self.bias[...], reduce=self.reduces)
+        if isinstance(self.kernel, Quantized) or self.adapter is not None:
+            w = self.weight(x.dtype)
+        else:  # as stored: the dispatch casts it where it measured best (`ops.moe`)
+            w = self.kernel[...]
+        return matmul(x, w, None if self.bias is None else self.bias[...], reduce=self.reduces)
 
 
 class Experts(nnx.Module):

@@ -49,6 +49,7 @@ import orbax.checkpoint as ocp
 
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
+from modern_jax.lora import LoRAConfig
 from modern_jax.parallel import distributed
 from modern_jax.training.outputs import step_numbers
 
@@ -484,7 +485,7 @@ def load_params(path, log=None, **overrides):
         log(f"loading {what}")
     problem = check_files(directory, items=("params",))
     if problem is None:
-        _, abstract = abstract_params(cfg)
+        _, abstract = abstract_params(cfg, LoRAConfig.of_run(raw))
         if jax.process_count() > 1:
             sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
                                                   jax.sharding.PartitionSpec())

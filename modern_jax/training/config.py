@@ -24,6 +24,7 @@ from modern_jax.config import ModelConfig, split_moved
 from modern_jax.configfile import RUN_SECTIONS, check_keys, check_sections, fail, load_config_file
 from modern_jax.data.config import DataConfig
 from modern_jax.execution import ExecutionConfig
+from modern_jax.lora import LoRAConfig
 from modern_jax.sharding.config import ParallelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -188,6 +189,7 @@ class RunConfig:
     data: DataConfig
     parallel: ParallelConfig = ParallelConfig()
     execution: ExecutionConfig = ExecutionConfig()
+    lora: LoRAConfig | None = None  # a `lora:` section: train low-rank adapters on a frozen base
 
     @property
     def model(self) -> ModelConfig:
@@ -206,7 +208,8 @@ class RunConfig:
     def to_dict(self) -> dict:
         model = self.model.to_dict() if self.vocab_size is not None else dict(self.model_dict)
         return {"model": model, "execution": self.execution.to_dict(), "train": self.train.to_dict(),
-                "data": self.data.to_dict(), "parallel": self.parallel.to_dict()}
+                "data": self.data.to_dict(), "parallel": self.parallel.to_dict(),
+                **({} if self.lora is None else {"lora": self.lora.to_dict()})}
 
 
 def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
@@ -234,7 +237,8 @@ def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
     if model_cfg.position_embedding == "learned" and train.seq_len > P:
         raise ValueError(f"{where}: train.seq_len={train.seq_len} exceeds model.max_position_embeddings={P} "
                          f"(learned positions have no row past it): lower train.seq_len")
-    return RunConfig(model, train, data, parallel, execution)
+    lora = LoRAConfig.of_run(raw)
+    return RunConfig(model, train, data, parallel, execution, lora)
 
 
 def _check_sections(raw: dict, where: str) -> None:

@@ -69,6 +69,7 @@ class Initial:
     params: Callable[[], dict]  # reads them (a pure dict), only when a new run starts
     tokenizer: object | None = None  # their tokenizer; None: the one `data:` describes
     assets: tuple[pathlib.Path, ...] = ()  # files copied into the run's hf/: config.json, tokenizer files
+    adapters: Callable[[], dict] | None = None  # a LoRA run's adapters (a PEFT adapter's), read like `params`
 
 
 @dataclasses.dataclass
@@ -378,7 +379,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     rules = run.parallel.rules_table()
     model_cfg = run.model
     trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout,
-                      strategies=run.parallel, execution=run.execution)
+                      strategies=run.parallel, execution=run.execution, lora=run.lora)
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log, model=model_cfg)
@@ -430,8 +431,9 @@ def _write_run_files(out_dir: pathlib.Path, run: RunConfig, tokenizer, init: Ini
 
 
 def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
-    """`init`'s parameters, checked against the run's model and placed with its shardings."""
-    abstract = trainer.abstract_state()["params"]
+    """`init`'s parameters, checked against the run's model and placed with its shardings (a LoRA
+    run's: its base, then its adapters added and its frozen projections quantized)."""
+    abstract = trainer.abstract_base()
     params = init.params()
     want = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     got = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -440,7 +442,14 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
         raise ValueError(f"{init.source} does not fit the run's model: " + "; ".join(wrong[:4] or sorted(
             set(got) - set(want))[:4]))
     log(f"initialised from {init.source}")
-    return jax.tree.map(lambda x, s: _place(np.asarray(x, s.dtype), s.sharding), params, abstract)
+    params = trainer.from_base(jax.tree.map(lambda x, s: _place(np.asarray(x, s.dtype), s.sharding), params, abstract),
+                               trainer.cfg.seed)
+    if init.adapters is None:
+        return params
+    trained, frozen = trainer.split(params)
+    adapters = init.adapters()
+    return trainer.join(jax.tree.map(lambda x, a: _place(np.asarray(x, a.dtype), a.sharding), adapters, trained),
+                        frozen)
 
 
 def _place(x: np.ndarray, sharding) -> jax.Array:

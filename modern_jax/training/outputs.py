@@ -40,6 +40,7 @@ import time
 import yaml
 
 RUN, STEP, CHECKPOINT, HF, OTHER, EMPTY, MISSING = "run", "step", "checkpoint", "hf", "other", "empty", "missing"
+PEFT = "peft"  # a LoRA adapter in PEFT's format
 LISTED = 4  # entries named in a description
 LOCK_FILE = ".modern-jax.lock"  # the live writer of a directory (RunLock)
 MARKER = ".modern-jax"  # in a Hugging Face export we wrote: what wrote it (`--overwrite` replaces only such)
@@ -97,6 +98,8 @@ def describe(path) -> Contents:
         return Contents(STEP, f"step {path.name} of a training run (params/, state/, meta/)")
     if "params" in entries and "config.yaml" in entries:
         return Contents(CHECKPOINT, "a converted checkpoint (config.yaml and params/)")
+    if "adapter_config.json" in entries:
+        return Contents(PEFT, "a PEFT adapter (adapter_config.json)", ours=(path / MARKER).is_file())
     weights = [n for n in names if n.endswith(".safetensors")]
     if "config.json" in entries or weights:
         return Contents(HF, f"a Hugging Face model (config.json and {len(weights)} safetensors files)",

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.nnx import traversals
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -32,7 +33,8 @@ from modern_jax.execution import ExecutionConfig
 from modern_jax.execution import use as use_execution
 from modern_jax.kernels.backend import recording_kernels
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
-from modern_jax.model import Transformer, abstract_params, max_attention_logit, sown_value
+from modern_jax.lora import LoRAConfig, LoRAParam
+from modern_jax.model import Transformer, abstract_params, adapt, max_attention_logit, sown_value
 from modern_jax.sharding.config import layout_order
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
 from modern_jax.sharding.rules import split_size
@@ -62,7 +64,7 @@ class Trainer:
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES,
                  context_layout: str = "two_chunk", *, strategies: Strategies | None = None,
-                 execution: ExecutionConfig | None = None):
+                 execution: ExecutionConfig | None = None, lora: LoRAConfig | None = None):
         check_mesh(model_cfg, mesh, rules)
         _check_divisible("batch_size / grad_accum", train_cfg.batch_size // train_cfg.grad_accum, mesh, rules)
         _check_divisible("eval_batch_size", train_cfg.eval_batch_size, mesh, rules)
@@ -82,22 +84,27 @@ class Trainer:
         self.strategies, self.execution = strategies or Strategies(), execution or ExecutionConfig()
         self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the steps were traced
         self.moe = model_cfg.ffn_type == "moe"
-        self.graphdef, abstract = abstract_params(model_cfg)
-        self.tx = make_optimizer(train_cfg, frozen=model_cfg.router_selection_bias)
+        self.lora = lora
+        self.graphdef, abstract = abstract_params(model_cfg, lora)
+        # a LoRA run trains its adapters only: the rest is frozen, with no gradient and no optimiser state
+        self.trained = None if lora is None else {path for path, v in nnx.to_flat_state(abstract)
+                                                  if isinstance(v, LoRAParam)}
+        self.tx = make_optimizer(train_cfg, frozen=model_cfg.router_selection_bias and lora is None)
         self.schedule = learning_rate_schedule(train_cfg)
         replicated = NamedSharding(mesh, PartitionSpec())
         params_sh = nnx.to_pure_dict(state_shardings(abstract, mesh, rules))
-        abstract_pure = nnx.to_pure_dict(abstract)
-        opt_abstract = jax.eval_shape(self.tx.init, abstract_pure)
-        opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, params_sh,
+        trained_sh = self.split(params_sh)[0]
+        opt_abstract = jax.eval_shape(self.tx.init, self.split(nnx.to_pure_dict(abstract))[0])
+        opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, trained_sh,
                                        transform_non_params=lambda _: replicated)
         self.state_shardings = {"params": params_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated,
                                 "nonfinite": replicated}
         self.batch_sharding = batch_sharding(mesh, rules)
         self.replicated = replicated
-        self.uses_dropout = model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0
+        self.uses_dropout = model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0 or bool(lora and lora.dropout)
         self._jitted = {
             "init": jax.jit(self._init, out_shardings=self.state_shardings),
+            "adapt": jax.jit(self._adapt, out_shardings=params_sh),
             "train": jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)),
             "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batch_sharding, replicated),
@@ -140,10 +147,49 @@ class Trainer:
 
     def _init(self, key_data):
         key = jax.random.wrap_key_data(key_data)
-        model = Transformer(self.model_cfg, rngs=nnx.Rngs(key))
+        model = Transformer(self.model_cfg, rngs=nnx.Rngs(key), lora=self.lora)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
+        return {"params": params, "opt_state": self.tx.init(self.split(params)[0]), "step": jnp.zeros((), jnp.int32),
                 "rng": key_data, "nonfinite": jnp.zeros((), jnp.int32)}
+
+    def split(self, params) -> tuple[dict, dict]:
+        """`(trained, frozen)`: the parameters the optimiser moves (all but a LoRA run's base), and the rest."""
+        if self.trained is None:
+            return params, {}
+        flat = traversals.flatten_mapping(params)
+        pick = lambda keep: traversals.unflatten_mapping(  # noqa: E731
+            {k: v for k, v in flat.items() if (k in self.trained) == keep})
+        return pick(True), pick(False)
+
+    @staticmethod
+    def join(trained: dict, frozen: dict) -> dict:
+        """The whole parameter tree from `split`'s two parts."""
+        if not frozen:
+            return trained
+        return traversals.unflatten_mapping({**traversals.flatten_mapping(frozen),
+                                                 **traversals.flatten_mapping(trained)})
+
+    def _adapt(self, base, key_data):
+        model = nnx.merge(abstract_params(self.model_cfg)[0], base)
+        adapt(model, self.lora, nnx.Rngs(jax.random.wrap_key_data(key_data)))
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def abstract_base(self) -> dict:
+        """ShapeDtypeStructs (with shardings) of the base model's parameters: what a fine-tune
+        starts from (the whole model, or a LoRA run's base before its adapters and quantization)."""
+        if self.lora is None:
+            return self.abstract_state()["params"]
+        _, abstract = abstract_params(self.model_cfg)
+        shardings = nnx.to_pure_dict(state_shardings(abstract, self.mesh, self.rules))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            nnx.to_pure_dict(abstract), shardings)
+
+    def from_base(self, base: dict, seed: int) -> dict:
+        """The run's parameters from its base's (placed as `abstract_base`): a LoRA run adds its
+        adapters (B zero: the model starts equal to its base) and quantizes the frozen projections."""
+        if self.lora is None:
+            return base
+        return self._run("adapt", base, jax.random.key_data(jax.random.key(seed)))
 
     def init_state(self, seed: int) -> dict:
         """Fresh parameters and optimiser state, created directly with their shardings."""
@@ -218,12 +264,12 @@ class Trainer:
 
     def _step(self, state, batch):
         cfg = self.cfg
-        params = state["params"]
+        params, frozen = self.split(state["params"])  # `params`: what is trained
         denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)  # the loss is a mean over all real targets
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
         def objective(params, micro, rng):
-            sums, aux = self._loss(params, micro, rng)
+            sums, aux = self._loss(self.join(params, frozen), micro, rng)
             loss = (sums["ce"] + cfg.z_loss_weight * sums["z_loss"]) / denom + cfg.moe_aux_weight * aux[AUX_LOSS]
             if self.moe:
                 loss = loss + cfg.moe_router_z_weight * aux[ROUTER_Z_LOSS]
@@ -239,7 +285,8 @@ class Trainer:
             sums0 = {"ce": zero, "z_loss": zero, "weight": zero, "max_abs_logit": zero}
             if cfg.diagnostics:
                 sums0["max_attention_logit"] = zero
-            aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: self._loss(params, batch_0, step_rng)[1]))
+            aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+                lambda: self._loss(self.join(params, frozen), batch_0, step_rng)[1]))
             init = (zero, sums0, aux0, jax.tree.map(jnp.zeros_like, params))
 
             def micro_step(carry, xs):
@@ -257,7 +304,8 @@ class Trainer:
 
         def update(params, opt_state):
             direction, opt_state = self.tx.update(grads, opt_state, params)  # AdamW at learning rate 1
-            params = optax.apply_updates(params, jax.tree.map(lambda u: u * lr.astype(u.dtype), direction))
+            params = self.join(optax.apply_updates(params, jax.tree.map(lambda u: u * lr.astype(u.dtype), direction)),
+                               frozen)
             if cfg.moe_bias_update_rate:  # auxiliary-loss-free balancing, from this step's loads
                 model = self.model(params)
                 model.balance_routers(aux[LOAD], cfg.moe_bias_update_rate)
@@ -265,7 +313,8 @@ class Trainer:
             return params, opt_state
 
         # a non-finite step changes nothing (and costs no optimiser update)
-        new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, state["opt_state"])
+        new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, o: (self.join(p, frozen), o), params,
+                                                 state["opt_state"])
         new_state = {
             "params": new_params,
             "opt_state": new_opt_state,
