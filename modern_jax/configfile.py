@@ -28,7 +28,7 @@ def check_keys(section: str, values: dict, allowed: list[str]) -> None:
             raise ValueError(f"unknown key {section}.{key}{hint} (allowed: {', '.join(allowed)})")
 
 
-RUN_SECTIONS = ("model", "execution", "train", "data", "parallel", "lora")  # the sections of a run file
+RUN_SECTIONS = ("model", "execution", "train", "data", "parallel", "lora", "dpo")  # the sections of a run file
 
 
 @functools.cache

@@ -566,7 +566,24 @@ def chat_conversations() -> list[list[dict]]:
     return out
 
 
-def make_chat_fixture(out: Path) -> None:
+# the chat fixture with every projection's outputs a multiple of 64 (QLoRA's quantization blocks)
+WIDE_CHAT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=4, head_dim=16)
+
+
+def chat_preferences() -> list[dict]:
+    """Each conversation as a DPO pair (TRL's explicit conversational format): the right sum
+    chosen, the next number (the one before, past eighteen) rejected."""
+    out = []
+    for messages in chat_conversations():
+        answer = messages[-1]["content"].split()
+        n = NUMBERS.index(answer[-1])
+        wrong = NUMBERS[n + 1] if n + 1 < len(NUMBERS) else NUMBERS[n - 1]
+        out.append({"prompt": messages[:-1], "chosen": [messages[-1]],
+                    "rejected": [{"role": "assistant", "content": " ".join(answer[:-1] + [wrong])}]})
+    return out
+
+
+def make_chat_fixture(out: Path, wide: bool = False) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -580,7 +597,7 @@ def make_chat_fixture(out: Path) -> None:
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
                                      pad_token="<|endoftext|>")
     hf_tok.chat_template = CHATML
-    config = dict(TINY["llama"], bos_token_id=None, eos_token_id=2, pad_token_id=3)
+    config = dict(TINY["llama"], **(WIDE_CHAT if wide else {}), bos_token_id=None, eos_token_id=2, pad_token_id=3)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config(config)).eval()
     shutil.rmtree(out, ignore_errors=True)
@@ -590,6 +607,8 @@ def make_chat_fixture(out: Path) -> None:
     with open(out / "chat.jsonl", "w") as f:
         for i, messages in enumerate(chat_conversations()):
             f.write(json.dumps({"id": i, "messages": messages}) + "\n")
+    with open(out / "preferences.jsonl", "w") as f:
+        f.writelines(json.dumps(pair) + "\n" for pair in chat_preferences())
     print(f"{out}: {len(chat_conversations())} conversations, {len(specials) + len(words)} tokens, "
           f"{sorted(p.name for p in out.iterdir())}")
 
@@ -825,7 +844,7 @@ def run_dpo_reference(model_dir: Path, ref_dir: Path | None, adapter: Path | Non
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", choices=("all", "counts", "checkpoints", "reference", "chat",
-                                                    "chat-reference", "peft", "peft-logits", "dpo-reference"),
+                                                    "chat-wide", "chat-reference", "peft", "peft-logits", "dpo-reference"),
                         default="all")
     parser.add_argument("directories", nargs="*", type=Path, help="reference: checkpoint directories")
     parser.add_argument("--out", type=Path, default=FIXTURES)
@@ -863,8 +882,9 @@ def main(argv=None) -> None:
     if args.what == "chat-reference":
         run_chat_reference(args.directories)
         return
-    if args.what == "chat":
-        make_chat_fixture(FIXTURES.parent / "hf_chat" if args.out == FIXTURES else args.out)
+    if args.what in ("chat", "chat-wide"):
+        name = "hf_chat" if args.what == "chat" else "hf_chat_wide"
+        make_chat_fixture(FIXTURES.parent / name if args.out == FIXTURES else args.out, wide=args.what == "chat-wide")
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what in ("all", "counts"):

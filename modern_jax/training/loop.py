@@ -46,13 +46,15 @@ import yaml
 from modern_jax import execution
 from modern_jax.accounting import flops_per_token
 from modern_jax.configfile import read_yaml
-from modern_jax.data.corpora import load_splits
+from modern_jax.data.corpora import build_tokenizer, load_splits
 from modern_jax.data.pipeline import eval_batches, eval_windows, train_iterator
+from modern_jax.data.preference import pair_eval_batches, pair_iterator, read_pairs, split_pairs
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.parallel import distributed
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer
 from modern_jax.training.config import RunConfig
+from modern_jax.training.loss import PREFERENCE_METRICS
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training.step import Trainer, describe_kernels
 
@@ -147,6 +149,21 @@ def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int |
     return {"loss": ce / max(weight, 1.0), "bpb": ce / math.log(2) / max(n_bytes, 1.0), "tokens": int(weight)}
 
 
+def evaluate_pairs(trainer: Trainer, state: dict, batches, rows: int | None = None) -> dict:
+    """DPO's loss and TRL's metrics (means over the pairs) over `batches` of pairs (one host fetch)."""
+    totals = None
+    reference = state.get("reference", state["params"])
+    for batch in batches:
+        sums = trainer.preference_eval_step(state["params"], trainer.put_batch(batch, rows), reference)
+        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+    if totals is None:
+        raise ValueError("nothing to evaluate: the split is empty")
+    totals = jax.device_get(totals)
+    pairs = max(float(totals["pairs"]), 1.0)
+    return {"loss": float(totals["dpo_loss"]) / pairs, **{k: float(totals[k]) / pairs for k in PREFERENCE_METRICS},
+            "pairs": int(totals["pairs"])}
+
+
 def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, meta: dict, log=print) -> bool:
     """Save unless a parameter is NaN or infinite (no checkpoint is written from such a state)."""
     if not trainer.all_finite(state["params"]):
@@ -154,6 +171,27 @@ def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, me
         return False
     checkpointer.save(state, meta)
     return True
+
+
+def prepare_preferences(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None):
+    """A DPO run's tokenizer (a resumed run's, else `tokenizer`, else `data.tokenizer_path` or
+    bytes), its train and validation pairs (`data.preference`) and the run config with its
+    vocabulary resolved."""
+    saved = resume_dir / TOKENIZER_FILE if resume_dir is not None else None
+    tokenizer = load_tokenizer(saved) if saved is not None and saved.exists() else tokenizer
+    if tokenizer is None:
+        if not (run.data.tokenizer_path or run.data.tokenizer == "byte"):
+            raise ValueError(f"a DPO run's tokenizer is its model's (--init-from-hf), data.tokenizer_path or "
+                             f"data.tokenizer=byte, not one built from the pairs (data.tokenizer="
+                             f"{run.data.tokenizer!r}): start from a model with --init-from-hf, or set one of them")
+        tokenizer = build_tokenizer(run.data, [], [], run.vocab_size)
+    pairs = read_pairs(run.data, None, tokenizer, run.train.seq_len)
+    train_pairs, val_pairs = split_pairs(pairs, run.data.val_fraction)
+    run = run.with_vocab(tokenizer.vocab_size)
+    if tokenizer.vocab_size > run.model.vocab_size:
+        raise ValueError(f"model.vocab_size={run.model.vocab_size} is smaller than the tokenizer's "
+                         f"{tokenizer.vocab_size} ids (use vocab_size: auto or raise it)")
+    return run, tokenizer, train_pairs, val_pairs
 
 
 def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None, shared: pathlib.Path | None = None):
@@ -310,8 +348,11 @@ class _Session:
         return self.trainer.put_batch(batch, rows)
 
     def evaluate(self, metrics_log: MetricsLog | None, step: int, batches) -> dict:
-        values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
-                                  self.run.train.eval_batch_size)
+        if self.run.dpo is not None:
+            values = evaluate_pairs(self.trainer, self.state, batches, self.run.train.eval_batch_size)
+        else:
+            values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
+                                      self.run.train.eval_batch_size)
         if metrics_log is not None:
             metrics_log.write(step, "val", values)
         return values
@@ -319,6 +360,8 @@ class _Session:
     def eval_batches(self, max_windows):
         tc = self.run.train
         rows, _ = self.trainer.local_slices(tc.eval_batch_size)
+        if self.run.dpo is not None:  # `val_stream`: the validation pairs; a window is a pair
+            return pair_eval_batches(self.val_stream, batch_size=tc.eval_batch_size, max_pairs=max_windows, rows=rows)
         return eval_batches(self.val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
                             max_windows=max_windows, rows=rows)
 
@@ -372,14 +415,18 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     if distributed.joined():
         shared = out_dir / _SHARED_DATA
         directory.made.append(shared)
-    run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None,
-                                                           init.tokenizer if init is not None else None, shared)
+    if run.dpo is not None:  # the streams are pairs
+        run, tokenizer, train_stream, val_stream = prepare_preferences(run, out_dir if steps else None,
+                                                                       init.tokenizer if init is not None else None)
+    else:
+        run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None,
+                                                               init.tokenizer if init is not None else None, shared)
     if steps:
         distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
     rules = run.parallel.rules_table()
     model_cfg = run.model
     trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout,
-                      strategies=run.parallel, execution=run.execution, lora=run.lora)
+                      strategies=run.parallel, execution=run.execution, lora=run.lora, dpo=run.dpo)
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log, model=model_cfg)
@@ -389,21 +436,27 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     else:
         state, data_state, start = trainer.init_state(tc.seed), None, 0
         if init is not None:
-            state["params"] = _initial_params(trainer, init, log)
+            state = trainer.with_start(state, _initial_params(trainer, init, log))
 
     rows, _ = trainer.local_slices(tc.batch_size // tc.grad_accum)
-    iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size, grad_accum=tc.grad_accum,
-                              seed=tc.seed, rows=rows, num_threads=run.data.num_threads, prefetch=run.data.prefetch,
-                              state=data_state)
+    if run.dpo is not None:
+        iterator = pair_iterator(train_stream, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seed=tc.seed,
+                                 rows=rows, state=data_state)
+    else:
+        iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size,
+                                  grad_accum=tc.grad_accum, seed=tc.seed, rows=rows, num_threads=run.data.num_threads,
+                                  prefetch=run.data.prefetch, state=data_state)
     session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
                        jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
                        iterator.get_state(), {}, start, latest, 0.0)
     session.periodic_eval = list(session.eval_batches(tc.eval_windows))
-    windows = len(eval_windows(val_stream, tc.seq_len))  # what the validation split holds: say so when asked more
+    # what the validation split holds: say so when asked more
+    windows = len(val_stream) if run.dpo is not None else len(eval_windows(val_stream, tc.seq_len))
+    unit = "pair" if run.dpo is not None else "window"
     for name in ("eval_windows", "final_eval_windows") if tc.eval_every > 0 else ("final_eval_windows",):
         asked = getattr(tc, name)
         if asked is not None and asked > windows:
-            log(f"train.{name}={asked:,}: the validation split has {windows:,} window{'s' if windows != 1 else ''} "
+            log(f"train.{name}={asked:,}: the validation split has {windows:,} {unit}{'s' if windows != 1 else ''} "
                 f"of {tc.seq_len} tokens; evaluating all of them")
     # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
     session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum)
@@ -415,8 +468,9 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     directory.started = True
     distributed.note(step=start, resume=session.resume_hint())
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    log(f"model: {n_params:,} parameters | train {len(train_stream):,} tokens, validation {len(val_stream):,} "
-        f"tokens | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
+    what = "pairs" if run.dpo is not None else "tokens"
+    log(f"model: {n_params:,} parameters | train {len(train_stream):,} {what}, validation {len(val_stream):,} "
+        f"{what} | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
     log(f"kernels: {describe_kernels(trainer.kernels)}")
     return session
 
@@ -502,7 +556,9 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                 interval_start, interval_tokens = time.perf_counter(), 0
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 values = s.evaluate(metrics_log, step, s.periodic_eval)
-                message(f"step {step}: val_loss {values['loss']:.4f} | val_bpb {values['bpb']:.4f}")
+                message(f"step {step}: val_loss {values['loss']:.4f} | " + (
+                    f"val_bpb {values['bpb']:.4f}" if "bpb" in values else
+                    f"val rewards/accuracies {values['rewards/accuracies']:.4f}"))
             if stopping:
                 s.save(step, message)
                 s.checkpointer.wait()
@@ -515,7 +571,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                 s.save(step, message)
         if not result.interrupted:
             final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows))
-            result.val_loss, result.val_bpb = final["loss"], final["bpb"]
+            result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
             s.save(step, message)
     finally:
         progress.close()
@@ -573,6 +629,9 @@ def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, mes
         "tokens_per_s": rate,
         "model_flops_per_s": rate * flops,
     }
+    for name in PREFERENCE_METRICS:  # DPO
+        if name in rows[0]:
+            record[name] = float(np.mean([r[name] for r in finite_rows]))
     if "max_attention_logit" in rows[0]:  # train.diagnostics: measured by the steps' own attention
         record["max_attention_logit"] = max(r["max_attention_logit"] for r in rows)
     if any(r["moe_aux_loss"] for r in rows):

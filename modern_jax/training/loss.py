@@ -82,9 +82,7 @@ def loss_sums(h_BTD, w_VD, b_V, targets_BT, weights_BT, *, softcap=None, chunk: 
     splits the vocabulary, each device works on its own rows (`ops.vocab.split_parts`).
     """
     head = vocab.Head(w_VD, b_V, softcap, w_VD.shape[0] if vocab_size is None else vocab_size)
-    parts = functools.partial(vocab_parts, chunk=chunk)
-    m_BT, s_BT, z_target_BT, max_abs = vocab.split_parts(parts, h_BTD, head, targets_BT)
-    lse_BT = m_BT + jnp.log(s_BT)
+    lse_BT, z_target_BT, max_abs = _target_parts(h_BTD, head, targets_BT, chunk)
     w_BT = weights_BT.astype(jnp.float32)
     return {
         "ce": jnp.sum(w_BT * (lse_BT - z_target_BT)),
@@ -92,6 +90,53 @@ def loss_sums(h_BTD, w_VD, b_V, targets_BT, weights_BT, *, softcap=None, chunk: 
         "weight": jnp.sum(w_BT),
         "max_abs_logit": jax.lax.stop_gradient(max_abs),
     }
+
+
+def _target_parts(h_BTD, head: vocab.Head, targets_BT, chunk: int):
+    """`(lse, target logit, max |z|)`, `[B, T]` each but the last, over the vocabulary chunks (and shards)."""
+    parts = functools.partial(vocab_parts, chunk=chunk)
+    m_BT, s_BT, z_target_BT, max_abs = vocab.split_parts(parts, h_BTD, head, targets_BT)
+    return m_BT + jnp.log(s_BT), z_target_BT, max_abs
+
+
+@jax.named_scope("logps")
+def sequence_logps(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, diagnostics: bool = False) -> tuple:
+    """`(logps[B], count[B], max |logit|)`: each row's summed log-probability of its weighted
+    targets (a completion's tokens), and how many there are."""
+    h_BTD, _ = model.hidden_states(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                                   dropout_rng=dropout_rng, diagnostics=diagnostics)
+    lse_BT, z_target_BT, max_abs = _target_parts(h_BTD, model.head(), batch["targets"], chunk)
+    w_BT = batch["weights"].astype(jnp.float32)
+    return jnp.sum(w_BT * (z_target_BT - lse_BT), axis=-1), jnp.sum(w_BT, axis=-1), jax.lax.stop_gradient(max_abs)
+
+
+def preference_sums(logps_B, ref_B, count_B, *, beta: float, loss_type: str, label_smoothing: float = 0.0) -> dict:
+    """Sums over the pairs of a batch whose rows alternate chosen, rejected (`B = 2P`), with
+    TRL's metrics: the DPO or IPO loss (`training.config.DPOConfig`), the rewards `beta (log pi -
+    log ref)` of the chosen and rejected, how often the chosen's is higher, their margin, the
+    policy's log-probabilities, and `pairs` (a pair with an empty completion, padding, counts 0)."""
+    pi_P2, ref_P2, n_P2 = (x.reshape(-1, 2) for x in (logps_B, jax.lax.stop_gradient(ref_B), count_B))
+    real_P = jnp.all(n_P2 > 0, axis=-1).astype(jnp.float32)
+    ratio_P2 = pi_P2 - ref_P2
+    if loss_type == "ipo":
+        avg_P2 = ratio_P2 / jnp.maximum(n_P2, 1.0)
+        loss_P = jnp.square(avg_P2[:, 0] - avg_P2[:, 1] - 1.0 / (2.0 * beta))
+    else:
+        delta_P = ratio_P2[:, 0] - ratio_P2[:, 1]
+        loss_P = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * delta_P) \
+            - label_smoothing * jax.nn.log_sigmoid(-beta * delta_P)
+    rewards_P2 = jax.lax.stop_gradient(beta * ratio_P2)
+    total = lambda x: jnp.sum(real_P * x)  # noqa: E731
+    return {"dpo_loss": total(loss_P), "rewards/chosen": total(rewards_P2[:, 0]),
+            "rewards/rejected": total(rewards_P2[:, 1]),
+            "rewards/accuracies": total((rewards_P2[:, 0] > rewards_P2[:, 1]).astype(jnp.float32)),
+            "rewards/margins": total(rewards_P2[:, 0] - rewards_P2[:, 1]),
+            "logps/chosen": total(jax.lax.stop_gradient(pi_P2[:, 0])),
+            "logps/rejected": total(jax.lax.stop_gradient(pi_P2[:, 1])), "pairs": jnp.sum(real_P)}
+
+
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                      "logps/rejected")  # TRL's names: means over the pairs
 
 
 @jax.named_scope("loss")

@@ -39,8 +39,8 @@ from modern_jax.sharding.config import layout_order
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
 from modern_jax.sharding.rules import split_size
 from modern_jax.sharding.targets import compiling_for, lowering_for
-from modern_jax.training.config import TrainConfig
-from modern_jax.training.loss import model_loss_sums
+from modern_jax.training.config import DPOConfig, TrainConfig
+from modern_jax.training.loss import PREFERENCE_METRICS, model_loss_sums, preference_sums, sequence_logps
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 
 def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
@@ -64,7 +64,8 @@ class Trainer:
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES,
                  context_layout: str = "two_chunk", *, strategies: Strategies | None = None,
-                 execution: ExecutionConfig | None = None, lora: LoRAConfig | None = None):
+                 execution: ExecutionConfig | None = None, lora: LoRAConfig | None = None,
+                 dpo: DPOConfig | None = None):
         check_mesh(model_cfg, mesh, rules)
         _check_divisible("batch_size / grad_accum", train_cfg.batch_size // train_cfg.grad_accum, mesh, rules)
         _check_divisible("eval_batch_size", train_cfg.eval_batch_size, mesh, rules)
@@ -84,7 +85,7 @@ class Trainer:
         self.strategies, self.execution = strategies or Strategies(), execution or ExecutionConfig()
         self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the steps were traced
         self.moe = model_cfg.ffn_type == "moe"
-        self.lora = lora
+        self.lora, self.dpo = lora, dpo
         self.graphdef, abstract = abstract_params(model_cfg, lora)
         # a LoRA run trains its adapters only: the rest is frozen, with no gradient and no optimiser state
         self.trained = None if lora is None else {path for path, v in nnx.to_flat_state(abstract)
@@ -99,6 +100,10 @@ class Trainer:
                                        transform_non_params=lambda _: replicated)
         self.state_shardings = {"params": params_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated,
                                 "nonfinite": replicated}
+        # DPO's reference: a LoRA run's base (its adapters off); otherwise a frozen copy of the start
+        self.keeps_reference = dpo is not None and lora is None
+        if self.keeps_reference:
+            self.state_shardings["reference"] = params_sh
         self.batch_sharding = batch_sharding(mesh, rules)
         self.replicated = replicated
         self.uses_dropout = model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0 or bool(lora and lora.dropout)
@@ -109,6 +114,9 @@ class Trainer:
                              out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)),
             "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batch_sharding, replicated),
                             out_shardings=replicated),
+            "preference_eval": jax.jit(self._preference_eval, in_shardings=(params_sh, self.batch_sharding, params_sh),
+                                       out_shardings=replicated),
+            "copy": jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=params_sh),
             "finite": jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))),
         }
         self._executables: dict = {}
@@ -149,8 +157,28 @@ class Trainer:
         key = jax.random.wrap_key_data(key_data)
         model = Transformer(self.model_cfg, rngs=nnx.Rngs(key), lora=self.lora)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return {"params": params, "opt_state": self.tx.init(self.split(params)[0]), "step": jnp.zeros((), jnp.int32),
-                "rng": key_data, "nonfinite": jnp.zeros((), jnp.int32)}
+        state = {"params": params, "opt_state": self.tx.init(self.split(params)[0]), "step": jnp.zeros((), jnp.int32),
+                 "rng": key_data, "nonfinite": jnp.zeros((), jnp.int32)}
+        if self.keeps_reference:
+            state["reference"] = jax.tree.map(jnp.copy, params)
+        return state
+
+    def with_start(self, state: dict, params: dict) -> dict:
+        """`state` starting from `params` (a fine-tune's initial weights): DPO's frozen reference too."""
+        state = dict(state, params=params)
+        if self.keeps_reference:
+            state["reference"] = self._run("copy", params)
+        return state
+
+    def reference(self, state_or_params: dict, frozen: dict | None = None) -> dict | None:
+        """The parameters of DPO's reference model: a LoRA run's base (its adapters zero), else the
+        frozen copy in the state; None without DPO."""
+        if self.dpo is None:
+            return None
+        if self.keeps_reference:
+            return state_or_params["reference"]
+        trained, frozen = self.split(state_or_params["params"]) if frozen is None else (state_or_params, frozen)
+        return self.join(jax.tree.map(jnp.zeros_like, trained), frozen)
 
     def split(self, params) -> tuple[dict, dict]:
         """`(trained, frozen)`: the parameters the optimiser moves (all but a LoRA run's base), and the rest."""
@@ -244,8 +272,10 @@ class Trainer:
 
     # ----- steps ---------------------------------------------------------------
 
-    def _loss(self, params, batch, rng):
+    def _loss(self, params, batch, rng, reference=None):
         diagnostics = self.cfg.diagnostics
+        if self.dpo is not None:
+            return self._preference_loss(params, batch, rng, reference)
 
         def loss_sums(model):
             return model_loss_sums(model, batch, chunk=self.cfg.loss_vocab_chunk,
@@ -262,15 +292,44 @@ class Trainer:
             sums = dict(sums, max_attention_logit=zero if max_logit is None else max_logit)
         return sums, aux
 
+    def _preference_loss(self, params, batch, rng, reference):
+        """DPO's sums over a batch of pairs (`loss.preference_sums`), the layers' sown values as `_loss`."""
+        cfg, dpo = self.cfg, self.dpo
+
+        def logps(model):
+            return sequence_logps(model, batch, chunk=cfg.loss_vocab_chunk, dropout_rng=rng if self.uses_dropout else None,
+                                  diagnostics=cfg.diagnostics)
+
+        (logps_B, count_B, max_abs), sown = nnx.capture(logps, nnx.Intermediate)(self.model(params))
+        ref_B, _, _ = sequence_logps(self.model(reference), batch, chunk=cfg.loss_vocab_chunk)
+        sums = preference_sums(logps_B, ref_B, count_B, beta=dpo.beta, loss_type=dpo.loss_type,
+                               label_smoothing=dpo.label_smoothing)
+        sums["max_abs_logit"] = max_abs
+        zero = jnp.zeros((), jnp.float32)
+        aux = {name: sown_value(sown, name) for name in (AUX_LOSS,) + ((ROUTER_Z_LOSS, DROPPED, LOAD) if self.moe
+                                                                       else ())}
+        aux = {name: zero if value is None else value for name, value in aux.items()}
+        if cfg.diagnostics:
+            max_logit = max_attention_logit(sown)
+            sums["max_attention_logit"] = zero if max_logit is None else max_logit
+        return sums, aux
+
     def _step(self, state, batch):
         cfg = self.cfg
         params, frozen = self.split(state["params"])  # `params`: what is trained
-        denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)  # the loss is a mean over all real targets
+        reference = self.reference(state, frozen) if self.keeps_reference else self.reference(params, frozen)
+        if self.dpo is None:
+            denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)  # the loss is a mean over all real targets
+        else:  # ... over all real pairs (a pair with an empty completion is padding)
+            denom = jnp.maximum(jnp.sum(jnp.all(jnp.sum(batch["weights"], -1).reshape(-1, 2) > 0, -1)), 1.0)
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
         def objective(params, micro, rng):
-            sums, aux = self._loss(self.join(params, frozen), micro, rng)
-            loss = (sums["ce"] + cfg.z_loss_weight * sums["z_loss"]) / denom + cfg.moe_aux_weight * aux[AUX_LOSS]
+            sums, aux = self._loss(self.join(params, frozen), micro, rng, reference)
+            if self.dpo is not None:
+                loss = sums["dpo_loss"] / denom + cfg.moe_aux_weight * aux[AUX_LOSS]
+            else:
+                loss = (sums["ce"] + cfg.z_loss_weight * sums["z_loss"]) / denom + cfg.moe_aux_weight * aux[AUX_LOSS]
             if self.moe:
                 loss = loss + cfg.moe_router_z_weight * aux[ROUTER_Z_LOSS]
             return loss, (sums, aux)
@@ -282,11 +341,8 @@ class Trainer:
             (loss, (sums, aux)), grads = grad_fn(params, batch_0, step_rng)
         else:  # gradient accumulation: the micro-batches' gradients add up to the full batch's
             zero = jnp.zeros((), jnp.float32)
-            sums0 = {"ce": zero, "z_loss": zero, "weight": zero, "max_abs_logit": zero}
-            if cfg.diagnostics:
-                sums0["max_attention_logit"] = zero
-            aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-                lambda: self._loss(self.join(params, frozen), batch_0, step_rng)[1]))
+            sums0, aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+                lambda: self._loss(self.join(params, frozen), batch_0, step_rng, reference)))
             init = (zero, sums0, aux0, jax.tree.map(jnp.zeros_like, params))
 
             def micro_step(carry, xs):
@@ -316,15 +372,15 @@ class Trainer:
         new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, o: (self.join(p, frozen), o), params,
                                                  state["opt_state"])
         new_state = {
+            **state,
             "params": new_params,
             "opt_state": new_opt_state,
             "step": state["step"] + 1,
-            "rng": state["rng"],
             "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
         }
         metrics = {
-            "loss": sums["ce"] / denom,
-            "z_loss": sums["z_loss"] / denom,
+            "loss": sums["dpo_loss"] / denom if self.dpo is not None else sums["ce"] / denom,
+            "z_loss": jnp.zeros((), jnp.float32) if self.dpo is not None else sums["z_loss"] / denom,
             "moe_aux_loss": aux[AUX_LOSS],
             "grad_norm": grad_norm,
             "lr": jnp.where(finite, lr, 0.0),  # what was applied: nothing on a skipped step
@@ -334,6 +390,8 @@ class Trainer:
         }
         if cfg.diagnostics:
             metrics["max_attention_logit"] = sums["max_attention_logit"]
+        if self.dpo is not None:  # TRL's names, means over the batch's pairs
+            metrics.update({name: sums[name] / denom for name in PREFERENCE_METRICS})
         if self.moe:
             load_LE = aux[LOAD]
             mean_L = jnp.maximum(jnp.mean(load_LE, axis=-1), 1e-9)
@@ -352,6 +410,16 @@ class Trainer:
         n_bytes = jnp.sum(token_bytes[micro["targets"]] * micro["weights"])
         return {"ce": sums["ce"], "weight": sums["weight"], "bytes": n_bytes}
 
+    def _preference_eval(self, params, batch, reference):
+        micro = jax.tree.map(lambda x: x[0], batch)
+        reference = reference if self.keeps_reference else self.reference({"params": params})
+        return self._preference_loss(params, micro, None, reference)[0]
+
+    def preference_eval_step(self, params, batch, reference) -> dict:
+        """DPO's sums (`loss.preference_sums`) over one batch of pairs; `reference`: the state's
+        frozen copy (`state["reference"]`), or, in a LoRA run, anything (`params` will do)."""
+        return self._run("preference_eval", params, batch, reference)
+
     def eval_step(self, params, batch, token_bytes):
         """Sums of cross-entropy, target weight and target bytes over one batch."""
         return self._run("eval", params, batch, token_bytes)
@@ -368,7 +436,10 @@ class Trainer:
 
         start = time.perf_counter()
         self._executables["train"] = self._executable("train", state, batch)
-        if eval_batch is not None:
+        if eval_batch is not None and self.dpo is not None:
+            self._executables["preference_eval"] = self._executable(
+                "preference_eval", state["params"], eval_batch, state.get("reference", state["params"]))
+        elif eval_batch is not None:
             self._executables["eval"] = self._executable("eval", state["params"], eval_batch, token_bytes)
         return time.perf_counter() - start
 

@@ -1,0 +1,369 @@
+"""Preference pairs for DPO: records in the formats Hugging Face TRL's `DPOTrainer` reads,
+tokenized as it tokenizes them, laid out as fixed-length rows weighted on the completions only.
+
+A record (JSON Lines, Parquet, `datasets`: `modern_jax.data.records`) holds TRL's columns
+`chosen`, `rejected` and, optionally, `prompt`; each is a text or a conversation (a list of
+`{role, content}` messages):
+
+    explicit, text          {"prompt": "Q: 2 + 2?", "chosen": " 4", "rejected": " 5"}
+    explicit, conversation  {"prompt": [user ...], "chosen": [assistant ...], "rejected": [assistant ...]}
+    implicit                {"chosen": [user, assistant], "rejected": [user, assistant]}  (or two texts)
+
+An implicit prompt is the start that `chosen` and `rejected` share, cut as TRL's
+`extract_prompt` cuts it: at the first message (or character) where they differ, or before
+the last one when one is the start of the other; a text prompt gives a space it would end
+with to the completions. A `prompt` of the other kind than the completions (a text beside
+whole conversations, as in `ultrafeedback_binarized`) is ignored and the prompt extracted
+the same way (TRL's `maybe_extract_prompt`); a conversation `prompt` beside text completions
+is an error. Whether the records have a `prompt` is decided by the first one; a later record
+without one is an error.
+
+Tokens, as TRL 1.x's `DPOTrainer._prepare_dataset` makes them:
+
+- a conversation: the prompt rendered by the chat template (`corpora.chat_template`) with the
+  generation prompt, and prompt + chosen, prompt + rejected rendered whole, each encoded;
+- a text: the prompt, prompt + chosen and prompt + rejected each encoded after the
+  tokenizer's `<bos>` (as this repository's text documents start; TRL's tokenizer call adds
+  whatever special tokens its tokenizer adds), the completions ending in `<eos>` (TRL appends
+  `eos_token` to a completion that does not already end with it).
+
+The prompt is the tokens its own encoding shares with both whole encodings (TRL's
+`common_prefix_length`: when a template renders the prompt alone otherwise, or a token merges
+across the boundary, the completions start earlier), and each completion is the rest of its
+whole encoding. Everything after the prompt is trained, for a conversation the template's
+markup after the answer too (`<|im_end|>\n`), as TRL trains it.
+
+Truncation is TRL's default (`truncation_mode="keep_start"`) with `max_length` W = T + 1,
+T = `seq_len`: each sequence (prompt + completion) keeps its first W tokens, so a long
+completion loses its end. A prompt of W tokens or more leaves no completion token: TRL drops
+such a pair, here it is an error naming the record.
+
+Layout (W = T + 1 tokens make T next-token targets, as a window of `pipeline.pack_windows`):
+
+    tokens    int32   [P, 2, W]  index 0 chosen, 1 rejected: prompt, completion, then 0s
+    weights   float32 [P, 2, T]  1 iff tokens[p, c, t + 1] is a completion token
+    lengths   int32   [P, 2]     tokens of each sequence
+    prompts   int32   [P]        tokens of the prompt (the same in both sequences)
+
+`batch_of` makes the training batch of some pairs: the `pipeline.BATCH_KEYS` arrays of
+`[2N, T]`, row 2n the chosen and row 2n + 1 the rejected sequence of pair n, each one document
+(positions from 0, segment 1, padding segment 0), exactly as `pack_windows` lays out a window
+that holds that sequence alone.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import grain
+
+import numpy as np
+
+from modern_jax.data import chat, records
+from modern_jax.data.config import RECORD_SOURCES, DataConfig
+from modern_jax.data.corpora import chat_template, split_documents
+from modern_jax.data.pipeline import UNBOUNDED
+from modern_jax.data.tokenizers import Tokenizer
+
+PROMPT, CHOSEN, REJECTED = "prompt", "chosen", "rejected"  # TRL's column names
+COLUMNS = f"{PROMPT!r} (optional), {CHOSEN!r}, {REJECTED!r}"
+_SETTING = "preference_column"  # the setting records.py names in a missing-field error; replaced here
+
+
+@dataclass(frozen=True)
+class PreferencePairs:
+    """Tokenized preference pairs (module docstring, Layout)."""
+
+    tokens: np.ndarray  # int32 [P, 2, W]
+    weights: np.ndarray  # float32 [P, 2, T]
+    lengths: np.ndarray  # int32 [P, 2]
+    prompts: np.ndarray  # int32 [P]
+    names: tuple[str, ...]  # each pair's record ("file.jsonl, line 3"), for a deterministic split
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def seq_len(self) -> int:
+        return self.weights.shape[-1]
+
+
+def read_pairs(cfg: DataConfig, path, tokenizer: Tokenizer, seq_len: int) -> PreferencePairs:
+    """The preference pairs of the records at `path` (None: `cfg.path`; at most
+    `cfg.max_documents`), tokenized by `tokenizer` (conversations rendered by `cfg.chat_template`,
+    else the tokenizer's, else the built-in template) into sequences of at most `seq_len + 1`
+    tokens. Every problem with a record is a ValueError naming its file and line (or row)."""
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r}: expected a positive number of tokens")
+    cfg = cfg if path is None else cfg.replace(path=str(path))
+    source = cfg.resolved_source
+    if source not in RECORD_SOURCES:
+        raise ValueError(f"data.path={str(cfg.path)!r} is read as source {source!r}, but preference pairs are "
+                         f"records with the fields {COLUMNS}: give .jsonl / .parquet files or a Hugging Face "
+                         f"dataset (or set data.source: {' / '.join(RECORD_SOURCES)})")
+    template, special = chat_template(cfg, tokenizer), tokenizer.special_tokens
+    W = seq_len + 1
+    rows = []
+    for name, where, prompt, chosen, rejected in _records(cfg, source):
+        prompt, chosen, rejected = _split_prompt(prompt, chosen, rejected, where)
+        try:
+            ids = _tokenize(prompt, chosen, rejected, tokenizer, template, special, where)
+        except ValueError as e:  # a character the tokenizer has no id for
+            raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+        rows.append((name, _check_fits(*ids, W, where)))
+    if not rows:
+        raise ValueError(f"data.path={str(cfg.path)!r} holds no records")
+
+    P = len(rows)
+    tokens_P2W = np.zeros((P, 2, W), np.int32)
+    completion_P2W = np.zeros((P, 2, W), bool)
+    lengths_P2 = np.zeros((P, 2), np.int32)
+    prompts_P = np.zeros(P, np.int32)
+    cut = 0
+    for p, (_, (prompt_ids, *completions)) in enumerate(rows):
+        prompts_P[p] = len(prompt_ids)
+        for c, completion_ids in enumerate(completions):
+            sequence = np.concatenate([prompt_ids, completion_ids])[:W]  # keep_start
+            cut += len(prompt_ids) + len(completion_ids) > W
+            tokens_P2W[p, c, : len(sequence)] = sequence
+            completion_P2W[p, c, len(prompt_ids) : len(sequence)] = True
+            lengths_P2[p, c] = len(sequence)
+    if cut:
+        warnings.warn(f"{cut} of the {2 * P} sequences of data.path={str(cfg.path)!r} are longer than seq_len + 1 = "
+                      f"{W} tokens and lose the end of their completion", stacklevel=2)
+    return PreferencePairs(tokens_P2W, completion_P2W[..., 1:].astype(np.float32), lengths_P2, prompts_P,
+                           tuple(name for name, _ in rows))
+
+
+def batch_of(pairs: PreferencePairs, indices) -> dict[str, np.ndarray]:
+    """The training batch of the pairs `indices` (N of them): `[2N, T]` arrays, row 2n chosen and
+    row 2n + 1 rejected (module docstring)."""
+    indices = np.asarray(indices, np.int64).reshape(-1)
+    tokens_RW = pairs.tokens[indices].reshape(2 * len(indices), -1)  # R = 2N rows: chosen, rejected, ...
+    T = tokens_RW.shape[1] - 1
+    valid_RT = np.arange(T) < pairs.lengths[indices].reshape(-1, 1)  # an input token, not padding
+    return {
+        "inputs": tokens_RW[:, :-1],
+        "targets": tokens_RW[:, 1:],
+        "positions": np.where(valid_RT, np.arange(T, dtype=np.int32), 0).astype(np.int32),
+        "segment_ids": valid_RT.astype(np.int32),
+        "weights": pairs.weights[indices].reshape(2 * len(indices), T),
+    }
+
+
+def subset(pairs: PreferencePairs, indices) -> PreferencePairs:
+    """The pairs `indices` of `pairs`, in that order."""
+    indices = np.asarray(indices, np.int64)
+    return PreferencePairs(pairs.tokens[indices], pairs.weights[indices], pairs.lengths[indices],
+                           pairs.prompts[indices], tuple(pairs.names[i] for i in indices))
+
+
+def split_pairs(pairs: PreferencePairs, val_fraction: float) -> tuple[PreferencePairs, PreferencePairs]:
+    """The deterministic train / validation split of the pairs by their records' names, as
+    documents and conversations split (`corpora.split_documents`)."""
+    named = [(name, i) for i, name in enumerate(pairs.names)]
+    train, val = split_documents(named, val_fraction, whole=True)
+    return subset(pairs, [i for _, i in train]), subset(pairs, [i for _, i in val])
+
+
+class PairBatches:
+    """Random-access grain source: record `i` is this process's rows of global batch `i`, `[A, R, T]`
+    arrays of `batch_size / 2` pairs (every pair once per epoch, each epoch in its own order:
+    `numpy.random.default_rng([seed, epoch]).permutation`), so a batch is a pure function of
+    `(seed, i)` and a resumed run sees the batches an uninterrupted one sees."""
+
+    def __init__(self, pairs: PreferencePairs, batch_size: int, grad_accum: int = 1, seed: int = 0,
+                 rows: slice | None = None):
+        self.pairs, self.seed, self.n = pairs, seed, batch_size // 2
+        self.shape = (grad_accum, batch_size // grad_accum)
+        self.rows = slice(None) if rows is None else rows
+
+    def __len__(self) -> int:
+        return UNBOUNDED
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        N = len(self.pairs)
+        positions = int(i) * self.n + np.arange(self.n)
+        indices = np.concatenate([self._order(e)[positions[positions // N == e] % N]
+                                  for e in np.unique(positions // N)])
+        batch = batch_of(self.pairs, indices)  # [2n, T]: pairs stay in one micro-batch (A divides n)
+        return {k: v.reshape(*self.shape, -1)[:, self.rows] for k, v in batch.items()}
+
+
+def pair_iterator(pairs: PreferencePairs, *, batch_size: int, grad_accum: int = 1, seed: int = 0,
+                  rows: slice | None = None, state: dict | None = None):
+    """A grain iterator of training batches of pairs (this process's `rows`); `state` (from
+    `.get_state()`) resumes it exactly."""
+    dataset = grain.MapDataset.source(PairBatches(pairs, batch_size, grad_accum, seed, rows)).to_iter_dataset()
+    iterator = iter(dataset)
+    if state is not None:
+        iterator.set_state(state)
+    return iterator
+
+
+def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int | None = None,
+                      rows: slice | None = None):
+    """Batches `[1, R, T]` of the pairs in order (`max_pairs` of them spread evenly); the last is
+    filled up with empty pairs (no completion token: `loss.preference_sums` counts them out)."""
+    chosen = np.arange(len(pairs))
+    if max_pairs is not None and max_pairs < len(chosen):
+        chosen = chosen[np.linspace(0, len(chosen) - 1, max_pairs).round().astype(np.int64)]
+    n = batch_size // 2
+    rows = slice(None) if rows is None else rows
+    for b in range(-(-len(chosen) // n)):
+        indices = chosen[b * n:(b + 1) * n]
+        batch = batch_of(pairs, indices)
+        pad = 2 * n - len(batch["inputs"])
+        batch = {k: np.concatenate([v, np.zeros((pad, v.shape[1]), v.dtype)]) for k, v in batch.items()}
+        yield {k: v[rows][None] for k, v in batch.items()}
+
+
+# ----- records -------------------------------------------------------------------
+
+
+def _column(cfg: DataConfig, source: str, field: str):
+    """`(name, where, value)` of `field` in every record, by the reader of records.py."""
+    reader = {"jsonl": records._jsonl, "parquet": records._parquet, "hf": records._hf}[source]
+    try:
+        yield from reader(cfg, field, _SETTING)
+    except ValueError as e:
+        raise _missing_column(e, field) from None
+
+
+def _missing_column(e: ValueError, field: str) -> ValueError:
+    """records.py's missing-field error with the fix for preference records."""
+    message = str(e)
+    if f"(data.{_SETTING})" not in message:
+        return e
+    fix = (f"a preference record holds the fields {COLUMNS}, as TRL's DPOTrainer reads them: rename the "
+           f"field that holds the {field} text or messages to {field!r}")
+    return ValueError(message.replace(f" (data.{_SETTING})", "").replace(f"set data.{_SETTING} to the one to read",
+                                                                          fix))
+
+
+def _records(cfg: DataConfig, source: str):
+    """`(name, where, prompt or None, chosen, rejected)` of every record (at most `max_documents`);
+    the first record says whether records have a prompt."""
+    prompts = _column(cfg, source, PROMPT)
+    n = 0
+    for (name, where, chosen), (_, _, rejected) in zip(_column(cfg, source, CHOSEN), _column(cfg, source, REJECTED)):
+        prompt = None
+        if prompts is not None:
+            try:
+                prompt = next(prompts, (None, None, None))[2]
+            except ValueError as e:
+                missing = f": no field {PROMPT!r}"
+                if missing not in str(e):
+                    raise
+                if n:
+                    raise ValueError(f"{str(e).split(missing)[0]}: no field {PROMPT!r}, but the records before it "
+                                     f"have one: give every record a {PROMPT!r}, or none (the prompt is then the "
+                                     f"start that {CHOSEN!r} and {REJECTED!r} share)") from None
+                prompts = None  # the first record has none: implicit prompts
+        yield name, where, prompt, chosen, rejected
+        n += 1
+        if cfg.max_documents is not None and n >= cfg.max_documents:
+            return
+
+
+def _kind(value, field: str, where: str) -> str:
+    """`text` or `conversation` (checked), else a ValueError naming the record and the field."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and value:
+        chat.check_messages(value, where, field)
+        return "conversation"
+    raise ValueError(f"{where}: field {field!r} holds {type(value).__name__} {str(value)[:60]!r}, expected a text or "
+                     "a non-empty list of {role, content} messages")
+
+
+def _split_prompt(prompt, chosen, rejected, where: str):
+    """`(prompt, chosen, rejected)` of one kind, the prompt extracted when it is implicit (module docstring)."""
+    kind = _kind(chosen, CHOSEN, where)
+    if _kind(rejected, REJECTED, where) != kind:
+        raise ValueError(f"{where}: {CHOSEN!r} is a {kind} but {REJECTED!r} is not: give both as texts or both as "
+                         "lists of messages")
+    prompt_kind = None if prompt is None else _kind(prompt, PROMPT, where)
+    if prompt_kind == kind:
+        return prompt, chosen, rejected
+    if prompt_kind == "conversation":
+        raise ValueError(f"{where}: {PROMPT!r} is a conversation but {CHOSEN!r} and {REJECTED!r} are texts: give the "
+                         f"completions as lists of assistant messages, or the prompt as a text")
+    n = _shared_start(chosen, rejected)
+    if n == 0:
+        got = f"{PROMPT!r} is a {prompt_kind} and " if prompt_kind else ""
+        raise ValueError(f"{where}: {got}{CHOSEN!r} and {REJECTED!r} are {kind}s that do not start alike, so they hold "
+                         f"no prompt: give the prompt as a {kind} in {PROMPT!r}, or whole {kind}s (prompt and "
+                         f"completion) in {CHOSEN!r} and {REJECTED!r}")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _shared_start(chosen, rejected) -> int:
+    """The length of the implicit prompt as TRL's `extract_prompt` cuts it."""
+    shorter = min(len(chosen), len(rejected))
+    n = next((i for i in range(shorter) if chosen[i] != rejected[i]), max(shorter - 1, 0))
+    return n - 1 if n > 0 and chosen[n - 1] == " " else n
+
+
+# ----- tokens --------------------------------------------------------------------
+
+
+def _render(messages: list[dict], template: str, special: dict[str, str], where: str, generation_prompt: bool) -> str:
+    """A conversation as the chat template renders it (`chat.render`'s environment, here with
+    the generation prompt when asked); generation marks are dropped."""
+    import jinja2
+
+    try:
+        marked = chat.compile_template(template).render(messages=messages, add_generation_prompt=generation_prompt,
+                                                        tools=None, documents=None, **special)
+    except chat.TemplateError as e:
+        raise chat.TemplateError(f"{where}: {e}") from None
+    except jinja2.TemplateError as e:
+        raise chat.TemplateError(f"{where}: the chat template failed on this conversation ({type(e).__name__}: {e})"
+                                 ) from None
+    return marked.replace(chat.OPEN, "").replace(chat.CLOSE, "")
+
+
+def _tokenize(prompt, chosen, rejected, tokenizer: Tokenizer, template: str, special: dict[str, str], where: str):
+    """`(prompt ids, chosen completion ids, rejected completion ids)` (module docstring)."""
+    if isinstance(prompt, list):
+        prompt_ids = tokenizer.encode(_render(prompt, template, special, where, True))
+        wholes = [tokenizer.encode(_render(prompt + c, template, special, where, False)) for c in (chosen, rejected)]
+    else:
+        bos = np.asarray([] if tokenizer.bos_id is None else [tokenizer.bos_id], np.int32)
+        eos_token = special.get("eos_token")
+
+        def encode(text, end=False):
+            eos = end and tokenizer.eos_id is not None and not (eos_token and text.endswith(eos_token))
+            eos_ids = np.asarray([tokenizer.eos_id] if eos else [], np.int32)
+            return np.concatenate([bos, tokenizer.encode(text), eos_ids])
+
+        prompt_ids = encode(prompt)
+        wholes = [encode(prompt + c, end=True) for c in (chosen, rejected)]
+    n = min(_common_prefix(prompt_ids, whole) for whole in wholes)
+    return prompt_ids[:n], *(whole[n:] for whole in wholes)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def _check_fits(prompt_ids, chosen_ids, rejected_ids, W: int, where: str):
+    """The ids, unless a sequence of W tokens would hold no completion token."""
+    for field, ids in ((CHOSEN, chosen_ids), (REJECTED, rejected_ids)):
+        if not len(ids):
+            raise ValueError(f"{where}: the {field!r} completion has no tokens after the prompt: give it some text")
+    if not len(prompt_ids):
+        raise ValueError(f"{where}: the prompt has no tokens, so no token comes before the first completion token "
+                         f"to predict it: give {PROMPT!r} some text")
+    if len(prompt_ids) >= W:
+        raise ValueError(f"{where}: the prompt is {len(prompt_ids)} tokens, so a sequence of seq_len + 1 = {W} tokens "
+                         f"holds none of the completions: raise seq_len to at least {len(prompt_ids)} or shorten "
+                         f"the {PROMPT!r}")
+    return prompt_ids, chosen_ids, rejected_ids

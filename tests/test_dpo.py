@@ -1,0 +1,141 @@
+"""DPO: the loss and TRL's logged rewards against TRL itself, the reference model, and the steps.
+
+The reference values (tests/fixtures/hf_peft/llama/dpo) were made by TRL 1.16.0's own
+`DPOTrainer._compute_loss` with transformers' log-probabilities, the policy the PEFT adapter
+on the tiny Llama and the reference its base:
+
+    python scripts/make_hf_fixtures.py dpo-reference --model tests/fixtures/hf_peft/llama/base \\
+        --adapter tests/fixtures/hf_peft/llama/adapter --batch .../batch.npz --out .../sigmoid.npz \\
+        --beta 0.1 --loss-type sigmoid [--label-smoothing 0.1 | --loss-type ipo]
+
+(TRL 1.16's sigmoid loss has no label smoothing; the script also writes the cDPO formula's,
+`losses_label_smoothed`, which `label_smoothing` here computes.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from flax.nnx import traversals
+
+from modern_jax.config import ModelConfig
+from modern_jax.convert import from_hf
+from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
+from modern_jax.lora import LoRAConfig
+from modern_jax.training import TrainConfig, Trainer
+from modern_jax.training.config import DPOConfig, run_config_from_dict
+
+from common import one_device
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_peft" / "llama"
+TINY = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=128,
+                   max_position_embeddings=32)
+METRICS = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
+           "rewards/accuracies": "rewards_accuracies", "rewards/margins": "rewards_margins",
+           "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected"}
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
+
+def pair_batch(tokens_P2W, weights_P2W) -> dict:
+    """Our `[1, 2P, T]` batch of TRL's rows (`weights[t]`: token t + 1 is a completion token)."""
+    tokens = tokens_P2W.reshape(-1, tokens_P2W.shape[-1])  # rows: chosen, rejected, chosen, ...
+    T = tokens.shape[1] - 1
+    valid = np.cumsum(tokens[:, ::-1] != 0, axis=1)[:, ::-1][:, :T] > 0
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "positions": np.broadcast_to(np.arange(T), (len(tokens), T)), "segment_ids": valid,
+             "weights": weights_P2W.reshape(len(tokens), -1)[:, :T]}
+    return {k: np.ascontiguousarray(v)[None].astype(np.float32 if k == "weights" else np.int32)
+            for k, v in batch.items()}
+
+
+def random_pairs(P: int, T: int, V: int, seed: int = 3) -> dict:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, V, (P, 2, T + 1))
+    weights = np.zeros((P, 2, T + 1), np.float32)
+    weights[..., 3:T] = 1.0
+    return pair_batch(tokens, weights)
+
+
+@pytest.mark.parametrize("loss_type, smoothing, loss_key", [("sigmoid", 0.0, "loss"),
+                                                            ("sigmoid", 0.1, "loss_label_smoothed"),
+                                                            ("ipo", 0.0, "loss")])
+def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, smoothing, loss_key):
+    name = {"sigmoid": "sigmoid" if not smoothing else "sigmoid_ls0.1", "ipo": "ipo"}[loss_type]
+    with np.load(FIXTURE / "dpo" / f"{name}.npz") as z:
+        want = dict(z)
+    with np.load(FIXTURE / "dpo" / "batch.npz") as z:
+        batch = pair_batch(z["tokens"], z["weights"])
+    cfg, base = from_hf(FIXTURE / "base")
+    adapter = FIXTURE / "adapter"
+    lora = dataclasses.replace(read_peft_config(adapter), targets=peft_targets(adapter, base, "llama"))
+    rows = batch["inputs"].shape[1]
+    tc = TrainConfig(batch_size=rows, eval_batch_size=rows, seq_len=batch["inputs"].shape[2], warmup_steps=0)
+    trainer = Trainer(cfg, tc, one_device(), lora=lora,
+                      dpo=DPOConfig(beta=float(want["beta"]), loss_type=loss_type, label_smoothing=smoothing))
+    params = traversals.flatten_mapping(jax.device_get(trainer.init_state(0)["params"]))
+    params.update(traversals.flatten_mapping(jax.device_get(nnx.to_pure_dict(nnx.state(base, nnx.Param)))))
+    params.update(traversals.flatten_mapping(read_peft(adapter, trainer.model(trainer.init_state(0)["params"]),
+                                                       "llama")))
+    params = traversals.unflatten_mapping(params)
+    sums = jax.device_get(trainer.preference_eval_step(params, trainer.put_batch(batch), params))
+    pairs = float(sums["pairs"])
+    assert pairs == 3
+    np.testing.assert_allclose(float(sums["dpo_loss"]) / pairs, want[loss_key], rtol=1e-5, atol=1e-6)
+    for ours, theirs in METRICS.items():
+        np.testing.assert_allclose(float(sums[ours]) / pairs, want[theirs], rtol=1e-5, atol=1e-6, err_msg=ours)
+
+
+def step_metrics(cfg, tc, lora, dpo, batch, seed: int = 0):
+    trainer = Trainer(cfg, tc, one_device(), lora=lora, dpo=dpo)
+    state = trainer.init_state(seed)
+    before = jax.device_get(state)
+    state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    return trainer, before, jax.device_get(state), jax.device_get(metrics)
+
+
+def test_lora_dpo_starts_at_log_2_with_the_base_as_its_reference():
+    """B = 0: the policy is its reference exactly, so every pair's margin is 0 and the loss log 2."""
+    tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=0, lr=1e-2, weight_decay=0.0)
+    trainer, before, after, metrics = step_metrics(TINY, tc, LoRAConfig(rank=4), DPOConfig(), random_pairs(2, 8, 64))
+    assert "reference" not in after  # no second copy of the weights
+    assert float(metrics["loss"]) == np.float32(math.log(2))
+    assert float(metrics["rewards/margins"]) == 0.0 and float(metrics["rewards/chosen"]) == 0.0
+    assert float(metrics["logps/chosen"]) < 0
+    moved = [k for k, v in traversals.flatten_mapping(after["params"]).items()
+             if not np.array_equal(v, traversals.flatten_mapping(before["params"])[k])]
+    assert moved and all("adapter" in k for k in moved)
+
+
+def test_full_dpo_keeps_a_frozen_copy_of_its_start_as_the_reference():
+    tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=0, lr=1e-2, weight_decay=0.0)
+    batch = random_pairs(2, 8, 64)
+    trainer, before, after, metrics = step_metrics(TINY, tc, None, DPOConfig(beta=0.5), batch)
+    assert float(metrics["loss"]) == np.float32(math.log(2))
+    jax.tree.map(np.testing.assert_array_equal, after["reference"], before["params"])  # frozen
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after["params"]),
+                                                        jax.tree.leaves(before["params"])))
+    state = jax.device_put(after)
+    state, second = trainer.train_step(state, trainer.put_batch(batch))
+    assert float(second["rewards/margins"]) > 0  # the policy moved from its reference towards the chosen
+    assert float(second["loss"]) < math.log(2)
+
+
+def test_what_dpo_refuses():
+    base = {"model": TINY.to_dict(), "dpo": {}}
+    with pytest.raises(ValueError, match=r"train.batch_size=6 counts sequences, .* multiple of 4"):
+        run_config_from_dict({**base, "train": {"batch_size": 6, "grad_accum": 2}})
+    with pytest.raises(ValueError, match=r"train.eval_batch_size=5 counts sequences"):
+        run_config_from_dict({**base, "train": {"batch_size": 4, "eval_batch_size": 5}})
+    with pytest.raises(ValueError, match=r"DPOConfig.label_smoothing=0.1 is invalid: smooths the sigmoid loss only"):
+        DPOConfig(loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"DPOConfig.loss_type='hinge' is invalid: expected one of sigmoid, ipo"):
+        DPOConfig(loss_type="hinge")
+    with pytest.raises(ValueError, match=r"unknown key dpo.betta; did you mean beta"):
+        run_config_from_dict({**base, "dpo": {"betta": 0.1}})
