@@ -132,6 +132,29 @@ def test_training_step_compiles_for_a_tpu_mesh_with_the_tpu_kernels():
     assert 0 < out["temporaries"] and out["peak"] < 95 * GiB and out["fits"] and out["hbm"] == 95 * GiB
 
 
+def test_a_qlora_step_compiles_for_one_tpu_chip_holding_nf4_codes_and_the_adapters_state():
+    """QLoRA on one v5e chip: the frozen projections as NF4 pieces (4.14 bits a weight: every
+    block of 64 values 32 bytes of codes and an int8 scale, a row's two float32s), float32
+    adapters and AdamW state for them only; the TPU compiler plans the step."""
+    from modern_jax.lora import LoRAConfig
+
+    lora = LoRAConfig(rank=8, quantize="nf4")
+    run = RunConfig(model_dict=dict(TINY, param_dtype="bfloat16"), train=TrainConfig(batch_size=2, seq_len=256),
+                    data=DataConfig(), lora=lora)
+    out = plan(run, {"fsdp": 1}, topology="v5e:1x1")
+    assert out["compiler"] == "TPU" and out["fits"]
+    cfg = ModelConfig.from_dict(TINY)
+    D, F, K, N, H, L = 256, 512, 2, 4, 128, 2
+    outs = {"q": (D, N * H), "k": (D, K * H), "v": (D, K * H), "o": (N * H, D), "gate": (D, F), "up": (D, F),
+            "down": (F, D)}
+    quantized = L * sum(i * o * (0.5 + 1 / 64) + i * 8 for i, o in outs.values())  # codes + scales + row pairs
+    rest = 2 * (cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + D * (2 * L + 1) + (2 * L * H if
+                                                                                             cfg.qk_norm != "none" else 0))
+    adapters = L * sum(4 * 8 * (i + o) for i, o in outs.values())
+    assert out["parameters"] == quantized + rest + adapters
+    assert 2 * adapters <= out["optimizer"] <= 2 * adapters + 8
+
+
 def test_moe_step_compiles_for_tpu_with_megablox_and_the_ragged_exchange():
     """The dropless exchange XLA:CPU lacks: forward and backward compile for TPU chips."""
     moe = dict(TINY, ffn_type="moe", n_experts=4, experts_per_token=2, expert_d_ff=256)
