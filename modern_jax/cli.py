@@ -247,12 +247,12 @@ def cmd_evaluate(args) -> int:
     from modern_jax.data.pipeline import eval_batches, eval_windows
     from modern_jax.sharding.mesh import make_mesh
     from modern_jax.training import TrainConfig, Trainer, evaluate_batches
+    from modern_jax.convert.checkpoint import load_model_params
     from modern_jax.lora import LoRAConfig
-    from modern_jax.training.checkpoint import load_params
 
     main = jax.process_index() == 0
     note = _note if main else (lambda *_: None)
-    cfg, params, raw, run_dir = load_params(args.checkpoint, log=note)
+    cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=note)
     seq_len = _eval_seq_len(args, cfg, raw)
     tokenizer, stream = _checkpoint_data(args, raw, run_dir, cfg)
     what = f"--data {args.data}" if args.data else f"the {args.split} split"
@@ -303,13 +303,13 @@ def cmd_generate(args) -> int:
                          f"UTF-8 (check the terminal's or the file's encoding)") from None
     from modern_jax.accounting import DoesNotFit
     from modern_jax.generate import sample_texts
-    from modern_jax.training.checkpoint import load_params
+    from modern_jax.convert.checkpoint import load_model_params
     from modern_jax.lora import LoRAConfig
     from modern_jax.model import abstract_params
 
     import jax
 
-    cfg, params, raw, run_dir = load_params(args.checkpoint, log=_note if jax.process_index() == 0 else None)
+    cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=_note if jax.process_index() == 0 else None)
     tokenizer = _checkpoint_tokenizer(run_dir, cfg)
     try:
         tokenizer.encode(args.prompt)

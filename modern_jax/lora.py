@@ -6,6 +6,7 @@
       dropout: 0.0          # on the adapter's input (PEFT's lora_dropout); not on experts
       targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]
       quantize: none        # the frozen base's projections: none | int8 | nf4
+      save_base: true       # false: checkpoints hold the adapters (and their optimiser state) only
 
 A run with a `lora:` section trains only the adapters: every other parameter is frozen and
 has no optimiser state. `targets` name projections as PEFT's `target_modules` do: an entry
@@ -15,6 +16,9 @@ dense FFN's), or is `all-linear` (every projection in the blocks, routers includ
 output head and the embeddings are never adapted. `quantize` stores every projection in the
 blocks (adapted or not) quantized and dequantizes it in the compute dtype as it runs
 (`ops.quant`): int8 blockwise, or NF4 with double quantization as QLoRA defines it.
+With `save_base: false` a run's checkpoints leave the frozen base out: it is read again from
+where the run started (`--init-from-hf`, recorded in the run's `base.json`) to resume,
+evaluate, sample or convert.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class LoRAConfig:
     dropout: float = 0.0
     targets: tuple[str, ...] = DEFAULT_TARGETS
     quantize: str = "none"
+    save_base: bool = True
 
     def __post_init__(self):
         if isinstance(self.targets, list):
@@ -65,6 +70,8 @@ class LoRAConfig:
                                            f"[{', '.join(DEFAULT_TARGETS[:2])}], or [{ALL_LINEAR}]")
         if self.quantize not in QUANTIZE:
             _fail("quantize", self.quantize, f"expected one of {', '.join(QUANTIZE)}")
+        if not isinstance(self.save_base, bool):
+            _fail("save_base", self.save_base, "expected true or false")
 
     @property
     def scale(self) -> float:

@@ -112,3 +112,27 @@ def test_a_fine_tuned_chat_model_loads_in_transformers_with_its_new_weights(tmp_
         print("max|logit diff| fine-tuned vs transformers:", float(np.max(np.abs(back["logits"] - ours))))
         np.testing.assert_allclose(back["logits"], ours, atol=LOGIT_TOL, rtol=0)
         assert np.max(np.abs(back["logits"] - before)) > 0.1  # the new weights, not the fixture's
+
+
+def test_a_lora_run_exported_to_peft_loads_in_peft_with_our_logits(tmp_path):
+    """A LoRA run trained here (B moved from zero), `convert --to-peft`: PeftModel.from_pretrained
+    on the transformers base gives the run's logits within 1e-4 of their scale."""
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    assert main(["train", "--config", str(Path(__file__).parent.parent / "configs" / "finetune_lora.yaml"),
+                 "--init-from-hf", str(CHAT_FIXTURE),
+                 "--data", str(CHAT_FIXTURE / "chat.jsonl"), "--output-dir", str(run), "train.steps=20",
+                 "train.seq_len=64", "train.lr=1e-2", "train.warmup_steps=2"]) == 0
+    assert main(["convert", "--to-peft", str(run), "--out", str(adapter)]) == 0
+    tokens = np.random.default_rng(0).integers(4, 33, (2, 16)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    run_script("peft-logits", "--base", str(CHAT_FIXTURE), "--adapter", str(adapter), "--tokens",
+               str(tmp_path / "tokens.npy"), "--out", str(tmp_path / "peft.npz"))
+    _, trained = load_checkpoint(run)
+    _, original = from_hf(CHAT_FIXTURE)
+    ours = np.asarray(trained(jnp.asarray(tokens)))
+    with np.load(tmp_path / "peft.npz") as z:
+        theirs = z["logits"]
+    scale = float(np.max(np.abs(ours)))
+    print("max|logit diff| LoRA run vs PEFT:", float(np.max(np.abs(theirs - ours))), "scale", scale)
+    np.testing.assert_allclose(theirs, ours[..., :theirs.shape[-1]], atol=1e-4 * scale, rtol=0)
+    assert np.max(np.abs(ours - np.asarray(original(jnp.asarray(tokens))))) > 1e-2  # the adapters act

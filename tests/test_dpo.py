@@ -100,10 +100,13 @@ def step_metrics(cfg, tc, lora, dpo, batch, seed: int = 0):
     return trainer, before, jax.device_get(state), jax.device_get(metrics)
 
 
-def test_lora_dpo_starts_at_log_2_with_the_base_as_its_reference():
-    """B = 0: the policy is its reference exactly, so every pair's margin is 0 and the loss log 2."""
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_lora_dpo_starts_at_log_2_with_the_base_as_its_reference(quantize):
+    """B = 0: the policy is its reference exactly (a QLoRA one's too: the same NF4 base), so every
+    pair's margin is 0 and the loss log 2."""
     tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=0, lr=1e-2, weight_decay=0.0)
-    trainer, before, after, metrics = step_metrics(TINY, tc, LoRAConfig(rank=4), DPOConfig(), random_pairs(2, 8, 64))
+    trainer, before, after, metrics = step_metrics(TINY, tc, LoRAConfig(rank=4, quantize=quantize), DPOConfig(),
+                                                   random_pairs(2, 8, 64))
     assert "reference" not in after  # no second copy of the weights
     assert float(metrics["loss"]) == np.float32(math.log(2))
     assert float(metrics["rewards/margins"]) == 0.0 and float(metrics["rewards/chosen"]) == 0.0
@@ -139,3 +142,32 @@ def test_what_dpo_refuses():
         DPOConfig(loss_type="hinge")
     with pytest.raises(ValueError, match=r"unknown key dpo.betta; did you mean beta"):
         run_config_from_dict({**base, "dpo": {"betta": 0.1}})
+
+
+def test_lora_dpo_on_a_mesh_equals_one_device():
+    """fsdp 2 x tensor 2: DPO's loss, rewards and every adapter gradient as on one device (pairs split
+    over the data shards stay pairs: the loss reads the global batch)."""
+    from common import probe, step_gradients
+    from modern_jax.sharding.mesh import make_mesh
+
+    tc = probe(TrainConfig(batch_size=8, seq_len=8, steps=2, warmup_steps=0))
+    batch = random_pairs(4, 8, 64)
+    results = {}
+    for name, mesh in (("one", one_device()), ("many", make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4]))):
+        trainer = Trainer(TINY, tc, mesh, lora=LoRAConfig(rank=4), dpo=DPOConfig(beta=0.5))
+        state = trainer.init_state(0)
+        params = traversals.flatten_mapping(jax.device_get(state["params"]))
+        for i, k in enumerate(sorted(k for k in params if k[-1] == "lora_b")):
+            params[k] = 0.1 * np.random.default_rng(i).standard_normal(params[k].shape).astype(np.float32)
+        state["params"] = jax.tree.map(lambda x, like: jax.device_put(x, like.sharding),
+                                       traversals.unflatten_mapping(params), state["params"])
+        results[name] = step_gradients(trainer, state, batch)
+    (got, many), (want, one) = results["many"], results["one"]
+    assert float(one["loss"]) != np.float32(math.log(2))  # B moved: the policy is not its reference
+    for key in ("loss", *METRICS):
+        np.testing.assert_allclose(many[key], one[key], rtol=1e-5, atol=2e-6, err_msg=key)  # rewards: beta x a difference of two ~-30s
+    flat = lambda g: {"/".join(map(str, k)): v for k, v in traversals.flatten_mapping(g).items()  # noqa: E731
+                      if "adapter" in k}
+    from common import assert_leaves_match
+
+    assert_leaves_match(flat(got), flat(want), rtol=1e-4)

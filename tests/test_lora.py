@@ -203,3 +203,45 @@ def test_what_lora_refuses():
             LoRAConfig.from_dict({field: value})
     with pytest.raises(ValueError, match=r"unknown key lora.ranks; did you mean rank"):
         LoRAConfig.from_dict({"ranks": 4})
+
+
+def test_what_a_peft_adapter_import_refuses(tmp_path, capsys):
+    from modern_jax.cli import main
+
+    base = str(PEFT / "llama" / "base")
+    common = ["train", "--config", str(REPO / "configs/finetune_lora.yaml"), "--init-from-hf", base,
+              "--data", str(REPO / "tests/fixtures/hf_chat/chat.jsonl"), "--output-dir", str(tmp_path / "run"),
+              f"data.tokenizer_path={REPO / 'tests/fixtures/hf_chat/tokenizer.json'}"]
+    assert main([*common[:3], *common[5:], "--init-adapter", str(PEFT / "llama" / "adapter")]) == 2
+    assert "--init-adapter needs --init-from-hf" in capsys.readouterr().err
+    assert main([*common, "--init-adapter", str(PEFT / "llama" / "adapter")]) == 2  # the config's rank 16, the adapter's 4
+    assert "lora.rank=16 disagrees with the adapter --init-adapter" in capsys.readouterr().err
+    bad = tmp_path / "adapter"
+    bad.mkdir()
+    config = json.loads((PEFT / "llama" / "adapter" / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    (bad / "adapter_model.safetensors").write_bytes((PEFT / "llama" / "adapter" / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"adapter_config.json: use_dora=True \(DoRA\) is not supported"):
+        read_peft_config(bad)
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_expert_adapters_round_trip_through_peft_names_one_per_expert(tmp_path):
+    """A mixture's experts (Qwen3-MoE: one torch Linear per expert) take one adapter each, under
+    PEFT's per-module names; written and read back, the same model."""
+    cfg = dataclasses.replace(MOE, qk_norm="head", tie_embeddings=False)
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "experts.gate_proj", "experts.down_proj"))
+    model = Transformer(cfg, rngs=nnx.Rngs(0), lora=lora)
+    randomise_b(model)
+    write_peft(model, tmp_path, "qwen3_moe")
+    names = set(load_file(tmp_path / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.1.mlp.experts.3.down_proj.lora_B.weight" in names
+    assert len(names) == 2 * 2 * (1 + 2 * 4)  # A and B, 2 layers, q_proj and 2 projections x 4 experts
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    import re
+
+    assert re.fullmatch(config["target_modules"], "model.layers.0.mlp.experts.2.gate_proj")
+    assert not re.fullmatch(config["target_modules"], "model.layers.0.mlp.experts.2.up_proj")
+    back = flat(read_peft(tmp_path, model, "qwen3_moe"))
+    for k, v in back.items():
+        np.testing.assert_array_equal(v, flat(nnx.state(model, nnx.Param))[k], err_msg=str(k))

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from flax.nnx import traversals
 
 from modern_jax.config import NETWORK_FIELDS, ModelConfig
 from modern_jax.configfile import read_json
@@ -41,9 +42,9 @@ from modern_jax.convert.hf_checkpoint import from_hf, nonfinite, read_hf_config,
 from modern_jax.convert.hf_config import config_from_hf, model_type_of
 from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from modern_jax.lora import LoRAConfig
-from modern_jax.model import Transformer, abstract_params, merged
+from modern_jax.model import Transformer, abstract_params, adapt, merged
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import (HF_ASSETS_DIR, load_params, read_config, resolve_checkpoint, save_checkpoint,
+from modern_jax.training.checkpoint import (BASE_FILE, HF_ASSETS_DIR, load_params, read_config, resolve_checkpoint, save_checkpoint,
                                            write_checksums)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.loop import Initial
@@ -59,9 +60,35 @@ CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept in confi
 def load_checkpoint(ckpt: str | os.PathLike, log=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """`(config, model)` from a converted checkpoint, a training run directory (its newest
     step) or one step directory; parameters come back in their saved dtype."""
-    cfg, params, raw, _ = load_params(ckpt, log=log, **overrides)
+    cfg, params, raw, _ = load_model_params(ckpt, log=log, **overrides)
     graphdef, _ = abstract_params(cfg, LoRAConfig.of_run(raw))
     return cfg, nnx.merge(graphdef, params)
+
+
+def load_model_params(ckpt: str | os.PathLike, log=None, **overrides: Any):
+    """`load_params`, with the frozen base of a LoRA run whose checkpoints hold only its adapters
+    (`lora.save_base: false`) read again from where it started (its `base.json`) and quantized
+    as the run does: `(config, every parameter, raw config, run directory)`."""
+    cfg, params, raw, home = load_params(ckpt, log=log, **overrides)
+    lora = LoRAConfig.of_run(raw)
+    if lora is None or lora.save_base:
+        return cfg, params, raw, home
+    base_file = Path(home) / BASE_FILE
+    if not base_file.is_file():
+        raise ValueError(f"{home}: its checkpoints hold only the adapters (lora.save_base=false) and {BASE_FILE}, "
+                         f"which names the base they were trained on, is missing: put it back "
+                         f'({{"source": "path/to/hf_model"}})')
+    source = read_json(base_file).get("source")
+    settings = {k: v for k, v in cfg.to_dict().items() if k not in NETWORK_FIELDS}
+    base_cfg, init = initial_weights(source, log=log, **settings)
+    if base_cfg.replace(**settings) != cfg:
+        raise ValueError(f"{base_file}: the base {source} is not the model this run trained ({home / 'config.yaml'}): "
+                         f"point {BASE_FILE} at the model the run started from")
+    model = nnx.merge(abstract_params(cfg)[0], init.params())
+    adapt(model, lora, nnx.Rngs(0))  # the frozen base as the run holds it (quantized), adapters replaced below
+    full = traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    full.update(traversals.flatten_mapping(params))
+    return cfg, traversals.unflatten_mapping(full), raw, home
 
 
 def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32",
@@ -160,15 +187,16 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
         tokenizer = checkpoint_tokenizer(home)
         assets = tuple(home / HF / name for name in HF_ASSETS if (home / HF / name).is_file())
 
-        def ours() -> dict:
-            params = load_params(path, log=log, **overrides)[1]
+        def ours() -> dict:  # a LoRA run's: its adapters merged into its base
+            _, model = load_checkpoint(path, log=log, **overrides)
+            params = nnx.to_pure_dict(nnx.state(merged(model), nnx.Param))
             flat = jax.tree_util.tree_flatten_with_path(params)[0]
             counts = ((".".join(str(getattr(k, "key", k)) for k in key), nonfinite(x)) for key, x in flat)
             refuse_nonfinite(str(directory / PARAMS), [f"{name} ({count})" for name, count in counts
                                                        if count is not None])
             return params
 
-        return cfg, Initial(what, ours, tokenizer, assets)
+        return cfg, Initial(what, ours, tokenizer, assets, path=str(path.absolute()))
     path = resolve_hf(source)
     hf = read_hf_config(path)
     try:
@@ -183,7 +211,7 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     assets = tuple(path / name for name in HF_ASSETS if (path / name).is_file())
-    return cfg, Initial(f"the Hugging Face model {source}", params, tokenizer, assets)
+    return cfg, Initial(f"the Hugging Face model {source}", params, tokenizer, assets, path=str(path.absolute()))
 
 
 def finetune_run(run: RunConfig, source: str | os.PathLike, log=None, adapter: str | os.PathLike | None = None

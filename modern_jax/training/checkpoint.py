@@ -49,13 +49,14 @@ import orbax.checkpoint as ocp
 
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
-from modern_jax.lora import LoRAConfig
+from modern_jax.lora import LoRAConfig, LoRAParam
 from modern_jax.parallel import distributed
 from modern_jax.training.outputs import step_numbers
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
 HF_ASSETS_DIR = "hf"  # a Hugging Face source's config.json and tokenizer files, kept for the way back
+BASE_FILE = "base.json"  # where a fine-tune started: `{"source": path}` (a base its checkpoints leave out)
 DAMAGED = "damaged_checkpoints"
 CHECKSUMS = "checksums.json"
 ITEMS = ("params", "state", "meta")
@@ -485,7 +486,11 @@ def load_params(path, log=None, **overrides):
         log(f"loading {what}")
     problem = check_files(directory, items=("params",))
     if problem is None:
-        _, abstract = abstract_params(cfg, LoRAConfig.of_run(raw))
+        lora = LoRAConfig.of_run(raw)
+        _, abstract = abstract_params(cfg, lora)
+        if lora is not None and not lora.save_base:  # the adapters only (convert.load_checkpoint adds the base)
+            abstract = nnx.from_flat_state([(path, v) for path, v in nnx.to_flat_state(abstract)
+                                            if isinstance(v, LoRAParam)])
         if jax.process_count() > 1:
             sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
                                                   jax.sharding.PartitionSpec())

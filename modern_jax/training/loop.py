@@ -30,6 +30,7 @@ resume from and the step a signal stops at.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -52,7 +53,7 @@ from modern_jax.data.preference import pair_eval_batches, pair_iterator, read_pa
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.parallel import distributed
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer
+from modern_jax.training.checkpoint import BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer
 from modern_jax.training.config import RunConfig
 from modern_jax.training.loss import PREFERENCE_METRICS
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
@@ -72,6 +73,7 @@ class Initial:
     tokenizer: object | None = None  # their tokenizer; None: the one `data:` describes
     assets: tuple[pathlib.Path, ...] = ()  # files copied into the run's hf/: config.json, tokenizer files
     adapters: Callable[[], dict] | None = None  # a LoRA run's adapters (a PEFT adapter's), read like `params`
+    path: str | None = None  # where they come from (`lora.save_base: false` reads the base there again)
 
 
 @dataclasses.dataclass
@@ -333,7 +335,8 @@ class _Session:
     def save(self, step: int, log) -> None:
         self.directory.check()
         meta = {"step": step, "data": self.data_state, "model": self.run.model.to_dict()}
-        if self.saved_step != step and save_if_finite(self.checkpointer, self.trainer, self.state, meta, log):
+        if self.saved_step != step and save_if_finite(self.checkpointer, self.trainer, self.trainer.saved(self.state),
+                                                      meta, log):
             self.saved_step = step
             distributed.note(resume=self.resume_hint())
 
@@ -408,7 +411,12 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     if steps and not tc.resume:
         raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {steps[-1]}); "
                          "set train.resume=true to continue, or choose another output_dir")
-    init = None if steps else init
+    adapters_only = run.lora is not None and not run.lora.save_base
+    if adapters_only and (init is None or init.path is None):
+        raise ValueError("lora.save_base=false keeps the frozen base out of the checkpoints, so the run must start "
+                         "from a model it can read again: give --init-from-hf (the same one each time), or set "
+                         "lora.save_base=true")
+    init = None if steps and not adapters_only else init  # such a run reads its base again to resume
     distributed.check_same("run", {**distributed.flatten(run.to_dict()), "init": init.source if init else None,
                                    "mesh": dict(mesh.shape), "devices": mesh.size, "resume from": steps[-1:] or None})
     shared = None
@@ -429,7 +437,10 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
                       strategies=run.parallel, execution=run.execution, lora=run.lora, dpo=run.dpo)
     latest = None
     if steps:
-        latest, state, meta = checkpointer.restore_newest(trainer.abstract_state(), log=log, model=model_cfg)
+        latest, state, meta = checkpointer.restore_newest(trainer.saved(trainer.abstract_state()), log=log,
+                                                          model=model_cfg)
+        if not trainer.saves_base:  # the checkpoint holds the adapters: the frozen base is read again
+            state["params"] = trainer.join(state["params"], trainer.split(_initial_params(trainer, init, log))[1])
         data_state, start = meta["data"], int(meta["step"])
         newest = "" if latest == steps[-1] else " (the newest step that restores completely)"
         log(f"resumed from {out_dir / CHECKPOINTS / str(latest)} at step {start}{newest}")
@@ -467,9 +478,14 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         _write_run_files(out_dir, run, tokenizer, init)
     directory.started = True
     distributed.note(step=start, resume=session.resume_hint())
-    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_base()))
+    if trainer.lora is not None:  # the base's count (stored quantized or not), and the adapters trained
+        trained = sum(x.size for x in jax.tree.leaves(trainer.split(state["params"])[0]))
+        n_params = f"{n_params:,} + {trained:,} trained"
+    else:
+        n_params = f"{n_params:,}"
     what = "pairs" if run.dpo is not None else "tokens"
-    log(f"model: {n_params:,} parameters | train {len(train_stream):,} {what}, validation {len(val_stream):,} "
+    log(f"model: {n_params} parameters | train {len(train_stream):,} {what}, validation {len(val_stream):,} "
         f"{what} | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
     log(f"kernels: {describe_kernels(trainer.kernels)}")
     return session
@@ -477,6 +493,8 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
 
 def _write_run_files(out_dir: pathlib.Path, run: RunConfig, tokenizer, init: Initial | None) -> None:
     (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
+    if init is not None and init.path is not None:  # where the run started: a base left out of its checkpoints
+        (out_dir / BASE_FILE).write_text(json.dumps({"source": init.path}) + "\n")
     tokenizer.save(out_dir)
     if init is not None and init.assets:
         (out_dir / HF_ASSETS_DIR).mkdir(exist_ok=True)

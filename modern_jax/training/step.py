@@ -180,6 +180,16 @@ class Trainer:
         trained, frozen = self.split(state_or_params["params"]) if frozen is None else (state_or_params, frozen)
         return self.join(jax.tree.map(jnp.zeros_like, trained), frozen)
 
+    @property
+    def saves_base(self) -> bool:
+        """Whether checkpoints hold the frozen base too (`lora.save_base`), or the adapters only."""
+        return self.lora is None or self.lora.save_base
+
+    def saved(self, state: dict) -> dict:
+        """What a checkpoint of `state` holds (abstract states too): all of it, or with
+        `lora.save_base: false` the adapters in place of the parameters."""
+        return state if self.saves_base else {**state, "params": self.split(state["params"])[0]}
+
     def split(self, params) -> tuple[dict, dict]:
         """`(trained, frozen)`: the parameters the optimiser moves (all but a LoRA run's base), and the rest."""
         if self.trained is None:

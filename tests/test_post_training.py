@@ -1,0 +1,138 @@
+"""The documented LoRA / QLoRA and DPO sections (docs/training.md, and their example on the
+README's front page) run as written on the tiny fixtures, and what they write is checked: the
+frozen base, the PEFT adapter (read back into the model: its logits), the merged export (read
+by `from_hf`: the run's logits), the quantized base, the DPO run's TRL metrics and its start
+from the adapter. The same adapter in PEFT itself: tests/test_convert_live.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.nnx import traversals
+
+from modern_jax.cli import main
+from modern_jax.convert import from_hf, load_checkpoint
+from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
+from modern_jax.lora import LoRAConfig
+from modern_jax.model import Transformer, abstract_params
+from modern_jax.training import load_run_config, train
+from modern_jax.convert import finetune_run
+
+from test_finetune import readme_commands
+
+REPO = pathlib.Path(__file__).parent.parent
+LORA_SECTION, DPO_SECTION = "## Fine-tune with LoRA / QLoRA", "## Preference tuning (DPO)"
+FRONT = "### Fine-tune with LoRA / QLoRA, and preference tuning (DPO)"
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(4, 33, (2, 16)), jnp.int32)
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
+
+def records(path: pathlib.Path, split: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["split"] == split]
+
+
+def flat(tree) -> dict:
+    return traversals.flatten_mapping(jax.device_get(tree))
+
+
+def test_the_lora_qlora_and_dpo_sections_run_as_written(tmp_path, monkeypatch, capsys):
+    lora_commands = readme_commands("docs/training.md", LORA_SECTION)
+    dpo_commands = readme_commands("docs/training.md", DPO_SECTION)
+    assert [c[:2] for c in lora_commands] == [["train", "--config"], ["convert", "--to-peft"],
+                                              ["convert", "--to-hf"], ["train", "--config"]]
+    # the front page's example: LoRA, its exports and DPO from its adapter, as documented
+    assert readme_commands("README.md", FRONT) == lora_commands[:3] + dpo_commands
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests").symlink_to(REPO / "tests")
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    outputs = []
+    for argv in lora_commands + dpo_commands:
+        assert main(argv) == 0, capsys.readouterr().err
+        outputs.append(capsys.readouterr().out)
+
+    # LoRA: it learns, the base is the Hugging Face model's to the bit, only adapters are new
+    lora_losses = [r["loss"] for r in records(tmp_path / "runs/lora/metrics.jsonl")]
+    assert lora_losses[-1] < lora_losses[0] - 0.1
+    cfg, base = from_hf("tests/fixtures/hf_chat")
+    _, run_model = load_checkpoint("runs/lora")
+    run_params, base_params = flat(nnx.to_pure_dict(nnx.state(run_model, nnx.Param))), flat(
+        nnx.to_pure_dict(nnx.state(base, nnx.Param)))
+    assert set(run_params) - set(base_params) == {k for k in run_params if "adapter" in k} != set()
+    for k, v in base_params.items():
+        np.testing.assert_array_equal(run_params[k], v, err_msg=str(k))  # frozen
+    want = np.asarray(run_model(TOKENS))
+    assert np.max(np.abs(want - np.asarray(base(TOKENS)))) > 1e-2  # the adapters changed it
+
+    # the PEFT adapter read back onto the base: the run's logits; the merged export: the same
+    adapter = tmp_path / "runs/lora_adapter"
+    lora = dataclasses.replace(read_peft_config(adapter), targets=peft_targets(adapter, base, "llama"))
+    assert (lora.rank, lora.alpha, lora.dropout) == (16, 32.0, 0.05)
+    model = Transformer(cfg, rngs=nnx.Rngs(0), lora=lora)
+    state = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    state.update(base_params)
+    state.update(traversals.flatten_mapping(read_peft(adapter, model, "llama")))
+    model = nnx.merge(abstract_params(cfg, lora)[0], traversals.unflatten_mapping(state))
+    np.testing.assert_allclose(np.asarray(model(TOKENS)), want, atol=1e-6)
+    _, merged = from_hf(tmp_path / "runs/lora_merged")
+    np.testing.assert_allclose(np.asarray(merged(TOKENS)), want, atol=1e-5)
+
+    # QLoRA: NF4 pieces in the checkpoint, and it learns
+    _, qmodel = load_checkpoint("runs/qlora")
+    pieces = {k[-1]: v.dtype for k, v in flat(nnx.to_pure_dict(nnx.state(qmodel, nnx.Param))).items()
+              if "q_proj" in k and "kernel" in k}
+    assert pieces == {"codes": np.uint8, "absmax_q": np.int8, "absmax_scale": np.float32, "absmax_mean": np.float32}
+    q_losses = [r["loss"] for r in records(tmp_path / "runs/qlora/metrics.jsonl")]
+    assert q_losses[-1] < q_losses[0] - 0.1
+
+    # DPO from the adapter: TRL's names; step 1 is not log 2 (the adapter moved the policy from
+    # its reference, the base); the chosen pull ahead
+    dpo = records(tmp_path / "runs/dpo/metrics.jsonl")
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected"} <= set(dpo[0])
+    assert abs(dpo[0]["loss"] - math.log(2)) > 1e-4 and dpo[0]["rewards/chosen"] != 0
+    assert dpo[-1]["rewards/margins"] > 0 and dpo[-1]["rewards/accuracies"] >= 0.75
+    val = records(tmp_path / "runs/dpo/metrics.jsonl", "val")[-1]
+    assert val["rewards/accuracies"] == 1.0 and val["loss"] < math.log(2)
+    assert "initialised from the Hugging Face model tests/fixtures/hf_chat with the PEFT adapter" in outputs[-1] or \
+        (tmp_path / "runs/dpo/config.yaml").read_text().count("rank: 16") == 1
+
+
+def test_a_resumed_lora_run_ends_with_the_adapters_of_an_unbroken_one(tmp_path, capsys):
+    """Straight, and stopped after 2 steps then resumed with checkpoints that hold only the
+    adapters (`lora.save_base=false`: the base is read again from --init-from-hf): the same model."""
+    quiet = dict(log=lambda *_: None)
+    finals = {}
+    for name, stop, save_base in (("straight", None, "true"), ("resumed", 2, "false")):
+        run = load_run_config(REPO / "configs/finetune_lora.yaml", [
+            f"train.output_dir={tmp_path / name}", f"data.path={REPO / 'tests/fixtures/hf_chat/chat.jsonl'}",
+            "train.steps=4", "train.seq_len=32", "train.warmup_steps=0", "train.eval_every=0", "train.plot=false",
+            "train.tensorboard=false", "train.progress=false", "train.final_eval_windows=1",
+            f"lora.save_base={save_base}"])
+        run, init = finetune_run(run, REPO / "tests/fixtures/hf_chat")
+        if stop is not None:
+            assert train(run, init=init, stop_after=stop, **quiet).interrupted
+        assert train(run, init=init, **quiet).step == 4
+        finals[name] = flat(nnx.to_pure_dict(nnx.state(load_checkpoint(tmp_path / name)[1], nnx.Param)))
+    assert finals["straight"].keys() == finals["resumed"].keys()
+    for k, v in finals["straight"].items():
+        np.testing.assert_array_equal(finals["resumed"][k], v, err_msg=str(k))
+    assert any("adapter" in k for k in finals["straight"])
+    saved = lambda name: sum(f.stat().st_size for f in (tmp_path / name / "checkpoints" / "4" / "params").rglob("*")  # noqa: E731
+                             if f.is_file())
+    base_bytes = sum(v.nbytes for k, v in finals["straight"].items() if "adapter" not in k)
+    assert saved("straight") - saved("resumed") > 0.9 * base_bytes  # the adapters, not the base
+    # the adapters-only run evaluates and converts as the other: the base comes from its base.json
+    assert json.loads((tmp_path / "resumed" / "base.json").read_text())["source"].endswith("hf_chat")
+    for name in ("straight", "resumed"):
+        assert main(["evaluate", "--checkpoint", str(tmp_path / name)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("loss:")][0] == [line for line in out if line.startswith("loss:")][1]
