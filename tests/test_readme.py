@@ -11,8 +11,10 @@ import pytest
 from modern_jax.config import ModelConfig
 from modern_jax.data import DataConfig
 from modern_jax.execution import ExecutionConfig
+from modern_jax.lora import LoRAConfig
 from modern_jax.sharding import ParallelConfig
 from modern_jax.training import TrainConfig
+from modern_jax.training.config import DPOConfig
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -32,9 +34,11 @@ def test_every_model_config_field_is_documented():
 
 @pytest.mark.quick
 def test_every_run_config_field_is_documented():
-    """A row of the run config's tables names each field of `execution:`, `train:`, `data:`, `parallel:`."""
+    """A row of the run config's tables names each field of `execution:`, `train:`, `data:`, `parallel:`,
+    `lora:` and `dpo:`."""
     cells = table_cells(CONFIGURATION)
-    missing = [f"{cls.__name__}.{f.name}" for cls in (ExecutionConfig, TrainConfig, DataConfig, ParallelConfig)
+    missing = [f"{cls.__name__}.{f.name}" for cls in (ExecutionConfig, TrainConfig, DataConfig, ParallelConfig,
+                                                      LoRAConfig, DPOConfig)
                for f in dataclasses.fields(cls) if f.name not in cells]
     assert not missing, f"docs/configuration.md lacks rows for: {missing}"
 
