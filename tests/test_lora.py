@@ -39,6 +39,12 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int3
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
+@nnx.jit
+def logits(model, tokens):
+    """The model's logits, one compile (eagerly each operation would compile)."""
+    return model(tokens)
+
+
 def flat(tree) -> dict:
     if isinstance(tree, nnx.State):
         tree = nnx.to_pure_dict(tree)
@@ -74,10 +80,10 @@ def test_adapters_start_at_the_base_and_act_as_w_plus_scaled_ba(cfg):
     targets = ("all-linear",) if cfg is MOE else LoRAConfig().targets
     lora = LoRAConfig(rank=4, alpha=8.0, targets=targets)
     base, adapted = Transformer(cfg, rngs=nnx.Rngs(0)), Transformer(cfg, rngs=nnx.Rngs(0), lora=lora)
-    want = np.asarray(base(TOKENS))
-    np.testing.assert_allclose(np.asarray(adapted(TOKENS)), want, atol=1e-6)  # B = 0: the base, as PEFT starts
+    want = np.asarray(logits(base, TOKENS))
+    np.testing.assert_allclose(np.asarray(logits(adapted, TOKENS)), want, atol=1e-6)  # B = 0: the base, as PEFT starts
     randomise_b(adapted)
-    got = np.asarray(adapted(TOKENS))
+    got = np.asarray(logits(adapted, TOKENS))
     assert np.max(np.abs(got - want)) > 0.05  # the adapters act
     # the reference: the base model with each adapted kernel replaced by W + scale A B, built here
     state = flat(nnx.state(base, nnx.Param))
@@ -86,8 +92,8 @@ def test_adapters_start_at_the_base_and_act_as_w_plus_scaled_ba(cfg):
     for owner, w in kernels.items():
         state[(*owner, "kernel")] = w
     reference = nnx.merge(abstract_params(cfg)[0], traversals.unflatten_mapping(state))
-    np.testing.assert_allclose(got, np.asarray(reference(TOKENS)), atol=2e-5)
-    np.testing.assert_allclose(np.asarray(merged(adapted)(TOKENS)), got, atol=2e-5)  # what convert --to-hf writes
+    np.testing.assert_allclose(got, np.asarray(logits(reference, TOKENS)), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(logits(merged(adapted), TOKENS)), got, atol=2e-5)  # what convert --to-hf writes
 
 
 def test_a_lora_step_moves_only_the_adapters_and_keeps_no_optimiser_state_for_the_base():
@@ -152,8 +158,8 @@ def test_a_peft_adapter_gives_peft_logits_and_writes_back_the_same_file(family, 
     V = ref["peft_logits"].shape[-1]
     scale = float(np.max(np.abs(ref["peft_logits"])))
     assert np.max(np.abs(ref["peft_logits"] - ref["base_logits"])) > 0.1  # the adapter matters
-    np.testing.assert_allclose(np.asarray(model(tokens))[..., :V], ref["peft_logits"], atol=1e-4 * scale)
-    np.testing.assert_allclose(np.asarray(merged(model)(tokens))[..., :V], ref["merged_logits"], atol=1e-4 * scale)
+    np.testing.assert_allclose(np.asarray(logits(model, tokens))[..., :V], ref["peft_logits"], atol=1e-4 * scale)
+    np.testing.assert_allclose(np.asarray(logits(merged(model), tokens))[..., :V], ref["merged_logits"], atol=1e-4 * scale)
     write_peft(model, tmp_path, family)
     ours, theirs = load_file(tmp_path / "adapter_model.safetensors"), load_file(PEFT / family / "adapter" /
                                                                               "adapter_model.safetensors")
@@ -171,7 +177,7 @@ def test_a_quantized_base_stays_near_the_float_base_and_trains_its_adapters(kind
     cfg = dataclasses.replace(TINY, init_std=0.02)
     base = Transformer(cfg, rngs=nnx.Rngs(0))
     model = Transformer(cfg, rngs=nnx.Rngs(0), lora=LoRAConfig(quantize=kind))
-    want, got = np.asarray(base(TOKENS)), np.asarray(model(TOKENS))
+    want, got = np.asarray(logits(base, TOKENS)), np.asarray(logits(model, TOKENS))
     distance = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
     print(f"{kind}: max |logit - float base's| / max |logit| = {distance:.4f}")
     assert distance < bound

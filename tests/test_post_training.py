@@ -36,6 +36,12 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(4, 33, (2, 16)), jnp.int3
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
+@nnx.jit
+def logits(model, tokens):
+    """The model's logits, one compile (eagerly each operation would compile)."""
+    return model(tokens)
+
+
 def records(path: pathlib.Path, split: str = "train") -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["split"] == split]
 
@@ -69,8 +75,8 @@ def test_the_lora_qlora_and_dpo_sections_run_as_written(tmp_path, monkeypatch, c
     assert set(run_params) - set(base_params) == {k for k in run_params if "adapter" in k} != set()
     for k, v in base_params.items():
         np.testing.assert_array_equal(run_params[k], v, err_msg=str(k))  # frozen
-    want = np.asarray(run_model(TOKENS))
-    assert np.max(np.abs(want - np.asarray(base(TOKENS)))) > 1e-2  # the adapters changed it
+    want = np.asarray(logits(run_model, TOKENS))
+    assert np.max(np.abs(want - np.asarray(logits(base, TOKENS)))) > 1e-2  # the adapters changed it
 
     # the PEFT adapter read back onto the base: the run's logits; the merged export: the same
     adapter = tmp_path / "runs/lora_adapter"
@@ -81,9 +87,9 @@ def test_the_lora_qlora_and_dpo_sections_run_as_written(tmp_path, monkeypatch, c
     state.update(base_params)
     state.update(traversals.flatten_mapping(read_peft(adapter, model, "llama")))
     model = nnx.merge(abstract_params(cfg, lora)[0], traversals.unflatten_mapping(state))
-    np.testing.assert_allclose(np.asarray(model(TOKENS)), want, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logits(model, TOKENS)), want, atol=1e-6)
     _, merged = from_hf(tmp_path / "runs/lora_merged")
-    np.testing.assert_allclose(np.asarray(merged(TOKENS)), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits(merged, TOKENS)), want, atol=1e-5)
 
     # QLoRA: NF4 pieces in the checkpoint, and it learns
     _, qmodel = load_checkpoint("runs/qlora")
