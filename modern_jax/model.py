@@ -135,6 +135,10 @@ class Stage(nnx.Module):
         self.cfg, self.unit, self.repeats, self.first = cfg, unit, repeats, first
         self.blocks = nnx.List([stacked_block(cfg, spec, repeats, rngs) for spec in unit])
 
+    def layer_numbers(self, j: int) -> tuple[int, ...]:
+        """The model's layer of each slot along the stacked axis of block `j` of the unit."""
+        return tuple(self.first + i * len(self.unit) + j for i in range(self.repeats))
+
     def init_cache(self, batch: int, max_len: int, dtype):
         caches = []
         for block in self.blocks:

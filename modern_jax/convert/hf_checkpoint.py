@@ -102,8 +102,7 @@ def targets(model: Transformer, state, family: Family) -> list[Target]:
     for path, variable in nnx.to_flat_state(state):
         if path[0] == "stages":
             _, s, _, j, *rest = path
-            stage = model.stages[s]
-            layers = tuple(stage.first + i * len(stage.unit) + j for i in range(stage.repeats))
+            layers = model.stages[s].layer_numbers(j)
             rules, key = table.layer, ".".join(rest)
         else:
             layers, rules, key = None, table.top, ".".join(map(str, path))

@@ -55,7 +55,7 @@ def _rules(rule: Rule, in_dims: int, where: str) -> tuple[str, Rule, Rule]:
 
 def adapter_tensors(model: Transformer, model_type: str):
     """Each adapter parameter of `model` with PEFT's tensors for it:
-    `(path in the parameter tree, rule, [(name, slot)], module names)`."""
+    `(path in the parameter tree, rule, [(name, slot)], the variable)`."""
     if model_type not in FAMILIES:
         raise ValueError(f"model_type={model_type!r} is not a family this library converts "
                          f"(families: {', '.join(sorted(FAMILIES))})")
@@ -67,9 +67,8 @@ def adapter_tensors(model: Transformer, model_type: str):
         key = f"{name}.kernel"
         if key not in table:
             raise ValueError(f"{model_type}: the adapted projection {name} has no Hugging Face counterpart")
-        stage = model.stages[s]
-        layers = tuple(stage.first + i * len(stage.unit) + j for i in range(stage.repeats))
-        module_name, rule_a, rule_b = _rules(table[key], module.in_dims, f"{model_type} {name}")
+        layers = model.stages[s].layer_numbers(j)
+        _, rule_a, rule_b = _rules(table[key], module.in_dims, f"{model_type} {name}")
         for leaf, rule in (("lora_a", rule_a), ("lora_b", rule_b)):
             variable = getattr(module.adapter, leaf)
             path = ("stages", s, "blocks", j, *name.split("."), "adapter", leaf)
@@ -142,8 +141,7 @@ def peft_targets(path, model: Transformer, model_type: str) -> tuple[str, ...]:
         rule = table.get(f"{name}.kernel")
         if rule is None or rule.part is not None or not rule.hf.endswith(".weight"):
             continue
-        stage = model.stages[s]
-        layers = tuple(stage.first + i * len(stage.unit) + j for i in range(stage.repeats))
+        layers = model.stages[s].layer_numbers(j)
         _, rule_a, rule_b = _rules(rule, module.in_dims, name)
         names = [n for r in (rule_a, rule_b) for n, _ in r.tensors(tuple(module.kernel.shape), i=layers)]
         if any(n in present for n in names):

@@ -179,8 +179,7 @@ def prepare_preferences(run: RunConfig, resume_dir: pathlib.Path | None, tokeniz
     """A DPO run's tokenizer (a resumed run's, else `tokenizer`, else `data.tokenizer_path` or
     bytes), its train and validation pairs (`data.preference`) and the run config with its
     vocabulary resolved."""
-    saved = resume_dir / TOKENIZER_FILE if resume_dir is not None else None
-    tokenizer = load_tokenizer(saved) if saved is not None and saved.exists() else tokenizer
+    tokenizer = _saved_tokenizer(resume_dir, tokenizer)
     if tokenizer is None:
         if not (run.data.tokenizer_path or run.data.tokenizer == "byte"):
             raise ValueError(f"a DPO run's tokenizer is its model's (--init-from-hf), data.tokenizer_path or "
@@ -189,25 +188,31 @@ def prepare_preferences(run: RunConfig, resume_dir: pathlib.Path | None, tokeniz
         tokenizer = build_tokenizer(run.data, [], [], run.vocab_size)
     pairs = read_pairs(run.data, None, tokenizer, run.train.seq_len)
     train_pairs, val_pairs = split_pairs(pairs, run.data.val_fraction)
-    run = run.with_vocab(tokenizer.vocab_size)
-    if tokenizer.vocab_size > run.model.vocab_size:
-        raise ValueError(f"model.vocab_size={run.model.vocab_size} is smaller than the tokenizer's "
-                         f"{tokenizer.vocab_size} ids (use vocab_size: auto or raise it)")
-    return run, tokenizer, train_pairs, val_pairs
+    return _with_vocab(run, tokenizer, "the tokenizer's"), tokenizer, train_pairs, val_pairs
 
 
 def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None, shared: pathlib.Path | None = None):
     """Tokenizer (a resumed run's, else `tokenizer`, else built from `data:`), splits and the run
     config with its vocabulary resolved. `shared`: where the processes of a launch build the
     token streams together."""
-    saved = resume_dir / TOKENIZER_FILE if resume_dir is not None else None
-    tokenizer = load_tokenizer(saved) if saved is not None and saved.exists() else tokenizer
+    tokenizer = _saved_tokenizer(resume_dir, tokenizer)
     tokenizer, train_stream, val_stream = load_splits(run.data, tokenizer, run.vocab_size, shared=shared)
+    return _with_vocab(run, tokenizer, f"the {run.data.tokenizer} tokenizer's"), tokenizer, train_stream, val_stream
+
+
+def _saved_tokenizer(resume_dir: pathlib.Path | None, tokenizer):
+    """A resumed run's own tokenizer, else `tokenizer`."""
+    saved = resume_dir / TOKENIZER_FILE if resume_dir is not None else None
+    return load_tokenizer(saved) if saved is not None and saved.exists() else tokenizer
+
+
+def _with_vocab(run: RunConfig, tokenizer, whose: str) -> RunConfig:
+    """`run` with `vocab_size: auto` resolved to the tokenizer's; a model too small for it is an error."""
     run = run.with_vocab(tokenizer.vocab_size)
     if tokenizer.vocab_size > run.model.vocab_size:
-        raise ValueError(f"model.vocab_size={run.model.vocab_size} is smaller than the {run.data.tokenizer} "
-                         f"tokenizer's {tokenizer.vocab_size} ids (use vocab_size: auto or raise it)")
-    return run, tokenizer, train_stream, val_stream
+        raise ValueError(f"model.vocab_size={run.model.vocab_size} is smaller than {whose} "
+                         f"{tokenizer.vocab_size} ids (use vocab_size: auto or raise it)")
+    return run
 
 
 class RunDirectory:

@@ -110,13 +110,19 @@ def sequence_logps(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, d
     return jnp.sum(w_BT * (z_target_BT - lse_BT), axis=-1), jnp.sum(w_BT, axis=-1), jax.lax.stop_gradient(max_abs)
 
 
+def real_pairs(count_B):
+    """`[P]` 1.0 for each pair (rows 2p, 2p + 1) whose completions both have a weighted token, 0.0
+    for padding, from each row's count of them."""
+    return jnp.all(count_B.reshape(-1, 2) > 0, axis=-1).astype(jnp.float32)
+
+
 def preference_sums(logps_B, ref_B, count_B, *, beta: float, loss_type: str, label_smoothing: float = 0.0) -> dict:
     """Sums over the pairs of a batch whose rows alternate chosen, rejected (`B = 2P`), with
     TRL's metrics: the DPO or IPO loss (`training.config.DPOConfig`), the rewards `beta (log pi -
     log ref)` of the chosen and rejected, how often the chosen's is higher, their margin, the
     policy's log-probabilities, and `pairs` (a pair with an empty completion, padding, counts 0)."""
     pi_P2, ref_P2, n_P2 = (x.reshape(-1, 2) for x in (logps_B, jax.lax.stop_gradient(ref_B), count_B))
-    real_P = jnp.all(n_P2 > 0, axis=-1).astype(jnp.float32)
+    real_P = real_pairs(count_B)
     ratio_P2 = pi_P2 - ref_P2
     if loss_type == "ipo":
         avg_P2 = ratio_P2 / jnp.maximum(n_P2, 1.0)

@@ -40,7 +40,7 @@ from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, lo
 from modern_jax.sharding.rules import split_size
 from modern_jax.sharding.targets import compiling_for, lowering_for
 from modern_jax.training.config import DPOConfig, TrainConfig
-from modern_jax.training.loss import PREFERENCE_METRICS, model_loss_sums, preference_sums, sequence_logps
+from modern_jax.training.loss import PREFERENCE_METRICS, model_loss_sums, preference_sums, real_pairs, sequence_logps
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 
 def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
@@ -170,14 +170,14 @@ class Trainer:
             state["reference"] = self._run("copy", params)
         return state
 
-    def reference(self, state_or_params: dict, frozen: dict | None = None) -> dict | None:
-        """The parameters of DPO's reference model: a LoRA run's base (its adapters zero), else the
-        frozen copy in the state; None without DPO."""
+    def reference(self, params: dict, kept: dict | None = None) -> dict | None:
+        """The parameters of DPO's reference model: a LoRA run's base (`params` with its adapters
+        zero), else `kept`, the frozen copy in the state; None without DPO."""
         if self.dpo is None:
             return None
         if self.keeps_reference:
-            return state_or_params["reference"]
-        trained, frozen = self.split(state_or_params["params"]) if frozen is None else (state_or_params, frozen)
+            return kept
+        trained, frozen = self.split(params)
         return self.join(jax.tree.map(jnp.zeros_like, trained), frozen)
 
     @property
@@ -283,55 +283,41 @@ class Trainer:
     # ----- steps ---------------------------------------------------------------
 
     def _loss(self, params, batch, rng, reference=None):
-        diagnostics = self.cfg.diagnostics
-        if self.dpo is not None:
-            return self._preference_loss(params, batch, rng, reference)
+        """The objective's sums over `batch` (next-token `loss.loss_sums`, or with `dpo` the pairs'
+        `loss.preference_sums` against the `reference` parameters) and what the layers sowed."""
+        cfg, dpo = self.cfg, self.dpo
+        dropout_rng = rng if self.uses_dropout else None
+        if dpo is not None:  # the reference's forward, outside the policy's capture
+            ref_B, _, _ = sequence_logps(self.model(reference), batch, chunk=cfg.loss_vocab_chunk)
 
-        def loss_sums(model):
-            return model_loss_sums(model, batch, chunk=self.cfg.loss_vocab_chunk,
-                                   dropout_rng=rng if self.uses_dropout else None, diagnostics=diagnostics)
+        def sums_of(model):
+            if dpo is None:
+                return model_loss_sums(model, batch, chunk=cfg.loss_vocab_chunk, dropout_rng=dropout_rng,
+                                       diagnostics=cfg.diagnostics)
+            logps_B, count_B, max_abs = sequence_logps(model, batch, chunk=cfg.loss_vocab_chunk,
+                                                       dropout_rng=dropout_rng, diagnostics=cfg.diagnostics)
+            return {**preference_sums(logps_B, ref_B, count_B, beta=dpo.beta, loss_type=dpo.loss_type,
+                                      label_smoothing=dpo.label_smoothing), "max_abs_logit": max_abs}
 
-        sums, sown = nnx.capture(loss_sums, nnx.Intermediate)(self.model(params))
+        sums, sown = nnx.capture(sums_of, nnx.Intermediate)(self.model(params))
         zero = jnp.zeros((), jnp.float32)
         # what the layers sowed: a mixture of experts' balance and z-losses, drops and loads
         aux = {name: sown_value(sown, name) for name in (AUX_LOSS,) + ((ROUTER_Z_LOSS, DROPPED, LOAD) if self.moe
                                                                        else ())}
         aux = {name: zero if value is None else value for name, value in aux.items()}
-        if diagnostics:  # sown by the attention layers of this very forward pass
+        if cfg.diagnostics:  # sown by the attention layers of this very forward pass
             max_logit = max_attention_logit(sown)
             sums = dict(sums, max_attention_logit=zero if max_logit is None else max_logit)
-        return sums, aux
-
-    def _preference_loss(self, params, batch, rng, reference):
-        """DPO's sums over a batch of pairs (`loss.preference_sums`), the layers' sown values as `_loss`."""
-        cfg, dpo = self.cfg, self.dpo
-
-        def logps(model):
-            return sequence_logps(model, batch, chunk=cfg.loss_vocab_chunk, dropout_rng=rng if self.uses_dropout else None,
-                                  diagnostics=cfg.diagnostics)
-
-        (logps_B, count_B, max_abs), sown = nnx.capture(logps, nnx.Intermediate)(self.model(params))
-        ref_B, _, _ = sequence_logps(self.model(reference), batch, chunk=cfg.loss_vocab_chunk)
-        sums = preference_sums(logps_B, ref_B, count_B, beta=dpo.beta, loss_type=dpo.loss_type,
-                               label_smoothing=dpo.label_smoothing)
-        sums["max_abs_logit"] = max_abs
-        zero = jnp.zeros((), jnp.float32)
-        aux = {name: sown_value(sown, name) for name in (AUX_LOSS,) + ((ROUTER_Z_LOSS, DROPPED, LOAD) if self.moe
-                                                                       else ())}
-        aux = {name: zero if value is None else value for name, value in aux.items()}
-        if cfg.diagnostics:
-            max_logit = max_attention_logit(sown)
-            sums["max_attention_logit"] = zero if max_logit is None else max_logit
         return sums, aux
 
     def _step(self, state, batch):
         cfg = self.cfg
         params, frozen = self.split(state["params"])  # `params`: what is trained
-        reference = self.reference(state, frozen) if self.keeps_reference else self.reference(params, frozen)
+        reference = self.reference(state["params"], state.get("reference"))
         if self.dpo is None:
             denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)  # the loss is a mean over all real targets
         else:  # ... over all real pairs (a pair with an empty completion is padding)
-            denom = jnp.maximum(jnp.sum(jnp.all(jnp.sum(batch["weights"], -1).reshape(-1, 2) > 0, -1)), 1.0)
+            denom = jnp.maximum(jnp.sum(real_pairs(jnp.sum(batch["weights"], -1).reshape(-1))), 1.0)
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
         def objective(params, micro, rng):
@@ -422,8 +408,7 @@ class Trainer:
 
     def _preference_eval(self, params, batch, reference):
         micro = jax.tree.map(lambda x: x[0], batch)
-        reference = reference if self.keeps_reference else self.reference({"params": params})
-        return self._preference_loss(params, micro, None, reference)[0]
+        return self._loss(params, micro, None, self.reference(params, reference))[0]
 
     def preference_eval_step(self, params, batch, reference) -> dict:
         """DPO's sums (`loss.preference_sums`) over one batch of pairs; `reference`: the state's
