@@ -129,3 +129,22 @@ def vary_over(tree, axes: tuple[str, ...]):
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     """A `pallas_call` output that varies over the mesh axes `like` varies over (inside shard_map)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
+_COSTS: contextvars.ContextVar[bool] = contextvars.ContextVar("modern_jax_kernel_costs", default=True)
+
+
+@contextlib.contextmanager
+def declaring_costs(on: bool):
+    """Inside, the Pallas kernels declare their costs to the compiler (`kernels.costs`) or, off,
+    leave them opaque: costed by their operands' and results' bytes only. Read while tracing."""
+    token = _COSTS.set(on)
+    try:
+        yield
+    finally:
+        _COSTS.reset(token)
+
+
+def costs_declared() -> bool:
+    """Whether the kernels traced now declare their costs (`declaring_costs`)."""
+    return _COSTS.get()

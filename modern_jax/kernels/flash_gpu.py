@@ -22,6 +22,7 @@ overflows shared memory on sm_90a (H100 / H200) or sm_80 (A100). Sinks' gradient
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from modern_jax.kernels import flash
+from modern_jax.kernels import costs, flash
 from modern_jax.kernels.backend import out_struct, varying_axes, vary_over
 from modern_jax.kernels.masks import Visibility, pad_axis, round_up, softcap, visible_range
 
@@ -182,15 +183,17 @@ def _forward(call, q, k, v, sinks_KG, vis):
         args.append(sinks_N)
     row_stat = pl.BlockSpec((None, None, None, tile_t), lambda i, b, n: (b, n // G, n % G, i))
     n_stats = 2 if call.max_logit else 1  # the log-sum-exp, and the max |logit| when asked
+    out_shape = [out_struct((B, Tp, K, G, U), q.dtype, q), *[out_struct((B, K, G, Tp), jnp.float32, q)] * n_stats]
     o, lse_BKGT, *max_logit_BKGT = pl.pallas_call(
         kernel,
         grid=(Tp // tile_t, B, K * G),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, tile_t, None, None, U), lambda i, b, n: (b, i, n // G, n % G, 0)),
                    *[row_stat] * n_stats],
-        out_shape=[out_struct((B, Tp, K, G, U), q.dtype, q),
-                   *[out_struct((B, K, G, Tp), jnp.float32, q)] * n_stats],
+        out_shape=out_shape,
         compiler_params=_compiler_params(call),
+        cost_estimate=costs.attention("forward", call, heads=B * K * G, T=Tp, S=Sp, H=H, U=U, tile_t=tile_t,
+                                      tile_s=tile_s, io=(args, out_shape)),
         interpret=call.interpret,
         name="flash_attention_gpu_fwd",
     )(*args)
@@ -207,6 +210,8 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
     has_seg = q_seg is not None
     params = _compiler_params(call)
+    cost = functools.partial(costs.attention, call=call, heads=B * K * G, T=Tp, S=Sp, H=H, U=U, tile_t=tile_t,
+                             tile_s=tile_s)
 
     # ---- dq: one program per query tile of one head, looping over visible key tiles ----
     def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
@@ -238,9 +243,10 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
         in_specs += [pl.BlockSpec((None, tile_t), lambda i, b, n: (b, i)),
                      pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
         args += [q_seg, k_seg]
+    out_shape = out_struct(q.shape, q.dtype, q)
     dq = pl.pallas_call(
-        dq_kernel, grid=(Tp // tile_t, B, K * G), in_specs=in_specs, out_specs=q_tile(H),
-        out_shape=out_struct(q.shape, q.dtype, q), compiler_params=params, interpret=call.interpret,
+        dq_kernel, grid=(Tp // tile_t, B, K * G), in_specs=in_specs, out_specs=q_tile(H), out_shape=out_shape,
+        compiler_params=params, cost_estimate=cost("dq", io=(args, out_shape)), interpret=call.interpret,
         name="flash_attention_gpu_dq",
     )(*args)
 
@@ -279,10 +285,11 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
         in_specs += [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
                      pl.BlockSpec((None, tile_s), lambda j, b, h: (b, j))]
         args += [q_seg, k_seg]
+    out_shape = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
     dk, dv = pl.pallas_call(
         dkdv_kernel, grid=(Sp // tile_s, B, K), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(U)],
-        out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
-        compiler_params=params, interpret=call.interpret, name="flash_attention_gpu_dkdv",
+        out_shape=out_shape, compiler_params=params, cost_estimate=cost("dkdv", io=(args, out_shape)),
+        interpret=call.interpret, name="flash_attention_gpu_dkdv",
     )(*args)
     return dq, dk, dv
 

@@ -23,6 +23,7 @@ default is 512 for the forward and 256 for the backward, shrunk to short sequenc
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from modern_jax.kernels import flash
+from modern_jax.kernels import costs, flash
 from modern_jax.kernels.backend import out_struct, varying_axes, vary_over
 from modern_jax.kernels.masks import Visibility, pad_axis, round_up, softcap, visible_range
 
@@ -198,6 +199,8 @@ def _forward(call, q, k, v, sinks_KG, vis):
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         args.append(sinks_KG)
     n_stats = 2 if call.max_logit else 1  # the log-sum-exp, and the max |logit| when asked
+    args = [lo_BI.reshape(-1), hi_BI.reshape(-1), *args]
+    out_shape = [out_struct((B, K, G, Tp, U), q.dtype, q), *[out_struct((B, K, G, Tp, 1), jnp.float32, q)] * n_stats]
     o, lse, *max_logit = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -209,12 +212,13 @@ def _forward(call, q, k, v, sinks_KG, vis):
                             pltpu.VMEM((tile_t, U), jnp.float32),
                             *[pltpu.VMEM((tile_t, 1), jnp.float32)] * (n_stats - 1)],
         ),
-        out_shape=[out_struct((B, K, G, Tp, U), q.dtype, q),
-                   *[out_struct((B, K, G, Tp, 1), jnp.float32, q)] * n_stats],
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
+        cost_estimate=costs.attention("forward", call, heads=B * K * G, T=Tp, S=Sp, H=H, U=U, tile_t=tile_t,
+                                      tile_s=tile_s, io=(args, out_shape)),
         interpret=call.interpret,
         name="flash_attention_tpu_fwd",
-    )(lo_BI.reshape(-1), hi_BI.reshape(-1), *args)
+    )(*args)
     return o, lse, max_logit[0] if call.max_logit else None
 
 
@@ -228,6 +232,8 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     q_lo_BJ, q_hi_BJ = visible_range(tiles, axis=1)
     q_pos, k_pos, q_seg, k_seg = vis.q_pos, vis.k_pos, vis.q_seg, vis.k_seg
     has_seg = q_seg is not None
+    cost = functools.partial(costs.attention, call=call, heads=B * K * G, T=Tp, S=Sp, H=H, U=U, tile_t=tile_t,
+                             tile_s=tile_s)
 
     # ---- dq: grid (B, K, G, I, J), reducing over the visible key tiles ----
     def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
@@ -256,16 +262,19 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     if has_seg:
         in_specs += [q_col, k_row]
         args += [_column(q_seg), _row(k_seg)]
+    args = [k_lo_BI.reshape(-1), k_hi_BI.reshape(-1), *args]
+    out_shape = out_struct(q.shape, q.dtype, q)
     dq = pl.pallas_call(
         dq_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, K, G, I, J), in_specs=in_specs, out_specs=q_tile(H),
             scratch_shapes=[pltpu.VMEM((tile_t, H), jnp.float32)]),
-        out_shape=out_struct(q.shape, q.dtype, q),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
+        cost_estimate=cost("dq", io=(args, out_shape)),
         interpret=call.interpret,
         name="flash_attention_tpu_dq",
-    )(k_lo_BI.reshape(-1), k_hi_BI.reshape(-1), *args)
+    )(*args)
 
     # ---- dk, dv: grid (B, K, J, G, I), reducing over the G heads and their visible query tiles ----
     def dkdv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
@@ -299,16 +308,19 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     if has_seg:
         in_specs += [q_row, k_col]
         args += [_row(q_seg), _column(k_seg)]
+    args = [q_lo_BJ.reshape(-1), q_hi_BJ.reshape(-1), *args]
+    out_shape = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
     dk, dv = pl.pallas_call(
         dkdv_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, K, J, G, I), in_specs=in_specs, out_specs=[kv_tile(H), kv_tile(U)],
             scratch_shapes=[pltpu.VMEM((tile_s, H), jnp.float32), pltpu.VMEM((tile_s, U), jnp.float32)]),
-        out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",) * 2),
+        cost_estimate=cost("dkdv", io=(args, out_shape)),
         interpret=call.interpret,
         name="flash_attention_tpu_dkdv",
-    )(q_lo_BJ.reshape(-1), q_hi_BJ.reshape(-1), *args)
+    )(*args)
     return dq, dk, dv
 
 

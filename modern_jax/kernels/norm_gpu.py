@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from modern_jax.kernels import costs
 from modern_jax.kernels.backend import out_struct
 from modern_jax.kernels.norm_rows import backward_refs, forward_refs, rows_backward, rows_forward
 
@@ -52,7 +53,9 @@ def forward(call, x_MD, res_MD, w_D, b_D):
     out_shape = [out_struct((M, D), x_MD.dtype, x_MD)] * (2 if fused_add else 1)
     outs = pl.pallas_call(
         kernel, grid=(M,), in_specs=in_specs, out_specs=[row] * len(out_shape), out_shape=out_shape,
-        compiler_params=_params(Dp), interpret=call.interpret, name="norm_gpu_fwd",
+        compiler_params=_params(Dp),
+        cost_estimate=costs.norm_forward(call.kind, M, D, fused_add=fused_add, bias=has_bias, io=(args, out_shape)),
+        interpret=call.interpret, name="norm_gpu_fwd",
     )(*args)
     return (outs[0], outs[1]) if fused_add else (x_MD, outs[0])
 
@@ -91,10 +94,11 @@ def backward(call, h_MD, dy_MD, dh_MD, w_D, has_bias):
     partial = pl.BlockSpec((None, D), lambda p: (p, 0))
     args = [h_MD, dy_MD] + ([dh_MD] if fused_add else []) + [w_D]
     in_specs = [full, full] + ([full] if fused_add else []) + [pl.BlockSpec((D,), lambda p: (0,))]
+    out_shape = [out_struct((M, D), h_MD.dtype, h_MD), *[out_struct((P, D), jnp.float32, h_MD)] * 2]
     dx_MD, dw_PD, db_PD = pl.pallas_call(
-        kernel, grid=(P,), in_specs=in_specs, out_specs=[full, partial, partial],
-        out_shape=[out_struct((M, D), h_MD.dtype, h_MD), out_struct((P, D), jnp.float32, h_MD),
-                   out_struct((P, D), jnp.float32, h_MD)],
-        compiler_params=_params(Dp), interpret=call.interpret, name="norm_gpu_bwd",
+        kernel, grid=(P,), in_specs=in_specs, out_specs=[full, partial, partial], out_shape=out_shape,
+        compiler_params=_params(Dp),
+        cost_estimate=costs.norm_backward(call.kind, M, D, fused_add=fused_add, io=(args, out_shape)),
+        interpret=call.interpret, name="norm_gpu_bwd",
     )(*args)
     return dx_MD, dw_PD.sum(0), db_PD.sum(0) if has_bias else None

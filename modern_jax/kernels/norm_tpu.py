@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from modern_jax.kernels import costs
 from modern_jax.kernels.backend import out_struct
 from modern_jax.kernels.norm_rows import backward_refs, forward_refs, rows_backward, rows_forward
 
@@ -45,6 +46,7 @@ def forward(call, x_MD, res_MD, w_D, b_D):
     outs = pl.pallas_call(
         kernel, grid=(pl.cdiv(M, rows),), in_specs=in_specs, out_specs=[block] * len(out_shape),
         out_shape=out_shape, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        cost_estimate=costs.norm_forward(call.kind, M, D, fused_add=fused_add, bias=has_bias, io=(args, out_shape)),
         interpret=call.interpret, name="norm_tpu_fwd",
     )(*args)
     return (outs[0], outs[1]) if fused_add else (x_MD, outs[0])
@@ -72,11 +74,11 @@ def backward(call, h_MD, dy_MD, dh_MD, w_D, has_bias):
     partial = pl.BlockSpec((None, 1, D), lambda i: (i, 0, 0))
     args = [h_MD, dy_MD] + ([dh_MD] if fused_add else []) + [w_D[None]]
     in_specs = [block, block] + ([block] if fused_add else []) + [pl.BlockSpec((1, D), lambda i: (0, 0))]
+    out_shape = [out_struct((M, D), h_MD.dtype, h_MD), *[out_struct((P, 1, D), jnp.float32, h_MD)] * 2]
     dx_MD, dw_P1D, db_P1D = pl.pallas_call(
-        kernel, grid=(P,), in_specs=in_specs, out_specs=[block, partial, partial],
-        out_shape=[out_struct((M, D), h_MD.dtype, h_MD), out_struct((P, 1, D), jnp.float32, h_MD),
-                   out_struct((P, 1, D), jnp.float32, h_MD)],
+        kernel, grid=(P,), in_specs=in_specs, out_specs=[block, partial, partial], out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        cost_estimate=costs.norm_backward(call.kind, M, D, fused_add=fused_add, io=(args, out_shape)),
         interpret=call.interpret, name="norm_tpu_bwd",
     )(*args)
     return dx_MD, dw_P1D.sum((0, 1)), db_P1D.sum((0, 1)) if has_bias else None
