@@ -65,9 +65,10 @@ def apply_rope(x_BTNH, pos_BT, spec: RopeSpec):
     """Rotate the first `spec.rotary_dim` features of every head of `x` by its position."""
     inv_freq, attention_factor = rope_frequencies(spec)
     angle_BTR = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
-    cos_BT1R = (jnp.cos(angle_BTR) * attention_factor)[:, :, None, :]
-    sin_BT1R = (jnp.sin(angle_BTR) * attention_factor)[:, :, None, :]
-    rot, rest = x_BTNH[..., : spec.rotary_dim].astype(jnp.float32), x_BTNH[..., spec.rotary_dim :]
+    # in x's dtype, as transformers does (a float32 copy of q and k would be written and read)
+    cos_BT1R = (jnp.cos(angle_BTR) * attention_factor)[:, :, None, :].astype(x_BTNH.dtype)
+    sin_BT1R = (jnp.sin(angle_BTR) * attention_factor)[:, :, None, :].astype(x_BTNH.dtype)
+    rot, rest = x_BTNH[..., : spec.rotary_dim], x_BTNH[..., spec.rotary_dim :]
     if spec.layout == "half":
         x1, x2 = jnp.split(rot, 2, axis=-1)
         rotated = jnp.concatenate([x1 * cos_BT1R - x2 * sin_BT1R, x2 * cos_BT1R + x1 * sin_BT1R], axis=-1)
@@ -75,7 +76,7 @@ def apply_rope(x_BTNH, pos_BT, spec: RopeSpec):
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         pairs = jnp.stack([x1 * cos_BT1R - x2 * sin_BT1R, x2 * cos_BT1R + x1 * sin_BT1R], axis=-1)
         rotated = pairs.reshape(rot.shape)
-    return jnp.concatenate([rotated.astype(x_BTNH.dtype), rest], axis=-1)
+    return jnp.concatenate([rotated, rest], axis=-1)
 
 
 def sinusoidal(pos_BT, d_model: int, dtype):

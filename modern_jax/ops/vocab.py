@@ -63,12 +63,12 @@ class Head:
         return first + jnp.arange(self.w_VD.shape[0]) < self.vocab_size
 
     @jax.named_scope("head")
-    def logits(self, h_BTD, first=0):
-        """`softcap(h w^T + b)` [B, T, V] in float32 for this head's V rows, whose global ids start
-        at `first`; padding rows hold MASK_VALUE."""
-        z_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, self.w_VD.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
+    def logits(self, h_BTD, first=0, dtype=jnp.float32):
+        """`softcap(h w^T + b)` [B, T, V] for this head's V rows, whose global ids start at `first`,
+        accumulated in float32 and written in `dtype`; padding rows hold MASK_VALUE."""
+        z_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, self.w_VD.astype(h_BTD.dtype), preferred_element_type=dtype)
         if self.b_V is not None:
-            z_BTV = z_BTV + self.b_V.astype(jnp.float32)[None, None, :]
+            z_BTV = z_BTV + self.b_V.astype(dtype)[None, None, :]
         z_BTV = softcap(z_BTV, self.softcap)
         if isinstance(first, int) and isinstance(self.vocab_size, int) and first + z_BTV.shape[-1] <= self.vocab_size:
             return z_BTV  # statically no padding row

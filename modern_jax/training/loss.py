@@ -2,7 +2,7 @@
 
 Letters (the package legend): B batch, T length, D model, V vocabulary (a chunk of it is V too).
 
-    lse    = logsumexp_v z[b, t, v]                     z = the output logits (float32)
+    lse    = logsumexp_v z[b, t, v]                     z = the output logits
     ce     = sum_{b,t} w[b, t] (lse - z[b, t, target])   w: 1 on real targets, 0 on padding
     z_loss = sum_{b,t} w[b, t] lse^2                     (PaLM; weighted by beta_z ~ 1e-4)
     loss   = (ce + beta_z z_loss) / sum w
@@ -21,21 +21,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from modern_jax import execution
 from modern_jax.ops import vocab
 
 
 def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
     """Max, sum of exp(z - max), the target's logit (0 if not in this chunk) and max |z| over
-    the rows of `head`, whose global ids start at `first`."""
+    the rows of `head`, whose global ids start at `first`.
+
+    Without a soft-cap the logits are written in the compute dtype (accumulated in float32 by the
+    matmul, rounded once, as the head's gradient is): the statistics are float32. The target's
+    logit is picked by comparing ids, in the same pass over the logits as the max and the sum
+    (no gather reading them again)."""
     rows = head.w_VD.shape[0]
-    z_BTV = head.logits(h_BTD, first)
+    z_BTV = head.logits(h_BTD, first, dtype=jnp.float32 if head.softcap is not None else h_BTD.dtype)
     real_V = head.real(first)  # chunk padding, and the model's padding rows
-    m_BT = jnp.max(z_BTV, axis=-1)
+    m_BT = jnp.max(z_BTV, axis=-1).astype(jnp.float32)
+    z_BTV = z_BTV.astype(jnp.float32)
     s_BT = jnp.sum(jnp.exp(z_BTV - m_BT[..., None]), axis=-1)
-    local_BT = targets_BT - first
-    here_BT = (local_BT >= 0) & (local_BT < rows) & (targets_BT < head.vocab_size)  # not in padding rows
-    z_target_BT = jnp.take_along_axis(z_BTV, jnp.clip(local_BT, 0, rows - 1)[..., None], axis=-1)[..., 0]
-    z_target_BT = jnp.where(here_BT, z_target_BT, 0.0)
+    target_BTV = (jnp.arange(rows)[None, None, :] == (targets_BT - first)[..., None]) & real_V[None, None, :]
+    z_target_BT = jnp.sum(jnp.where(target_BTV, z_BTV, 0.0), axis=-1)
     max_abs = jnp.max(jnp.where(real_V[None, None, :], jnp.abs(z_BTV), 0.0))
     return m_BT, s_BT, z_target_BT, max_abs
 
@@ -70,7 +75,7 @@ def vocab_parts(h_BTD, head: vocab.Head, targets_BT, first, *, chunk: int = 8192
         return (m_new, s_new, z_target_BT + zt_c, jnp.maximum(max_abs, max_c)), None
 
     # the first chunk starts the running values (so they carry the inputs' sharding types)
-    return jax.lax.scan(body, jax.checkpoint(chunk_i)(0), jnp.arange(1, n))[0]
+    return jax.lax.scan(body, jax.checkpoint(chunk_i)(0), jnp.arange(1, n), unroll=not execution.current().scan_layers)[0]
 
 
 def loss_sums(h_BTD, w_VD, b_V, targets_BT, weights_BT, *, softcap=None, chunk: int = 8192,
