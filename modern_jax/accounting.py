@@ -18,6 +18,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 import jax
+import numpy as np
 from flax import nnx
 
 from modern_jax.config import ModelConfig
@@ -98,8 +99,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
         6 * cfg.n_heads * (d_qk + d_v) * (seq_len if s.span is None else min(seq_len, s.span))
         for s in cfg.layer_specs()
     )
+    causal = sum(6 * cfg.n_heads * (d_qk + d_v) * causal_keys(seq_len, s.window, s.chunk) for s in cfg.layer_specs())
     return {"weights": 6 * n_matmul, "attention": attention, "total": 6 * n_matmul + attention,
-            "matmul_params": n_matmul}
+            "causal_attention": causal, "causal_total": 6 * n_matmul + causal, "matmul_params": n_matmul}
+
+
+def causal_keys(seq_len: int, window: int | None = None, chunk: int | None = None) -> float:
+    """The keys a query sees on average in a causal sequence of `seq_len` (its own included): (T + 1) / 2
+    for global attention, fewer under a sliding `window` or in blocks of `chunk` positions."""
+    t = np.arange(seq_len)
+    seen = t + 1
+    if window is not None:
+        seen = np.minimum(seen, window)
+    if chunk is not None:
+        seen = t % chunk + 1
+    return float(seen.mean())
 
 
 # ----- memory ------------------------------------------------------------------------

@@ -365,6 +365,8 @@ def cmd_plan(args) -> int:
         raise ValueError("plan needs explicit mesh sizes (no -1)")
     if args.slices > 1 and not args.topology:
         raise ValueError("--slices needs --topology (the slices of a TPU topology)")
+    if args.search and not args.topology:
+        raise ValueError("--search needs --topology: it ranks by the TPU compiler's estimated step time")
     if args.topology:
         from modern_jax.sharding.targets import check_topology
 
@@ -387,10 +389,44 @@ def cmd_plan(args) -> int:
 
         return subprocess.call([sys.executable, "-m", "modern_jax.cli", *args.argv],  # it joins no launch
                                env={**os.environ, **env, "MODERN_JAX_ALONE": "1"})
-    from modern_jax.planner import format_plan, plan
+    from modern_jax.planner import format_plan, format_search, plan, search
 
-    print(format_plan(plan(run, sizes, args.hbm_gib, topology=args.topology, slices=args.slices)))
+    if args.search:
+        ones = {k: 1 for k in sizes}
+        meshes = ([{**ones, **parse_mesh(m)} for m in args.search_mesh.split(";")] if args.search_mesh
+                  else [sizes, {**ones, "fsdp": math.prod(sizes.values())}])
+        result = search(run, args.topology, slices=args.slices, remats=_names(args.search_remat, "--search-remat"),
+                        accums=_numbers(args.search_accum, "--search-accum"), meshes=meshes,
+                        chunks=_chunks(args.search_chunk, run), log=_note)
+        print(format_search(result))
+        return 0
+    print(format_plan(plan(run, sizes, args.hbm_gib, topology=args.topology, slices=args.slices,
+                           speed=not args.no_speed)))
     return 0
+
+
+def _names(text: str, flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"{flag} {text!r}: give one or more comma-separated choices")
+    return list(dict.fromkeys(names))
+
+
+def _numbers(text: str, flag: str) -> list[int]:
+    names = _names(text, flag)
+    if not all(n.isdigit() and int(n) > 0 for n in names):
+        raise ValueError(f"{flag} {text!r}: expected positive integers, e.g. 1,2,4")
+    return [int(n) for n in names]
+
+
+def _chunks(text: str | None, run) -> list[int]:
+    whole = run.model.padded_vocab_size
+    if text is None:
+        return sorted({run.train.loss_vocab_chunk, whole})
+    names = _names(text, "--search-chunk")
+    if not all(n == "whole" or (n.isdigit() and int(n) > 0) for n in names):
+        raise ValueError(f"--search-chunk {text!r}: expected positive integers or 'whole', e.g. 8192,whole")
+    return sorted({whole if n == "whole" else int(n) for n in names})
 
 
 def _plan_once(args) -> int:
@@ -504,6 +540,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--slices", type=int, default=1, help="--topology: the number of slices (multi-slice)")
     pl.add_argument("--hbm-gib", type=float, help="device memory to check the plan against (default with "
                                                   "--topology: the chip's)")
+    pl.add_argument("--no-speed", action="store_true",
+                    help="--topology: memory only, without the estimated step time (which compiles counting programs)")
+    pl.add_argument("--search", action="store_true",
+                    help="--topology: compile the combinations of the --search-* choices and rank those that fit by "
+                         "estimated tokens/s per chip")
+    pl.add_argument("--search-remat", default="full,save_qkv_out,dots", metavar="P,P",
+                    help="--search: remat policies (default full,save_qkv_out,dots)")
+    pl.add_argument("--search-accum", default="1,2", metavar="A,A",
+                    help="--search: micro-batches per step, train.grad_accum (default 1,2)")
+    pl.add_argument("--search-mesh", metavar="MESH;MESH",
+                    help="--search: meshes of the topology's chips, ';'-separated (default: --mesh, and fsdp over "
+                         "all chips)")
+    pl.add_argument("--search-chunk", metavar="N,N",
+                    help="--search: loss vocabulary chunks, train.loss_vocab_chunk; 'whole' is the vocabulary in one "
+                         "(default: the run's and whole)")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. execution.remat=full model.dtype=bfloat16")
     pl.set_defaults(func=_plan_once)
 

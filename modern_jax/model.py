@@ -211,7 +211,8 @@ class Transformer(nnx.Module):
     parallelism; padded entries hold the lowest float32 and are never predicted).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
+                 layers: tuple[LayerSpec, ...] | None = None):
         self.cfg, self.lora = cfg, lora
         D, V, dtype = cfg.d_model, cfg.padded_vocab_size, jnp.dtype(cfg.param_dtype)
         self.embed_tokens = param(rngs, jax.nn.initializers.normal(cfg.init_std), (V, D), ("vocab", "embed"), dtype)
@@ -220,7 +221,7 @@ class Transformer(nnx.Module):
             if cfg.position_embedding == "learned" else None
         )
         stages, first = [], 0
-        for unit, repeats in plan_stages(cfg.layer_specs()):
+        for unit, repeats in plan_stages(cfg.layer_specs() if layers is None else layers):
             stages.append(Stage(cfg, unit, repeats, first, rngs=rngs))
             first += len(unit) * repeats
         self.stages = nnx.List(stages)
@@ -373,15 +374,16 @@ class Transformer(nnx.Module):
 _CHECKS = os.environ.get("MODERN_JAX_CHECKS", "") == "1"
 
 
-def abstract_model(cfg: ModelConfig, lora: LoRAConfig | None = None) -> Transformer:
+def abstract_model(cfg: ModelConfig, lora: LoRAConfig | None = None,
+                   layers: tuple[LayerSpec, ...] | None = None) -> Transformer:
     """The model with every parameter a ShapeDtypeStruct (no memory, no initialisation): what
     counts, sharding plans, checkpoint readers and converters read."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), lora=lora))
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), lora=lora, layers=layers))
 
 
-def abstract_params(cfg: ModelConfig, lora: LoRAConfig | None = None):
-    """`(graphdef, parameters as ShapeDtypeStructs)` of `abstract_model(cfg, lora)`."""
-    return nnx.split(abstract_model(cfg, lora), nnx.Param)
+def abstract_params(cfg: ModelConfig, lora: LoRAConfig | None = None, layers: tuple[LayerSpec, ...] | None = None):
+    """`(graphdef, parameters as ShapeDtypeStructs)` of `abstract_model(cfg, lora, layers)`."""
+    return nnx.split(abstract_model(cfg, lora, layers), nnx.Param)
 
 
 # ----- LoRA ----------------------------------------------------------------------

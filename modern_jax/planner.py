@@ -15,8 +15,12 @@ abstract: nothing is allocated.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import re
+from pathlib import Path
 
 GiB = 1024**3
 
@@ -32,9 +36,12 @@ def shard_bytes(abstract_tree) -> int:
     return total
 
 
-def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | None = None, slices: int = 1) -> dict:
+def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | None = None, slices: int = 1,
+         speed: bool | str = False) -> dict:
     """Per-device memory of one training step of `run` (a RunConfig) on a mesh of `mesh_sizes`,
-    of host CPU devices or of the chips of TPU `topology` (over `slices` slices)."""
+    of host CPU devices or of the chips of TPU `topology` (over `slices` slices); with `speed` (a
+    topology only, when the step fits), the estimated step time too (`estimate_speed`; "ranking": with the
+    kernels' declared costs only)."""
     import jax
 
     from modern_jax.kernels.backend import recording_kernels
@@ -58,13 +65,19 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     batch = trainer.abstract_batch()
     with recording_kernels() as kernels:
         lowered = trainer.lower("train", state, batch)
-    try:
-        analysis = lowered.compile().memory_analysis()
-    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that cannot fit HBM
-        oom = _HBM_OOM.search(str(e))
-        if oom is None:
-            raise
-        analysis = None
+
+    def compile_memory() -> dict:
+        try:
+            analysis = lowered.compile().memory_analysis()
+        except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that cannot fit HBM
+            oom = _HBM_OOM.search(str(e))
+            if oom is None:
+                raise
+            return {"peak": _bytes(*oom.group(1, 2)), "hbm": _bytes(*oom.group(3, 4))}
+        return {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
+                "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes}
+
+    memory = _cached(_program_key(lowered, mesh, {"memory": True}), compile_memory) if topology else compile_memory()
     kind = mesh.devices.flat[0].device_kind
     if topology is not None and chip(devices) is not None:
         kind = f"{kind} ({chip(devices).name})"
@@ -80,17 +93,214 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     }
     if hbm_gib is None and topology is not None and chip(devices) is not None:
         hbm_gib = chip(devices).hbm_gib
-    if analysis is None:  # the compiler's count of all it needed (arguments included) when it stopped
-        out.update(temporaries=None, peak=_bytes(*oom.group(1, 2)), hbm=_bytes(*oom.group(3, 4)), fits=False,
-                   compiler_refused=True)
+    if "temporaries" not in memory:  # the compiler's count of all it needed (arguments included) when it stopped
+        out.update(temporaries=None, peak=memory["peak"], hbm=memory["hbm"], fits=False, compiler_refused=True)
         return out
-    out.update(arguments=analysis.argument_size_in_bytes, outputs=analysis.output_size_in_bytes,
-               aliased=analysis.alias_size_in_bytes, temporaries=analysis.temp_size_in_bytes)
+    out.update(memory)
     out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
     if hbm_gib is not None:
         out["hbm"] = int(hbm_gib * GiB)
         out["fits"] = out["peak"] <= out["hbm"]
+    if speed and topology is not None and out.get("fits", True):
+        out["speed"] = estimate_speed(run, mesh, kernels_too=speed != "ranking")
     return out
+
+
+# ----- speed ---------------------------------------------------------------------------------
+#
+# The TPU compiler's cost model (`compiled.cost_analysis()`: flops, bytes accessed and
+# `optimal_seconds`, its roofline time of the step) counts a while loop's body once, whatever its
+# trip count: the scanned layers, the loss's vocabulary chunks, the micro-batches and the
+# compiler's own collective-matmul loops. The estimate therefore compiles counting programs with
+# no loop at all (layers, chunks and micro-batches unrolled, windowed einsums off): every stage's
+# unit twice (C), and for each stage that repeats more, its unit once more (C_s), extrapolated:
+#
+#     cost = C + sum over stages s of (repeats_s - 2) (C_s - C)
+#
+# exact when a unit's cost does not depend on its neighbours (two units, not one, so the first and
+# last layers' edges stay out of the step: within 0.01% of a whole unrolled program in the tests).
+# Each is compiled twice: with the Pallas kernels declaring their costs (`kernels.costs`) and
+# without (the compiler then sees their I/O bytes only).
+
+COUNTING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+COST_KEYS = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
+CACHE_ENV = "MODERN_JAX_PLAN_CACHE"
+
+
+def counting_layers(cfg, start: int = 2) -> tuple[tuple, list[tuple[int, tuple]]]:
+    """`(base, [(more, layers), ...])`: the layers of the counting program with every stage's unit
+    `start` times (or as often as it repeats, if fewer), and for each stage that repeats more, the
+    same with that unit once more, and how many more units the stage has than the base."""
+    from modern_jax.model import plan_stages
+
+    stages = plan_stages(cfg.layer_specs())
+    counts = [min(repeats, start) for _, repeats in stages]
+    layers = lambda extra: sum((unit * (n + (i == extra)) for i, ((unit, _), n) in enumerate(zip(stages, counts))),  # noqa: E731
+                               ())
+    return layers(None), [(repeats - n, layers(i)) for i, ((_, repeats), n) in enumerate(zip(stages, counts))
+                          if repeats > n]
+
+
+def _cache_path() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                     "modern_jax")
+    return Path(root) / "plan_costs.json"
+
+
+def _cached(key: str, compute):
+    """`compute()` (a JSON-able dict) remembered under `key` in this user's plan cache (a compile
+    of the same program for the same chips, with the same compiler, is not repeated)."""
+    path = _cache_path()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = compute()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table))
+        os.replace(tmp, path)
+    return table[key]
+
+
+def _program_key(lowered, mesh, options: dict) -> str:
+    import jax
+
+    device = mesh.devices.flat[0]
+    ident = [lowered.as_text(), device.device_kind, mesh.size, sorted(options.items()), jax.__version__,
+             _libtpu_version()]
+    return hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()
+
+
+def _libtpu_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("libtpu")
+    except PackageNotFoundError:
+        return None
+
+
+def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
+    """The compiler's cost of one training step of `trainer` (built with `scan_layers=False`) as a
+    program with no loop: flops, bytes accessed, transcendentals, optimal_seconds per device."""
+    from modern_jax.kernels.backend import declaring_costs
+
+    with declaring_costs(kernel_costs):
+        lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch())
+
+    def compile_():
+        compiled = lowered.compile(compiler_options=dict(COUNTING_OPTIONS))
+        text = compiled.as_text()
+        if re.search(r"\swhile\(", text):
+            raise RuntimeError("the counting program still holds a while loop, whose body the cost model counts "
+                               "once: the step-time estimate would be wrong")
+        analysis = compiled.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list) else analysis
+        return {k: float(analysis.get(k, 0.0) or 0.0) for k in COST_KEYS}
+
+    return _cached(_program_key(lowered, trainer.mesh, {**COUNTING_OPTIONS, "kernel_costs": kernel_costs}), compile_)
+
+
+def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
+    """The compiler's cost of one training step of `run` on `mesh`, its loops counted: the counting
+    programs' costs extrapolated to every stage's repeats (or, with `layers`, that program alone)."""
+    from modern_jax.training.step import Trainer
+
+    execution = run.execution.replace(scan_layers=False)
+
+    def cost(layers):
+        trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(),
+                          context_layout=run.parallel.context_layout, strategies=run.parallel,
+                          execution=execution, lora=run.lora, layers=layers)
+        return counting_cost(trainer, kernel_costs=kernel_costs)
+
+    if layers is not None:
+        return cost(layers)
+    base, variants = counting_layers(run.model)
+    counted = cost(base)
+    total = dict(counted)
+    for more, layers in variants:
+        one_more = cost(layers)
+        for k in COST_KEYS:
+            total[k] += more * (one_more[k] - counted[k])
+    return total
+
+
+def estimate_speed(run, mesh, *, kernels_too: bool = True) -> dict:
+    """Estimated step time (the compiler's `optimal_seconds` with loops counted), tokens per second
+    per chip and MFU of `run` on `mesh` of TPU chips: `seconds` with the kernels' declared costs,
+    `seconds_io_kernels` with the kernels costed as their I/O (what the compiler sees of an
+    undeclared kernel). MFU's FLOPs: 6 N per token plus causal attention (`accounting.flops_per_token`)."""
+    from modern_jax.accounting import flops_per_token
+    from modern_jax.sharding.targets import chip
+
+    with_costs = step_cost(run, mesh, kernel_costs=True)
+    io_only = step_cost(run, mesh, kernel_costs=False) if kernels_too else None
+    seconds = with_costs["optimal_seconds"]
+    tokens = run.train.batch_size * run.train.seq_len
+    model_flops = flops_per_token(run.model, run.train.seq_len)["causal_total"] * tokens
+    peak = chip(list(mesh.devices.flat)).peak_tflops * 1e12
+    out = {"seconds": seconds, "tokens_per_s_per_chip": tokens / seconds / mesh.size,
+           "mfu": model_flops / (seconds * mesh.size * peak), "model_flops": model_flops,
+           "compiler_flops": with_costs["flops"] * mesh.size, "bytes_per_chip": with_costs["bytes accessed"]}
+    if io_only is not None:
+        out["seconds_io_kernels"] = io_only["optimal_seconds"]
+    return out
+
+
+def search(run, topology: str, *, slices: int = 1, remats, accums, meshes, chunks, log=lambda message: None) -> dict:
+    """Plan every combination of remat policy, micro-batches (`train.grad_accum`), mesh and loss
+    vocabulary chunk on TPU `topology`, and rank those that fit by estimated tokens/s per chip.
+    Every compile is cached (`_cached`): a repeated search, or one that shares combinations with
+    an earlier one, compiles only what is new. `{"rows": ranked rows, "seconds": the search's time}`."""
+    import dataclasses
+    import itertools
+    import time
+
+    start = time.perf_counter()
+    meshes = [dict(m) for m in dict.fromkeys(tuple(sorted(m.items())) for m in meshes)]
+    rows = []
+    combos = list(itertools.product(meshes, remats, accums, chunks))
+    for i, (mesh_sizes, remat, accum, chunk) in enumerate(combos, 1):
+        row = {"mesh": ",".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1 device",
+               "remat": remat, "grad_accum": accum, "loss_vocab_chunk": chunk}
+        log(f"[{i}/{len(combos)}] {row['mesh']}, remat {remat}, {accum} micro-batch(es), loss chunk {chunk}")
+        try:
+            candidate = dataclasses.replace(run, execution=run.execution.replace(remat=remat),
+                                            train=dataclasses.replace(run.train, grad_accum=accum,
+                                                                      loss_vocab_chunk=chunk))
+            result = plan(candidate, mesh_sizes, topology=topology, slices=slices, speed="ranking")
+        except ValueError as e:  # a combination the run refuses (batch not divisible, heads not splittable)
+            rows.append({**row, "fits": False, "note": str(e).split(";")[0]})
+            continue
+        row.update(fits=result["fits"], peak_gib=result["peak"] / GiB)
+        if "speed" in result:
+            row.update(seconds=result["speed"]["seconds"], tokens_per_s_per_chip=result["speed"]["tokens_per_s_per_chip"],
+                       mfu=result["speed"]["mfu"])
+        rows.append(row)
+    rows.sort(key=lambda r: (not r["fits"], -r.get("tokens_per_s_per_chip", 0.0)))
+    return {"rows": rows, "seconds": time.perf_counter() - start, "topology": topology}
+
+
+def format_search(result: dict) -> str:
+    """The ranked table: those that fit first, fastest first."""
+    lines = [f"| rank | mesh | remat | micro-batches | loss chunk | peak GiB | step s | tokens/s/chip | MFU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(result["rows"], 1):
+        if "tokens_per_s_per_chip" in r:
+            speed = f"{r['seconds']:.4f} | {r['tokens_per_s_per_chip']:,.0f} | {100 * r['mfu']:.1f}%"
+        else:
+            speed = f"does not fit | | " if "note" not in r else f"{r['note']} | | "
+        peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else ""
+        lines.append(f"| {i if r['fits'] else '-'} | {r['mesh']} | {r['remat']} | {r['grad_accum']} | "
+                     f"{r['loss_vocab_chunk']} | {peak} | {speed} |")
+    fit = sum(r["fits"] for r in result["rows"])
+    lines.append(f"{len(result['rows'])} configurations on {result['topology']}, {fit} fit; searched in "
+                 f"{result['seconds']:.0f} s (compiles cached: a repeat is quick)")
+    return "\n".join(lines)
 
 
 # XLA's CompileTimeHbmOom ("the total memory required for HLO temporaries (211.22G) exceeds available HBM
@@ -120,4 +330,16 @@ def format_plan(result: dict) -> str:
     if "hbm" in result:
         verdict = "fits" if result["fits"] else "does NOT fit"
         lines.append(f"{verdict} in {result['hbm'] / GiB:.0f} GiB of device memory")
+    if "speed" in result:
+        lines += format_speed(result["speed"])
     return "\n".join(lines)
+
+
+def format_speed(speed: dict) -> list[str]:
+    """The estimate's lines: step time (and without the kernels' declared costs), tokens/s/chip, MFU."""
+    head = f"estimated step time: {speed['seconds']:.5g} s"
+    if "seconds_io_kernels" in speed:
+        head += f" ({speed['seconds_io_kernels']:.5g} s without the Pallas kernels)"
+    return [head + " (the TPU compiler's roofline, loops counted; no overlap of communication beyond its model)",
+            f"estimated tokens/s per chip: {speed['tokens_per_s_per_chip']:,.0f}",
+            f"estimated MFU: {100 * speed['mfu']:.1f}% (6N + causal attention = {speed['model_flops']:.4g} FLOPs a step)"]

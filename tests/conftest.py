@@ -20,6 +20,8 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not i
     import tempfile
 
     _CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="modern_jax-tests-cache-")
+    # the planner's cache of TPU compiles likewise: the run's own, never the user's
+    os.environ["MODERN_JAX_PLAN_CACHE"] = os.path.join(_CACHE, "plan")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 import jax  # noqa: E402

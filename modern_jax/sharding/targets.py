@@ -42,13 +42,14 @@ class Chip:
     name: str  # the generation as topologies spell it
     hbm_gib: float  # high-bandwidth memory per chip
     dims: int  # the dimensions of its slices' shapes: 2 (v5e:4x4) or 3 (v5p:4x4x4)
+    peak_tflops: float  # dense bf16 matmul peak per chip (Google Cloud's published figure): MFU's denominator
 
 
 CHIPS = {  # jax's device_kind -> the chip
-    "TPU v4": Chip("v4", 32, 3),
-    "TPU v5 lite": Chip("v5e", 16, 2),
-    "TPU v5": Chip("v5p", 95, 3),
-    "TPU v6 lite": Chip("v6e", 32, 2),
+    "TPU v4": Chip("v4", 32, 3, 275),
+    "TPU v5 lite": Chip("v5e", 16, 2, 197),
+    "TPU v5": Chip("v5p", 95, 3, 459),
+    "TPU v6 lite": Chip("v6e", 32, 2, 918),
 }
 EXPECTED = "expected GENERATION:SHAPE such as v5e:2x2, v6e:4x4, v5p:2x2x2, v4:2x2x1"
 _TOPOLOGY = re.compile(r"(?P<generation>[^:]*):(?P<shape>[^_]*)(?P<twist>_twisted|_untwisted)?")

@@ -28,7 +28,7 @@ from flax.nnx import traversals
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from modern_jax.config import ModelConfig
+from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.execution import use as use_execution
 from modern_jax.kernels.backend import recording_kernels
@@ -65,7 +65,7 @@ class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES,
                  context_layout: str = "two_chunk", *, strategies: Strategies | None = None,
                  execution: ExecutionConfig | None = None, lora: LoRAConfig | None = None,
-                 dpo: DPOConfig | None = None):
+                 dpo: DPOConfig | None = None, layers: tuple[LayerSpec, ...] | None = None):
         check_mesh(model_cfg, mesh, rules)
         _check_divisible("batch_size / grad_accum", train_cfg.batch_size // train_cfg.grad_accum, mesh, rules)
         _check_divisible("eval_batch_size", train_cfg.eval_batch_size, mesh, rules)
@@ -86,7 +86,8 @@ class Trainer:
         self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the steps were traced
         self.moe = model_cfg.ffn_type == "moe"
         self.lora, self.dpo = lora, dpo
-        self.graphdef, abstract = abstract_params(model_cfg, lora)
+        self.layers = layers  # the blocks built (default: the config's; the planner's counting programs build fewer)
+        self.graphdef, abstract = abstract_params(model_cfg, lora, layers)
         # a LoRA run trains its adapters only: the rest is frozen, with no gradient and no optimiser state
         self.trained = None if lora is None else {path for path, v in nnx.to_flat_state(abstract)
                                                   if isinstance(v, LoRAParam)}
@@ -155,7 +156,7 @@ class Trainer:
 
     def _init(self, key_data):
         key = jax.random.wrap_key_data(key_data)
-        model = Transformer(self.model_cfg, rngs=nnx.Rngs(key), lora=self.lora)
+        model = Transformer(self.model_cfg, rngs=nnx.Rngs(key), lora=self.lora, layers=self.layers)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         state = {"params": params, "opt_state": self.tx.init(self.split(params)[0]), "step": jnp.zeros((), jnp.int32),
                  "rng": key_data, "nonfinite": jnp.zeros((), jnp.int32)}
@@ -345,7 +346,8 @@ class Trainer:
                 micro, i = xs
                 return _accumulate(carry, grad_fn(params, micro, jax.random.fold_in(step_rng, i)), n_micro), None
 
-            (loss, sums, aux, grads), _ = jax.lax.scan(micro_step, init, (batch, jnp.arange(n_micro)))
+            (loss, sums, aux, grads), _ = jax.lax.scan(micro_step, init, (batch, jnp.arange(n_micro)),
+                                                       unroll=not self.execution.scan_layers)
 
         grad_norm = global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -1,0 +1,106 @@
+"""The planner's estimated step time: the TPU compiler's cost model (libtpu, deviceless) with the
+loops it counts once (scanned layers, loss chunks, micro-batches) counted as often as they run,
+the kernels' declared costs in it, and the search that ranks plans by it."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from modern_jax import planner
+from modern_jax.accounting import causal_keys, flops_per_token
+from modern_jax.cli import main
+from modern_jax.sharding.mesh import make_mesh
+from modern_jax.sharding.targets import topology_devices
+from modern_jax.training.config import load_run_config
+from modern_jax.training.step import Trainer
+
+SMALL = ["model.vocab_size=1024", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=512",
+         "model.head_dim=128", "model.max_position_embeddings=512", "model.dtype=bfloat16", "train.batch_size=8",
+         "train.eval_batch_size=8", "train.seq_len=512"]
+
+
+def small_run(*overrides):
+    return load_run_config("configs/tiny.yaml", [*SMALL, *overrides])
+
+
+def test_the_counted_step_equals_the_whole_program_unrolled():
+    """Two stages (one global layer, then four local ones), two micro-batches and four loss chunks:
+    the counting programs (3 and 4 layers, extrapolated) give the cost of all 5 layers unrolled
+    (no loop left for the cost model to count once); the scanned program's own count misses most."""
+    run = small_run("model.n_layers=5", "model.attention_pattern=GLLLL", "model.sliding_window=128",
+                    "train.grad_accum=2", "train.loss_vocab_chunk=256", "execution.remat=full")
+    mesh = make_mesh(fsdp=4, devices=topology_devices("v5p:2x2x1"))
+    base, variants = planner.counting_layers(run.model)
+    assert len(base) == 3 and [(more, len(layers)) for more, layers in variants] == [(2, 4)]
+    counted = planner.step_cost(run, mesh)
+    whole = planner.step_cost(run, mesh, layers=run.model.layer_specs())
+    assert counted["optimal_seconds"] == pytest.approx(whole["optimal_seconds"], rel=0.02)
+    assert counted["flops"] == pytest.approx(whole["flops"], rel=0.005)
+    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
+    scanned = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch()).compile().cost_analysis()
+    assert scanned["flops"] < 0.5 * whole["flops"]  # the layers, chunks and micro-batches counted once
+
+
+def test_the_estimate_includes_the_kernels_declared_costs_and_its_mfu_is_6n_plus_causal_attention(capsys):
+    overrides = [*SMALL, "model.n_layers=2", "execution.remat=none"]
+    assert main(["plan", "--config", "configs/tiny.yaml", "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--batch", "8",
+                 "--seq", "512", *overrides]) == 0
+    printed = re.search(r"estimated step time: ([\d.]+) s \(([\d.]+) s without the Pallas kernels\)",
+                        capsys.readouterr().out)
+    run = small_run("model.n_layers=2", "execution.remat=none")
+    mesh = make_mesh(fsdp=4, devices=topology_devices("v5e:2x2"))
+    speed = planner.estimate_speed(run, mesh)  # the plan's compiles, from the cache
+    io_only = planner.step_cost(run, mesh, kernel_costs=False)
+    assert speed["seconds_io_kernels"] == io_only["optimal_seconds"] < speed["seconds"]
+    assert printed and float(printed[1]) == pytest.approx(speed["seconds"], rel=1e-4)
+    assert float(printed[2]) == pytest.approx(io_only["optimal_seconds"], rel=1e-4)
+    # what the kernels add: their matmuls, at least causal attention's forward and backward, at most 3x that
+    # (whole tiles up to every tile, 2x; the backward recomputes the scores: 9 matmuls of T x S, not 6)
+    tokens, T, heads, dims = 8 * 512, 512, 4, 128 + 128
+    attention = 2 * 6 * heads * dims * (T + 1) / 2 * tokens  # 2 layers, 6 (fwd + bwd) x 2 flops a multiply-add
+    added = speed["compiler_flops"] - io_only["flops"] * mesh.size
+    assert attention <= added <= 3 * attention
+    # 6 N: the gated FFN, q o, k v, the norms (2 a block, q and k heads', the final) and the tied head
+    weights = 6 * (2 * (3 * 256 * 512 + 2 * 256 * 512 + 2 * 256 * 256 + 2 * 256 + 2 * 128) + 256 + 1024 * 256)
+    assert flops_per_token(run.model, T)["causal_total"] == weights + attention / tokens
+    assert speed["mfu"] == pytest.approx(weights * tokens / (speed["seconds"] * 4 * 197e12)
+                                         + attention / (speed["seconds"] * 4 * 197e12))
+    assert speed["tokens_per_s_per_chip"] == pytest.approx(tokens / speed["seconds"] / 4)
+
+
+def test_causal_keys_count_what_a_query_sees():
+    def naive(T, window=None, chunk=None):
+        return np.mean([sum(1 for k in range(q + 1) if (window is None or q - k < window)
+                            and (chunk is None or q // chunk == k // chunk)) for q in range(T)])
+
+    for kwargs in ({}, {"window": 5}, {"chunk": 4}, {"window": 64}):
+        assert causal_keys(37, **kwargs) == pytest.approx(naive(37, **kwargs))
+
+
+def test_plan_search_ranks_what_fits_by_estimated_speed_and_reuses_its_compiles(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))
+    args = ["plan", "--config", "configs/tiny.yaml", "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--batch", "8",
+            "--seq", "256", "--search", "--search-remat", "full,none", "--search-accum", "1",
+            "--search-mesh", "fsdp=4;fsdp=8", "--search-chunk", "whole", "model.dtype=bfloat16",
+            "model.n_layers=2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "rank" not in line]
+    assert len(rows) == 4 and re.search(r"4 configurations on v5e:2x2, 2 fit; searched in \d+ s", out)
+    ranked = [r for r in rows if r[0].strip() != "-"]
+    speeds = [float(r[7].replace(",", "")) for r in ranked]
+    assert [int(r[0]) for r in ranked] == [1, 2] and speeds == sorted(speeds, reverse=True)
+    refused = [r for r in rows if r[0].strip() == "-"]
+    assert {r[1].strip() for r in refused} == {"fsdp=8"} and "needs 8 devices" in refused[0][6]  # of 4 chips
+    assert {r[2].strip() for r in ranked} == {"full", "none"}
+    assert [r[2].strip() for r in ranked] == ["none", "full"]  # remat none recomputes nothing: faster
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", no_compile)
+    assert main(args) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")] == \
+        [line for line in out.splitlines() if line.startswith("| ")]
