@@ -60,7 +60,7 @@ REMAT_POLICIES = {  # execution.remat: what the backward pass keeps (every other
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_qkv_out": jax.checkpoint_policies.save_only_these_names(
-        "query_proj", "key_proj", "value_proj", "attention_out"
+        "query_proj", "key_proj", "value_proj", "attention_out", "attention_lse"
     ),
 }
 

@@ -104,3 +104,15 @@ def test_plan_search_ranks_what_fits_by_estimated_speed_and_reuses_its_compiles(
     assert main(args) == 0
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")] == \
         [line for line in out.splitlines() if line.startswith("| ")]
+
+
+@pytest.mark.parametrize("remat, forwards", [("full", 2), ("save_qkv_out", 1)])
+def test_saving_the_attention_output_keeps_the_kernel_forward_from_running_again(remat, forwards):
+    """The flash kernels' residuals (output, log-sum-exp) carry the names `save_qkv_out` saves:
+    under it the forward kernel runs once a layer, under full remat twice (again in the backward)."""
+    run = small_run("model.n_layers=2", "train.seq_len=256", f"execution.remat={remat}", "execution.scan_layers=false")
+    mesh = make_mesh(fsdp=4, devices=topology_devices("v5e:2x2"))
+    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
+    text = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch()).as_text()
+    assert text.count("flash_attention_tpu_fwd") == 2 * forwards
+    assert text.count("flash_attention_tpu_dq") == text.count("flash_attention_tpu_dkdv") == 2

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from modern_jax.kernels.masks import MASK_VALUE, softcap  # a masked score: finite, so never inf - inf
 
@@ -160,6 +161,8 @@ def recompute_vjp(forward, backward, stat, sink_stat):
 
     def attend_fwd(call, q, k, v, sinks, vis):
         o, lse, max_logit = forward(call, q, k, v, sinks, vis)
+        # named, so that a remat policy saving the attention's output keeps what the backward needs
+        o, lse = checkpoint_name(o, "attention_out"), checkpoint_name(lse, "attention_lse")
         return (o, max_logit), (q, k, v, sinks, vis, o, lse)
 
     def attend_bwd(call, residuals, cotangents):

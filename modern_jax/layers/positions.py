@@ -8,8 +8,11 @@ pairs 2i with 2i + 1 (RoFormer, GPT-J). Only the first `rotary_dim` features rot
 
 from __future__ import annotations
 
+import functools
+
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -65,18 +68,32 @@ def apply_rope(x_BTNH, pos_BT, spec: RopeSpec):
     """Rotate the first `spec.rotary_dim` features of every head of `x` by its position."""
     inv_freq, attention_factor = rope_frequencies(spec)
     angle_BTR = pos_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
-    # in x's dtype, as transformers does (a float32 copy of q and k would be written and read)
+    # x cos + rotate(x) sin in x's dtype, as transformers computes it; rotate(x) = x @ R, R a signed
+    # permutation (exact in any dtype): one elementwise pass after a tiny matmul, no split halves
     cos_BT1R = (jnp.cos(angle_BTR) * attention_factor)[:, :, None, :].astype(x_BTNH.dtype)
     sin_BT1R = (jnp.sin(angle_BTR) * attention_factor)[:, :, None, :].astype(x_BTNH.dtype)
+    cos_BT1R, sin_BT1R = (_per_feature(c, spec.layout) for c in (cos_BT1R, sin_BT1R))
     rot, rest = x_BTNH[..., : spec.rotary_dim], x_BTNH[..., spec.rotary_dim :]
-    if spec.layout == "half":
-        x1, x2 = jnp.split(rot, 2, axis=-1)
-        rotated = jnp.concatenate([x1 * cos_BT1R - x2 * sin_BT1R, x2 * cos_BT1R + x1 * sin_BT1R], axis=-1)
-    else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        pairs = jnp.stack([x1 * cos_BT1R - x2 * sin_BT1R, x2 * cos_BT1R + x1 * sin_BT1R], axis=-1)
-        rotated = pairs.reshape(rot.shape)
-    return jnp.concatenate([rotated, rest], axis=-1)
+    turned = jnp.einsum("BTNR,RS->BTNS", rot, jnp.asarray(_rotation(spec.rotary_dim, spec.layout), rot.dtype),
+                        precision=jax.lax.Precision.HIGHEST)  # float32 stays float32 on a TPU too
+    return jnp.concatenate([rot * cos_BT1R + turned * sin_BT1R, rest], axis=-1)
+
+
+def _per_feature(c_BT1R, layout: str):
+    """The angles' cos or sin [.., R / 2] per rotated feature [.., R]: halves (`half`) or pairs."""
+    if layout == "half":
+        return jnp.concatenate([c_BT1R, c_BT1R], axis=-1)
+    return jnp.repeat(c_BT1R, 2, axis=-1)
+
+
+@functools.lru_cache
+def _rotation(R: int, layout: str) -> np.ndarray:
+    """R [R, R] with x @ R = rotate(x): (-x2, x1) of the halves, or (-x_odd, x_even) in each pair."""
+    m = np.zeros((R, R), np.float32)
+    for i in range(R // 2):
+        a, b = (i, i + R // 2) if layout == "half" else (2 * i, 2 * i + 1)
+        m[b, a], m[a, b] = -1.0, 1.0  # out[a] = -x[b], out[b] = x[a]
+    return m
 
 
 def sinusoidal(pos_BT, d_model: int, dtype):
