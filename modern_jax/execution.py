@@ -7,7 +7,8 @@
       moe_capacity_factor: 1.0    # capacity dispatch: slots per expert = factor * tokens * k / E
       moe_grouped_impl: default   # the grouped matmul: megablox on TPU, ragged_dot elsewhere
       remat: none                 # what the backward pass recomputes (REMAT_POLICIES)
-      scan_layers: true           # stacked layers run by lax.scan (false: a Python loop, same parameters)
+      scan_layers: true           # stacked layers run by lax.scan (false: a Python loop, same parameters;
+                                  # the loss's chunks and the micro-batches unrolled too: no loop at all)
 
 `ModelConfig` is the architecture (what a checkpoint's config.json maps to); an
 `ExecutionConfig` is chosen per run, never written into a converted checkpoint and never

@@ -37,11 +37,11 @@ def shard_bytes(abstract_tree) -> int:
 
 
 def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | None = None, slices: int = 1,
-         speed: bool | str = False) -> dict:
+         speed: bool = False, opaque_kernels_too: bool = True) -> dict:
     """Per-device memory of one training step of `run` (a RunConfig) on a mesh of `mesh_sizes`,
     of host CPU devices or of the chips of TPU `topology` (over `slices` slices); with `speed` (a
-    topology only, when the step fits), the estimated step time too (`estimate_speed`; "ranking": with the
-    kernels' declared costs only)."""
+    topology only, when the step fits), the estimated step time too (`estimate_speed`; and with the
+    kernels opaque too unless `opaque_kernels_too` is False)."""
     import jax
 
     from modern_jax.kernels.backend import recording_kernels
@@ -102,7 +102,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         out["hbm"] = int(hbm_gib * GiB)
         out["fits"] = out["peak"] <= out["hbm"]
     if speed and topology is not None and out.get("fits", True):
-        out["speed"] = estimate_speed(run, mesh, kernels_too=speed != "ranking")
+        out["speed"] = estimate_speed(run, mesh, opaque_kernels_too=opaque_kernels_too)
     return out
 
 
@@ -229,7 +229,7 @@ def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
     return total
 
 
-def estimate_speed(run, mesh, *, kernels_too: bool = True) -> dict:
+def estimate_speed(run, mesh, *, opaque_kernels_too: bool = True) -> dict:
     """Estimated step time (the compiler's `optimal_seconds` with loops counted), tokens per second
     per chip and MFU of `run` on `mesh` of TPU chips: `seconds` with the kernels' declared costs,
     `seconds_io_kernels` with the kernels costed as their I/O (what the compiler sees of an
@@ -238,7 +238,7 @@ def estimate_speed(run, mesh, *, kernels_too: bool = True) -> dict:
     from modern_jax.sharding.targets import chip
 
     with_costs = step_cost(run, mesh, kernel_costs=True)
-    io_only = step_cost(run, mesh, kernel_costs=False) if kernels_too else None
+    io_only = step_cost(run, mesh, kernel_costs=False) if opaque_kernels_too else None
     seconds = with_costs["optimal_seconds"]
     tokens = run.train.batch_size * run.train.seq_len
     model_flops = flops_per_token(run.model, run.train.seq_len)["causal_total"] * tokens
@@ -272,7 +272,7 @@ def search(run, topology: str, *, slices: int = 1, remats, accums, meshes, chunk
             candidate = dataclasses.replace(run, execution=run.execution.replace(remat=remat),
                                             train=dataclasses.replace(run.train, grad_accum=accum,
                                                                       loss_vocab_chunk=chunk))
-            result = plan(candidate, mesh_sizes, topology=topology, slices=slices, speed="ranking")
+            result = plan(candidate, mesh_sizes, topology=topology, slices=slices, speed=True, opaque_kernels_too=False)
         except ValueError as e:  # a combination the run refuses (batch not divisible, heads not splittable)
             rows.append({**row, "fits": False, "note": str(e).split(";")[0]})
             continue
@@ -287,13 +287,13 @@ def search(run, topology: str, *, slices: int = 1, remats, accums, meshes, chunk
 
 def format_search(result: dict) -> str:
     """The ranked table: those that fit first, fastest first."""
-    lines = [f"| rank | mesh | remat | micro-batches | loss chunk | peak GiB | step s | tokens/s/chip | MFU |",
+    lines = ["| rank | mesh | remat | micro-batches | loss chunk | peak GiB | step s | tokens/s/chip | MFU |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(result["rows"], 1):
         if "tokens_per_s_per_chip" in r:
             speed = f"{r['seconds']:.4f} | {r['tokens_per_s_per_chip']:,.0f} | {100 * r['mfu']:.1f}%"
         else:
-            speed = f"does not fit | | " if "note" not in r else f"{r['note']} | | "
+            speed = "does not fit | | " if "note" not in r else f"{r['note']} | | "
         peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else ""
         lines.append(f"| {i if r['fits'] else '-'} | {r['mesh']} | {r['remat']} | {r['grad_accum']} | "
                      f"{r['loss_vocab_chunk']} | {peak} | {speed} |")

@@ -21,7 +21,6 @@ import pytest
 from modern_jax.sharding import targets
 from modern_jax.kernels import (AttentionImpl, AttentionSpec, UnsupportedFeatureError, Visibility, attention,
                                 pallas_interpret)
-from modern_jax.kernels import gpu_compile
 from modern_jax.kernels.attention import attention_reference, resolve
 from modern_jax.kernels.chunked import attention_chunked
 from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu

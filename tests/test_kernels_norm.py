@@ -12,7 +12,6 @@ import pytest
 
 from modern_jax.sharding import targets
 from modern_jax.kernels import NormImpl, UnsupportedFeatureError, add_norm, norm, pallas_interpret
-from modern_jax.kernels import gpu_compile
 from modern_jax.kernels.norm import _Call, _fused, resolve
 
 from common import QUICK

@@ -21,7 +21,6 @@ from flax.nnx import traversals
 from modern_jax.cli import main
 from modern_jax.convert import from_hf, load_checkpoint
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
-from modern_jax.lora import LoRAConfig
 from modern_jax.model import Transformer, abstract_params
 from modern_jax.training import load_run_config, train
 from modern_jax.convert import finetune_run

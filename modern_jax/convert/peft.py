@@ -22,7 +22,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 from flax.nnx import traversals
 from safetensors import safe_open
 from safetensors.numpy import save_file

@@ -36,7 +36,8 @@ def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
     rows = head.w_VD.shape[0]
     z_BTV = head.logits(h_BTD, first, dtype=jnp.float32 if head.softcap is not None else h_BTD.dtype)
     real_V = head.real(first)  # chunk padding, and the model's padding rows
-    m_BT = jnp.max(z_BTV, axis=-1).astype(jnp.float32)
+    # a stabiliser: lse = m + log sum exp(z - m) for any m, so no gradient needs to flow through it
+    m_BT = jax.lax.stop_gradient(jnp.max(z_BTV, axis=-1).astype(jnp.float32))
     z_BTV = z_BTV.astype(jnp.float32)
     s_BT = jnp.sum(jnp.exp(z_BTV - m_BT[..., None]), axis=-1)
     target_BTV = (jnp.arange(rows)[None, None, :] == (targets_BT - first)[..., None]) & real_V[None, None, :]
