@@ -60,11 +60,23 @@ def make_optimizer(cfg: TrainConfig, frozen: bool = False) -> optax.GradientTran
     get neither updates nor weight decay."""
     adamw = optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         mask=lambda params: decay_mask(params, cfg.no_decay))
-    tx = adamw if cfg.clip_norm is None else optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+    tx = adamw if cfg.clip_norm is None else optax.chain(clip_by_global_norm(cfg.clip_norm), adamw)
     if not frozen:
         return tx
     frozen_mask = lambda params: jax.tree_util.tree_map_with_path(lambda path, _: is_frozen(path), params)  # noqa: E731
     return optax.chain(tx, optax.masked(optax.set_to_zero(), frozen_mask))  # their gradient is zero anyway
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax's `clip_by_global_norm` (the same state, the same arithmetic) taking the norm the step
+    already computed, `update(..., grad_norm=)`: the gradients are read once for it, not twice."""
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+        norm = global_norm(updates) if grad_norm is None else grad_norm
+        keep = norm < max_norm
+        return jax.tree.map(lambda t: jnp.where(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 def global_norm(tree) -> jax.Array:

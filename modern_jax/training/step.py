@@ -357,7 +357,7 @@ class Trainer:
         lr = self.schedule(state["step"])
 
         def update(params, opt_state):
-            direction, opt_state = self.tx.update(grads, opt_state, params)  # AdamW at learning rate 1
+            direction, opt_state = self.tx.update(grads, opt_state, params, grad_norm=grad_norm)  # AdamW at lr 1
             params = self.join(optax.apply_updates(params, jax.tree.map(lambda u: u * lr.astype(u.dtype), direction)),
                                frozen)
             if cfg.moe_bias_update_rate:  # auxiliary-loss-free balancing, from this step's loads
