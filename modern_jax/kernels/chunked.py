@@ -136,8 +136,9 @@ def _forward(call, q, k, v, sinks_KG, vis):
     return _unblock(o_IBTKGU), per_row(lse_IBKGT), per_row(max_logit_IBKGT)
 
 
-def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
+def _backward(call, q, k, v, do, o, lse_BKGT, vis):
     B, Tp, K, G, H = q.shape
+    delta_BKGT = flash.delta(do, o).transpose(0, 2, 3, 1)  # o[B, T, K, G, U] -> lse's layout
     U = v.shape[-1]
     tile_t, tile_s = call.block_q, call.block_k
     I = Tp // tile_t
@@ -182,9 +183,8 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
     keys = (_blocks(k, tile_s), _blocks(v, tile_s), _blocks(k_pos, tile_s), _blocks(k_seg, tile_s), vis_JI)
     dq_init = vary_over(jnp.zeros((I, B, tile_t, K, G, H), jnp.float32), varying_axes(inputs))
     dq_IBTKGH, (dk_JBSKH, dv_JBSKU) = jax.lax.scan(key_block, dq_init, keys)
-    return _unblock(dq_IBTKGH).astype(q.dtype), _unblock(dk_JBSKH), _unblock(dv_JBSKU)
+    return _unblock(dq_IBTKGH).astype(q.dtype), _unblock(dk_JBSKH), _unblock(dv_JBSKU), delta_BKGT
 
 
 # o[B, T, K, G, U], lse[B, K, G, T], sinks[K, G]
-_chunked = flash.recompute_vjp(_forward, _backward, stat=lambda r_BTKG: r_BTKG.transpose(0, 2, 3, 1),
-                               sink_stat=lambda s_KG: s_KG[None, :, :, None])
+_chunked = flash.recompute_vjp(_forward, _backward, sink_stat=lambda s_KG: s_KG[None, :, :, None])

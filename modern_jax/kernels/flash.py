@@ -138,19 +138,25 @@ def dkdv_step(q_TH, k_SH, v_SU, do_TU, lse_1T, delta_1T, mask_ST, scale, softcap
     return dk_SH, dv_SU
 
 
-def recompute_vjp(forward, backward, stat, sink_stat):
+def delta(do, o):
+    """`rowsum(do * o)` in fp32 over the value axis (the last): per row, in `o`'s layout without it."""
+    return jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+
+
+def recompute_vjp(forward, backward, sink_stat):
     """Attention as a `jax.custom_vjp` that saves only `o` and the log-sum-exp.
 
     `forward(call, q, k, v, sinks, vis) -> (o, lse, max_logit)` and
-    `backward(call, q, k, v, do, lse, delta, vis) -> (dq, dk, dv)` are one
+    `backward(call, q, k, v, do, o, lse, vis) -> (dq, dk, dv, delta)` are one
     implementation's passes (`call`: its hashable static settings; `vis`: the padded
     `masks.Visibility`). `max_logit` is the per-row max |q.k| * scale over visible keys
     when `call.max_logit` asks for it, else None: it is returned beside `o` and never
-    differentiated (its cotangent is dropped). Layouts are the implementation's: `stat(r)`
-    puts a per-row statistic from `o`'s layout (without its value axis) into `lse`'s, and
-    `sink_stat(sinks)` broadcasts the sinks to it. Shared here:
+    differentiated (its cotangent is dropped). The backward computes `delta = rowsum(do * o)`
+    (`delta` above) where it is cheapest (the TPU dq kernel reads `o`'s tiles beside `do`'s,
+    instead of a pass of its own over both) and returns it in `lse`'s layout, for the sinks.
+    Layouts are the implementation's: `sink_stat(sinks)` broadcasts the sinks to `lse`'s.
+    Shared here:
 
-        delta  = rowsum(do * o)
         dsinks = -sum p_sink * delta,   p_sink = exp(sink - lse)   (the sink's probability)
     """
 
@@ -168,8 +174,7 @@ def recompute_vjp(forward, backward, stat, sink_stat):
     def attend_bwd(call, residuals, cotangents):
         do, _ = cotangents  # the max logit is a measurement: no gradient flows through it
         q, k, v, sinks, vis, o, lse = residuals
-        delta = stat(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1))
-        dq, dk, dv = backward(call, q, k, v, do.astype(q.dtype), lse, delta, vis)
+        dq, dk, dv, delta = backward(call, q, k, v, do.astype(q.dtype), o, lse, vis)
         dsinks = None
         if sinks is not None:
             sinks_stat, pullback = jax.vjp(sink_stat, sinks)

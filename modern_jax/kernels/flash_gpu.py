@@ -200,8 +200,9 @@ def _forward(call, q, k, v, sinks_KG, vis):
     return o, lse_BKGT, max_logit_BKGT[0] if call.max_logit else None
 
 
-def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
+def _backward(call, q, k, v, do, o, lse_BKGT, vis):
     B, Tp, K, G, H = q.shape
+    delta_BKGT = flash.delta(do, o).transpose(0, 2, 3, 1)  # o[B, T, K, G, U] -> lse's layout
     Sp, U = k.shape[1], v.shape[-1]
     tile_t, tile_s = call.blocks.block_q_bwd, call.blocks.block_k_bwd
     tiles = vis.tiles(**call.rule, block_q=tile_t, block_k=tile_s)
@@ -291,9 +292,8 @@ def _backward(call, q, k, v, do, lse_BKGT, delta_BKGT, vis):
         out_shape=out_shape, compiler_params=params, cost_estimate=cost("dkdv", io=(args, out_shape)),
         interpret=call.interpret, name="flash_attention_gpu_dkdv",
     )(*args)
-    return dq, dk, dv
+    return dq, dk, dv, delta_BKGT
 
 
 # o[B, T, K, G, U], lse[B, K, G, T], sinks[K, G]
-_flash = flash.recompute_vjp(_forward, _backward, stat=lambda r_BTKG: r_BTKG.transpose(0, 2, 3, 1),
-                             sink_stat=lambda s_KG: s_KG[None, :, :, None])
+_flash = flash.recompute_vjp(_forward, _backward, sink_stat=lambda s_KG: s_KG[None, :, :, None])

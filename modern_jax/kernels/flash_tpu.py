@@ -222,7 +222,7 @@ def _forward(call, q, k, v, sinks_KG, vis):
     return o, lse, max_logit[0] if call.max_logit else None
 
 
-def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
+def _backward(call, q, k, v, do, o, lse_BKGT1, vis):
     B, K, G, Tp, H = q.shape
     Sp, U = k.shape[2], v.shape[-1]
     tile_t, tile_s = call.blocks.block_q_bwd, call.blocks.block_k_bwd
@@ -235,16 +235,18 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
     cost = functools.partial(costs.attention, call=call, heads=B * K * G, T=Tp, S=Sp, H=H, U=U, tile_t=tile_t,
                              tile_s=tile_s)
 
-    # ---- dq: grid (B, K, G, I, J), reducing over the visible key tiles ----
-    def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, *refs):
+    # ---- dq: grid (B, K, G, I, J), reducing over the visible key tiles; it also writes
+    # delta = rowsum(do * o), from the query tile's o and do it holds anyway, for dk / dv ----
+    def dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, qpos_ref, kpos_ref, *refs):
         refs = list(refs)
         qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
-        dq_ref, dq_scr = refs
+        dq_ref, delta_ref, dq_scr = refs
         b, i, j = pl.program_id(0), pl.program_id(3), pl.program_id(4)
 
         @pl.when(j == 0)
         def _init():
             dq_scr[...] = jnp.zeros((tile_t, H), jnp.float32)
+            delta_ref[...] = flash.delta(do_ref[...], o_ref[...])[:, None]
 
         @pl.when((j >= lo_ref[b * I + i]) & (j < hi_ref[b * I + i]))
         def _step():
@@ -257,17 +259,17 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
             dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
 
     q_tile, q_stat, q_col, kv_tile, k_row = _query_major_specs(I, tile_t, tile_s)
-    in_specs = [q_tile(H), kv_tile(H), kv_tile(U), q_tile(U), q_stat, q_stat, q_col, k_row]
-    args = [q, k, v, do, lse_BKGT1, delta_BKGT1, _column(q_pos), _row(k_pos)]
+    in_specs = [q_tile(H), kv_tile(H), kv_tile(U), q_tile(U), q_tile(U), q_stat, q_col, k_row]
+    args = [q, k, v, do, o, lse_BKGT1, _column(q_pos), _row(k_pos)]
     if has_seg:
         in_specs += [q_col, k_row]
         args += [_column(q_seg), _row(k_seg)]
     args = [k_lo_BI.reshape(-1), k_hi_BI.reshape(-1), *args]
-    out_shape = out_struct(q.shape, q.dtype, q)
-    dq = pl.pallas_call(
+    out_shape = [out_struct(q.shape, q.dtype, q), out_struct(lse_BKGT1.shape, jnp.float32, q)]
+    dq, delta_BKGT1 = pl.pallas_call(
         dq_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, K, G, I, J), in_specs=in_specs, out_specs=q_tile(H),
+            num_scalar_prefetch=2, grid=(B, K, G, I, J), in_specs=in_specs, out_specs=[q_tile(H), q_stat],
             scratch_shapes=[pltpu.VMEM((tile_t, H), jnp.float32)]),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
@@ -321,9 +323,8 @@ def _backward(call, q, k, v, do, lse_BKGT1, delta_BKGT1, vis):
         interpret=call.interpret,
         name="flash_attention_tpu_dkdv",
     )(*args)
-    return dq, dk, dv
+    return dq, dk, dv, delta_BKGT1
 
 
 # o[B, K, G, T, U], lse[B, K, G, T, 1], sinks[K, G]
-_flash = flash.recompute_vjp(_forward, _backward, stat=lambda r_BKGT: r_BKGT[..., None],
-                             sink_stat=lambda s_KG: s_KG[None, :, :, None, None])
+_flash = flash.recompute_vjp(_forward, _backward, sink_stat=lambda s_KG: s_KG[None, :, :, None, None])
