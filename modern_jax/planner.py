@@ -102,7 +102,10 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         out["hbm"] = int(hbm_gib * GiB)
         out["fits"] = out["peak"] <= out["hbm"]
     if speed and topology is not None and out.get("fits", True):
-        out["speed"] = estimate_speed(run, mesh, opaque_kernels_too=opaque_kernels_too)
+        try:
+            out["speed"] = estimate_speed(run, mesh, opaque_kernels_too=opaque_kernels_too)
+        except CostModelFault as e:
+            out["speed"] = {"unavailable": str(e)}
     return out
 
 
@@ -183,10 +186,15 @@ def _libtpu_version() -> str | None:
         return None
 
 
+class CostModelFault(RuntimeError):
+    """The compiler's cost analysis of a counting program is unusable (a step time <= 0)."""
+
+
 def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
     """The compiler's cost of one training step of `trainer` (built with `scan_layers=False`) as a
     program with no loop: flops, bytes accessed, transcendentals, optimal_seconds per device."""
     from modern_jax.kernels.backend import declaring_costs
+    from modern_jax.sharding.targets import chip
 
     with declaring_costs(kernel_costs):
         lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch())
@@ -199,7 +207,14 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
                                "once: the step-time estimate would be wrong")
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis
-        return {k: float(analysis.get(k, 0.0) or 0.0) for k in COST_KEYS}
+        cost = {k: float(analysis.get(k, 0.0) or 0.0) for k in COST_KEYS}
+        if not 0.0 < cost["optimal_seconds"] < math.inf:
+            raise CostModelFault(
+                f"the TPU compiler's cost model gave optimal_seconds={cost['optimal_seconds']:.4g} for a counting "
+                f"program on {chip(list(trainer.mesh.devices.flat)).name} x {trainer.mesh.size} (its flops and bytes "
+                f"are {cost['flops']:.4g} and {cost['bytes accessed']:.4g}): no step time can be estimated from it; "
+                "plan a smaller slice of the same chip with the same batch per chip and mesh kind")
+        return cost
 
     return _cached(_program_key(lowered, trainer.mesh, {**COUNTING_OPTIONS, "kernel_costs": kernel_costs}), compile_)
 
@@ -240,6 +255,10 @@ def estimate_speed(run, mesh, *, opaque_kernels_too: bool = True) -> dict:
     with_costs = step_cost(run, mesh, kernel_costs=True)
     io_only = step_cost(run, mesh, kernel_costs=False) if opaque_kernels_too else None
     seconds = with_costs["optimal_seconds"]
+    for name, cost in (("", with_costs), (" without the kernels' costs", io_only)):
+        if cost is not None and not cost["optimal_seconds"] > 0.0:
+            raise CostModelFault(f"the counting programs extrapolate to a step of {cost['optimal_seconds']:.4g} s{name}: "
+                                 "the compiler's cost model is not consistent from one layer to the next here")
     tokens = run.train.batch_size * run.train.seq_len
     model_flops = flops_per_token(run.model, run.train.seq_len)["causal_total"] * tokens
     peak = chip(list(mesh.devices.flat)).peak_tflops * 1e12
@@ -277,7 +296,9 @@ def search(run, topology: str, *, slices: int = 1, remats, accums, meshes, chunk
             rows.append({**row, "fits": False, "note": str(e).split(";")[0]})
             continue
         row.update(fits=result["fits"], peak_gib=result["peak"] / GiB)
-        if "speed" in result:
+        if "unavailable" in result.get("speed", {}):
+            row["note"] = "no estimate: the compiler's cost model failed"
+        elif "speed" in result:
             row.update(seconds=result["speed"]["seconds"], tokens_per_s_per_chip=result["speed"]["tokens_per_s_per_chip"],
                        mfu=result["speed"]["mfu"])
         rows.append(row)
@@ -337,6 +358,8 @@ def format_plan(result: dict) -> str:
 
 def format_speed(speed: dict) -> list[str]:
     """The estimate's lines: step time (and without the kernels' declared costs), tokens/s/chip, MFU."""
+    if "unavailable" in speed:
+        return [f"estimated step time: not available: {speed['unavailable']}"]
     head = f"estimated step time: {speed['seconds']:.5g} s"
     if "seconds_io_kernels" in speed:
         head += f" ({speed['seconds_io_kernels']:.5g} s without the Pallas kernels)"

@@ -30,7 +30,8 @@ def test_the_counted_step_equals_the_whole_program_unrolled():
     the counting programs (3 and 4 layers, extrapolated) give the cost of all 5 layers unrolled
     (no loop left for the cost model to count once); the scanned program's own count misses most."""
     run = small_run("model.n_layers=5", "model.attention_pattern=GLLLL", "model.sliding_window=128",
-                    "train.grad_accum=2", "train.loss_vocab_chunk=256", "execution.remat=full")
+                    "train.seq_len=256", "train.grad_accum=2", "train.loss_vocab_chunk=256",
+                    "execution.remat=full")
     mesh = make_mesh(fsdp=4, devices=topology_devices("v5p:2x2x1"))
     base, variants = planner.counting_layers(run.model)
     assert len(base) == 3 and [(more, len(layers)) for more, layers in variants] == [(2, 4)]
@@ -116,3 +117,23 @@ def test_saving_the_attention_output_keeps_the_kernel_forward_from_running_again
     text = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch()).as_text()
     assert text.count("flash_attention_tpu_fwd") == 2 * forwards
     assert text.count("flash_attention_tpu_dq") == text.count("flash_attention_tpu_dkdv") == 2
+
+
+def test_a_cost_model_that_gives_no_positive_step_time_is_named_not_printed(capsys, tmp_path, monkeypatch):
+    """The TPU compiler's cost analysis can return a negative optimal_seconds (libtpu 0.0.52, Llama 3 8B
+    on v6e:16x16): the plan still gives its memory, says why there is no estimate, and prints no time."""
+    monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))
+    real = jax.stages.Compiled.cost_analysis
+
+    def faulty(self):
+        analysis = real(self)
+        analysis = analysis[0] if isinstance(analysis, list) else analysis
+        return {**analysis, "optimal_seconds": -19.9}
+
+    monkeypatch.setattr(jax.stages.Compiled, "cost_analysis", faulty)
+    assert main(["plan", "--config", "configs/tiny.yaml", "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--batch", "8",
+                 "--seq", "256", "model.dtype=bfloat16", "model.n_layers=2"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in 16 GiB" in out
+    assert "estimated step time: not available: the TPU compiler's cost model gave optimal_seconds=-19.9" in out
+    assert "tokens/s" not in out and "MFU" not in out
