@@ -84,16 +84,24 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("modern_jax_execution",
 
 
 @contextlib.contextmanager
+def scoped(var: contextvars.ContextVar, value):
+    """`var` set to `value` inside the block, and back to what it was after (how every setting
+    read while tracing, here and in the sharding and kernel layers, is scoped)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+@contextlib.contextmanager
 def use(execution: ExecutionConfig | None):
     """Run the model inside with `execution` (None: leave the active one)."""
     if execution is None:
         yield
         return
-    token = _ACTIVE.set(execution)
-    try:
+    with scoped(_ACTIVE, execution):
         yield
-    finally:
-        _ACTIVE.reset(token)
 
 
 def current() -> ExecutionConfig:

@@ -15,6 +15,7 @@ abstract: nothing is allocated.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -155,17 +156,26 @@ def _cached(key: str, compute):
     """`compute()` (a JSON-able dict) remembered under `key` in this user's plan cache (a compile
     of the same program for the same chips, with the same compiler, is not repeated)."""
     path = _cache_path()
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if key not in table:
-        table[key] = compute()
-        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def read() -> dict:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    table = read()
+    if key in table:
+        return table[key]
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # under a lock, the table as it is now (another planner may have added to it meanwhile) plus this entry
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        table = {**read(), key: value}
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table))
         os.replace(tmp, path)
-    return table[key]
+    return value
 
 
 def _program_key(lowered, mesh, options: dict) -> str:
@@ -237,8 +247,8 @@ def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
     base, variants = counting_layers(run.model)
     counted = cost(base)
     total = dict(counted)
-    for more, layers in variants:
-        one_more = cost(layers)
+    for more, variant in variants:
+        one_more = cost(variant)
         for k in COST_KEYS:
             total[k] += more * (one_more[k] - counted[k])
     return total

@@ -2,6 +2,7 @@
 loops it counts once (scanned layers, loss chunks, micro-batches) counted as often as they run,
 the kernels' declared costs in it, and the search that ranks plans by it."""
 
+import json
 import re
 
 import jax
@@ -137,3 +138,25 @@ def test_a_cost_model_that_gives_no_positive_step_time_is_named_not_printed(caps
     assert "fits in 16 GiB" in out
     assert "estimated step time: not available: the TPU compiler's cost model gave optimal_seconds=-19.9" in out
     assert "tokens/s" not in out and "MFU" not in out
+
+
+
+FILL = """
+import sys
+from modern_jax import planner
+i = int(sys.argv[1])
+for j in range(30):
+    planner._cached(f"{i}-{j}", lambda: {"v": 100 * i + j})
+"""
+
+
+def test_planners_writing_the_cache_at_once_keep_every_entry(tmp_path, monkeypatch):
+    """Two searches at once share the plan cache: neither drops the other's new compiles."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))
+    processes = [subprocess.Popen([sys.executable, "-c", FILL, str(i)]) for i in range(4)]
+    assert [p.wait(timeout=120) for p in processes] == [0] * 4
+    table = json.loads((tmp_path / "plan_costs.json").read_text())
+    assert table == {f"{i}-{j}": {"v": 100 * i + j} for i in range(4) for j in range(30)}

@@ -27,6 +27,7 @@ import os
 
 import jax
 
+from modern_jax.execution import scoped
 from modern_jax.sharding.targets import platform
 
 INTERPRET_ENV = "MODERN_JAX_PALLAS_INTERPRET"
@@ -45,11 +46,8 @@ def pallas_interpret(target: str | bool = "gpu"):
     value = "" if target is False else ("gpu" if target is True else str(target))
     if value not in ("", "gpu", "tpu"):
         raise ValueError(f"pallas_interpret target must be 'gpu', 'tpu' or False, got {target!r}")
-    token = _INTERPRET.set(value)
-    try:
+    with scoped(_INTERPRET, value):
         yield
-    finally:
-        _INTERPRET.reset(token)
 
 
 def interpret_target() -> str | None:
@@ -72,11 +70,8 @@ def recording_kernels():
     yields a dict `{"attention": {"pallas_tpu"}, "norm": {"pallas"}, ...}` (nested recordings
     each see everything)."""
     seen: dict[str, set[str]] = {}
-    token = _SEEN.set(_SEEN.get() + (seen,))
-    try:
+    with scoped(_SEEN, _SEEN.get() + (seen,)):
         yield seen
-    finally:
-        _SEEN.reset(token)
 
 
 def note_kernel(kind: str, impl: str) -> None:
@@ -138,11 +133,8 @@ _COSTS: contextvars.ContextVar[bool] = contextvars.ContextVar("modern_jax_kernel
 def declaring_costs(on: bool):
     """Inside, the Pallas kernels declare their costs to the compiler (`kernels.costs`) or, off,
     leave them opaque: costed by their operands' and results' bytes only. Read while tracing."""
-    token = _COSTS.set(on)
-    try:
+    with scoped(_COSTS, on):
         yield
-    finally:
-        _COSTS.reset(token)
 
 
 def costs_declared() -> bool:

@@ -14,6 +14,7 @@ import contextvars
 import jax
 from jax.sharding import NamedSharding
 
+from modern_jax.execution import scoped
 from modern_jax.sharding.config import Strategies
 from modern_jax.sharding.rules import RULES, logical_to_spec
 
@@ -25,13 +26,8 @@ _STRATEGIES: contextvars.ContextVar = contextvars.ContextVar("modern_jax_strateg
 def logical_rules(mesh, rules=RULES, strategies: Strategies | None = None):
     """Activate `rules` (a sequence of (logical name, mesh axes or None)) on `mesh`, with the
     axes' `strategies` (a `Strategies` or the run's `ParallelConfig`; None: the defaults)."""
-    token = _ACTIVE.set((mesh, tuple(rules)))
-    strategies_token = _STRATEGIES.set(strategies or Strategies())
-    try:
+    with scoped(_ACTIVE, (mesh, tuple(rules))), scoped(_STRATEGIES, strategies or Strategies()):
         yield
-    finally:
-        _STRATEGIES.reset(strategies_token)
-        _ACTIVE.reset(token)
 
 
 def active():
