@@ -222,8 +222,8 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
             raise CostModelFault(
                 f"the TPU compiler's cost model gave optimal_seconds={cost['optimal_seconds']:.4g} for a counting "
                 f"program on {chip(list(trainer.mesh.devices.flat)).name} x {trainer.mesh.size} (its flops and bytes "
-                f"are {cost['flops']:.4g} and {cost['bytes accessed']:.4g}): no step time can be estimated from it; "
-                "plan a smaller slice of the same chip with the same batch per chip and mesh kind")
+                f"are {cost['flops']:.4g} and {cost['bytes accessed']:.4g}): no step time can be estimated from it "
+                "with this libtpu; the memory plan above stands")
         return cost
 
     return _cached(_program_key(lowered, trainer.mesh, {**COUNTING_OPTIONS, "kernel_costs": kernel_costs}), compile_)
