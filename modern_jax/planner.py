@@ -217,16 +217,17 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
                                "once: the step-time estimate would be wrong")
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis
-        cost = {k: float(analysis.get(k, 0.0) or 0.0) for k in COST_KEYS}
-        if not 0.0 < cost["optimal_seconds"] < math.inf:
-            raise CostModelFault(
-                f"the TPU compiler's cost model gave optimal_seconds={cost['optimal_seconds']:.4g} for a counting "
-                f"program on {chip(list(trainer.mesh.devices.flat)).name} x {trainer.mesh.size} (its flops and bytes "
-                f"are {cost['flops']:.4g} and {cost['bytes accessed']:.4g}): no step time can be estimated from it "
-                "with this libtpu; the memory plan above stands")
-        return cost
+        return {k: float(analysis.get(k, 0.0) or 0.0) for k in COST_KEYS}
 
-    return _cached(_program_key(lowered, trainer.mesh, {**COUNTING_OPTIONS, "kernel_costs": kernel_costs}), compile_)
+    # the compiler's answer is cached as it is, a faulty one too: the check below needs no recompile
+    cost = _cached(_program_key(lowered, trainer.mesh, {**COUNTING_OPTIONS, "kernel_costs": kernel_costs}), compile_)
+    if not 0.0 < cost["optimal_seconds"] < math.inf:
+        raise CostModelFault(
+            f"the TPU compiler's cost model gave optimal_seconds={cost['optimal_seconds']:.4g} for a counting "
+            f"program on {chip(list(trainer.mesh.devices.flat)).name} x {trainer.mesh.size} (its flops and bytes "
+            f"are {cost['flops']:.4g} and {cost['bytes accessed']:.4g}): no step time can be estimated from it "
+            "with this libtpu; the memory plan above stands")
+    return cost
 
 
 def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:

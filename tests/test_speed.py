@@ -140,7 +140,6 @@ def test_a_cost_model_that_gives_no_positive_step_time_is_named_not_printed(caps
     assert "tokens/s" not in out and "MFU" not in out
 
 
-
 FILL = """
 import sys
 from modern_jax import planner
