@@ -1,4 +1,4 @@
-"""What the test files share: the quick-compile setting, one device, and a mesh against one
+"""What the test files share: the compile level, one device, and a mesh against one
 device, gradient leaf by gradient leaf (of a forward pass, or of a whole training step).
 
 A training step's gradient is read back from its AdamW update: at the first step Adam's
@@ -20,17 +20,17 @@ from flax import nnx
 
 from modern_jax.sharding.mesh import make_mesh
 
-QUICK = {"xla_backend_optimization_level": 0}  # XLA options: quick compiles of tiny programs
-QUICK_FLAG = "--xla_backend_optimization_level=0"  # the same, as XLA_FLAGS for a subprocess
+QUICK_FLAG = "--xla_backend_optimization_level=0"  # every program here is tiny (tests/conftest.py)
+DEFAULT_LEVEL = {"xla_backend_optimization_level": 3}  # XLA's own default, for the test that checks it
 
 
 @contextlib.contextmanager
-def quick_compiles():
-    """The trainer's steps compiled with `QUICK` while inside (the `quick_compiles` fixture of
-    tests/conftest.py, for the files that train tiny models)."""
+def default_compiles():
+    """The trainer's steps compiled at XLA's default optimisation level while inside, not at the
+    suite's level 0."""
     from modern_jax.training import step
 
-    before, step.COMPILER_OPTIONS = step.COMPILER_OPTIONS, QUICK
+    before, step.COMPILER_OPTIONS = step.COMPILER_OPTIONS, DEFAULT_LEVEL
     try:
         yield
     finally:

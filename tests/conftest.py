@@ -9,7 +9,14 @@ import re
 
 DEVICES = 8
 _COUNT = "--xla_force_host_platform_device_count"
+_LEVEL = "--xla_backend_optimization_level"
 _flags = re.sub(rf"{_COUNT}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+# Every program the tests compile is tiny: LLVM's optimisation of XLA:CPU's code takes longer
+# than the code then runs, so the suite compiles at level 0 unless XLA_FLAGS sets a level (about
+# 0.6x the time of tests/test_model.py; the commands the tests start inherit it). XLA's default
+# level is checked by tests/test_parallel.py::test_training_step_matches_single_device.
+if not any(flag.startswith(_LEVEL) for flag in _flags):
+    _flags.append(f"{_LEVEL}=0")
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"{_COUNT}={DEVICES}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, made here (in the process that starts the
@@ -55,17 +62,6 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"the tests need {DEVICES} devices, JAX sees {len(jax.devices())} ({jax.devices()[0].platform}): run them "
             f"on the host CPU (JAX_PLATFORMS=cpu; tests/conftest.py sets {_COUNT}={DEVICES} in XLA_FLAGS)")
-
-
-@pytest.fixture
-def quick_compiles():
-    """The trainer's steps compiled unoptimised (`common.QUICK`): these models are tiny, and
-    compiling is most of a test's time. The files that train use it for every test
-    (`pytestmark`); the default optimisation level is tested in tests/test_parallel.py."""
-    from common import quick_compiles
-
-    with quick_compiles():
-        yield
 
 
 @pytest.fixture(autouse=True, scope="module")

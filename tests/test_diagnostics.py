@@ -22,10 +22,7 @@ from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
 from modern_jax.model import abstract_params
 
-from common import QUICK, one_device
-
-
-pytestmark = pytest.mark.usefixtures("quick_compiles")
+from common import one_device
 
 
 def packed_batch(A, B, T, V, seed=0):
@@ -155,7 +152,7 @@ def train_step_temp_bytes(diagnostics: bool, T: int = 4096) -> int:
     batch = {name: jax.ShapeDtypeStruct((1, 1, T), dtype, sharding=trainer.batch_sharding)
              for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("positions", jnp.int32),
                                  ("segment_ids", jnp.int32), ("weights", jnp.float32))}
-    compiled = trainer.lower("train", trainer.abstract_state(), batch).compile(QUICK)
+    compiled = trainer.lower("train", trainer.abstract_state(), batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -40,8 +40,6 @@ METRICS = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_reje
            "rewards/accuracies": "rewards_accuracies", "rewards/margins": "rewards_margins",
            "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected"}
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 
 def pair_batch(tokens_P2W, weights_P2W) -> dict:
     """Our `[1, 2P, T]` batch of TRL's rows (`weights[t]`: token t + 1 is a completion token)."""

@@ -30,8 +30,6 @@ CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2
 MESHES = {"data2_expert4": dict(data=2, expert=4), "expert8": dict(data=1, expert=8),
           "fsdp2_expert2_tensor2": dict(fsdp=2, expert=2, tensor=2)}
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 
 def batch(B=8, T=16, V=64, seed=5):
     return token_batch(1, B, T, V, seed)

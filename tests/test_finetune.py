@@ -27,9 +27,6 @@ SECTION = "## Fine-tune a Hugging Face model on your conversations"
 FRONT_SECTION = "### Fine-tune a Hugging Face model on conversations"
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
-
 def readme_commands(page: str = "docs/training.md", heading: str = SECTION) -> list[list[str]]:
     """The `uv run modern-jax ...` lines of a page's fine-tuning section (continuations joined)."""
     text = (REPO / page).read_text()

@@ -27,7 +27,6 @@ from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
 from modern_jax.kernels.flash_tpu import TpuBlocks, flash_attention_tpu
 from modern_jax.kernels.masks import round_up
 
-from common import QUICK
 
 attention_module = importlib.import_module("modern_jax.kernels.attention")  # the package's `attention` is the function
 backend_module = importlib.import_module("modern_jax.kernels.backend")
@@ -74,11 +73,6 @@ def make_inputs(B, T, S, K, G, H, V, causal, window, softcap, sinks, segments, d
     return (q, k, v, sinks_KG), spec, vis, normal(B, T, K, G, V)
 
 
-def compile_fast(fn, *args):
-    """jit with XLA's CPU backend at -O0: these small interpreted graphs compile about twice as fast."""
-    return jax.jit(fn).lower(*args).compile(QUICK)
-
-
 def outputs_and_grads(fn, args, do, max_logit=False):
     """`o` and the vjp of `do`; with `max_logit`, `fn` returns `(o, max_logit)` and the max's
     cotangent is 1 (it must not change the gradients: the max has none)."""
@@ -89,7 +83,7 @@ def outputs_and_grads(fn, args, do, max_logit=False):
             return out, vjp((do, jnp.ones_like(out[1])))
         return (out, None), vjp(do)
 
-    (o, m), grads = compile_fast(run, *args, do)(*args, do)
+    (o, m), grads = jax.jit(run)(*args, do)
     return {"o": o, "dq": grads[0], "dk": grads[1], "dv": grads[2], "dsinks": grads[3], "max_logit": m}
 
 
@@ -279,7 +273,7 @@ def test_dispatch_runs_the_interpreted_kernels():
 
     def run(impl):
         fn = lambda q, k, v, s: attention(q, k, v, spec, vis, sinks_KG=s, impl=impl)  # noqa: E731
-        return compile_fast(fn, *args)(*args)
+        return jax.jit(fn)(*args)
 
     want = run("reference")
     with pallas_interpret():
@@ -301,7 +295,7 @@ def attention_temp_bytes(impl, T, B=1, K=1, G=2, H=64):
                          impl=impl).astype(jnp.float32).sum()
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, pos)
-    return compiled.compile(QUICK).memory_analysis().temp_size_in_bytes
+    return compiled.compile().memory_analysis().temp_size_in_bytes
 
 
 def test_chunked_memory_is_linear_in_length():

@@ -21,7 +21,6 @@ from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels import pallas_interpret
 from modern_jax.model import Transformer
 
-from common import QUICK
 
 BASE = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_position_embeddings=64)
 CONFIGS = {
@@ -69,7 +68,7 @@ def logits_and_grads(cfg, run=ExecutionConfig(attention_impl="reference", norm_i
 
     step = jax.jit(jax.grad(loss, has_aux=True))
     with execution.use(run):
-        grads, logits = step.lower(params).compile(QUICK)(params)
+        grads, logits = step.lower(params).compile()(params)
     return logits, grads
 
 

@@ -14,7 +14,6 @@ from modern_jax.sharding import targets
 from modern_jax.kernels import NormImpl, UnsupportedFeatureError, add_norm, norm, pallas_interpret
 from modern_jax.kernels.norm import _Call, _fused, resolve
 
-from common import QUICK
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
@@ -50,7 +49,7 @@ def run(impl, kind, fused, args, cotangents):
         outs, vjp = jax.vjp(fn, *args)
         return outs, vjp(cotangents)
 
-    return jax.jit(outputs_and_grads).lower(*args).compile(QUICK)(*args)
+    return jax.jit(outputs_and_grads).lower(*args).compile()(*args)
 
 
 @pytest.mark.parametrize("target", ["gpu", "tpu"])

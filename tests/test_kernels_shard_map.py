@@ -20,7 +20,6 @@ from modern_jax.kernels.flash_tpu import flash_attention_tpu
 from modern_jax.ops import norm as ops_norm
 from modern_jax.sharding import logical_rules, make_mesh
 
-from common import QUICK
 
 B, T, K, G, H = 2, 24, 4, 2, 64
 HEADS, BATCH = P("data", None, "model"), P("data")  # batch over "data", kv heads over "model"
@@ -48,7 +47,7 @@ def attention_loss_and_grads(impl, sharded, check_vma=True):
                           check_vma=check_vma)
     args = inputs()
     step = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3)))
-    return step.lower(*args).compile(QUICK)(*args)
+    return step.lower(*args).compile()(*args)
 
 
 def norm_loss_and_grads(impl, sharded, check_vma=True):
@@ -93,7 +92,6 @@ def test_pallas_tpu_lowers_under_shard_map():
     assert grad.trace(*inputs()).lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == 3
 
 
-
 @pytest.mark.quick
 def test_the_model_norm_runs_the_kernel_per_device_under_the_rules():
     """`ops.norm.add_norm`, as the layers call it, on a (data=2, tensor=4) mesh with the Pallas
@@ -108,5 +106,5 @@ def test_the_model_norm_runs_the_kernel_per_device_under_the_rules():
           pallas_interpret()):
         traced = f.trace(x, residual, w)
         assert "shard_map" in str(traced.jaxpr)
-        got = traced.lower().compile(QUICK)(x, residual, w)
+        got = traced.lower().compile()(x, residual, w)
     assert_trees_close(got, want, "add_norm", atol=1e-5)

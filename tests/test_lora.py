@@ -36,8 +36,6 @@ TINY = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=
 MOE = dataclasses.replace(TINY, ffn_type="moe", n_experts=4, experts_per_token=2, expert_d_ff=64)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 
 @nnx.jit
 def logits(model, tokens):

@@ -45,9 +45,6 @@ ROUTERS = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
-
 def config(**overrides):
     return ModelConfig.from_dict({**BASE, **overrides})
 

@@ -36,9 +36,6 @@ CHAT = REPO / "tests" / "fixtures" / "hf_chat" / "chat.jsonl"
 MOE = [*TINY, "--config", str(REPO / "configs" / "moe_tiny.yaml"), "model.expert_d_ff=32", "model.n_experts=4"]
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> pathlib.Path:
     """Twelve small documents: split by name, tokenized by characters (process 0 builds the

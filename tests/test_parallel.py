@@ -15,11 +15,12 @@ from modern_jax.model import Transformer
 from modern_jax.sharding import create_sharded, make_mesh, parse_mesh
 from modern_jax.sharding import check_mesh, logical_rules, state_shardings
 
-from common import assert_leaves_match, assert_step_matches_one_device, token_batch
+from common import assert_leaves_match, assert_step_matches_one_device, default_compiles, token_batch
 
 CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=128, qk_norm="head",
                   attention_sinks=True, sliding_window=6, attention_pattern="LG")
-MESHES = [(8, 1, 1), (1, 8, 1), (2, 1, 4), (1, 2, 4), (1, 1, 8)]
+# data, fsdp x tensor and tensor alone; fsdp alone and data x tensor are the training-step meshes below
+MESHES = [(8, 1, 1), (1, 2, 4), (1, 1, 8)]
 
 
 def tokens(B=8, T=16, V=128):
@@ -63,31 +64,52 @@ def test_logits_loss_and_gradients_match_single_device(mesh_shape, reference):
         assert q.addressable_shards[0].data.shape[2] == 8 // mesh_shape[2]  # query heads split over tensor
 
 
+def kv_heads(n_kv, tp):
+    """The KV heads each device should hold on a (8/tp, 1, tp) mesh, by its tensor coordinate:
+    n_kv / tp whole heads in order along the tensor axis, or every (small) head when there are
+    fewer heads than tensor devices."""
+    mesh = make_mesh(8 // tp, 1, tp)
+    tensor = mesh.axis_names.index("tensor")
+    coordinate = {d: index[tensor] for index, d in np.ndenumerate(mesh.devices)}
+    per = n_kv // tp
+    return mesh, {d: list(range(t * per, (t + 1) * per)) if n_kv >= tp else list(range(n_kv))
+                  for d, t in coordinate.items()}
+
+
+def kv_config(n_kv):
+    return ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=8, n_kv_heads=n_kv, d_ff=64)
+
+
 @pytest.mark.parametrize("n_kv", [8, 4, 2, 1])
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_kv_head_placement(n_kv, tp):
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=8, n_kv_heads=n_kv, d_ff=64)
-    mesh, model = sharded(cfg, (8 // tp, 1, tp))
-    k_proj = model.stages[0].blocks[0].self_attn.k_proj.kernel[...]  # [layers, D, K, H]
-    tensor_index = {d: i for i, d in enumerate(mesh.devices.reshape(-1, tp).T.reshape(tp, -1)[:, 0])}
-    for shard in k_proj.addressable_shards:
-        heads = range(n_kv)[shard.index[2]]
-        if n_kv >= tp:  # each device owns n_kv / tp whole KV heads, in order along the tensor axis
-            t = next(i for d, i in tensor_index.items() if d == shard.device) if shard.device in tensor_index else None
-            assert len(heads) == n_kv // tp
-            if t is not None:
-                assert list(heads) == list(range(t * n_kv // tp, (t + 1) * n_kv // tp))
-        else:  # fewer KV heads than devices: every device keeps every (small) KV head
-            assert list(heads) == list(range(n_kv))
+def test_kv_heads_are_placed_along_the_tensor_axis(n_kv, tp):
+    """Where the rules put each KV head, for every n_kv x tensor pair (no compile: the shardings
+    of the abstract model, the ones `create_sharded` and the Trainer place parameters with)."""
+    mesh, want = kv_heads(n_kv, tp)
+    state = nnx.state(nnx.eval_shape(lambda: Transformer(kv_config(n_kv), rngs=nnx.Rngs(0))))
+    k_proj = state["stages"][0]["blocks"][0]["self_attn"]["k_proj"]["kernel"]  # [layers, D, K, H]
+    sharding = state_shardings(state, mesh)["stages"][0]["blocks"][0]["self_attn"]["k_proj"]["kernel"]
+    got = {d: list(range(n_kv)[index[2]]) for d, index in sharding.devices_indices_map(k_proj.shape).items()}
+    assert got == want
+
+
+@pytest.mark.parametrize("n_kv, tp", [(8, 2), (2, 2), (2, 4), (1, 8)])
+def test_sharded_kv_heads_and_their_cache_decode_as_one_device(n_kv, tp):
+    """Placed for real, on the four kinds of split (several heads, one head, a head replicated
+    twice, one head on all): the weights' and the decoding cache's shards hold the heads above,
+    and the logits with the cache equal one device's."""
+    mesh, want = kv_heads(n_kv, tp)
+    _, model = sharded(kv_config(n_kv), (8 // tp, 1, tp))
+    k_proj = model.stages[0].blocks[0].self_attn.k_proj.kernel[...]
+    assert {s.device: list(range(n_kv)[s.index[2]]) for s in k_proj.addressable_shards} == want
     toks = tokens(B=8, T=8, V=64)
     graphdef, state = nnx.split(model)  # the same weights, gathered onto one device
-    want = nnx.jit(lambda m, t: m(t))(nnx.merge(graphdef, jax.device_get(state)), toks)
+    want_logits = nnx.jit(lambda m, t: m(t))(nnx.merge(graphdef, jax.device_get(state)), toks)
     with logical_rules(mesh):
         got, cache = nnx.jit(lambda m, t: m(t, cache=m.init_cache(8, 8)))(model, toks)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(got, want_logits, atol=2e-5, rtol=2e-5)
     k_cache = cache["stages"][0][0]["k"]  # [layers, B, S, K, H]: sharded like the heads
-    expected = n_kv // tp if n_kv >= tp else n_kv
-    assert {s.data.shape[3] for s in k_cache.addressable_shards} == {expected}
+    assert {s.data.shape[3] for s in k_cache.addressable_shards} == {len(next(iter(want.values())))}
 
 
 def test_no_kv_all_gather_in_attention_hlo():
@@ -175,18 +197,18 @@ def test_fused_kernels_run_per_device_under_the_mesh():
 
 @pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 8, 1)], ids=["2x1x4", "1x8x1"])
 def test_training_step_matches_single_device(mesh_shape):
-    """The trainer's step, compiled at XLA's default optimisation level (the other training
-    tests compile at level 0): the loss and every gradient leaf equal one device's."""
+    """The trainer's step, compiled at XLA's default optimisation level (the rest of the suite
+    compiles at level 0, tests/conftest.py): the loss and every gradient leaf equal one device's."""
     from modern_jax.training import TrainConfig
 
-    assert_step_matches_one_device(CFG, TrainConfig(batch_size=8, seq_len=16), make_mesh(*mesh_shape),
-                                   token_batch(1, 8, 16, 128))
+    with default_compiles():
+        assert_step_matches_one_device(CFG, TrainConfig(batch_size=8, seq_len=16), make_mesh(*mesh_shape),
+                                       token_batch(1, 8, 16, 128))
 
 
 DROPOUT_MESHES = [(2, 1, 4), (1, 2, 4), (1, 4, 2)]
 
 
-@pytest.mark.usefixtures("quick_compiles")
 @pytest.mark.parametrize("mesh_shape", DROPOUT_MESHES, ids=["x".join(map(str, m)) for m in DROPOUT_MESHES])
 def test_dropout_on_a_mesh_drops_what_one_device_drops(mesh_shape):
     """Attention and residual dropout (0.1 each) in a training step: from the same key, every
@@ -213,7 +235,6 @@ def test_memory_planner_counts_sharded_state():
     assert sharded["parameters"] < replicated["parameters"] / 4  # embed over fsdp, heads/mlp/vocab over tensor
     assert sharded["optimizer"] < replicated["optimizer"] / 4
     assert sharded["temporaries"] > 0 and sharded["fits"] is True
-
 
 
 @pytest.mark.quick

@@ -33,8 +33,6 @@ LORA_SECTION, DPO_SECTION = "## Fine-tune with LoRA / QLoRA", "## Preference tun
 FRONT = "### Fine-tune with LoRA / QLoRA, and preference tuning (DPO)"
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(4, 33, (2, 16)), jnp.int32)
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 
 @nnx.jit
 def logits(model, tokens):

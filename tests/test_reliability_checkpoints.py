@@ -31,15 +31,12 @@ from modern_jax.training.optimizer import learning_rate_schedule
 
 import modern_jax.training.step as step_module
 
-from common import QUICK_FLAG, quick_compiles
+from common import QUICK_FLAG
 
 REPO = pathlib.Path(__file__).parent.parent
 HF_LLAMA = REPO / "tests" / "fixtures" / "hf" / "llama"
 TINY_MODEL = {"vocab_size": "auto", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
               "max_position_embeddings": 32}
-
-
-pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def digest(path: pathlib.Path) -> str:
@@ -76,8 +73,7 @@ def one_device():
 def trained(tmp_path_factory):
     """A finished run with checkpoints at steps 2, 4, 6, and its per-step losses."""
     root = tmp_path_factory.mktemp("trained")
-    with quick_compiles():  # compiled as the tests' resumed runs are (module scope runs first)
-        result = train(run_config_from_dict(run_dict(root, root / "run")), mesh=one_device(), log=lambda *_: None)
+    result = train(run_config_from_dict(run_dict(root, root / "run")), mesh=one_device(), log=lambda *_: None)
     return root, [h["loss"] for h in result.history]
 
 

@@ -46,9 +46,6 @@ TINY = dict(vocab_size=260, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_f
 TEXT = "the quick brown fox jumps over the lazy dog; " * 300  # 13,500 bytes
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
-
 def refused(argv, capsys, command=None) -> str:
     """Run the CLI, expect exit status 2 and one error line; return that line."""
     assert main([str(a) for a in argv]) == 2

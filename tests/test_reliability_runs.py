@@ -30,9 +30,6 @@ TINY = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "train.steps=4"
         "train.warmup_steps=1", "train.progress=false", "train.plot=false", "train.tensorboard=false"]
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
-
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("text") / "notes.txt"

@@ -20,7 +20,7 @@ from modern_jax.model import Transformer
 from modern_jax.sharding import create_sharded, make_mesh
 from modern_jax.sharding import RULES, constrain, logical_rules, logical_to_spec, mesh_axes, state_shardings
 
-from common import QUICK, assert_leaves_match
+from common import assert_leaves_match
 
 REPO = pathlib.Path(__file__).parent.parent
 PRESETS = sorted((REPO / "configs").glob("*.yaml"))
@@ -182,7 +182,7 @@ def _forward_and_grad(cfg, mesh, norm_impl="reference"):
     grad = jax.jit(jax.value_and_grad(lambda p, t: _loss(nnx.merge(graphdef, p), t)))
     run = ExecutionConfig(norm_impl=norm_impl, attention_impl="reference")
     with pallas_interpret(), (contextlib.nullcontext() if mesh is None else logical_rules(mesh)), execution.use(run):
-        compiled = [f.lower(params, toks).compile(QUICK) for f in (forward, grad)]
+        compiled = [f.lower(params, toks).compile() for f in (forward, grad)]
     logits, (loss, grads) = (c(params, toks) for c in compiled)
     return logits, loss, grads, [c.as_text() for c in compiled]
 

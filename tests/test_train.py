@@ -34,9 +34,6 @@ from common import QUICK_FLAG, assert_leaves_match, leaves, probe, step_gradient
 REPO = pathlib.Path(__file__).parent.parent
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
-
 def one_device():
     return make_mesh(data=-1, devices=jax.devices()[:1])
 TINY_MODEL = {"vocab_size": "auto", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,

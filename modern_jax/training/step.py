@@ -48,8 +48,8 @@ def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec((None, "activation_batch", "activation_length"), rules, mesh))
 
 
-# XLA options for the compiled steps, e.g. {"xla_backend_optimization_level": 0} for quick
-# compiles in tests. Initialisation always compiles at level 0: it runs once.
+# XLA options for the compiled steps (over those of XLA_FLAGS). Initialisation always compiles at
+# level 0: it runs once.
 COMPILER_OPTIONS: dict = {}
 _EXECUTABLES: dict = {}  # compiled steps shared by Trainers whose lowered programs are identical
 
