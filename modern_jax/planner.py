@@ -124,10 +124,14 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
 # exact when a unit's cost does not depend on its neighbours (two units, not one, so the first and
 # last layers' edges stay out of the step: within 0.01% of a whole unrolled program in the tests).
 # Each is compiled twice: with the Pallas kernels declaring their costs (`kernels.costs`) and
-# without (the compiler then sees their I/O bytes only).
+# without (the compiler then sees their I/O bytes only). Sliced prefetches are off too: where
+# the compiler copies a weight into on-chip memory in slices (v6e does, for layers as large as
+# Llama 3 8B's; v5p does not), the cost model (libtpu 0.0.52) counts each `ConcatBitcast` that
+# joins the slices as about -1 s, and a step's time comes out negative.
 
 COUNTING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
-                    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+                    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+                    "xla_tpu_sliced_prefetch_max_slices": 0}
 COST_KEYS = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
 CACHE_ENV = "MODERN_JAX_PLAN_CACHE"
 
