@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
 from flax import nnx
 from flax.nnx import traversals
 
