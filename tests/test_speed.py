@@ -72,6 +72,28 @@ def test_the_estimate_includes_the_kernels_declared_costs_and_its_mfu_is_6n_plus
     assert speed["tokens_per_s_per_chip"] == pytest.approx(tokens / speed["seconds"] / 4)
 
 
+def test_a_loop_of_a_few_bytes_stays_in_the_counting_program_and_a_larger_one_stops_the_estimate(tmp_path,
+                                                                                                 monkeypatch):
+    """megablox finds each tile's expert by a binary search (a while loop on vectors of E): a mixture's
+    counting program keeps it and is costed; a stack of layers left scanned is refused by name."""
+    monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))
+    moe = ["model.n_layers=2", "model.ffn_type=moe", "model.n_experts=4", "model.experts_per_token=2",
+           "train.seq_len=256", "execution.remat=full"]
+    mesh = make_mesh(fsdp=4, devices=topology_devices("v5e:2x2"))
+
+    def trainer(scan):
+        run = small_run(*moe, f"execution.scan_layers={str(scan).lower()}")
+        return Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
+
+    unrolled = trainer(False)
+    text = unrolled.lower("train", unrolled.abstract_state(), unrolled.abstract_batch()).compile(
+        compiler_options=dict(planner.COUNTING_OPTIONS)).as_text()
+    assert "searchsorted" in text and " while(" in text and planner.loops_that_count(text) == []
+    assert planner.counting_cost(unrolled)["optimal_seconds"] > 0
+    with pytest.raises(planner.CostModelFault, match=r"still holds a while loop.*carrying [\d,]+ B"):
+        planner.counting_cost(trainer(True))
+
+
 def test_causal_keys_count_what_a_query_sees():
     def naive(T, window=None, chunk=None):
         return np.mean([sum(1 for k in range(q + 1) if (window is None or q - k < window)
