@@ -145,6 +145,8 @@ GMM = [
     GmmCase("x1000_i1024_o2048_e8_bf16", 1000, 1024, 2048, 8, BF16),
     GmmCase("x300_i512_o768_e4_f32", 300, 512, 768, 4, F32),
     GmmCase("x2050_i2048_o1408_e64_bf16", 2050, 2048, 1408, 64, BF16),  # DeepSeek-like widths, many experts
+    GmmCase("x4096_i4096_o14336_e8_bf16", 4096, 4096, 14336, 8, BF16),  # Mixtral's: whole 512 x 1024 x 1024 tiles
+    GmmCase("x1024_i1024_o1024_e8_f32", 1024, 1024, 1024, 8, F32),  # whole float32 tiles, 512 x 512 x 512
 ]
 
 QUICK = {"h128_bf16_gqa2_all", "rmsnorm_add_d8192_bf16", "x1000_i1024_o2048_e8_bf16"}

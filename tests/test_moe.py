@@ -20,6 +20,7 @@ from modern_jax.cli import main
 from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels.backend import pallas_interpret
+from modern_jax.kernels import grouped
 from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax.layers.moe import MoE, balance_loss, route
 from modern_jax.model import Transformer
@@ -196,13 +197,18 @@ def test_a_remat_policy_that_saves_a_named_stage_of_the_experts_saves_it(kind, c
         assert not any(f"named '{other}'" in saved for other in STAGES if other != name)
 
 
-def test_megablox_in_interpret_mode_equals_ragged_dot_forward_and_backward():
+@pytest.mark.parametrize("sizes, W, O", [([20, 0, 13, 17], 32, 24),  # one tile: the whole small dimensions
+                                          ([300, 0, 250, 150], 640, 1024)])  # 2 x 5 x 2 tiles, rows padded
+def test_megablox_in_interpret_mode_equals_ragged_dot_forward_and_backward(sizes, W, O):
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(4, 32, 24)), jnp.float32)
-    sizes = jnp.asarray([20, 0, 13, 17], jnp.int32)
-    want = np.concatenate([np.asarray(x[a:b]) @ np.asarray(w[e]) for e, (a, b) in
-                           enumerate(zip([0, 20, 20, 33], [20, 20, 33, 50]))])
+    Z = sum(sizes)
+    x = jnp.asarray(rng.normal(size=(Z, W)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, W, O)), jnp.float32) / np.sqrt(W)
+    ends = np.cumsum(sizes)
+    want = np.concatenate([np.asarray(x[a:b]) @ np.asarray(w[e]) for e, (a, b) in enumerate(zip(ends - sizes, ends))])
+    if Z > 512:  # float32: rows in tiles of 512, widths in the widest multiple of 128 up to 512 that divides them
+        assert grouped._Tiling(512, 512)(1024, W, O) == (512, 128, 512)
+    sizes = jnp.asarray(sizes, jnp.int32)
 
     def loss(x, w, impl):
         return jnp.sum(jnp.sin(grouped_matmul(x, w, sizes, impl=impl)))
