@@ -244,16 +244,17 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
 
     def compile_():
         compiled = lowered.compile(compiler_options=dict(COUNTING_OPTIONS))
-        loops = loops_that_count(compiled.as_text())
-        if loops:
-            raise CostModelFault(f"the counting program still holds a while loop, whose body the cost model counts "
-                                 f"once: {'; '.join(loops)}; the step-time estimate would be wrong")
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis
-        return {k: float(analysis.get(k, 0.0) or 0.0) for k in COST_KEYS}
+        return {**{k: float(analysis.get(k, 0.0) or 0.0) for k in COST_KEYS},
+                "loops": loops_that_count(compiled.as_text())}
 
-    # the compiler's answer is cached as it is, a faulty one too: the check below needs no recompile
+    # the compiler's answer is cached as it is, a faulty one too: the checks below need no recompile
     cost = _cached(_program_key(lowered, trainer.mesh, {**COUNTING_OPTIONS, "kernel_costs": kernel_costs}), compile_)
+    if cost.get("loops"):
+        raise CostModelFault(f"the counting program still holds a while loop, whose body the cost model counts "
+                             f"once: {'; '.join(cost['loops'])}; the step-time estimate would be wrong")
+    cost = {k: cost[k] for k in COST_KEYS}
     if not 0.0 < cost["optimal_seconds"] < math.inf:
         raise CostModelFault(
             f"the TPU compiler's cost model gave optimal_seconds={cost['optimal_seconds']:.4g} for a counting "
