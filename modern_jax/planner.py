@@ -143,25 +143,25 @@ CACHE_ENV = "MODERN_JAX_PLAN_CACHE"
 NEGLIGIBLE_LOOP_BYTES = 64 * 1024
 
 _WHILE = re.compile(r"^\s*%?(\S+) = (\(.*?\)|\S+) while\((.*)$", re.M)
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
-_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+# an HLO array type: pred, or letters and the element's bits (s32, u8, bf16, f8e4m3fn, c64), and its dims
+_ARRAY = re.compile(r"\b(pred|[a-z]+?(\d+)[a-z0-9]*)\[([\d,]*)\]")
 
 
 def _shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape (an array or a tuple of them): `(s32[], f32[8,128]{1,0})` is 4 + 4096."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype.split("e")[0]) or 8)
-        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-    return total
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * (int(bits) if bits else 8) // 8
+               for _, bits, dims in _ARRAY.findall(shape))
 
 
 def loops_that_count(hlo_text: str) -> list[str]:
     """The while loops of a compiled program that carry more than `NEGLIGIBLE_LOOP_BYTES` (whose
     body the cost model counting once would make the step's estimate wrong), by name and op."""
-    op = lambda rest: (re.findall(r'op_name="([^"]*)"', rest) or ["no op name"])[0]  # noqa: E731
-    return [f"{name} ({op(rest)}, carrying {_shape_bytes(shape):,} B)"
-            for name, shape, rest in _WHILE.findall(hlo_text) if _shape_bytes(shape) > NEGLIGIBLE_LOOP_BYTES]
+    found = []
+    for name, shape, rest in _WHILE.findall(hlo_text):
+        if (size := _shape_bytes(shape)) > NEGLIGIBLE_LOOP_BYTES:
+            op = (re.findall(r'op_name="([^"]*)"', rest) or ["no op name"])[0]
+            found.append(f"{name} ({op}, carrying {size:,} B)")
+    return found
 
 
 def counting_layers(cfg, start: int = 2) -> tuple[tuple, list[tuple[int, tuple]]]:

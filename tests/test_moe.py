@@ -19,8 +19,8 @@ from modern_jax.accounting import param_counts
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
-from modern_jax.kernels.backend import pallas_interpret
 from modern_jax.kernels import grouped
+from modern_jax.kernels.backend import pallas_interpret
 from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax.layers.moe import MoE, balance_loss, route
 from modern_jax.model import Transformer
