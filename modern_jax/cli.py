@@ -457,6 +457,9 @@ def _launch_flags(sub: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0 to N-1 (JAX_PROCESS_ID)")
     group.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SECONDS",
                        help="a process silent this long is lost, and the others stop with its name (default 60)")
+    group.add_argument("--join-timeout", type=float, default=120.0, metavar="SECONDS",
+                       help="how long the processes wait for each other to start, before saying which could not "
+                            "join (default 120)")
 
 
 COMPUTING = ("train", "evaluate", "generate", "plan")  # the commands that join a launch
@@ -590,10 +593,11 @@ def main(argv=None) -> int:
     status, message, agreed = 1, None, False
     try:
         if args.command in COMPUTING and not os.environ.get("MODERN_JAX_ALONE"):
-            _check_flags(args, _positive("--num-processes"),
-                         ("--heartbeat-timeout", lambda t: 0 < t < math.inf, "a positive number of seconds"))
+            seconds = (lambda t: 0 < t < math.inf, "a positive number of seconds")
+            _check_flags(args, _positive("--num-processes"), ("--heartbeat-timeout", *seconds),
+                         ("--join-timeout", *seconds))
             launch = distributed.detect(args.coordinator, args.num_processes, args.process_id)
-            distributed.start(launch, args.command, args.heartbeat_timeout)
+            distributed.start(launch, args.command, args.heartbeat_timeout, join_timeout=args.join_timeout)
         status = args.func(args) or 0
     except ValueError as e:
         status, message, agreed = 2, str(e), isinstance(e, distributed.Refused)

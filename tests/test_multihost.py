@@ -19,13 +19,15 @@ import re
 import shlex
 import signal
 import socket
+import subprocess
+import sys
 import textwrap
 import time
 
 import pytest
 
 from modern_jax.cli import main
-from processes import REPO, Launch, records, wait_for_step
+from processes import REPO, Launch, free_job_id, records, slurm_env, wait_for_step
 
 TINY = ["--config", str(REPO / "configs" / "tiny.yaml"), "model.n_layers=1", "model.d_model=32", "model.d_ff=64",
         "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=0", "train.eval_windows=8",
@@ -174,6 +176,94 @@ def test_processes_that_differ_are_refused_before_any_step(tmp_path, corpus):
                      r"\(host .*, pid \d+\) has train.lr=0.003 where process 0 has 0.002", launch.log(0)), launch.log(0)
     assert "error" not in launch.log(1)  # said once, by process 0
     assert not (tmp_path / "run").exists()  # a failed start leaves nothing behind
+
+
+# --- a launch that never forms: each case ends within the join timeout in one line of ours -----------------
+
+JOIN_TIMEOUT = 4
+
+
+def _task(i: int, n: int, job: int, logdir: pathlib.Path, **env) -> tuple[subprocess.Popen, pathlib.Path]:
+    """Task `i` of an `srun` of `n` tasks in job `job` (SLURM's variables, with `env` on top), running
+    `train` with a short join timeout."""
+    log = logdir / f"task{i}-{job}-{time.monotonic_ns()}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "modern_jax.cli", "train", *TINY, "--join-timeout",
+                                 str(JOIN_TIMEOUT), "--output-dir", str(logdir / "run")], cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT, env={**slurm_env(i, n, 1, job), **env})
+    return proc, log
+
+
+def _one_line(proc: subprocess.Popen, log: pathlib.Path, started: float) -> str:
+    """The task ends non-zero within the join timeout (and its start-up), saying one line of ours."""
+    code = proc.wait(timeout=JOIN_TIMEOUT + 60)
+    took = time.monotonic() - started
+    text = log.read_text()
+    assert code != 0 and took < JOIN_TIMEOUT + 30, (code, took, text)
+    assert text.count("\n") == 1 and text.startswith("modern-jax train: error: "), text  # no native page, no trace
+    return text.strip()
+
+
+def _port(job: int) -> int:
+    return 61440 + job % 4096  # jax's rule for SLURM
+
+
+@pytest.mark.parametrize("alone", [0, 1], ids=["only process 0", "only process 1"])
+def test_a_process_whose_peer_never_starts_says_so(tmp_path, alone):
+    job, started = free_job_id(), time.monotonic()
+    line = _one_line(*_task(alone, 2, job, tmp_path), started)
+    where = f"localhost:{_port(job)}"
+    origin = f"port 61440 + SLURM_JOB_ID % 4096 with SLURM_JOB_ID={job}"
+    if alone == 0:
+        assert line.startswith(f"modern-jax train: error: process 0 of 2 waited {JOIN_TIMEOUT} s at {where} (from "
+                               f"the first node of SLURM_STEP_NODELIST, {origin}) and not every process joined "
+                               f"(DEADLINE_EXCEEDED"), line
+        assert "start all 2 processes with the same launch variables" in line, line
+    else:
+        assert line.startswith(f"modern-jax train: error: process 1 of 2 found nothing listening at {where} within "
+                               f"{JOIN_TIMEOUT} s (the address comes from the first node of SLURM_STEP_NODELIST, "
+                               f"{origin}): process 0 was not started, failed, or listens elsewhere"), line
+
+
+def test_a_taken_coordinator_port_is_named_at_once_and_its_peer_does_not_dump(tmp_path):
+    job = free_job_id()
+    with socket.socket(socket.AF_INET6) as squatter:  # another program on the port: it accepts, never answers
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("::", _port(job)))
+        squatter.listen()
+        started = time.monotonic()
+        tasks = [_task(i, 2, job, tmp_path) for i in range(2)]
+        first = _one_line(*tasks[0], started)
+        assert time.monotonic() - started < 20  # at once, not after the join's timeout (start-up included)
+        assert first.startswith(f"modern-jax train: error: process 0 cannot serve the launch on port {_port(job)} of "
+                                f"this host (Address already in use): another program, or a run still alive, holds "
+                                f"it"), first
+        second = _one_line(*tasks[1], started)
+    assert second.startswith(f"modern-jax train: error: process 1 of 2 reached localhost:{_port(job)} (from the first "
+                             f"node of SLURM_STEP_NODELIST, port 61440 + SLURM_JOB_ID % 4096 with SLURM_JOB_ID={job}) "
+                             f"but could not join a launch of 2 processes there"), second
+
+
+def test_tasks_of_different_jobs_each_say_where_they_looked(tmp_path):
+    jobs = [free_job_id(), free_job_id()]
+    started = time.monotonic()
+    tasks = [_task(i, 2, jobs[i], tmp_path) for i in range(2)]
+    lines = [_one_line(*task, started) for task in tasks]
+    assert f"process 0 of 2 waited {JOIN_TIMEOUT} s at localhost:{_port(jobs[0])} " in lines[0], lines
+    assert f"SLURM_JOB_ID={jobs[0]}" in lines[0], lines
+    assert f"process 1 of 2 found nothing listening at localhost:{_port(jobs[1])} " in lines[1], lines
+    assert f"SLURM_JOB_ID={jobs[1]}" in lines[1], lines
+
+
+def test_a_process_id_out_of_range_is_named_at_once(tmp_path):
+    job, started = free_job_id(), time.monotonic()
+    tasks = [_task(0, 2, job, tmp_path), _task(1, 2, job, tmp_path, SLURM_PROCID="2")]
+    wrong = _one_line(*tasks[1], started)
+    assert time.monotonic() - started < 20, wrong  # no wait for the others
+    assert wrong == ("modern-jax train: error: SLURM_NTASKS=2, SLURM_PROCID=2: process id 2 of 2 processes is invalid: "
+                     "ids run from 0 to SLURM_NTASKS - 1; start the processes with the launcher's own variables (or "
+                     "check what sets SLURM_PROCID)"), wrong
+    assert "not every process joined" in _one_line(*tasks[0], started)
 
 
 @pytest.mark.quick

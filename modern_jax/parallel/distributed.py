@@ -14,6 +14,13 @@ anything else touches JAX. It joins the other processes of a launch (multi-proce
 and otherwise starts as one process, at once. Each process of a launch prints `process i of
 N, D devices (d local)` on stderr.
 
+Joining is bounded by `join_timeout` and named. Before jax is asked to join, the launch's
+variables are resolved and checked (an id out of range is named at once), process 0 checks
+that the coordinator's port is free on its host, and every other process waits for something
+to listen there; what jax then reports (a peer that never connects, a coordinator that does
+not answer as one) comes out as one line of ours, never as jax's native stack dump (the stderr
+watcher, `watch.py`, runs from before the join).
+
 Across processes (all no-ops in one process):
 - `decide(name, fn)`: process 0 computes, every process gets its result, or the same error
   (a directory guard, which checkpoint to resume) — decided once, followed by all.
@@ -38,6 +45,7 @@ import threading
 import time
 
 HEARTBEAT_TIMEOUT = 60.0  # seconds without a heartbeat after which a process is lost
+JOIN_TIMEOUT = 120.0  # seconds for every process of a launch to connect (hosts start at different times)
 LOST_EXIT = 4  # the exit status of a process stopped because another one was lost or failed
 _PREFIX = "modern_jax"
 _WAIT_MS = 24 * 3600 * 1000  # a decision can take as long as process 0's work (heartbeats bound real losses)
@@ -51,6 +59,12 @@ class Launch:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    origin: str = ""  # where the coordinator's address comes from, as the messages say it
+
+
+# the variables (or flags) that give each launcher's process count and id
+_COUNT_AND_ID = {"flags": ("--num-processes", "--process-id"), "environment": ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
+                 "SLURM": ("SLURM_NTASKS", "SLURM_PROCID"), "Open MPI": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")}
 
 
 def _env_int(name: str) -> int:
@@ -70,7 +84,7 @@ def detect(coordinator: str | None = None, num_processes: int | None = None,
         if missing:
             raise ValueError(f"{', '.join(missing)} missing: give --coordinator HOST:PORT, --num-processes N and "
                              f"--process-id I together (or none of them, to let the launcher's environment tell)")
-        return _checked(Launch("flags", coordinator, num_processes, process_id))
+        return _checked(Launch("flags", coordinator, num_processes, process_id, "--coordinator"))
     env = {k: os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
     if env["JAX_NUM_PROCESSES"] is not None or env["JAX_PROCESS_ID"] is not None:
         missing = [k for k, v in env.items() if v is None]
@@ -78,12 +92,12 @@ def detect(coordinator: str | None = None, num_processes: int | None = None,
             raise ValueError(f"{', '.join(missing)} not set: set JAX_COORDINATOR_ADDRESS=HOST:PORT, "
                              f"JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=I together")
         return _checked(Launch("environment", env["JAX_COORDINATOR_ADDRESS"], _env_int("JAX_NUM_PROCESSES"),
-                               _env_int("JAX_PROCESS_ID")))
+                               _env_int("JAX_PROCESS_ID"), "JAX_COORDINATOR_ADDRESS"))
     if "OMPI_COMM_WORLD_SIZE" in os.environ:
         return Launch("Open MPI") if _env_int("OMPI_COMM_WORLD_SIZE") > 1 else None
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
     if all(k in os.environ for k in slurm):  # inside `srun` (an sbatch script alone lacks the step's list)
-        return Launch("SLURM") if _env_int("SLURM_NTASKS") > 1 else None
+        return _slurm() if _env_int("SLURM_NTASKS") > 1 else None
     import jax  # noqa: F401  (importing jax finds out whether this is a Cloud TPU VM; no backend starts)
     from jax._src import cloud_tpu_init
 
@@ -107,14 +121,31 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def _slurm() -> Launch:
+    """A task of `srun`: its coordinator is the step's first node, on a port its job id gives
+    (jax's rule; JAX_COORDINATOR_ADDRESS or JAX_COORDINATOR_PORT override it, as in jax)."""
+    from jax._src.clusters.slurm_cluster import SlurmCluster
+
+    job = _env_int("SLURM_JOB_ID")
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:
+        address, origin = os.environ["JAX_COORDINATOR_ADDRESS"], "JAX_COORDINATOR_ADDRESS"
+    else:
+        port = os.environ.get("JAX_COORDINATOR_PORT")
+        address = SlurmCluster.get_coordinator_address(None, port)
+        origin = (f"the first node of SLURM_STEP_NODELIST, port " +
+                  (f"JAX_COORDINATOR_PORT={port}" if port else f"61440 + SLURM_JOB_ID % 4096 with SLURM_JOB_ID={job}"))
+    return _checked(Launch("SLURM", address, _env_int("SLURM_NTASKS"), _env_int("SLURM_PROCID"), origin))
+
+
 def _checked(launch: Launch) -> Launch | None:
     n, i = launch.num_processes, launch.process_id
-    where = "--num-processes / --process-id" if launch.launcher == "flags" else "JAX_NUM_PROCESSES / JAX_PROCESS_ID"
+    count, ident = _COUNT_AND_ID[launch.launcher]
     if n < 1 or not 0 <= i < n:
-        raise ValueError(f"{where}: process id {i} of {n} processes is invalid: ids run from 0 to N - 1")
+        raise ValueError(f"{count}={n}, {ident}={i}: process id {i} of {n} processes is invalid: ids run from 0 to "
+                         f"{count} - 1; start the processes with the launcher's own variables (or check what sets "
+                         f"{ident})")
     if not launch.coordinator or ":" not in launch.coordinator:
-        flag = "--coordinator" if launch.launcher == "flags" else "JAX_COORDINATOR_ADDRESS"
-        raise ValueError(f"{flag}={launch.coordinator!r}: expected HOST:PORT of process 0")
+        raise ValueError(f"{launch.origin}={launch.coordinator!r}: expected HOST:PORT of process 0")
     return launch if n > 1 else None
 
 
@@ -222,49 +253,110 @@ class _Joined:
 _JOINED: _Joined | None = None
 
 
-def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, log=None) -> None:
+def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, log=None,
+          join_timeout: float = JOIN_TIMEOUT) -> None:
     """Join the launch (nothing to do for one process), print this process's place, start heartbeats."""
     global _JOINED
     if launch is None or _JOINED is not None:
         return
-    if not heartbeat_timeout > 0:
-        raise ValueError(f"--heartbeat-timeout {heartbeat_timeout}: expected a positive number of seconds")
+    for flag, value in (("--heartbeat-timeout", heartbeat_timeout), ("--join-timeout", join_timeout)):
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{flag} {value}: expected a positive number of seconds")
     import jax
 
-    kwargs = {k: v for k, v in (("coordinator_address", launch.coordinator), ("num_processes", launch.num_processes),
-                                ("process_id", launch.process_id)) if v is not None}
-    wait = int(max(2 * heartbeat_timeout, 60))  # for every process to connect (hosts start at different times)
-    try:  # jax's own heartbeat outlasts ours, so ours names the lost process first
-        jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=int(heartbeat_timeout) + 60,
-                                       initialization_timeout=wait)
-    except Exception as e:  # jax raises ValueError / RuntimeError / its runtime's error types
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ValueError(f"could not join the other processes of this {launch.launcher} launch within {wait} s "
-                         f"({first}): check that every process was started and that the coordinator address is "
-                         f"reachable (--heartbeat-timeout sets the wait to twice its value)") from None
     from modern_jax.parallel import watch
 
-    # said before stderr goes through the watcher, which starts as a process of its own: after it,
-    # this line could come out after the first lines the command prints on stdout
-    (log or _stderr)(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices "
-                     f"({jax.local_device_count()} local), launched by {launch.launcher}")
+    deadline = time.monotonic() + join_timeout
+    launch = _resolved(launch, join_timeout)
+    n, i, address = launch.num_processes, launch.process_id, launch.coordinator
+    if i == 0:
+        _check_port_free(launch)
+    else:
+        _await_coordinator(launch, deadline, join_timeout)
+    # from here jax's client may end this process from a native thread: the watcher turns that into one line
     watch.watch_stderr()
+    watch.status(command=command, index=i, count=n, joining={"address": address, "origin": launch.origin,
+                                                              "timeout": join_timeout})
+    try:  # jax's own heartbeat outlasts ours, so ours names the lost process first
+        jax.distributed.initialize(address, n, i, heartbeat_timeout_seconds=int(heartbeat_timeout) + 60,
+                                   initialization_timeout=max(int(deadline - time.monotonic()), 1))
+    except Exception as e:  # jax raises ValueError / RuntimeError / its runtime's error types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"process {i} of {n} could not join the others at {address} ({first}): check that every "
+                         f"process was started with the same launch variables ({launch.origin})") from None
+    watch.status(joining=None)
+    (log or watch.say)(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices "
+                       f"({jax.local_device_count()} local), launched by {launch.launcher}")
     _JOINED = _Joined(command, heartbeat_timeout)
     _JOINED.start_heartbeats()
-    watch.status(command=command, index=_JOINED.index, count=_JOINED.count,
-                 peers={str(j): peer for j, peer in _JOINED.peers.items()})
+    watch.status(peers={str(j): peer for j, peer in _JOINED.peers.items()})
+
+
+def _resolved(launch: Launch, timeout: float) -> Launch:
+    """`launch` with its coordinator, process count and id filled in as jax would find them."""
+    if None not in (launch.coordinator, launch.num_processes, launch.process_id):
+        return launch
+    from jax._src import clusters
+
+    address, n, i, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        launch.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS"), launch.num_processes, launch.process_id,
+        None, None, int(timeout))
+    if None in (address, n, i):
+        raise ValueError(f"the {launch.launcher} launch does not say where process 0 is or how many processes it has: "
+                         f"set JAX_COORDINATOR_ADDRESS=HOST:PORT, JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=I")
+    return _checked(dataclasses.replace(launch, coordinator=address, num_processes=n, process_id=i,
+                                        origin=launch.origin or f"the {launch.launcher} launch"))
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _check_port_free(launch: Launch) -> None:
+    """Process 0 serves the launch on its coordinator's port (on every address, as jax binds it):
+    a port already taken is said at once instead of after the join's timeout."""
+    _, port = _host_port(launch.coordinator)
+    family, any_address = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a closed run's port is free
+        try:
+            s.bind((any_address, port))
+        except OSError as e:
+            raise ValueError(f"process 0 cannot serve the launch on port {port} of this host ({e.strerror}): another "
+                             f"program, or a run still alive, holds it (the port comes from {launch.origin}); stop "
+                             f"it, or give every process another port (JAX_COORDINATOR_ADDRESS=HOST:PORT)") from None
+
+
+def _await_coordinator(launch: Launch, deadline: float, timeout: float) -> None:
+    """Processes other than 0 wait for something to listen on the coordinator's port."""
+    host, port = _host_port(launch.coordinator)
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return
+        except socket.gaierror as e:
+            raise ValueError(f"process {launch.process_id} of {launch.num_processes}: the coordinator's host "
+                             f"{host!r} (from {launch.origin}) cannot be resolved ({e.strerror}): check the "
+                             f"launch's variables") from None
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise ValueError(
+                    f"process {launch.process_id} of {launch.num_processes} found nothing listening at "
+                    f"{launch.coordinator} within {timeout:.0f} s (the address comes from {launch.origin}): process "
+                    f"0 was not started, failed, or listens elsewhere; start every process of the launch with the "
+                    f"same launch variables (--join-timeout sets the wait)") from None
+            time.sleep(0.2)
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+                           process_id: int | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                           join_timeout: float = JOIN_TIMEOUT) -> None:
     """In Python, what the commands do first: join the launch this process belongs to (found from
     its launcher's environment, or the three arguments given together), with heartbeats. A
     process that runs alone returns at once. Then `training.train(run)` is one run of them all."""
-    start(detect(coordinator_address, num_processes, process_id), "python", heartbeat_timeout)
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    start(detect(coordinator_address, num_processes, process_id), "python", heartbeat_timeout,
+          join_timeout=join_timeout)
 
 
 def joined() -> bool:

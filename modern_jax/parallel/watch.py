@@ -2,11 +2,13 @@
 
 When the coordinator of a launch (process 0) goes away, or reports another process lost, jax's
 client ends every other process at once, from a native thread, with a page of log lines and a
-native stack dump that name neither the step nor how to resume. `watch_stderr()` passes this
+native stack dump that name neither the step nor how to resume; so does a join that fails (a
+peer that never connects, a coordinator that does not answer). `watch_stderr()` passes this
 process's stderr (file descriptor 2, native writes included) through a small child process
 that copies it; when that ending comes, the child leaves out jax's page and prints one line
-instead, in the words of `distributed.Joined.lost`: which process was lost, at which step, and
-how to resume — from the `status` lines this process sends it, which are never shown.
+instead, in the words of `distributed.Joined.lost` (which process was lost, at which step, and
+how to resume) or, while joining, which process could not join where and why — from the
+`status` lines this process sends it, which are never shown.
 """
 
 from __future__ import annotations
@@ -25,18 +27,18 @@ FATAL = b"Terminating process because the JAX distributed service detected fatal
 _LOG_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d")  # absl's native log lines
 _MORE = (b" ", b"\t", b"=", b":", b".", b"\n", b"Additional", b"RPC", b"external/", b"The ", b"[type.")  # ... continued
 _watching = None  # the watcher process
+_terminal = None  # this process's own stderr, which the watcher writes to
 
 
 def watch_stderr() -> None:
     """From now on this process's stderr goes through the watcher (one child process)."""
-    global _watching
+    global _watching, _terminal
     if _watching:
         return
     read, write = os.pipe()
-    original = os.dup(2)
+    _terminal = os.dup(2)
     _watching = subprocess.Popen([sys.executable, "-m", "modern_jax.parallel.watch"], stdin=read,
-                                 stdout=subprocess.DEVNULL, stderr=original, close_fds=True)
-    os.close(original)
+                                 stdout=subprocess.DEVNULL, stderr=_terminal, close_fds=True)
     sys.stderr.flush()
     os.dup2(write, 2)
     os.close(write)
@@ -63,6 +65,13 @@ def close() -> None:
         pass
 
 
+def say(line: str) -> None:
+    """A line on stderr now, not after what waits in the watcher (said before the command's first
+    lines on stdout, which take no such detour)."""
+    sys.stderr.flush()
+    os.write(_terminal if _watching else 2, (line + "\n").encode())
+
+
 def status(**fields) -> None:
     """Tell the watcher what its message would say (`command`, `index`, `count`, `peers`, `step`, `resume`)."""
     if _watching:
@@ -72,6 +81,8 @@ def status(**fields) -> None:
 def message(state: dict, fatal: bytes) -> str:
     """The one line that replaces jax's page."""
     command, index, count = state.get("command", "?"), state.get("index", "?"), state.get("count", "?")
+    if state.get("joining"):
+        return f"modern-jax {command}: error: {joining(state['joining'], index, count, fatal)}"
     peers = state.get("peers", {})
 
     def who(j):
@@ -87,6 +98,22 @@ def message(state: dict, fatal: bytes) -> str:
     step = state.get("step")
     at = f" at step {step}" if step is not None else ""
     return f"modern-jax {command}: error: {why}{at}; stopping process {index} too.{state.get('resume', '')}"
+
+
+def joining(join: dict, index, count, fatal: bytes) -> str:
+    """Why process `index` could not join: what jax's client reported, and what to check."""
+    reported = re.search(rb"absl::Status: ([^\n]*)", fatal)
+    rpc = re.search(rb"RPC: \S*/(\w+)", fatal)
+    said = (reported.group(1).decode(errors="replace").strip()[:160] if reported else "its client ended the join")
+    said += f", in {rpc.group(1).decode()}" if rpc else ""
+    where = f"{join['address']} (from {join['origin']})"
+    if index == 0:
+        return (f"process 0 of {count} waited {join['timeout']:.0f} s at {where} and not every process joined "
+                f"({said}): start all {count} processes with the same launch variables (a process given other "
+                f"ones looks for another coordinator); --join-timeout sets the wait")
+    return (f"process {index} of {count} reached {where} but could not join a launch of {count} processes there "
+            f"({said}): another program or another launch may hold that port, or process 0 failed; start every "
+            f"process with the same launch variables")
 
 
 def main() -> None:
