@@ -83,6 +83,7 @@ def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys
     out = _in_process(["launch", "--processes", "2", "--devices", "2", *evaluate], capsys)
     assert re.findall(r"^\[(\d)\] loss: (\S+)$", out, re.M) == [("0", f"{evaluated:.4f}")], out
     assert "[1] process 1 of 2, 4 devices (2 local), launched by environment" in out
+    assert "Gloo" not in out and "peer ranks" not in out, out  # the CPU collectives' set-up is not relayed
 
 
 def test_experts_and_context_across_processes_survive_a_kill_and_a_stop(tmp_path, capsys):
@@ -264,6 +265,25 @@ def test_a_process_id_out_of_range_is_named_at_once(tmp_path):
                      "ids run from 0 to SLURM_NTASKS - 1; start the processes with the launcher's own variables (or "
                      "check what sets SLURM_PROCID)"), wrong
     assert "not every process joined" in _one_line(*tasks[0], started)
+
+
+@pytest.mark.quick
+def test_the_rehearsal_leaves_out_gloo_announcements_even_interleaved():
+    """What one process of a rehearsal wrote (captured), gloo's announcements from two threads cut
+    into each other, across lines too, between lines of its own."""
+    from modern_jax.parallel.launch import WithoutGloo
+
+    full = b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+    captured = [b"model: 821,120 parameters", full,
+                b"[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+                b"1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+                b"[Gloo] Rank 0 is connected to 7[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of "
+                b"connected peer ranks is : 7", b"", b"57 peer ranks. ", b"Expected number of connected peer ranks is : 7",
+                b"step 4/4 | loss 5.0441", b"", b"--- sample 0 ---", b"2024", b"val_loss: 4.5205"]
+    keep = WithoutGloo()
+    kept = [line for line in map(keep, captured) if line is not None]
+    assert kept == [b"model: 821,120 parameters", b"step 4/4 | loss 5.0441", b"", b"--- sample 0 ---", b"2024",
+                    b"val_loss: 4.5205"]
 
 
 @pytest.mark.quick

@@ -6,13 +6,17 @@ starts `modern-jax train ...` N times with `JAX_COORDINATOR_ADDRESS=localhost:PO
 `JAX_NUM_PROCESSES=N`, `JAX_PROCESS_ID=i`, `JAX_PLATFORMS=cpu` and
 `--xla_force_host_platform_device_count=D`, as a cluster launcher would start it on N hosts:
 the processes join, split the mesh's devices and the batch, and write one run. Every line a
-process prints comes out prefixed `[i]`. SIGINT / SIGTERM are passed on to every process;
-the launch ends when all have, with the first non-zero exit status (0 if none).
+process prints comes out prefixed `[i]`, except gloo's: the CPU collectives announce each group
+of devices they connect (`[Gloo] Rank 0 is connected to 1 peer ranks...`, dozens of lines a run,
+written piecewise from several threads), which the launch leaves out. SIGINT / SIGTERM are
+passed on to every process; the launch ends when all have, with the first non-zero exit status
+(0 if none).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import signal
 import socket
@@ -69,10 +73,10 @@ def launch_local(command: list[str], processes: int = 2, devices: int = 4, port:
 def _relay(children) -> None:
     """Copy every child's output to ours, line by line, each line prefixed with its process index."""
     selector = selectors.DefaultSelector()
-    pending = {}
+    pending, gloo = {}, {}
     for i, child in enumerate(children):
         selector.register(child.stdout, selectors.EVENT_READ, i)
-        pending[i] = b""
+        pending[i], gloo[i] = b"", WithoutGloo()
     open_streams = len(children)
     while open_streams:
         for key, _ in selector.select():
@@ -82,13 +86,35 @@ def _relay(children) -> None:
                 selector.unregister(key.fileobj)
                 open_streams -= 1
                 if pending[i]:
-                    _write(i, pending[i])
+                    _write(i, gloo[i](pending[i]))
                 continue
             *lines, pending[i] = (pending[i] + chunk).split(b"\n")
             for line in lines:
-                _write(i, line)
+                _write(i, gloo[i](line))
 
 
-def _write(i: int, line: bytes) -> None:
-    sys.stdout.write(f"[{i}] {line.decode('utf-8', 'replace')}\n")
-    sys.stdout.flush()
+_GLOO = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+")
+# the pieces gloo writes one at a time: two threads announcing at once interleave them, across lines too
+_GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. |Expected number of connected peer ranks is : ")
+
+
+class WithoutGloo:
+    """One process's lines without gloo's announcements: `filter(line)` is the line, what is left
+    of it, or None when it held nothing else (a number or a newline of gloo's included)."""
+
+    def __init__(self):
+        self.owed = 0  # newlines of announcements begun and not yet ended
+
+    def __call__(self, line: bytes) -> bytes | None:
+        self.owed += line.count(b"[Gloo] Rank ")
+        rest = _GLOO_PIECES.sub(b"", _GLOO.sub(b"", line))
+        if rest.strip(b"0123456789 \t") or (rest == line and not self.owed):
+            return rest
+        self.owed = max(self.owed - 1, 0)
+        return None
+
+
+def _write(i: int, line: bytes | None) -> None:
+    if line is not None:
+        sys.stdout.write(f"[{i}] {line.decode('utf-8', 'replace')}\n")
+        sys.stdout.flush()
