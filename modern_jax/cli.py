@@ -592,6 +592,10 @@ def main(argv=None) -> int:
 
     status, message, agreed = 1, None, False
     try:
+        if args.command in COMPUTING:
+            from modern_jax.sharding.targets import no_tpu_runtime_without_chips
+
+            no_tpu_runtime_without_chips()
         if args.command in COMPUTING and not os.environ.get("MODERN_JAX_ALONE"):
             seconds = (lambda t: 0 < t < math.inf, "a positive number of seconds")
             _check_flags(args, _positive("--num-processes"), ("--heartbeat-timeout", *seconds),

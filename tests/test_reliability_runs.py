@@ -252,3 +252,19 @@ def test_overwrite_never_replaces_a_runs_hf_directory(tmp_path, capsys):
     assert "that modern-jax did not write" in capsys.readouterr().err
     assert main(["convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "ours")]) == 0
     assert main(["convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "ours"), "--overwrite"]) == 0
+
+
+# ----- the first command on a CPU host ---------------------------------------------------------
+
+
+def test_train_on_a_host_without_a_tpu_says_nothing_of_libtpu(tmp_path, text):
+    """libtpu is installed (the planner compiles for TPU topologies with it) and this host has no TPU:
+    `train`, left to choose its platform, prints nothing on stderr (libtpu's start-up warnings were
+    four lines and a source-location trace on every command)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE",
+                                                            "TPU_WORKER_HOSTNAMES", "TF_CPP_MIN_LOG_LEVEL")}
+    done = subprocess.run([sys.executable, "-m", "modern_jax.cli", "train", "--data", str(text), "--output-dir",
+                           str(tmp_path / "run"), *TINY], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+    assert "val_loss: " in done.stdout

@@ -60,6 +60,26 @@ _QUIET = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v5p-8", 
           "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
+def no_tpu_runtime_without_chips() -> None:
+    """Leave libtpu's runtime out of a host with no TPU chip. libtpu is installed for compiling to
+    TPU topologies (the dev group, `--extra tpu`), so jax would otherwise start its runtime on
+    every CPU or GPU host, where it fails after printing its start-up warnings (no accelerator
+    type, no worker hostnames) on every command. A platform list (`JAX_PLATFORMS`) or
+    `JAX_FORCE_TPU_INIT` still has the last word; compiling for a topology (`topology_devices`)
+    loads libtpu by itself. Call it before the first computation starts jax's backends."""
+    from jax._src import hardware_utils, xla_bridge
+
+    if (jax.config.jax_platforms or "JAX_FORCE_TPU_INIT" in os.environ or xla_bridge.backends_are_initialized()
+            or hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0):
+        return
+
+    def absent():
+        raise RuntimeError("no TPU chip on this host")
+
+    # the platform stays known (the TPU kernels' lowerings are registered for it); its runtime fails quietly
+    xla_bridge.register_backend_factory("tpu", absent, priority=300, fail_quietly=True)
+
+
 def check_topology(name: str) -> None:
     """A ValueError naming what is wrong with TPU topology `name` unless it is GENERATION:SHAPE with a
     known generation and as many positive dimensions as its slices have (`_twisted` may follow)."""
