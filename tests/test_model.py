@@ -210,6 +210,22 @@ def test_dropout_only_with_an_rng():
     assert float(jnp.max(jnp.abs(forward(model, jax.random.key(1)) - dropped))) > 1e-3
 
 
+@pytest.mark.parametrize("which", ["resid_dropout", "attn_dropout"])
+def test_dropout_draws_its_own_mask_for_every_row(which):
+    """Four copies of one sequence: without dropout the rows' logits are equal; with it (rate 0.3)
+    every row differs from every other, and dropped units differ between rows. A mask drawn once
+    and repeated over the batch (every data shard dropping the same units) makes the rows equal,
+    which the mesh tests cannot see: they compare a mesh with one device, wrong alike."""
+    model = make("llama", **{which: 0.3})
+    rows = jnp.tile(tokens(B=1), (4, 1))
+    plain = nnx.jit(lambda m: m(rows))(model)
+    np.testing.assert_allclose(plain, jnp.broadcast_to(plain[:1], plain.shape), atol=1e-6)
+    dropped = nnx.jit(lambda m, rng: m(rows, dropout_rng=rng))(model, jax.random.key(0))
+    for i in range(4):
+        for j in range(i):
+            assert float(jnp.max(jnp.abs(dropped[i] - dropped[j]))) > 1e-2, (which, i, j)
+
+
 @pytest.mark.quick
 def test_bad_inputs_are_named():
     model = make("llama")
