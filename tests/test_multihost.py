@@ -317,6 +317,18 @@ def test_the_launcher_is_found_from_its_environment(monkeypatch, env, expected):
     ({"JAX_COORDINATOR_ADDRESS": "h", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "expected HOST:PORT"),
     ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n", "SLURM_NTASKS": "two", "SLURM_PROCID": "0",
       "SLURM_LOCALID": "0"}, "SLURM_NTASKS='two' is not an integer"),
+    ({"JAX_COORDINATOR_ADDRESS": "localhost:abc", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     "the coordinator 'localhost:abc' (from JAX_COORDINATOR_ADDRESS): expected HOST:PORT of process 0, the port from "
+     "1 to 65535"),
+    ({"JAX_COORDINATOR_ADDRESS": "localhost:99999", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"},
+     "the port from 1 to 65535"),
+    ({"SLURM_JOB_ID": "12", "SLURM_STEP_NODELIST": "", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "0"}, "the coordinator ':61452' (from the first node of SLURM_STEP_NODELIST, port 61440 + "
+                             "SLURM_JOB_ID % 4096 with SLURM_JOB_ID=12): expected HOST:PORT"),
+    ({"SLURM_JOB_ID": "12", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2", "SLURM_PROCID": "-1",
+      "SLURM_LOCALID": "0"}, "SLURM_NTASKS=2, SLURM_PROCID=-1: process id -1 of 2 processes is invalid"),
+    ({"JAX_COORDINATOR_ADDRESS": "nohost.invalid:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     "process 0 of 2: the coordinator's host 'nohost.invalid' (from JAX_COORDINATOR_ADDRESS) cannot be resolved"),
 ])
 def test_a_half_given_launch_is_one_line(monkeypatch, capsys, env, message):
     for key, value in env.items():
@@ -324,6 +336,23 @@ def test_a_half_given_launch_is_one_line(monkeypatch, capsys, env, message):
     assert main(["train", "train.steps=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("modern-jax train: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "99999", "train"], "modern-jax launch: error: --port 99999: expected a port from 1 to 65535"),
+    (["frobnicate"], "modern-jax: error: argument command: invalid choice: 'frobnicate'"),
+])
+def test_a_rehearsal_refuses_what_its_processes_would_before_starting_them(argv, message, capsys, monkeypatch):
+    import subprocess as started
+
+    monkeypatch.setattr(started, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    try:
+        status = main(["launch", "--processes", "2", "--devices", "2", *argv])
+    except SystemExit as e:  # argparse's own refusal
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and "[0]" not in err, err
 
 
 def test_the_readme_rehearsal_is_a_valid_run():

@@ -144,8 +144,10 @@ def _checked(launch: Launch) -> Launch | None:
         raise ValueError(f"{count}={n}, {ident}={i}: process id {i} of {n} processes is invalid: ids run from 0 to "
                          f"{count} - 1; start the processes with the launcher's own variables (or check what sets "
                          f"{ident})")
-    if not launch.coordinator or ":" not in launch.coordinator:
-        raise ValueError(f"{launch.origin}={launch.coordinator!r}: expected HOST:PORT of process 0")
+    host, _, port = (launch.coordinator or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"the coordinator {launch.coordinator!r} (from {launch.origin}): expected HOST:PORT of process "
+                         f"0, the port from 1 to 65535")
     return launch if n > 1 else None
 
 
@@ -269,6 +271,7 @@ def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTB
     deadline = time.monotonic() + join_timeout
     launch = _resolved(launch, join_timeout)
     n, i, address = launch.num_processes, launch.process_id, launch.coordinator
+    _check_host(launch)
     if i == 0:
         _check_port_free(launch)
     else:
@@ -313,6 +316,16 @@ def _host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _check_host(launch: Launch) -> None:
+    host, port = _host_port(launch.coordinator)
+    try:
+        socket.getaddrinfo(host, port)
+    except socket.gaierror as e:
+        raise ValueError(f"process {launch.process_id} of {launch.num_processes}: the coordinator's host {host!r} "
+                         f"(from {launch.origin}) cannot be resolved ({e.strerror}): check the launch's "
+                         f"variables") from None
+
+
 def _check_port_free(launch: Launch) -> None:
     """Process 0 serves the launch on its coordinator's port (on every address, as jax binds it):
     a port already taken is said at once instead of after the join's timeout."""
@@ -335,10 +348,6 @@ def _await_coordinator(launch: Launch, deadline: float, timeout: float) -> None:
         try:
             with socket.create_connection((host, port), timeout=2):
                 return
-        except socket.gaierror as e:
-            raise ValueError(f"process {launch.process_id} of {launch.num_processes}: the coordinator's host "
-                             f"{host!r} (from {launch.origin}) cannot be resolved ({e.strerror}): check the "
-                             f"launch's variables") from None
         except OSError:
             if time.monotonic() >= deadline:
                 raise ValueError(

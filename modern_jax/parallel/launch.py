@@ -45,10 +45,15 @@ def launch_local(command: list[str], processes: int = 2, devices: int = 4, port:
     """Run `modern-jax COMMAND...` as `processes` processes of one launch on this machine."""
     if processes < 1 or devices < 1:
         raise ValueError(f"--processes {processes} --devices {devices}: expected positive integers")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"--port {port}: expected a port from 1 to 65535 (or none, for a free one)")
     if command and command[0] == "--":
         command = command[1:]
     if not command or command[0] == "launch":
         raise ValueError("launch runs another command: modern-jax launch --processes 2 --devices 4 train ...")
+    from modern_jax.cli import parse_args
+
+    parse_args(command)  # a command the processes would refuse, refused once (argparse's own message)
     port = port or free_port()
     children = [subprocess.Popen([sys.executable, "-m", "modern_jax.cli", *command],
                                  env=launch_env(i, processes, devices, port), stdout=subprocess.PIPE,
