@@ -371,6 +371,7 @@ def cmd_plan(args) -> int:
         from modern_jax.sharding.targets import check_topology
 
         check_topology(args.topology)
+    searched = _search_options(args, sizes) if args.search else None  # refused before anything compiles
     from modern_jax.training.config import load_run_config
 
     # only the training step is planned: the evaluation batch follows --batch unless it is given
@@ -392,17 +393,41 @@ def cmd_plan(args) -> int:
     from modern_jax.planner import format_plan, format_search, plan, search
 
     if args.search:
-        ones = {k: 1 for k in sizes}
-        meshes = ([{**ones, **parse_mesh(m)} for m in args.search_mesh.split(";")] if args.search_mesh
-                  else [sizes, {**ones, "fsdp": math.prod(sizes.values())}])
-        result = search(run, args.topology, slices=args.slices, remats=_names(args.search_remat, "--search-remat"),
-                        accums=_numbers(args.search_accum, "--search-accum"), meshes=meshes,
-                        chunks=_chunks(args.search_chunk, run), log=_note)
+        result = search(run, args.topology, slices=args.slices, **searched, chunks=_chunks(args.search_chunk, run),
+                        log=_note)
         print(format_search(result))
         return 0
     print(format_plan(plan(run, sizes, args.hbm_gib, topology=args.topology, slices=args.slices,
                            speed=not args.no_speed)))
     return 0
+
+
+def _search_options(args, sizes: dict) -> dict:
+    """`--search`'s meshes, remat policies and micro-batch counts, each flag checked by name."""
+    from modern_jax.execution import REMAT_POLICIES
+    from modern_jax.sharding.mesh import parse_mesh
+
+    devices = math.prod(sizes.values())
+    ones = {k: 1 for k in sizes}
+    meshes = [sizes, {**ones, "fsdp": devices}]
+    if args.search_mesh:
+        meshes = []
+        for text in args.search_mesh.split(";"):
+            try:
+                mesh = {**ones, **parse_mesh(text)}
+            except ValueError as e:
+                raise ValueError(f"--search-mesh {text!r}: {e}") from None
+            if math.prod(mesh.values()) != devices or min(mesh.values()) < 1:
+                raise ValueError(f"--search-mesh {text!r}: its axes multiply to {math.prod(mesh.values())}, the "
+                                 f"planned devices are {devices} (--mesh {args.mesh}): give sizes whose product is "
+                                 f"{devices}, separated by ';'")
+            meshes.append(mesh)
+    remats = _names(args.search_remat, "--search-remat")
+    unknown = [r for r in remats if r not in REMAT_POLICIES]
+    if unknown:
+        raise ValueError(f"--search-remat {args.search_remat!r}: {', '.join(map(repr, unknown))} is not a remat "
+                         f"policy; expected some of {', '.join(REMAT_POLICIES)}")
+    return {"meshes": meshes, "remats": remats, "accums": _numbers(args.search_accum, "--search-accum")}
 
 
 def _names(text: str, flag: str) -> list[str]:

@@ -138,6 +138,15 @@ CASES = [
           "train.batch_size / grad_accum gives 4 rows, not divisible by the 8 data shards"),
     _case(["plan", "--config", TINY, "--mesh", "data=2,fsdp=4", "--batch", "16", "--seq", "16", "train.grad_accum=4"],
           "train.batch_size / grad_accum gives 4 rows, not divisible by the 8 data shards"),
+    # plan --search: each option named before anything compiles (each was a table of refused rows, exit 0)
+    _case(["plan", "--config", TINY, "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--batch", "8", "--seq", "16",
+           "--search", "--search-remat", "full,nonsense"],
+          "--search-remat 'full,nonsense': 'nonsense' is not a remat policy; expected some of none, full, dots"),
+    _case(["plan", "--config", TINY, "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--batch", "8", "--seq", "16",
+           "--search", "--search-mesh", "fsdp=4;fsdp=2,tensor=4"],
+          "--search-mesh 'fsdp=2,tensor=4': its axes multiply to 8, the planned devices are 4 (--mesh fsdp=4)"),
+    _case(["plan", "--config", TINY, "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--batch", "8", "--seq", "16",
+           "--search", "--search-mesh", "fsdp=four"], "--search-mesh 'fsdp=four': "),
 ]
 
 
