@@ -51,6 +51,7 @@ from modern_jax.data.corpora import build_tokenizer, load_splits
 from modern_jax.data.pipeline import eval_batches, eval_windows, train_iterator
 from modern_jax.data.preference import pair_eval_batches, pair_iterator, read_pairs, split_pairs
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
+from modern_jax.model import abstract_model, undropped
 from modern_jax.parallel import distributed
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer
@@ -440,6 +441,10 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     model_cfg = run.model
     trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout,
                       strategies=run.parallel, execution=run.execution, lora=run.lora, dpo=run.dpo)
+    skipped = undropped(abstract_model(model_cfg, run.lora)) if run.lora is not None else []
+    if skipped:  # a mixture's experts and routers: their adapters are added to the weights
+        log(f"lora.dropout={run.lora.dropout}: on the inputs of the adapted projections but {', '.join(skipped)}, "
+            f"whose adapters are added to their weights (no input of their own to drop out)")
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.saved(trainer.abstract_state()), log=log,
