@@ -150,8 +150,8 @@ def cmd_train(args) -> int:
     print(f"steps: {result.step}")
     print(f"wall_s: {result.wall_s:.1f}")
     print(f"compile_s: {result.compile_s:.1f}")
-    if result.val_bpb is not None:  # a DPO run's validation is pairs: its loss is DPO's
-        print(f"val_bpb: {result.val_bpb:.4f}")
+    for label, value in result.val_shown.items():  # the objective's own figures (bits per byte, DPO's margin)
+        print(f"val_{label}: {value:.4f}")
     print(f"val_loss: {result.val_loss:.4f}")
     print(f"tokens_per_s: {result.tokens_per_s:.0f}")
     return 0

@@ -509,6 +509,7 @@ class _FakeWandb:
 
 
 def test_a_default_run_writes_tensorboard_events_wandb_and_a_labelled_plot(tmp_path, monkeypatch):
+    from modern_jax.training.loss import NEXT_TOKEN_SHOWN
     from modern_jax.training.metrics import loss_figure, read_metrics
 
     wandb = _FakeWandb()
@@ -534,7 +535,7 @@ def test_a_default_run_writes_tensorboard_events_wandb_and_a_labelled_plot(tmp_p
 
     png = (out / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"matplotlib" in png[:4096]
-    ax = loss_figure(records, "runs/x").axes[0]
+    ax = loss_figure(records, NEXT_TOKEN_SHOWN, "runs/x").axes[0]
     assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("step", "loss (nats / token)", "runs/x")
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train", "validation"]
     np.testing.assert_allclose(ax.lines[0].get_ydata(), [train_losses[s] for s in range(1, 9)])

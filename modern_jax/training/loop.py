@@ -84,6 +84,7 @@ class TrainResult:
     history: list[dict]  # one dict of host floats per step run in this call
     val_loss: float | None = None
     val_bpb: float | None = None
+    val_shown: dict = dataclasses.field(default_factory=dict)  # the objective's own figures of it (`Shown.values`)
     tokens_per_s: float = 0.0
     wall_s: float = 0.0  # the loop, evaluation included, compilation excluded
     compile_s: float = 0.0
@@ -574,7 +575,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                 record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message)
                 if metrics_log is not None:
                     metrics_log.write(step, "train", record)
-                progress.update(step, record["loss"], rate)
+                progress.update(step, record["loss"], rate, s.trainer.shown.values(record))
                 pending.clear()
                 if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
                     raise TrainingDiverged(
@@ -584,9 +585,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                 interval_start, interval_tokens = time.perf_counter(), 0
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 values = s.evaluate(metrics_log, step, s.periodic_eval)
-                message(f"step {step}: val_loss {values['loss']:.4f} | " + (
-                    f"val_bpb {values['bpb']:.4f}" if "bpb" in values else
-                    f"val rewards/accuracies {values['rewards/accuracies']:.4f}"))
+                message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.shown.line(values, "val_"))
             if stopping:
                 s.save(step, message)
                 s.checkpointer.wait()
@@ -600,6 +599,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
         if not result.interrupted:
             final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows))
             result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
+            result.val_shown = s.trainer.shown.values(final)
             s.save(step, message)
     finally:
         progress.close()
@@ -632,7 +632,8 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
         if distributed.is_main():
             (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
     if tc.plot and distributed.is_main():
-        plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", title=str(s.out_dir))
+        plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", s.trainer.shown,
+                    title=str(s.out_dir))
         log(f"loss curve: {s.out_dir / 'loss.png'}")
 
 

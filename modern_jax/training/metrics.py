@@ -4,6 +4,7 @@ under `tensorboard/`), Weights & Biases when `train.wandb_project` is set, the p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -78,6 +79,29 @@ def read_metrics(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+@dataclasses.dataclass(frozen=True)
+class Shown:
+    """What the console and the plot show of an objective, read by `Progress`, the loop's lines
+    and `loss_figure`; each objective provides its own (`training.loss`), so neither asks which
+    objective runs.
+
+    `loss_label`: the loss axis. `console`: `(metric, label)` after the loss on each line that
+    has the metric (a step's, a validation's, the run's last). `panels`: `(y label, ((metric,
+    legend), ...))`, a plot panel each, under the loss."""
+
+    loss_label: str
+    console: tuple[tuple[str, str], ...] = ()
+    panels: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    def values(self, record: dict) -> dict[str, float]:
+        """`{label: value}` of the console's metrics that `record` holds, in order."""
+        return {label: record[name] for name, label in self.console if name in record}
+
+    def line(self, record: dict, prefix: str = "") -> str:
+        """` | margin 0.0123 | accuracy 0.7500`: the console's metrics of `record` (`prefix`: `val_`)."""
+        return "".join(f" | {prefix}{label} {value:.4f}" for label, value in self.values(record).items())
+
+
 class Progress:
     """On a terminal, a rich progress bar `step ━━━━━━╸━━━━ 120/2000 loss 2.3450 | 58.1k tok/s |
     ETA 0:32`, redrawn in place; elsewhere (a log file, a pipe) the same as a plain line at
@@ -98,13 +122,15 @@ class Progress:
             self.task = self.bar.add_task("train", total=total, completed=start, info="")
             self.bar.start()
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, shown: dict[str, float] | None = None) -> None:
+        """The step bar at `step`, with the loss and `shown` (`Shown.values`: the objective's own figures)."""
         if not self.enabled:
             return
         done = (step - self.start) / max(self.total - self.start, 1)
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / done * (1 - done) if done > 0 else 0.0
-        info = f"loss {loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s | ETA {_clock(eta)}"
+        figures = "".join(f" | {label} {value:.4f}" for label, value in (shown or {}).items())
+        info = f"loss {loss:.4f}{figures} | {tokens_per_s / 1e3:.1f}k tok/s | ETA {_clock(eta)}"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info, refresh=True)
         else:
@@ -133,29 +159,39 @@ def _clock(seconds: float) -> str:
 # ----- the loss curve --------------------------------------------------------------
 
 
-def loss_figure(records: list[dict], title: str = ""):
-    """A matplotlib `Figure` of the train and validation losses of `records` (from `read_metrics`)
-    against the step, with its axes labelled and a legend; no pyplot, so no global backend."""
+def _series(records: list[dict], split: str, name: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[name]) for r in records if r["split"] == split and _finite(r.get(name))]
+
+
+def loss_figure(records: list[dict], shown: Shown, title: str = ""):
+    """A matplotlib `Figure` of `records` (from `read_metrics`) against the step: the train and
+    validation losses, the axis labelled by `shown.loss_label`, then a panel for each of
+    `shown.panels` (a line per metric, validation as points), each labelled, with a legend; no
+    pyplot, so no global backend."""
     from matplotlib.figure import Figure
 
-    train = [(r["step"], r["loss"]) for r in records if r["split"] == "train" and _finite(r.get("loss"))]
-    val = [(r["step"], r["loss"]) for r in records if r["split"] == "val" and _finite(r.get("loss"))]
-    fig = Figure(figsize=(7, 4.2), dpi=110)
-    ax = fig.add_subplot()
-    if train:
-        ax.plot(*zip(*train), label="train")
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation")
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.grid(alpha=0.3)
-    if train or val:
-        ax.legend()
+    fig = Figure(figsize=(7, 4.2 + 2.8 * len(shown.panels)), dpi=110)
+    axes = fig.subplots(1 + len(shown.panels), 1, squeeze=False, sharex=True)[:, 0]
+    panels = (((shown.loss_label, (("loss", "train"),)),) + shown.panels)
+    for ax, (label, metrics) in zip(axes, panels):
+        for name, legend in metrics:
+            train, val = _series(records, "train", name), _series(records, "val", name)
+            colour = {"color": ax.plot(*zip(*train), label=legend)[0].get_color()} if train else {}
+            if val:  # beside the loss's `train`, `validation`; else in its train line's colour
+                ax.plot(*zip(*val), "o-" if legend == "train" else "o--", **({} if legend == "train" else colour),
+                        label="validation" if legend == "train" else f"{legend} (validation)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("step")  # the panels share it
     fig.tight_layout()
     return fig
 
 
-def plot_losses(records: list[dict], path, title: str = "") -> None:
-    """Write `loss_figure(records, title)` to `path` as a PNG."""
-    loss_figure(records, title).savefig(path)
+def plot_losses(records: list[dict], path, shown: Shown, title: str = ""):
+    """Write `loss_figure(records, shown, title)` to `path` as a PNG; returns the figure."""
+    fig = loss_figure(records, shown, title)
+    fig.savefig(path)
+    return fig
