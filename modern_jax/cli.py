@@ -247,6 +247,7 @@ def cmd_evaluate(args) -> int:
     from modern_jax.data.pipeline import eval_batches, eval_windows
     from modern_jax.sharding.mesh import make_mesh
     from modern_jax.training import TrainConfig, Trainer, evaluate_batches
+    from modern_jax.training.metrics import Progress
     from modern_jax.convert.checkpoint import load_model_params
     from modern_jax.lora import LoRAConfig
 
@@ -254,32 +255,38 @@ def cmd_evaluate(args) -> int:
     note = _note if main else (lambda *_: None)
     cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=note)
     seq_len = _eval_seq_len(args, cfg, raw)
-    tokenizer, stream = _checkpoint_data(args, raw, run_dir, cfg)
-    what = f"--data {args.data}" if args.data else f"the {args.split} split"
-    windows = len(eval_windows(stream, seq_len))
-    if args.max_windows is not None and args.max_windows > windows:
-        note(f"--max-windows {args.max_windows}: {what} has {_windows(windows, seq_len)}; evaluating all of them")
-    windows = min(windows, args.max_windows or windows)
-    batch_size = min(args.batch_size or DEFAULT_EVAL_BATCH, windows)
-    if args.batch_size is not None and args.batch_size > windows:
-        note(f"--batch-size {args.batch_size}: {what} gives {_windows(windows, seq_len)}; one batch of {windows:,}")
-    tc = TrainConfig(seq_len=seq_len, eval_batch_size=batch_size, warmup_steps=0)
-    # one device; in a launch of several processes every device, each process feeding its rows
-    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None),
-                      lora=LoRAConfig.of_run(raw))
-    token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
+    with Progress(None, enabled=main) as progress:
+        with progress.phase("reading and tokenizing the data"):
+            tokenizer, stream = _checkpoint_data(args, raw, run_dir, cfg)
+        what = f"--data {args.data}" if args.data else f"the {args.split} split"
+        windows = len(eval_windows(stream, seq_len))
+        if args.max_windows is not None and args.max_windows > windows:
+            note(f"--max-windows {args.max_windows}: {what} has {_windows(windows, seq_len)}; evaluating all of them")
+        windows = min(windows, args.max_windows or windows)
+        batch_size = min(args.batch_size or DEFAULT_EVAL_BATCH, windows)
+        if args.batch_size is not None and args.batch_size > windows:
+            note(f"--batch-size {args.batch_size}: {what} gives {_windows(windows, seq_len)}; one batch of "
+                 f"{windows:,}")
+        tc = TrainConfig(seq_len=seq_len, eval_batch_size=batch_size, warmup_steps=0)
+        # one device; in a launch of several processes every device, each process feeding its rows
+        trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None),
+                          lora=LoRAConfig.of_run(raw))
+        token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
 
-    def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
-        return trainer.eval_executable(params, trainer.abstract_batch((batch_size, seq_len)), token_bytes)
+        def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
+            return trainer.eval_executable(params, trainer.abstract_batch((batch_size, seq_len)), token_bytes)
 
-    try:
-        check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
-                   lower=("batch_size",), otherwise="seq_len")
-    except DoesNotFit as e:
-        raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
-    rows, _ = trainer.local_slices(batch_size)
-    batches = eval_batches(stream, seq_len=seq_len, batch_size=batch_size, max_windows=args.max_windows, rows=rows)
-    values = evaluate_batches(trainer, params, batches, token_bytes, rows=batch_size)
+        with progress.phase("compiling the evaluation step"):
+            try:
+                check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
+                           lower=("batch_size",), otherwise="seq_len")
+            except DoesNotFit as e:
+                raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
+        rows, _ = trainer.local_slices(batch_size)
+        batches = eval_batches(stream, seq_len=seq_len, batch_size=batch_size, max_windows=args.max_windows,
+                               rows=rows)
+        with progress.phase("evaluating", len(batches), "batches") as advance:
+            values = evaluate_batches(trainer, params, batches, token_bytes, rows=batch_size, advance=advance)
     if not main:
         return 0
     print(f"split: {'file ' + args.data if args.data else args.split}")
@@ -306,6 +313,7 @@ def cmd_generate(args) -> int:
     from modern_jax.convert.checkpoint import load_model_params
     from modern_jax.lora import LoRAConfig
     from modern_jax.model import abstract_params
+    from modern_jax.training.metrics import Progress
 
     import jax
 
@@ -318,7 +326,8 @@ def cmd_generate(args) -> int:
     graphdef, _ = abstract_params(cfg, LoRAConfig.of_run(raw))
     temperature = 0.0 if args.greedy else args.temperature
     try:
-        with _warnings_as_notes():
+        with _warnings_as_notes(), Progress(None, enabled=jax.process_index() == 0) as progress, \
+                progress.phase(f"sampling {args.num_samples} x {args.max_new_tokens} tokens"):
             texts = sample_texts(graphdef, params, tokenizer, args.prompt, n=args.num_samples,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=temperature,
                                  top_k=args.top_k, top_p=args.top_p)

@@ -1,9 +1,11 @@
 """Training: the loss against a naive reference, overfitting, exact resume, a hard kill while
 saving, the non-finite guard, and the CLI's errors."""
 
+import io
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -554,8 +556,6 @@ def test_wandb_project_without_wandb_installed_is_refused(monkeypatch):
 
 
 def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere():
-    import io
-
     from modern_jax.training.metrics import Progress
 
     plain = io.StringIO()
@@ -566,10 +566,6 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere():
     lines = plain.getvalue().splitlines()
     assert lines[0].startswith("step 5/10 | loss 1.2346 | 2.0k tok/s | ETA 0:0") and lines[1] == "step 5: val_loss 1.5"
     assert "\x1b" not in plain.getvalue() and "\r" not in plain.getvalue()
-
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
 
     screen = Terminal()
     progress = Progress(total=10, start=0, stream=screen)
@@ -583,3 +579,48 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere():
     silent = io.StringIO()
     Progress(total=10, start=0, enabled=False, stream=silent).update(5, 1.0, 1.0)
     assert silent.getvalue() == ""
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal: rich draws its bars into it."""
+
+    def isatty(self):
+        return True
+
+
+def _screen_lines(text: str) -> list[str]:
+    """What a terminal showed, line by line, without rich's cursor and colour sequences."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "\n").splitlines()
+
+
+def test_the_long_parts_of_a_run_and_of_evaluate_show_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
+    """On a terminal the data, the compilation, each evaluation and the samples show a line under the
+    step bar while they run; an evaluation of N batches moves its bar N times (periodic: 8 windows in 2
+    batches, final: 12 in 3), and so does `evaluate`'s. Elsewhere the phases print nothing."""
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    run = _tiny_run(tmp_path, progress=True, final_eval_windows=12)
+    train(run, mesh=one_device(), log=lambda *_: None)
+    lines = _screen_lines(screen.getvalue())
+    for what in ("reading and tokenizing the data", "compiling the training and evaluation steps",
+                 "sampling 1 x 8 tokens"):
+        assert any(line.startswith(what) for line in lines), what
+    for what, n in (("validation", 2), ("final validation", 3)):
+        for k in range(1, n + 1):
+            assert any(re.match(rf"{what} .* {k}/{n} batches", line) for line in lines), (what, k, lines)
+    assert any(re.match(r"step .* 8/8 +loss ", line) for line in lines)
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--max-windows", "12", "--batch-size", "4"]) == 0
+    lines = _screen_lines(screen.getvalue())
+    assert any(line.startswith("compiling the evaluation step") for line in lines)
+    assert all(any(re.match(rf"evaluating .* {k}/3 batches", line) for line in lines) for k in (1, 2, 3)), lines
+
+    plain = io.StringIO()
+    from modern_jax.training.metrics import Progress
+
+    with Progress(10, stream=plain) as progress, progress.phase("validation", 3, "batches") as advance:
+        for _ in range(3):
+            advance()
+    assert plain.getvalue() == ""

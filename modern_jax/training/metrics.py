@@ -4,6 +4,7 @@ under `tensorboard/`), Weights & Biases when `train.wandb_project` is set, the p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -104,22 +105,25 @@ class Shown:
 
 class Progress:
     """On a terminal, a rich progress bar `step ━━━━━━╸━━━━ 120/2000 loss 2.3450 | 58.1k tok/s |
-    ETA 0:32`, redrawn in place; elsewhere (a log file, a pipe) the same as a plain line at
-    each log step."""
+    ETA 0:32`, redrawn in place, and under it a second one while a long part of the run goes on
+    (`phase`: an evaluation's batches, a compilation); elsewhere (a log file, a pipe) the step's
+    figures as a plain line at each log step, and the phases silent (the line that reports what
+    each one found follows it). `total` None: no step bar, only phases (`evaluate`)."""
 
-    def __init__(self, total: int, start: int, enabled: bool = True, stream=None):
+    def __init__(self, total: int | None, start: int = 0, enabled: bool = True, stream=None):
         self.total, self.start, self.enabled = total, start, enabled
         self.stream = stream or sys.stderr
         self.t0 = time.perf_counter()
         self.bar = None
         if enabled and self.stream.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+            from rich.progress import BarColumn, TextColumn
             from rich.progress import Progress as Bar
 
-            self.bar = Bar(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                           console=Console(file=self.stream), auto_refresh=False)
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar = Bar(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                           TextColumn("{task.fields[info]}"), console=Console(file=self.stream), auto_refresh=False)
+            if total is not None:
+                self.task = self.bar.add_task("step", total=total, completed=start, count=f"{start}/{total}", info="")
             self.bar.start()
 
     def update(self, step: int, loss: float, tokens_per_s: float, shown: dict[str, float] | None = None) -> None:
@@ -132,9 +136,37 @@ class Progress:
         figures = "".join(f" | {label} {value:.4f}" for label, value in (shown or {}).items())
         info = f"loss {loss:.4f}{figures} | {tokens_per_s / 1e3:.1f}k tok/s | ETA {_clock(eta)}"
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=info, refresh=True)
+            self.bar.update(self.task, completed=step, count=f"{step}/{self.total}", info=info, refresh=True)
         else:
             print(f"step {step}/{self.total} | {info}", file=self.stream, flush=True)
+
+    @contextlib.contextmanager
+    def phase(self, what: str, total: int | None = None, unit: str = ""):
+        """While inside, on a terminal: a line `what ━━━━╸━━━ 3/16 batches | ETA 0:04` under the
+        step bar, moved one `unit` on by each call of the function it yields (`total` None: a
+        part with no count, such as a compilation: the line says what runs until it ends); elsewhere
+        the function does nothing."""
+        if self.bar is None:
+            yield lambda: None
+            return
+        t0, done = time.perf_counter(), 0
+        counted = lambda: f"{done}/{total} {unit}".rstrip() if total else ""  # noqa: E731
+        task = self.bar.add_task(what, total=total, count=counted(), info="")
+        self.bar.refresh()
+
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            eta = (time.perf_counter() - t0) / done * (total - done) if total else 0.0
+            self.bar.update(task, completed=done, count=counted(), info=f"ETA {_clock(eta)}" if total else "",
+                            refresh=True)
+
+        try:
+            yield advance
+        finally:
+            if self.bar is not None:
+                self.bar.remove_task(task)
+                self.bar.refresh()
 
     def message(self, text: str) -> None:
         """A line above the bar (or a plain line)."""
@@ -147,6 +179,12 @@ class Progress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _clock(seconds: float) -> str:
