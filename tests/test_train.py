@@ -393,7 +393,7 @@ def test_checkpoint_is_not_written_from_nonfinite_parameters(tmp_path):
     ckpt.close()
 
 
-def test_cli_train_evaluate_generate(tmp_path, capsys):
+def test_cli_train_evaluate_generate(tmp_path, capsys, monkeypatch):
     run = _tiny_run(tmp_path, steps=4, eval_every=0, checkpoint_every=0, batch_size=8, eval_batch_size=8)
     overrides = [f"model.{k}={v}" for k, v in TINY_MODEL.items()]
     keys = ("steps", "batch_size", "seq_len", "warmup_steps", "eval_every", "eval_windows", "eval_batch_size",
@@ -405,10 +405,41 @@ def test_cli_train_evaluate_generate(tmp_path, capsys):
     out = captured.out
     assert code == 0, captured.err
     lines = out.splitlines()
-    assert any(line.startswith("val_loss: ") for line in lines)
+    val_loss = next(line for line in lines if line.startswith("val_loss: "))
     assert any(line.startswith("tokens_per_s: ") for line in lines)
-    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--max-windows", "8"]) == 0
-    assert "bits_per_byte: " in capsys.readouterr().out
+    # with no flags, evaluate scores the windows of the run's final evaluation (8 of the split's 134), says so
+    # first, and its loss is the run's val_loss
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("scored: 8 windows of 16 tokens spread evenly over the 134 of the val split; the windows of the "
+                        "run's final evaluation (train.final_eval_windows=8): at its last step, loss is its val_loss")
+    assert next(line for line in lines if line.startswith("loss: ")) == val_loss.replace("val_", "")
+    assert "bits_per_byte: " in lines[-1]
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--max-windows", "all"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("scored: all 134 windows of 16 tokens of the val split, end to end; the run's final evaluation "
+                        "scored 8 windows of 16 tokens of the val split (train.final_eval_windows=8, "
+                        "train.seq_len=16): with no --max-windows, --seq-len, --split or --data, evaluate scores those")
+    assert next(line for line in lines if line.startswith("loss: ")) != val_loss.replace("val_", "")
+    # the default batch (the run's train.eval_batch_size, 8) lowered to what fits, said so; the same windows
+    import modern_jax.accounting as accounting
+
+    fits = accounting.check_fits
+
+    def two_fit(program, compile_at, sizes, **kw):  # a device with room for 2 windows a batch
+        if sizes["batch_size"] > 2:
+            raise accounting.DoesNotFit(program, 8, 2, "one device", sizes, "batch_size", 2)
+        return fits(program, compile_at, sizes, **kw)
+
+    monkeypatch.setattr(accounting, "check_fits", two_fit)
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    assert "batches of 2 windows, the most that fit (the default, 8, does not)" in captured.err
+    assert next(line for line in captured.out.splitlines() if line.startswith("loss: ")) == \
+        val_loss.replace("val_", "")
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--batch-size", "8"]) == 2  # asked for: refused
+    assert "lower --batch-size (at most about 2 fit)" in capsys.readouterr().err
+    monkeypatch.undo()
     assert main(["evaluate", "--checkpoint", str(tmp_path / "run/checkpoints/4"), "--data",
                  str(tmp_path / "corpus.txt"), "--max-windows", "4"]) == 0
     assert "loss: " in capsys.readouterr().out
