@@ -1,6 +1,6 @@
 """Run outputs: `metrics.jsonl` (one JSON object per line), TensorBoard events (tensorboardX,
 under `tensorboard/`), Weights & Biases when `train.wandb_project` is set, the progress bar
-(rich) and the labelled loss plot (matplotlib)."""
+(rich) and the labelled loss plot (matplotlib); `Shown`, what an objective shows on the last two."""
 
 from __future__ import annotations
 
