@@ -595,7 +595,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                 record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message)
                 if metrics_log is not None:
                     metrics_log.write(step, "train", record)
-                progress.update(step, record["loss"], rate, s.trainer.shown.values(record))
+                progress.update(step, record["loss"], rate, s.trainer.shown.line(record))
                 pending.clear()
                 if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
                     raise TrainingDiverged(

@@ -126,14 +126,13 @@ class Progress:
                 self.task = self.bar.add_task("step", total=total, completed=start, count=f"{start}/{total}", info="")
             self.bar.start()
 
-    def update(self, step: int, loss: float, tokens_per_s: float, shown: dict[str, float] | None = None) -> None:
-        """The step bar at `step`, with the loss and `shown` (`Shown.values`: the objective's own figures)."""
+    def update(self, step: int, loss: float, tokens_per_s: float, figures: str = "") -> None:
+        """The step bar at `step`, with the loss and `figures`, the objective's own (`Shown.line`)."""
         if not self.enabled:
             return
         done = (step - self.start) / max(self.total - self.start, 1)
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / done * (1 - done) if done > 0 else 0.0
-        figures = "".join(f" | {label} {value:.4f}" for label, value in (shown or {}).items())
         info = f"loss {loss:.4f}{figures} | {tokens_per_s / 1e3:.1f}k tok/s | ETA {_clock(eta)}"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, count=f"{step}/{self.total}", info=info, refresh=True)
