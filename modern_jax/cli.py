@@ -2,7 +2,7 @@
 
     modern-jax train [--config configs/tiny.yaml] [--data PATH] [train.steps=500 model.n_layers=2 ...]
     modern-jax train --init-from-hf HF_DIR --data chats.jsonl [--config configs/finetune_chat.yaml] [...]
-    modern-jax evaluate --checkpoint runs/tiny [--split val | --data FILE]
+    modern-jax evaluate --checkpoint runs/tiny [--split val | --data FILE] [--max-windows N|all]
     modern-jax generate --checkpoint runs/tiny --prompt "def " [--temperature 0.8 --top-k 50 --top-p 0.95]
     modern-jax info --config configs/llama3_8b.yaml [model.n_layers=4 ...] [--context 8192]
     modern-jax info --hf-config path/to/config.json
@@ -150,8 +150,8 @@ def cmd_train(args) -> int:
     print(f"steps: {result.step}")
     print(f"wall_s: {result.wall_s:.1f}")
     print(f"compile_s: {result.compile_s:.1f}")
-    if result.val_bpb is not None:  # a DPO run's validation is pairs: its loss is DPO's
-        print(f"val_bpb: {result.val_bpb:.4f}")
+    for label, value in result.val_shown.items():  # the objective's own figures (bits per byte, DPO's margin)
+        print(f"val_{label}: {value:.4f}")
     print(f"val_loss: {result.val_loss:.4f}")
     print(f"tokens_per_s: {result.tokens_per_s:.0f}")
     return 0
@@ -239,14 +239,42 @@ def _warnings_as_notes(quiet: bool = False):
         yield
 
 
+def _final_evaluation(raw: dict) -> tuple[int | None, int | None] | None:
+    """`(train.final_eval_windows, train.seq_len)` of the run whose config is `raw`: the windows its
+    final evaluation scored on its val split (None: all); None for a checkpoint without a run's
+    `train:` section (a converted one)."""
+    train = raw.get("train")
+    if not isinstance(train, dict) or "final_eval_windows" not in train:
+        return None
+    return train["final_eval_windows"], train.get("seq_len")
+
+
+def _scored(windows: int, total: int, seq_len: int, what: str) -> str:
+    """`1,024 windows of 128 tokens spread evenly over the 10,242 of the val split`, or all of them."""
+    if windows == total:
+        return f"all {_windows(total, seq_len)} of {what}, end to end"
+    return f"{_windows(windows, seq_len)} spread evenly over the {total:,} of {what}"
+
+
+def _max_windows(text: str | None) -> int | str | None:
+    """`--max-windows`: a positive count, `all`, or None (not given)."""
+    if text is None or text == "all":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--max-windows {text} is invalid: expected a positive integer or all")
+    return int(text)
+
+
 def cmd_evaluate(args) -> int:
-    _check_flags(args, _positive("--seq-len"), _positive("--batch-size"), _positive("--max-windows"))
+    _check_flags(args, _positive("--seq-len"), _positive("--batch-size"))
+    args.max_windows = _max_windows(args.max_windows)
     import jax
 
     from modern_jax.accounting import DoesNotFit, check_fits
     from modern_jax.data.pipeline import eval_batches, eval_windows
     from modern_jax.sharding.mesh import make_mesh
     from modern_jax.training import TrainConfig, Trainer, evaluate_batches
+    from modern_jax.training.metrics import Progress
     from modern_jax.convert.checkpoint import load_model_params
     from modern_jax.lora import LoRAConfig
 
@@ -254,34 +282,70 @@ def cmd_evaluate(args) -> int:
     note = _note if main else (lambda *_: None)
     cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=note)
     seq_len = _eval_seq_len(args, cfg, raw)
-    tokenizer, stream = _checkpoint_data(args, raw, run_dir, cfg)
-    what = f"--data {args.data}" if args.data else f"the {args.split} split"
-    windows = len(eval_windows(stream, seq_len))
-    if args.max_windows is not None and args.max_windows > windows:
-        note(f"--max-windows {args.max_windows}: {what} has {_windows(windows, seq_len)}; evaluating all of them")
-    windows = min(windows, args.max_windows or windows)
-    batch_size = min(args.batch_size or DEFAULT_EVAL_BATCH, windows)
-    if args.batch_size is not None and args.batch_size > windows:
-        note(f"--batch-size {args.batch_size}: {what} gives {_windows(windows, seq_len)}; one batch of {windows:,}")
-    tc = TrainConfig(seq_len=seq_len, eval_batch_size=batch_size, warmup_steps=0)
-    # one device; in a launch of several processes every device, each process feeding its rows
-    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None),
-                      lora=LoRAConfig.of_run(raw))
-    token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
+    final = _final_evaluation(raw)
+    same_split = final is not None and not args.data and args.split == "val" and seq_len == final[1]
+    with Progress(None, enabled=main) as progress:
+        with progress.phase("reading and tokenizing the data"):
+            tokenizer, stream = _checkpoint_data(args, raw, run_dir, cfg)
+        what = f"--data {args.data}" if args.data else f"the {args.split} split"
+        total = len(eval_windows(stream, seq_len))
+        # by default the windows of the run's final evaluation where they are the same split and length
+        asked = args.max_windows if args.max_windows is not None else final[0] if same_split else "all"
+        asked = None if asked == "all" else asked
+        if args.max_windows not in (None, "all") and args.max_windows > total:
+            note(f"--max-windows {args.max_windows}: {what} has {_windows(total, seq_len)}; evaluating all of them")
+        windows = min(total, asked or total)
+        if final is None:
+            relation = "the checkpoint has no run config, so no final evaluation of a run to compare"
+        else:
+            setting = f"train.final_eval_windows={'null' if final[0] is None else final[0]}"
+            if same_split and asked == final[0]:
+                relation = f"the windows of the run's final evaluation ({setting}): at its last step, loss is " \
+                           f"its val_loss"
+            else:
+                count = "every window" if final[0] is None else _windows(final[0], final[1])
+                relation = (f"the run's final evaluation scored {count} of the val split ({setting}, "
+                            f"train.seq_len={final[1]}): with no --max-windows, --seq-len, --split or --data, "
+                            f"evaluate scores those")
+        scored = f"scored: {_scored(windows, total, seq_len, what)}; {relation}"
+        run_batch = (raw.get("train") or {}).get("eval_batch_size") if final else None
+        batch_size = min(args.batch_size or run_batch or DEFAULT_EVAL_BATCH, windows)
+        if args.batch_size is not None and args.batch_size > windows:
+            note(f"--batch-size {args.batch_size}: {what} gives {_windows(windows, seq_len)}; one batch of "
+                 f"{windows:,}")
+        tc = TrainConfig(seq_len=seq_len, eval_batch_size=batch_size, warmup_steps=0)
+        # one device; in a launch of several processes every device, each process feeding its rows
+        trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None),
+                          lora=LoRAConfig.of_run(raw))
+        token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
 
-    def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
-        return trainer.eval_executable(params, trainer.abstract_batch((batch_size, seq_len)), token_bytes)
+        def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
+            return trainer.eval_executable(params, trainer.abstract_batch((batch_size, seq_len)), token_bytes)
 
-    try:
-        check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
-                   lower=("batch_size",), otherwise="seq_len")
-    except DoesNotFit as e:
-        raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
-    rows, _ = trainer.local_slices(batch_size)
-    batches = eval_batches(stream, seq_len=seq_len, batch_size=batch_size, max_windows=args.max_windows, rows=rows)
-    values = evaluate_batches(trainer, params, batches, token_bytes, rows=batch_size)
+        def fits(batch_size: int) -> None:
+            check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
+                       lower=("batch_size",), otherwise="seq_len")
+
+        with progress.phase("compiling the evaluation step"):
+            try:
+                fits(batch_size)
+            except DoesNotFit as e:
+                if args.batch_size is not None or e.lower != "batch_size" or not e.fits:  # asked for: refused
+                    raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
+                note(f"batches of {e.fits:,} windows, the most that fit (the default, {batch_size:,}, does not); "
+                     f"the loss is the same but for rounding")
+                batch_size = e.fits
+                try:
+                    fits(batch_size)
+                except DoesNotFit as e:
+                    raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
+        rows, _ = trainer.local_slices(batch_size)
+        batches = eval_batches(stream, seq_len=seq_len, batch_size=batch_size, max_windows=asked, rows=rows)
+        with progress.phase("evaluating", len(batches), "batches") as advance:
+            values = evaluate_batches(trainer, params, batches, token_bytes, rows=batch_size, advance=advance)
     if not main:
         return 0
+    print(scored)
     print(f"split: {'file ' + args.data if args.data else args.split}")
     print(f"tokens: {values['tokens']}")
     print(f"loss: {values['loss']:.4f}")
@@ -306,6 +370,7 @@ def cmd_generate(args) -> int:
     from modern_jax.convert.checkpoint import load_model_params
     from modern_jax.lora import LoRAConfig
     from modern_jax.model import abstract_params
+    from modern_jax.training.metrics import Progress
 
     import jax
 
@@ -318,7 +383,8 @@ def cmd_generate(args) -> int:
     graphdef, _ = abstract_params(cfg, LoRAConfig.of_run(raw))
     temperature = 0.0 if args.greedy else args.temperature
     try:
-        with _warnings_as_notes():
+        with _warnings_as_notes(), Progress(None, enabled=jax.process_index() == 0) as progress, \
+                progress.phase(f"sampling {args.num_samples} x {args.max_new_tokens} tokens"):
             texts = sample_texts(graphdef, params, tokenizer, args.prompt, n=args.num_samples,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=temperature,
                                  top_k=args.top_k, top_p=args.top_p)
@@ -526,8 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "run reads its data (data.format, fields, chat template)")
     ev.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
     ev.add_argument("--batch-size", type=int,
-                    help=f"windows per batch (default: {DEFAULT_EVAL_BATCH}, or all the windows if fewer)")
-    ev.add_argument("--max-windows", type=int, help="evaluate this many windows spread over the split")
+                    help=f"windows per batch (default: the run's train.eval_batch_size, else {DEFAULT_EVAL_BATCH}; "
+                         f"all the windows if fewer)")
+    ev.add_argument("--max-windows", metavar="N|all",
+                    help="score N windows spread evenly over the split, or all of them (default: the windows of "
+                         "the run's final evaluation, train.final_eval_windows, on its val split; else all)")
     ev.set_defaults(func=cmd_evaluate)
 
     ge = sub.add_parser("generate", help="sample text from a checkpoint with the KV cache")

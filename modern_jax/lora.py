@@ -3,7 +3,7 @@
     lora:
       rank: 8               # r: each adapted projection W gains B A, A [in, r], B [r, out]
       alpha: 16             # the update is scaled by alpha / r (PEFT's lora_alpha)
-      dropout: 0.0          # on the adapter's input (PEFT's lora_dropout); not on experts
+      dropout: 0.0          # on the adapter's input (PEFT's lora_dropout); experts and routers have none
       targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]
       quantize: none        # the frozen base's projections: none | int8 | nf4
       save_base: true       # false: checkpoints hold the adapters (and their optimiser state) only
@@ -13,9 +13,12 @@ has no optimiser state. `targets` name projections as PEFT's `target_modules` do
 matches a projection whose name inside a block ends with it at a dot (`q_proj` matches
 `self_attn.q_proj`; `experts.gate_proj` only a mixture's experts, `mlp.gate_proj` only a
 dense FFN's), or is `all-linear` (every projection in the blocks, routers included). The
-output head and the embeddings are never adapted. `quantize` stores every projection in the
-blocks (adapted or not) quantized and dequantizes it in the compute dtype as it runs
-(`ops.quant`): int8 blockwise, or NF4 with double quantization as QLoRA defines it.
+output head and the embeddings are never adapted. `dropout` drops out each adapted projection's
+input, as PEFT's `lora_dropout` does; a mixture's experts and routers take none, their adapters
+being added to their weights (`model.undropped` names them, the run says so), and a target naming
+one of them by its path (`experts.gate_proj`) with a dropout is refused. `quantize` stores every
+projection in the blocks (adapted or not) quantized and dequantizes it in the compute dtype as it
+runs (`ops.quant`): int8 blockwise, or NF4 with double quantization as QLoRA defines it.
 With `save_base: false` a run's checkpoints leave the frozen base out: it is read again from
 where the run started (`--init-from-hf`, recorded in the run's `base.json`) to resume,
 evaluate, sample or convert.

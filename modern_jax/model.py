@@ -31,6 +31,7 @@ jitted function in `jax.experimental.checkify` inside `checked()` (or with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -427,17 +428,33 @@ def adapt(model: Transformer, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
     for salt, (name, module, _, _) in enumerate(projections(model)):
         router = isinstance(module, Proj) and name.endswith("router.proj")
         if lora.matches(name):
-            if lora.dropout and (isinstance(module, MERGED_SITES) or router):
-                raise ValueError(f"lora.dropout={lora.dropout} cannot apply to {name}: its adapter is added to the "
-                                 f"weight itself (as PEFT does for experts), which has no input of its own to drop "
-                                 f"out: set lora.dropout=0, or leave it out of lora.targets")
-            module.adapter = LoRA(module.kernel, module.in_dims, module.out_dims, lora, salt, rngs)
+            merged_site = isinstance(module, MERGED_SITES) or router
+            # its adapter is added to the weight: no input of its own to drop out. A target that names it by
+            # its path asked for that dropout, and is refused; a name every family shares, or all-linear, gives
+            # the dropout to the projections it can reach (`undropped` names the others)
+            named = [t for t in lora.targets if "." in t and LoRAConfig(targets=(t,)).matches(name)]
+            if lora.dropout and merged_site and named:
+                raise ValueError(f"lora.dropout={lora.dropout} cannot apply to {name} (lora.targets names it: "
+                                 f"{named[0]!r}): its adapter is added to the weight itself (as PEFT does for "
+                                 f"experts), which has no input of its own to drop out: set lora.dropout=0, or leave "
+                                 f"it out of lora.targets")
+            module.adapter = LoRA(module.kernel, module.in_dims, module.out_dims,
+                                  dataclasses.replace(lora, dropout=0.0) if merged_site else lora, salt, rngs)
         if lora.quantize != "none" and not router:
             out = math.prod(module.kernel.shape[module.kernel.ndim - module.out_dims:])
             if out % quant.BLOCK:
                 raise ValueError(f"lora.quantize={lora.quantize!r} quantizes each projection's outputs in blocks of "
                                  f"{quant.BLOCK}, and {name} has {out}: use lora.quantize=none for this model")
             module.kernel = Quantized(module.kernel, module.out_dims, lora.quantize)
+
+
+def undropped(model: Transformer) -> list[str]:
+    """The adapted projections that a LoRA model's `lora.dropout` does not reach: a mixture's experts
+    and routers, whose adapters are added to their weights (`adapt`)."""
+    if model.lora is None or not model.lora.dropout:
+        return []
+    return sorted({name for name, module, _, _ in projections(model)
+                   if module.adapter is not None and not module.adapter.dropout})
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -169,3 +170,42 @@ def test_lora_dpo_on_a_mesh_equals_one_device():
     from common import assert_leaves_match
 
     assert_leaves_match(flat(got), flat(want), rtol=1e-4)
+
+
+def test_a_dpo_run_shows_its_margin_and_accuracy_and_plots_its_rewards(tmp_path, monkeypatch, capsys):
+    """The console's step and validation lines carry DPO's margin and accuracy beside its loss, the
+    run ends with them, and loss.png labels its loss per pair with a panel of the rewards and one of
+    the accuracy (the objective's `Shown`: the loop and the plot never ask which objective runs)."""
+    from modern_jax.convert import finetune_run
+    from modern_jax.training import load_run_config, loop, train
+    from modern_jax.training.metrics import read_metrics
+
+    chat = pathlib.Path(__file__).parent / "fixtures" / "hf_chat"
+    run = load_run_config(pathlib.Path(__file__).parent.parent / "configs" / "dpo.yaml", [
+        f"train.output_dir={tmp_path / 'dpo'}", f"data.path={chat / 'preferences.jsonl'}", "train.steps=3",
+        "train.seq_len=32", "train.lr=5e-3", "train.warmup_steps=0", "train.log_every=1", "train.eval_every=2",
+        "train.tensorboard=false"])
+    run, init = finetune_run(run, chat)
+    figures = []
+    plot = loop.plot_losses
+    monkeypatch.setattr(loop, "plot_losses", lambda *a, **k: figures.append(plot(*a, **k)))
+    result = train(run, init=init, log=lambda *_: None)
+    lines = capsys.readouterr().err.splitlines()  # not a terminal: the step bar's plain lines
+    steps = [line for line in lines if line.startswith("step ") and "/3 |" in line]
+    assert len(steps) == 3 and all(re.match(r"step \d/3 \| loss \d\.\d{4} \| margin -?\d\.\d{4} \| accuracy "
+                                            r"\d\.\d{4} \| ", line) for line in steps), steps
+    assert any(re.fullmatch(r"step 2: val_loss \d\.\d{4} \| val_margin -?\d\.\d{4} \| val_accuracy \d\.\d{4}", line)
+               for line in lines), lines
+    assert list(result.val_shown) == ["margin", "accuracy"]
+
+    records = read_metrics(tmp_path / "dpo" / "metrics.jsonl")
+    loss_ax, rewards_ax, accuracy_ax = figures[0].axes
+    assert (loss_ax.get_ylabel(), loss_ax.get_title()) == ("DPO loss (nats / pair)", str(tmp_path / "dpo"))
+    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == ["train", "validation"]
+    assert rewards_ax.get_ylabel() == "reward: beta x log(policy / reference)"
+    assert [t.get_text() for t in rewards_ax.get_legend().get_texts()] == [
+        "chosen", "chosen (validation)", "rejected", "rejected (validation)", "margin", "margin (validation)"]
+    train_margins = [r["rewards/margins"] for r in records if r["split"] == "train"]
+    np.testing.assert_allclose(rewards_ax.lines[4].get_ydata(), train_margins)
+    assert accuracy_ax.get_ylabel() == "accuracy: pairs with chosen > rejected"
+    assert accuracy_ax.get_xlabel() == "step"  # the panels share it

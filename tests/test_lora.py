@@ -20,6 +20,7 @@ from flax.nnx import traversals
 from safetensors.numpy import load_file
 
 from modern_jax.config import ModelConfig
+from modern_jax.configfile import load_config_file
 from modern_jax.convert import from_hf
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config, write_peft
 from modern_jax.lora import LoRAConfig
@@ -249,3 +250,35 @@ def test_expert_adapters_round_trip_through_peft_names_one_per_expert(tmp_path):
     back = flat(read_peft(tmp_path, model, "qwen3_moe"))
     for k, v in back.items():
         np.testing.assert_array_equal(v, flat(nnx.state(model, nnx.Param))[k], err_msg=str(k))
+
+
+PRESETS = [p for p in sorted((REPO / "configs").glob("*.yaml"))
+           if "vocab_size" in (load_config_file(p).get("model") or {})]  # the model configs (not run files)
+
+
+@pytest.mark.parametrize("run_file", ["finetune_lora.yaml", "finetune_qlora.yaml"])
+def test_the_shipped_lora_run_files_adapt_every_preset(run_file):
+    """The shipped LoRA and QLoRA run files build on every model preset (dense with gated or GELU
+    FFNs, MLA, mixtures of experts with shared experts and routers), abstractly: every projection
+    in the blocks gains an adapter; lora.dropout reaches each one with an input of its own, and the
+    experts' and routers' (added to their weights) are named by `undropped`, which the run logs."""
+    from modern_jax.config import model_config_from_file
+    from modern_jax.model import MERGED_SITES, abstract_model, projections, undropped
+
+    lora = LoRAConfig.of_run(load_config_file(REPO / "configs" / run_file))
+    assert lora.dropout > 0
+    kinds = set()
+    for path in PRESETS:
+        auto_vocab = load_config_file(path)["model"]["vocab_size"] == "auto"
+        cfg = model_config_from_file(path, ["model.vocab_size=256"] if auto_vocab else [])
+        model = abstract_model(cfg, lora)
+        sites = {name: module for name, module, _, _ in projections(model)}
+        assert all(module.adapter is not None for module in sites.values()), path.name
+        merged_sites = {name for name, module in sites.items()
+                        if isinstance(module, MERGED_SITES) or name.endswith("router.proj")}
+        assert undropped(model) == sorted(merged_sites), path.name
+        assert all(module.adapter.dropout == lora.dropout for name, module in sites.items()
+                   if name not in merged_sites), path.name
+        kinds.add(("moe" if merged_sites else "dense", "mla" if "self_attn.q_a_proj" in sites else
+                   "gated" if "mlp.gate_proj" in sites else "plain"))
+    assert {k for k, _ in kinds} == {"moe", "dense"} and {k for _, k in kinds} == {"mla", "gated", "plain"}

@@ -1,9 +1,11 @@
 """Training: the loss against a naive reference, overfitting, exact resume, a hard kill while
 saving, the non-finite guard, and the CLI's errors."""
 
+import io
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -391,7 +393,7 @@ def test_checkpoint_is_not_written_from_nonfinite_parameters(tmp_path):
     ckpt.close()
 
 
-def test_cli_train_evaluate_generate(tmp_path, capsys):
+def test_cli_train_evaluate_generate(tmp_path, capsys, monkeypatch):
     run = _tiny_run(tmp_path, steps=4, eval_every=0, checkpoint_every=0, batch_size=8, eval_batch_size=8)
     overrides = [f"model.{k}={v}" for k, v in TINY_MODEL.items()]
     keys = ("steps", "batch_size", "seq_len", "warmup_steps", "eval_every", "eval_windows", "eval_batch_size",
@@ -403,10 +405,41 @@ def test_cli_train_evaluate_generate(tmp_path, capsys):
     out = captured.out
     assert code == 0, captured.err
     lines = out.splitlines()
-    assert any(line.startswith("val_loss: ") for line in lines)
+    val_loss = next(line for line in lines if line.startswith("val_loss: "))
     assert any(line.startswith("tokens_per_s: ") for line in lines)
-    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--max-windows", "8"]) == 0
-    assert "bits_per_byte: " in capsys.readouterr().out
+    # with no flags, evaluate scores the windows of the run's final evaluation (8 of the split's 134), says so
+    # first, and its loss is the run's val_loss
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("scored: 8 windows of 16 tokens spread evenly over the 134 of the val split; the windows of the "
+                        "run's final evaluation (train.final_eval_windows=8): at its last step, loss is its val_loss")
+    assert next(line for line in lines if line.startswith("loss: ")) == val_loss.replace("val_", "")
+    assert "bits_per_byte: " in lines[-1]
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--max-windows", "all"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("scored: all 134 windows of 16 tokens of the val split, end to end; the run's final evaluation "
+                        "scored 8 windows of 16 tokens of the val split (train.final_eval_windows=8, "
+                        "train.seq_len=16): with no --max-windows, --seq-len, --split or --data, evaluate scores those")
+    assert next(line for line in lines if line.startswith("loss: ")) != val_loss.replace("val_", "")
+    # the default batch (the run's train.eval_batch_size, 8) lowered to what fits, said so; the same windows
+    import modern_jax.accounting as accounting
+
+    fits = accounting.check_fits
+
+    def two_fit(program, compile_at, sizes, **kw):  # a device with room for 2 windows a batch
+        if sizes["batch_size"] > 2:
+            raise accounting.DoesNotFit(program, 8, 2, "one device", sizes, "batch_size", 2)
+        return fits(program, compile_at, sizes, **kw)
+
+    monkeypatch.setattr(accounting, "check_fits", two_fit)
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    assert "batches of 2 windows, the most that fit (the default, 8, does not)" in captured.err
+    assert next(line for line in captured.out.splitlines() if line.startswith("loss: ")) == \
+        val_loss.replace("val_", "")
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--batch-size", "8"]) == 2  # asked for: refused
+    assert "lower --batch-size (at most about 2 fit)" in capsys.readouterr().err
+    monkeypatch.undo()
     assert main(["evaluate", "--checkpoint", str(tmp_path / "run/checkpoints/4"), "--data",
                  str(tmp_path / "corpus.txt"), "--max-windows", "4"]) == 0
     assert "loss: " in capsys.readouterr().out
@@ -509,6 +542,7 @@ class _FakeWandb:
 
 
 def test_a_default_run_writes_tensorboard_events_wandb_and_a_labelled_plot(tmp_path, monkeypatch):
+    from modern_jax.training.loss import NEXT_TOKEN_SHOWN
     from modern_jax.training.metrics import loss_figure, read_metrics
 
     wandb = _FakeWandb()
@@ -534,7 +568,7 @@ def test_a_default_run_writes_tensorboard_events_wandb_and_a_labelled_plot(tmp_p
 
     png = (out / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"matplotlib" in png[:4096]
-    ax = loss_figure(records, "runs/x").axes[0]
+    ax = loss_figure(records, NEXT_TOKEN_SHOWN, "runs/x").axes[0]
     assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("step", "loss (nats / token)", "runs/x")
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train", "validation"]
     np.testing.assert_allclose(ax.lines[0].get_ydata(), [train_losses[s] for s in range(1, 9)])
@@ -553,8 +587,6 @@ def test_wandb_project_without_wandb_installed_is_refused(monkeypatch):
 
 
 def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere():
-    import io
-
     from modern_jax.training.metrics import Progress
 
     plain = io.StringIO()
@@ -565,10 +597,6 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere():
     lines = plain.getvalue().splitlines()
     assert lines[0].startswith("step 5/10 | loss 1.2346 | 2.0k tok/s | ETA 0:0") and lines[1] == "step 5: val_loss 1.5"
     assert "\x1b" not in plain.getvalue() and "\r" not in plain.getvalue()
-
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
 
     screen = Terminal()
     progress = Progress(total=10, start=0, stream=screen)
@@ -582,3 +610,48 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere():
     silent = io.StringIO()
     Progress(total=10, start=0, enabled=False, stream=silent).update(5, 1.0, 1.0)
     assert silent.getvalue() == ""
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal: rich draws its bars into it."""
+
+    def isatty(self):
+        return True
+
+
+def _screen_lines(text: str) -> list[str]:
+    """What a terminal showed, line by line, without rich's cursor and colour sequences."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "\n").splitlines()
+
+
+def test_the_long_parts_of_a_run_and_of_evaluate_show_progress_on_a_terminal(tmp_path, monkeypatch, capsys):
+    """On a terminal the data, the compilation, each evaluation and the samples show a line under the
+    step bar while they run; an evaluation of N batches moves its bar N times (periodic: 8 windows in 2
+    batches, final: 12 in 3), and so does `evaluate`'s. Elsewhere the phases print nothing."""
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    run = _tiny_run(tmp_path, progress=True, final_eval_windows=12)
+    train(run, mesh=one_device(), log=lambda *_: None)
+    lines = _screen_lines(screen.getvalue())
+    for what in ("reading and tokenizing the data", "compiling the training and evaluation steps",
+                 "sampling 1 x 8 tokens"):
+        assert any(line.startswith(what) for line in lines), what
+    for what, n in (("validation", 2), ("final validation", 3)):
+        for k in range(1, n + 1):
+            assert any(re.match(rf"{what} .* {k}/{n} batches", line) for line in lines), (what, k, lines)
+    assert any(re.match(r"step .* 8/8 +loss ", line) for line in lines)
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--max-windows", "12", "--batch-size", "4"]) == 0
+    lines = _screen_lines(screen.getvalue())
+    assert any(line.startswith("compiling the evaluation step") for line in lines)
+    assert all(any(re.match(rf"evaluating .* {k}/3 batches", line) for line in lines) for k in (1, 2, 3)), lines
+
+    plain = io.StringIO()
+    from modern_jax.training.metrics import Progress
+
+    with Progress(10, stream=plain) as progress, progress.phase("validation", 3, "batches") as advance:
+        for _ in range(3):
+            advance()
+    assert plain.getvalue() == ""

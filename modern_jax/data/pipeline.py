@@ -114,8 +114,21 @@ def eval_windows(stream: TokenStream, seq_len: int, max_windows: int | None = No
     return starts
 
 
+class Batches:
+    """Batches made as they are read, their number known before (a progress bar's total)."""
+
+    def __init__(self, count: int, batches):
+        self.count, self._batches = count, batches
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        return iter(self._batches)
+
+
 def eval_batches(stream: TokenStream, *, seq_len: int, batch_size: int, max_windows: int | None = None,
-                 rows: slice | None = None):
+                 rows: slice | None = None) -> Batches:
     """Batches `[1, R, T]` of evaluation windows (this process's `rows` of each); the last is
     filled up with padding rows."""
     starts = eval_windows(stream, seq_len, max_windows)
@@ -123,6 +136,10 @@ def eval_batches(stream: TokenStream, *, seq_len: int, batch_size: int, max_wind
     padded = np.full(n_batches * batch_size, len(stream), np.int64)  # a start past the end: all padding
     padded[: len(starts)] = starts
     rows = slice(None) if rows is None else rows
-    for b in range(n_batches):
-        batch = pack_windows(stream, padded[b * batch_size : (b + 1) * batch_size][rows], seq_len)
-        yield {k: v[None] for k, v in batch.items()}
+
+    def make():
+        for b in range(n_batches):
+            batch = pack_windows(stream, padded[b * batch_size : (b + 1) * batch_size][rows], seq_len)
+            yield {k: v[None] for k, v in batch.items()}
+
+    return Batches(n_batches, make())

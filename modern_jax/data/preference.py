@@ -63,7 +63,7 @@ import numpy as np
 from modern_jax.data import chat, records
 from modern_jax.data.config import RECORD_SOURCES, DataConfig
 from modern_jax.data.corpora import chat_template, split_documents
-from modern_jax.data.pipeline import UNBOUNDED
+from modern_jax.data.pipeline import UNBOUNDED, Batches
 from modern_jax.data.tokenizers import Tokenizer
 
 PROMPT, CHOSEN, REJECTED = "prompt", "chosen", "rejected"  # TRL's column names
@@ -206,7 +206,7 @@ def pair_iterator(pairs: PreferencePairs, *, batch_size: int, grad_accum: int = 
 
 
 def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int | None = None,
-                      rows: slice | None = None):
+                      rows: slice | None = None) -> Batches:
     """Batches `[1, R, T]` of the pairs in order (`max_pairs` of them spread evenly); the last is
     filled up with empty pairs (no completion token: `loss.preference_sums` counts them out)."""
     chosen = np.arange(len(pairs))
@@ -214,12 +214,16 @@ def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int
         chosen = chosen[np.linspace(0, len(chosen) - 1, max_pairs).round().astype(np.int64)]
     n = batch_size // 2
     rows = slice(None) if rows is None else rows
-    for b in range(-(-len(chosen) // n)):
-        indices = chosen[b * n:(b + 1) * n]
-        batch = batch_of(pairs, indices)
-        pad = 2 * n - len(batch["inputs"])
-        batch = {k: np.concatenate([v, np.zeros((pad, v.shape[1]), v.dtype)]) for k, v in batch.items()}
-        yield {k: v[rows][None] for k, v in batch.items()}
+
+    def make():
+        for b in range(-(-len(chosen) // n)):
+            indices = chosen[b * n:(b + 1) * n]
+            batch = batch_of(pairs, indices)
+            pad = 2 * n - len(batch["inputs"])
+            batch = {k: np.concatenate([v, np.zeros((pad, v.shape[1]), v.dtype)]) for k, v in batch.items()}
+            yield {k: v[rows][None] for k, v in batch.items()}
+
+    return Batches(-(-len(chosen) // n), make())
 
 
 # ----- records -------------------------------------------------------------------

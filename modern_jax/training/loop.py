@@ -51,6 +51,7 @@ from modern_jax.data.corpora import build_tokenizer, load_splits
 from modern_jax.data.pipeline import eval_batches, eval_windows, train_iterator
 from modern_jax.data.preference import pair_eval_batches, pair_iterator, read_pairs, split_pairs
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
+from modern_jax.model import abstract_model, undropped
 from modern_jax.parallel import distributed
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer
@@ -83,6 +84,7 @@ class TrainResult:
     history: list[dict]  # one dict of host floats per step run in this call
     val_loss: float | None = None
     val_bpb: float | None = None
+    val_shown: dict = dataclasses.field(default_factory=dict)  # the objective's own figures of it (`Shown.values`)
     tokens_per_s: float = 0.0
     wall_s: float = 0.0  # the loop, evaluation included, compilation excluded
     compile_s: float = 0.0
@@ -137,30 +139,43 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
-def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int | None = None) -> dict:
-    """Loss (nats / token), bits per byte and token count over `batches` (one host fetch); `rows`:
-    the global rows of a batch whose local share each process passes (None: one process)."""
-    totals = None
+def _sums(step, batches, advance) -> dict:
+    """The sums of `step(batch)` over `batches`, fetched to the host at once; with `advance`, called
+    as each batch's are computed (the next batch is made and sent while the device computes one)."""
+    totals, computing = None, None
     for batch in batches:
-        sums = trainer.eval_step(params, trainer.put_batch(batch, rows), token_bytes)
+        sums = step(batch)
         totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+        if advance is not None:
+            if computing is not None:
+                jax.block_until_ready(computing)
+                advance()
+            computing = totals
     if totals is None:
         raise ValueError("nothing to evaluate: the split is empty")
     totals = jax.device_get(totals)
+    if advance is not None:
+        advance()
+    return totals
+
+
+def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int | None = None,
+                     advance: Callable[[], None] | None = None) -> dict:
+    """Loss (nats / token), bits per byte and token count over `batches` (one host fetch); `rows`:
+    the global rows of a batch whose local share each process passes (None: one process);
+    `advance`: called once a batch (a progress bar's)."""
+    totals = _sums(lambda batch: trainer.eval_step(params, trainer.put_batch(batch, rows), token_bytes), batches,
+                   advance)
     ce, weight, n_bytes = float(totals["ce"]), float(totals["weight"]), float(totals["bytes"])
     return {"loss": ce / max(weight, 1.0), "bpb": ce / math.log(2) / max(n_bytes, 1.0), "tokens": int(weight)}
 
 
-def evaluate_pairs(trainer: Trainer, state: dict, batches, rows: int | None = None) -> dict:
+def evaluate_pairs(trainer: Trainer, state: dict, batches, rows: int | None = None,
+                   advance: Callable[[], None] | None = None) -> dict:
     """DPO's loss and TRL's metrics (means over the pairs) over `batches` of pairs (one host fetch)."""
-    totals = None
     reference = state.get("reference", state["params"])
-    for batch in batches:
-        sums = trainer.preference_eval_step(state["params"], trainer.put_batch(batch, rows), reference)
-        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
-    if totals is None:
-        raise ValueError("nothing to evaluate: the split is empty")
-    totals = jax.device_get(totals)
+    totals = _sums(lambda batch: trainer.preference_eval_step(state["params"], trainer.put_batch(batch, rows),
+                                                              reference), batches, advance)
     pairs = max(float(totals["pairs"]), 1.0)
     return {"loss": float(totals["dpo_loss"]) / pairs, **{k: float(totals[k]) / pairs for k in PREFERENCE_METRICS},
             "pairs": int(totals["pairs"])}
@@ -305,7 +320,8 @@ _SHARED_DATA = ".data"  # in a launch of several processes: the token streams th
 
 def _train(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log, stop_after,
            stop: _StopSignal, init: Initial | None) -> TrainResult:
-    session = _set_up(run, directory, mesh, checkpointer, log, init)
+    with Progress(None, enabled=run.train.progress and distributed.is_main()) as setup:  # the data, the compilation
+        session = _set_up(run, directory, mesh, checkpointer, log, init, setup)
     result = _loop(session, mesh, stop_after, stop)
     if not result.interrupted:
         _finish(session, result, log)
@@ -355,12 +371,15 @@ class _Session:
     def batch(self, batch: dict, rows: int) -> dict:
         return self.trainer.put_batch(batch, rows)
 
-    def evaluate(self, metrics_log: MetricsLog | None, step: int, batches) -> dict:
-        if self.run.dpo is not None:
-            values = evaluate_pairs(self.trainer, self.state, batches, self.run.train.eval_batch_size)
-        else:
-            values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
-                                      self.run.train.eval_batch_size)
+    def evaluate(self, metrics_log: MetricsLog | None, step: int, batches, progress: Progress,
+                 what: str = "validation") -> dict:
+        """The validation figures over `batches` (logged at `step`), a bar `what` of them on `progress`."""
+        with progress.phase(what, len(batches), "batches") as advance:
+            if self.run.dpo is not None:
+                values = evaluate_pairs(self.trainer, self.state, batches, self.run.train.eval_batch_size, advance)
+            else:
+                values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
+                                          self.run.train.eval_batch_size, advance)
         if metrics_log is not None:
             metrics_log.write(step, "val", values)
         return values
@@ -409,8 +428,9 @@ def _check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
 
 
 def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log,
-            init: Initial | None = None) -> _Session:
-    """Check everything, restore or initialise the state, compile, then write the run's files."""
+            init: Initial | None, progress: Progress) -> _Session:
+    """Check everything, restore or initialise the state, compile, then write the run's files
+    (`progress` shows the long parts)."""
     tc, out_dir = run.train, directory.path
     steps = checkpointer.all_steps()
     if steps and not tc.resume:
@@ -428,18 +448,23 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     if distributed.joined():
         shared = out_dir / _SHARED_DATA
         directory.made.append(shared)
-    if run.dpo is not None:  # the streams are pairs
-        run, tokenizer, train_stream, val_stream = prepare_preferences(run, out_dir if steps else None,
-                                                                       init.tokenizer if init is not None else None)
-    else:
-        run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None,
-                                                               init.tokenizer if init is not None else None, shared)
+    with progress.phase("reading and tokenizing the data"):
+        if run.dpo is not None:  # the streams are pairs
+            run, tokenizer, train_stream, val_stream = prepare_preferences(
+                run, out_dir if steps else None, init.tokenizer if init is not None else None)
+        else:
+            run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None,
+                                                                   init.tokenizer if init is not None else None, shared)
     if steps:
         distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
     rules = run.parallel.rules_table()
     model_cfg = run.model
     trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout,
                       strategies=run.parallel, execution=run.execution, lora=run.lora, dpo=run.dpo)
+    skipped = undropped(abstract_model(model_cfg, run.lora)) if run.lora is not None else []
+    if skipped:  # a mixture's experts and routers: their adapters are added to the weights
+        log(f"lora.dropout={run.lora.dropout}: on the inputs of the adapted projections but {', '.join(skipped)}, "
+            f"whose adapters are added to their weights (no input of their own to drop out)")
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.saved(trainer.abstract_state()), log=log,
@@ -476,9 +501,10 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
                 f"of {tc.seq_len} tokens; evaluating all of them")
     # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
     session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum)
-    session.compile_s = trainer.compile(state, session.next_batch,
-                                        session.batch(session.periodic_eval[0], tc.eval_batch_size),
-                                        session.token_bytes)
+    with progress.phase("compiling the training and evaluation steps"):
+        session.compile_s = trainer.compile(state, session.next_batch,
+                                            session.batch(session.periodic_eval[0], tc.eval_batch_size),
+                                            session.token_bytes)
     if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
         _write_run_files(out_dir, run, tokenizer, init)
     directory.started = True
@@ -569,7 +595,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                 record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message)
                 if metrics_log is not None:
                     metrics_log.write(step, "train", record)
-                progress.update(step, record["loss"], rate)
+                progress.update(step, record["loss"], rate, s.trainer.shown.line(record))
                 pending.clear()
                 if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
                     raise TrainingDiverged(
@@ -578,10 +604,8 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                         f"skipped; {s.newest()}. Lower train.lr or check the data.")
                 interval_start, interval_tokens = time.perf_counter(), 0
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                values = s.evaluate(metrics_log, step, s.periodic_eval)
-                message(f"step {step}: val_loss {values['loss']:.4f} | " + (
-                    f"val_bpb {values['bpb']:.4f}" if "bpb" in values else
-                    f"val rewards/accuracies {values['rewards/accuracies']:.4f}"))
+                values = s.evaluate(metrics_log, step, s.periodic_eval, progress)
+                message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.shown.line(values, "val_"))
             if stopping:
                 s.save(step, message)
                 s.checkpointer.wait()
@@ -593,8 +617,9 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
             if tc.checkpoint_every and step % tc.checkpoint_every == 0:
                 s.save(step, message)
         if not result.interrupted:
-            final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows))
+            final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows), progress, "final validation")
             result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
+            result.val_shown = s.trainer.shown.values(final)
             s.save(step, message)
     finally:
         progress.close()
@@ -620,14 +645,16 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
         except ValueError as e:
             log(f"train.sample_prompt={prompt!r} cannot be encoded ({e}); sampling from <bos>")
             prompt = ""
-        with execution.use(s.run.execution):
+        with execution.use(s.run.execution), Progress(None, enabled=tc.progress and distributed.is_main()) as bar, \
+                bar.phase(f"sampling {tc.samples} x {tc.sample_tokens} tokens"):
             result.samples = sample_texts(s.trainer.graphdef, s.state["params"], s.tokenizer, prompt, n=tc.samples,
                                           max_new_tokens=tc.sample_tokens, seed=tc.seed, temperature=tc.sample_temperature,
                                           top_k=tc.sample_top_k, top_p=tc.sample_top_p)
         if distributed.is_main():
             (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
     if tc.plot and distributed.is_main():
-        plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", title=str(s.out_dir))
+        plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", s.trainer.shown,
+                    title=str(s.out_dir))
         log(f"loss curve: {s.out_dir / 'loss.png'}")
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from modern_jax import execution
 from modern_jax.ops import vocab
+from modern_jax.training.metrics import Shown
 
 
 def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
@@ -149,6 +150,21 @@ def preference_sums(logps_B, ref_B, count_B, *, beta: float, loss_type: str, lab
 
 PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                       "logps/rejected")  # TRL's names: means over the pairs
+
+# what the console and the plot show of each objective (`metrics.Shown`)
+NEXT_TOKEN_SHOWN = Shown("loss (nats / token)", console=(("bpb", "bpb"),))
+
+
+def preference_shown(loss_type: str, label_smoothing: float = 0.0) -> Shown:
+    """DPO's: its loss per pair, the margin and accuracy on each line, and a panel of the rewards
+    (chosen, rejected, their margin) and one of the accuracy."""
+    loss = {"sigmoid": "cDPO loss (nats / pair)" if label_smoothing else "DPO loss (nats / pair)",
+            "ipo": "IPO loss (per pair)"}[loss_type]
+    return Shown(loss, console=(("rewards/margins", "margin"), ("rewards/accuracies", "accuracy")),
+                 panels=(("reward: beta x log(policy / reference)", (("rewards/chosen", "chosen"),
+                                                                     ("rewards/rejected", "rejected"),
+                                                                     ("rewards/margins", "margin"))),
+                         ("accuracy: pairs with chosen > rejected", (("rewards/accuracies", "accuracy"),))))
 
 
 @jax.named_scope("loss")

@@ -1,9 +1,11 @@
 """Run outputs: `metrics.jsonl` (one JSON object per line), TensorBoard events (tensorboardX,
 under `tensorboard/`), Weights & Biases when `train.wandb_project` is set, the progress bar
-(rich) and the labelled loss plot (matplotlib)."""
+(rich) and the labelled loss plot (matplotlib); `Shown`, what an objective shows on the last two."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import pathlib
@@ -78,37 +80,92 @@ def read_metrics(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+@dataclasses.dataclass(frozen=True)
+class Shown:
+    """What the console and the plot show of an objective, read by `Progress`, the loop's lines
+    and `loss_figure`; each objective provides its own (`training.loss`), so neither asks which
+    objective runs.
+
+    `loss_label`: the loss axis. `console`: `(metric, label)` after the loss on each line that
+    has the metric (a step's, a validation's, the run's last). `panels`: `(y label, ((metric,
+    legend), ...))`, a plot panel each, under the loss."""
+
+    loss_label: str
+    console: tuple[tuple[str, str], ...] = ()
+    panels: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    def values(self, record: dict) -> dict[str, float]:
+        """`{label: value}` of the console's metrics that `record` holds, in order."""
+        return {label: record[name] for name, label in self.console if name in record}
+
+    def line(self, record: dict, prefix: str = "") -> str:
+        """` | margin 0.0123 | accuracy 0.7500`: the console's metrics of `record` (`prefix`: `val_`)."""
+        return "".join(f" | {prefix}{label} {value:.4f}" for label, value in self.values(record).items())
+
+
 class Progress:
     """On a terminal, a rich progress bar `step ━━━━━━╸━━━━ 120/2000 loss 2.3450 | 58.1k tok/s |
-    ETA 0:32`, redrawn in place; elsewhere (a log file, a pipe) the same as a plain line at
-    each log step."""
+    ETA 0:32`, redrawn in place, and under it a second one while a long part of the run goes on
+    (`phase`: an evaluation's batches, a compilation); elsewhere (a log file, a pipe) the step's
+    figures as a plain line at each log step, and the phases silent (the line that reports what
+    each one found follows it). `total` None: no step bar, only phases (`evaluate`)."""
 
-    def __init__(self, total: int, start: int, enabled: bool = True, stream=None):
+    def __init__(self, total: int | None, start: int = 0, enabled: bool = True, stream=None):
         self.total, self.start, self.enabled = total, start, enabled
         self.stream = stream or sys.stderr
         self.t0 = time.perf_counter()
         self.bar = None
         if enabled and self.stream.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+            from rich.progress import BarColumn, TextColumn
             from rich.progress import Progress as Bar
 
-            self.bar = Bar(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                           console=Console(file=self.stream), auto_refresh=False)
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar = Bar(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                           TextColumn("{task.fields[info]}"), console=Console(file=self.stream), auto_refresh=False)
+            if total is not None:
+                self.task = self.bar.add_task("step", total=total, completed=start, count=f"{start}/{total}", info="")
             self.bar.start()
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, figures: str = "") -> None:
+        """The step bar at `step`, with the loss and `figures`, the objective's own (`Shown.line`)."""
         if not self.enabled:
             return
         done = (step - self.start) / max(self.total - self.start, 1)
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / done * (1 - done) if done > 0 else 0.0
-        info = f"loss {loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s | ETA {_clock(eta)}"
+        info = f"loss {loss:.4f}{figures} | {tokens_per_s / 1e3:.1f}k tok/s | ETA {_clock(eta)}"
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=info, refresh=True)
+            self.bar.update(self.task, completed=step, count=f"{step}/{self.total}", info=info, refresh=True)
         else:
             print(f"step {step}/{self.total} | {info}", file=self.stream, flush=True)
+
+    @contextlib.contextmanager
+    def phase(self, what: str, total: int | None = None, unit: str = ""):
+        """While inside, on a terminal: a line `what ━━━━╸━━━ 3/16 batches | ETA 0:04` under the
+        step bar, moved one `unit` on by each call of the function it yields (`total` None: a
+        part with no count, such as a compilation: the line says what runs until it ends); elsewhere
+        the function does nothing."""
+        if self.bar is None:
+            yield lambda: None
+            return
+        t0, done = time.perf_counter(), 0
+        counted = lambda: f"{done}/{total} {unit}".rstrip() if total else ""  # noqa: E731
+        task = self.bar.add_task(what, total=total, count=counted(), info="")
+        self.bar.refresh()
+
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            eta = (time.perf_counter() - t0) / done * (total - done) if total else 0.0
+            self.bar.update(task, completed=done, count=counted(), info=f"ETA {_clock(eta)}" if total else "",
+                            refresh=True)
+
+        try:
+            yield advance
+        finally:
+            if self.bar is not None:
+                self.bar.remove_task(task)
+                self.bar.refresh()
 
     def message(self, text: str) -> None:
         """A line above the bar (or a plain line)."""
@@ -122,6 +179,12 @@ class Progress:
             self.bar.stop()
             self.bar = None
 
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _clock(seconds: float) -> str:
     seconds = int(seconds)
@@ -133,29 +196,39 @@ def _clock(seconds: float) -> str:
 # ----- the loss curve --------------------------------------------------------------
 
 
-def loss_figure(records: list[dict], title: str = ""):
-    """A matplotlib `Figure` of the train and validation losses of `records` (from `read_metrics`)
-    against the step, with its axes labelled and a legend; no pyplot, so no global backend."""
+def _series(records: list[dict], split: str, name: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[name]) for r in records if r["split"] == split and _finite(r.get(name))]
+
+
+def loss_figure(records: list[dict], shown: Shown, title: str = ""):
+    """A matplotlib `Figure` of `records` (from `read_metrics`) against the step: the train and
+    validation losses, the axis labelled by `shown.loss_label`, then a panel for each of
+    `shown.panels` (a line per metric, validation as points), each labelled, with a legend; no
+    pyplot, so no global backend."""
     from matplotlib.figure import Figure
 
-    train = [(r["step"], r["loss"]) for r in records if r["split"] == "train" and _finite(r.get("loss"))]
-    val = [(r["step"], r["loss"]) for r in records if r["split"] == "val" and _finite(r.get("loss"))]
-    fig = Figure(figsize=(7, 4.2), dpi=110)
-    ax = fig.add_subplot()
-    if train:
-        ax.plot(*zip(*train), label="train")
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation")
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.grid(alpha=0.3)
-    if train or val:
-        ax.legend()
+    fig = Figure(figsize=(7, 4.2 + 2.8 * len(shown.panels)), dpi=110)
+    axes = fig.subplots(1 + len(shown.panels), 1, squeeze=False, sharex=True)[:, 0]
+    panels = (((shown.loss_label, (("loss", "train"),)),) + shown.panels)
+    for ax, (label, metrics) in zip(axes, panels):
+        for name, legend in metrics:
+            train, val = _series(records, "train", name), _series(records, "val", name)
+            colour = {"color": ax.plot(*zip(*train), label=legend)[0].get_color()} if train else {}
+            if val:  # beside the loss's `train`, `validation`; else in its train line's colour
+                ax.plot(*zip(*val), "o-" if legend == "train" else "o--", **({} if legend == "train" else colour),
+                        label="validation" if legend == "train" else f"{legend} (validation)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("step")  # the panels share it
     fig.tight_layout()
     return fig
 
 
-def plot_losses(records: list[dict], path, title: str = "") -> None:
-    """Write `loss_figure(records, title)` to `path` as a PNG."""
-    loss_figure(records, title).savefig(path)
+def plot_losses(records: list[dict], path, shown: Shown, title: str = ""):
+    """Write `loss_figure(records, shown, title)` to `path` as a PNG; returns the figure."""
+    fig = loss_figure(records, shown, title)
+    fig.savefig(path)
+    return fig

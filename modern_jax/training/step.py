@@ -40,7 +40,8 @@ from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, lo
 from modern_jax.sharding.rules import split_size
 from modern_jax.sharding.targets import compiling_for, lowering_for
 from modern_jax.training.config import DPOConfig, TrainConfig
-from modern_jax.training.loss import PREFERENCE_METRICS, model_loss_sums, preference_sums, real_pairs, sequence_logps
+from modern_jax.training.loss import (NEXT_TOKEN_SHOWN, PREFERENCE_METRICS, model_loss_sums, preference_shown,
+                                      preference_sums, real_pairs, sequence_logps)
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 
 def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
@@ -86,6 +87,8 @@ class Trainer:
         self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the steps were traced
         self.moe = model_cfg.ffn_type == "moe"
         self.lora, self.dpo = lora, dpo
+        # what the console and the plot show of the objective
+        self.shown = NEXT_TOKEN_SHOWN if dpo is None else preference_shown(dpo.loss_type, dpo.label_smoothing)
         self.layers = layers  # the blocks built (default: the config's; the planner's counting programs build fewer)
         self.graphdef, abstract = abstract_params(model_cfg, lora, layers)
         # a LoRA run trains its adapters only: the rest is frozen, with no gradient and no optimiser state
