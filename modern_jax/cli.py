@@ -536,7 +536,10 @@ def cmd_launch(args) -> int:
 
     if not args.rest:
         raise ValueError("launch needs a command to run: modern-jax launch --processes 2 --devices 4 train ...")
-    return launch_local(args.rest, processes=args.processes, devices=args.devices, port=args.port)
+    command = args.rest[1:] if args.rest[0] == "--" else args.rest
+    if command and command[0] != "launch":
+        parse_args(command)  # a command the processes would refuse, refused once (argparse's own message)
+    return launch_local(command, processes=args.processes, devices=args.devices, port=args.port)
 
 
 def _launch_flags(sub: argparse.ArgumentParser) -> None:

@@ -51,9 +51,6 @@ def launch_local(command: list[str], processes: int = 2, devices: int = 4, port:
         command = command[1:]
     if not command or command[0] == "launch":
         raise ValueError("launch runs another command: modern-jax launch --processes 2 --devices 4 train ...")
-    from modern_jax.cli import parse_args
-
-    parse_args(command)  # a command the processes would refuse, refused once (argparse's own message)
     port = port or free_port()
     children = [subprocess.Popen([sys.executable, "-m", "modern_jax.cli", *command],
                                  env=launch_env(i, processes, devices, port), stdout=subprocess.PIPE,
