@@ -1,0 +1,77 @@
+"""Bad fine-tuning inputs: each ends in one line naming the file, field or row and the fix (exit
+status 2, no traceback), nothing trains on a silently different meaning, and no run's state is
+lost or overwritten.
+
+Covers the adapters of a LoRA run (`modern_jax.lora`, `modern_jax.training.loop` resuming one,
+`modern_jax.convert.checkpoint` reading its base again for evaluate / generate / convert), PEFT
+adapters read and written (`modern_jax.convert.peft`), and preference pairs
+(`modern_jax.data.preference`). Every case goes through the command a user runs; most stop in the
+checks before anything compiles, on the tiny fixtures of tests/fixtures/hf_peft and hf_chat.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from test_reliability_inputs import finetune, refused
+
+REPO = pathlib.Path(__file__).parent.parent
+PEFT = REPO / "tests" / "fixtures" / "hf_peft" / "llama"
+HF_CHAT = REPO / "tests" / "fixtures" / "hf_chat"
+
+
+# ----- PEFT adapters read by train --init-adapter -------------------------------------------------
+
+def adapter_copy(tmp_path: pathlib.Path, **config) -> pathlib.Path:
+    """A copy of the fixture's PEFT adapter, its adapter_config.json updated with `config`."""
+    out = tmp_path / "adapter"
+    shutil.copytree(PEFT / "adapter", out)
+    saved = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**saved, **config}))
+    return out
+
+
+def init_adapter(adapter, tmp_path):
+    """`train` from the fixture's base with the PEFT adapter `adapter` (a tiny run, if it starts)."""
+    return [*finetune(PEFT / "base", tmp_path, f"data.tokenizer_path={HF_CHAT / 'tokenizer.json'}"), "--init-adapter",
+            adapter]
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("layers_to_transform", [0], "adapters on some layers only"),
+    ("layers_pattern", "layers", "adapters on some layers only"),
+    ("rank_pattern", {"q_proj": 8}, "per-module ranks"),
+    ("alpha_pattern", {"q_proj": 16}, "per-module alphas"),
+    ("use_rslora", True, "rank-stabilised scaling"),
+    ("use_dora", True, "DoRA"),
+    ("use_qalora", True, "QA-LoRA's pooled inputs"),
+    ("use_bdlora", {"lora_a_is_blockdiagonal": True}, "block-diagonal adapters"),
+    ("lora_bias", True, "a trained bias on lora_B"),
+    ("modules_to_save", ["lm_head"], "whole modules trained beside the adapters"),
+    ("trainable_token_indices", [0, 1], "trained embedding rows"),
+    ("target_parameters", ["mlp.experts.gate_up_proj"], "adapters on bare parameters"),
+    ("layer_replication", [[0, 2], [1, 2]], "repeated layers"),
+    ("alora_invocation_tokens", [5, 6], "activated LoRA, on after its invocation tokens"),
+    ("arrow_config", {"top_k": 2}, "Arrow routing"),
+    ("megatron_config", {"tensor_model_parallel_size": 2}, "Megatron's parallel layers"),
+])
+def test_a_peft_option_we_do_not_implement_is_refused_by_name(key, value, what, tmp_path, capsys):
+    adapter = adapter_copy(tmp_path, **{key: value})
+    line = refused(init_adapter(adapter, tmp_path), capsys)
+    assert line.endswith(f"{adapter / 'adapter_config.json'}: {key}={value!r} ({what}) is not supported: train the "
+                         f"adapter without it")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+def test_a_peft_adapter_whose_initialisation_rewrote_its_base_is_refused(init, tmp_path, capsys):
+    adapter = adapter_copy(tmp_path, init_lora_weights=init)
+    line = refused(init_adapter(adapter, tmp_path), capsys)
+    assert line.endswith(f"{adapter / 'adapter_config.json'}: init_lora_weights={init!r} rewrote the base weights as "
+                         f"training started, so the adapter fits only that rewritten base: save it with PEFT's "
+                         f"save_pretrained(..., path_initial_model_for_weight_conversion=...), which makes it a plain "
+                         f"LoRA adapter of the original base")
