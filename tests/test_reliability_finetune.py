@@ -75,3 +75,17 @@ def test_a_peft_adapter_whose_initialisation_rewrote_its_base_is_refused(init, t
                          f"training started, so the adapter fits only that rewritten base: save it with PEFT's "
                          f"save_pretrained(..., path_initial_model_for_weight_conversion=...), which makes it a plain "
                          f"LoRA adapter of the original base")
+
+
+@pytest.mark.parametrize("damage, error", [
+    (lambda data: data[:5000], "incomplete metadata, file not fully covered"),
+    (lambda data: bytes(range(256)) * 8, "header too large"),
+], ids=["truncated", "garbage"])
+def test_a_damaged_peft_adapter_file_is_named(damage, error, tmp_path, capsys):
+    adapter = adapter_copy(tmp_path)
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    line = refused(init_adapter(adapter, tmp_path), capsys)
+    assert line.endswith(f"{weights}: not a readable safetensors file (SafetensorError: Error while deserializing "
+                         f"header: {error}): the file is damaged or truncated; download or export the adapter again")
+    assert not (tmp_path / "run").exists()

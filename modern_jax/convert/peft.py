@@ -28,10 +28,10 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax.nnx import traversals
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from modern_jax.configfile import read_json
+from modern_jax.convert.hf_checkpoint import open_safetensors
 from modern_jax.convert.hf_families import FAMILIES
 from modern_jax.convert.hf_weights import Rule
 from modern_jax.lora import LoRAConfig
@@ -160,9 +160,14 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _weights(path: Path):
+    """The adapter's safetensors file, open; a damaged one is one error naming it."""
+    return open_safetensors(path / WEIGHTS, fix="download or export the adapter again")
+
+
 def peft_targets(path, model: Transformer, model_type: str) -> tuple[str, ...]:
     """Our projection names (as `lora.targets`) that the adapter at `path` has tensors for."""
-    with safe_open(str(Path(path) / WEIGHTS), framework="numpy") as f:
+    with _weights(Path(path)) as f:
         present = set(f.keys())
     table = FAMILIES[model_type].weights.layer
     found, unused = set(), set(present)
@@ -190,7 +195,7 @@ def read_peft(path, model: Transformer, model_type: str) -> dict:
     PEFT adapter at `path`: a pure dict of every adapter parameter, host arrays."""
     path = Path(path)
     out = {}
-    with safe_open(str(path / WEIGHTS), framework="numpy") as f:
+    with _weights(path) as f:
         present = set(f.keys())
         for tree_path, rule, names, variable in adapter_tensors(model, model_type):
             buffer = np.zeros(variable.shape, np.float32)
