@@ -15,6 +15,8 @@ import json
 import pathlib
 import shutil
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from test_reliability_inputs import finetune, refused
@@ -89,3 +91,78 @@ def test_a_damaged_peft_adapter_file_is_named(damage, error, tmp_path, capsys):
     assert line.endswith(f"{weights}: not a readable safetensors file (SafetensorError: Error while deserializing "
                          f"header: {error}): the file is damaged or truncated; download or export the adapter again")
     assert not (tmp_path / "run").exists()
+
+
+# ----- preference pairs read by a DPO run -----------------------------------------------------------
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+SYSTEM = {"role": "system", "content": "you are a calculator"}
+QUESTION = "what is one plus three"
+GOOD = {"explicit_text": {"prompt": QUESTION, "chosen": " four", "rejected": " five"},
+        "conversation": {"prompt": [SYSTEM, user(QUESTION)], "chosen": [assistant("four")],
+                         "rejected": [assistant("five")]},
+        "implicit_text": {"chosen": f"{QUESTION}? four", "rejected": f"{QUESTION}? five"},
+        "implicit_conversation": {"chosen": [SYSTEM, user(QUESTION), assistant("four")],
+                                  "rejected": [SYSTEM, user(QUESTION), assistant("five")]}}
+
+
+def dpo(data, tmp_path):
+    """`train` of configs/dpo.yaml on the pairs at `data` (a tiny run, if it starts)."""
+    return [*finetune(HF_CHAT, tmp_path), "--config", REPO / "configs" / "dpo.yaml", "--data", data]
+
+
+def pairs_file(tmp_path, good: dict, bad: dict, parquet: bool = False) -> tuple[pathlib.Path, str]:
+    """Four pairs, the third `bad`, as JSON Lines or Parquet; with the name of the bad record."""
+    records = [good, good, bad, good]
+    if parquet:
+        pq.write_table(pa.Table.from_pylist(records), tmp_path / "pairs.parquet")
+        return tmp_path / "pairs.parquet", f"{tmp_path / 'pairs.parquet'}, row 2"
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return tmp_path / "pairs.jsonl", f"{tmp_path / 'pairs.jsonl'}, line 3"
+
+
+@pytest.mark.parametrize("kind, bad, field, cut", [
+    ("explicit_text", {"chosen": ""}, "chosen", ""),
+    ("explicit_text", {"rejected": "  "}, "rejected", ""),
+    ("conversation", {"rejected": [assistant("")]}, "rejected", ""),
+    ("implicit_text", {"chosen": f"{QUESTION}? "}, "chosen", " after the start both share"),
+], ids=["text", "blank_text", "conversation", "implicit_text"])
+@pytest.mark.parametrize("parquet", [False, True], ids=["jsonl", "parquet"])
+def test_a_preference_pair_with_an_empty_completion_is_named_by_its_row(kind, bad, field, cut, parquet, tmp_path,
+                                                                        capsys):
+    pairs, where = pairs_file(tmp_path, GOOD[kind], {**GOOD[kind], **bad}, parquet)
+    line = refused(dpo(pairs, tmp_path), capsys)
+    assert line.endswith(f"{where}: the {field!r} completion is empty{cut}: give {field!r} an answer, or remove the "
+                         f"record")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("chosen, rejected, n", [
+    (GOOD["implicit_conversation"]["chosen"], [SYSTEM, user("what is two plus two"), assistant("five")], 1),
+    ([SYSTEM, user(QUESTION), assistant("four"), user("and plus two?"), assistant("six")],
+     [SYSTEM, user(QUESTION), assistant("four"), user("and plus one?"), assistant("six")], 3),
+], ids=["only_the_system_turn_shared", "the_last_question_differs"])
+def test_implicit_conversations_that_ask_different_questions_are_named(chosen, rejected, n, tmp_path, capsys):
+    pairs, where = pairs_file(tmp_path, GOOD["implicit_conversation"], {"chosen": chosen, "rejected": rejected})
+    line = refused(dpo(pairs, tmp_path), capsys)
+    assert line.endswith(f"{where}: 'chosen' and 'rejected' part at message {n}, a user message, not an assistant's "
+                         f"answer, so they answer different questions: give both the same messages up to the answer "
+                         f"they differ in")
+
+
+@pytest.mark.parametrize("kind, bad", [
+    ("explicit_text", {"rejected": " four"}),
+    ("implicit_conversation", {"rejected": GOOD["implicit_conversation"]["chosen"]}),
+], ids=["text", "implicit_conversation"])
+def test_a_preference_pair_whose_completions_are_the_same_is_named(kind, bad, tmp_path, capsys):
+    pairs, where = pairs_file(tmp_path, GOOD[kind], {**GOOD[kind], **bad})
+    line = refused(dpo(pairs, tmp_path), capsys)
+    assert line.endswith(f"{where}: the 'chosen' and 'rejected' completions are the same, so the pair teaches nothing "
+                         f"(its loss has no gradient): make 'rejected' the worse answer, or remove the record")
