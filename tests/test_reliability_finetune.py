@@ -19,6 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from modern_jax.cli import main
+
 from test_reliability_inputs import finetune, refused
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -91,6 +93,58 @@ def test_a_damaged_peft_adapter_file_is_named(damage, error, tmp_path, capsys):
     assert line.endswith(f"{weights}: not a readable safetensors file (SafetensorError: Error while deserializing "
                          f"header: {error}): the file is damaged or truncated; download or export the adapter again")
     assert not (tmp_path / "run").exists()
+
+
+# ----- a LoRA run whose checkpoints hold only its adapters: resumed, and its base read again ----------
+
+def lora_train(base, home: pathlib.Path, *overrides):
+    """`train` of configs/finetune_lora.yaml from `base` into `home`/run, checkpoints holding the adapters only."""
+    return [*finetune(base, home), "--config", REPO / "configs" / "finetune_lora.yaml", "lora.save_base=false",
+            *overrides]
+
+
+@pytest.fixture(scope="module")
+def lora_home(tmp_path_factory) -> pathlib.Path:
+    """A copy of the chat fixture (`base/`) and a 2-step LoRA run trained from it (`run/`)."""
+    home = tmp_path_factory.mktemp("lora")
+    shutil.copytree(HF_CHAT, home / "base")
+    assert main([str(a) for a in lora_train(home / "base", home)]) == 0
+    return home
+
+
+@pytest.fixture
+def lora_run(lora_home, tmp_path) -> pathlib.Path:
+    """This test's own copy of `lora_home`, its base.json naming the copied base."""
+    shutil.copytree(lora_home, tmp_path, dirs_exist_ok=True)
+    record = json.loads((tmp_path / "run" / "base.json").read_text())
+    (tmp_path / "run" / "base.json").write_text(json.dumps({**record, "source": str(tmp_path / "base")}))
+    return tmp_path / "run"
+
+
+def lora_changed(lora_run: pathlib.Path, differ: str) -> str:
+    return (f"the checkpoints in {str(lora_run)!r} were trained with other lora: settings ({differ}, by its "
+            f"config.yaml): resume with the lora: section they were trained with, or start a new train.output_dir")
+
+
+@pytest.mark.parametrize("changes, differ", [
+    (["lora.rank=8"], "lora.rank is 16 there, 8 here"),
+    (["lora.alpha=8"], "lora.alpha is 32.0 there, 8.0 here"),
+    (["lora.targets=[q_proj,v_proj]"], "lora.targets is ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', "
+                                       "'up_proj', 'down_proj'] there, ['q_proj', 'v_proj'] here"),
+    (["lora.quantize=int8", "lora.rank=4"], "lora.rank is 16 there, 4 here; lora.quantize is 'none' there, 'int8' "
+                                            "here"),
+], ids=["rank", "alpha", "targets", "quantize"])
+def test_resuming_a_lora_run_with_other_lora_settings_names_them(changes, differ, lora_run, capsys):
+    line = refused([*lora_train(lora_run.parent / "base", lora_run.parent), "train.steps=4", "train.resume=true",
+                    *changes], capsys)
+    assert line.endswith(lora_changed(lora_run, differ))
+    assert sorted(p.name for p in (lora_run / "checkpoints").iterdir()) == ["2"]
+
+
+def test_resuming_a_lora_run_without_its_lora_section_is_refused(lora_run, capsys):
+    line = refused([*finetune(lora_run.parent / "base", lora_run.parent), "train.steps=4", "train.resume=true"],
+                   capsys)
+    assert line.endswith(lora_changed(lora_run, "a lora: section there, none here"))
 
 
 # ----- preference pairs read by a DPO run -----------------------------------------------------------

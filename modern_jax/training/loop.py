@@ -384,18 +384,34 @@ def _changes(saved: dict, now: dict) -> list[str]:
 TOKENIZER_FIELDS = ("data.tokenizer", "data.tokenizer_path")  # what a resumed run's saved tokenizer fixes
 
 
+def _differences(section: str, there: dict, here: dict, ignore=()) -> list[str]:
+    """`section.field is X there, Y here` for each field of the saved `there` that `here` holds otherwise."""
+    return [f"{section}.{k} is {v!r} there, {here.get(k)!r} here" for k, v in there.items()
+            if k not in ignore and here.get(k) != v]
+
+
 def _check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
-    """A resumed run keeps its model and its tokenizer; other changed settings are named."""
+    """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout) and its
+    tokenizer; other changed settings are named."""
     config_path = out_dir / CONFIG_FILE
     if not config_path.exists():
         return
     saved = read_yaml(config_path)
     saved = saved if isinstance(saved, dict) else {}
-    model_diff = [f"model.{k} is {v!r} there, {run.model.to_dict().get(k)!r} here"
-                  for k, v in (saved.get("model") or {}).items() if run.model.to_dict().get(k) != v]
+    model_diff = _differences("model", saved.get("model") or {}, run.model.to_dict())
     if model_diff:
         raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model ({'; '.join(model_diff[:3])}"
                          f", by its {CONFIG_FILE}): start a new train.output_dir or keep the model: section unchanged")
+    there, here = saved.get("lora"), None if run.lora is None else run.lora.to_dict()
+    if isinstance(there, dict) and here is not None:
+        lora_diff = _differences("lora", there, here, ignore=("dropout",))
+    else:
+        lora_diff = [] if (there is None) == (here is None) else [
+            "a lora: section there, none here" if here is None else "no lora: section there, one here"]
+    if lora_diff:
+        raise ValueError(f"the checkpoints in {str(out_dir)!r} were trained with other lora: settings "
+                         f"({'; '.join(lora_diff)}, by its {CONFIG_FILE}): resume with the lora: section they were "
+                         f"trained with, or start a new train.output_dir")
     now = run.to_dict()
     flat_saved, flat_now = distributed.flatten(saved), distributed.flatten(now)
     for field in TOKENIZER_FIELDS:
