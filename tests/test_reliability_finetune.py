@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import zlib
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from modern_jax.cli import main
 
@@ -145,6 +148,41 @@ def test_resuming_a_lora_run_without_its_lora_section_is_refused(lora_run, capsy
     line = refused([*finetune(lora_run.parent / "base", lora_run.parent), "train.steps=4", "train.resume=true"],
                    capsys)
     assert line.endswith(lora_changed(lora_run, "a lora: section there, none here"))
+
+
+def crc(path: pathlib.Path) -> str:
+    return f"{path.stat().st_size:,} bytes, CRC-32 {zlib.crc32(path.read_bytes()):08x}"
+
+
+@pytest.mark.parametrize("command", ["evaluate", "generate", "convert --to-hf", "convert --to-peft", "train"])
+def test_a_base_replaced_by_another_model_of_its_shape_is_refused(command, lora_run, capsys):
+    """The run's base directory now holds other weights of the same shapes (as another fine-tune of
+    the same model would): every command that reads the base again names it, before reading it."""
+    base, weights = lora_run.parent / "base", lora_run.parent / "base" / "model.safetensors"
+    before = crc(weights)
+    rng = np.random.default_rng(0)
+    save_file({k: v + rng.normal(0, 0.01, v.shape).astype(v.dtype) for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+    out = lora_run.parent / "out"
+    argv = {"evaluate": ["evaluate", "--checkpoint", lora_run],
+            "generate": ["generate", "--checkpoint", lora_run, "--prompt", "hi", "--max-new-tokens", "2"],
+            "convert --to-hf": ["convert", "--to-hf", lora_run, "--out", out],
+            "convert --to-peft": ["convert", "--to-peft", lora_run, "--out", out],
+            "train": lora_train(base, lora_run.parent, "train.steps=4", "train.resume=true")}[command]
+    line = refused(argv, capsys, command.split()[0])
+    fix = "give --init-from-hf the model the run started from, or train into a new train.output_dir" \
+        if command == "train" else f"put the model the run started from back there, or point " \
+                                   f"{lora_run / 'base.json'}'s source at it"
+    assert line.endswith(f"{base} is not the base {lora_run} was trained on (model.safetensors: {before} when the run "
+                         f"started, {crc(weights)} now, by its base.json): {fix}")
+    assert not out.exists() and sorted(p.name for p in (lora_run / "checkpoints").iterdir()) == ["2"]
+
+
+def test_a_run_recorded_before_base_checksums_still_evaluates(lora_run, capsys):
+    record = json.loads((lora_run / "base.json").read_text())
+    assert set(record["files"]) == {"model.safetensors"}
+    (lora_run / "base.json").write_text(json.dumps({"source": record["source"]}))
+    assert main(["evaluate", "--checkpoint", str(lora_run)]) == 0, capsys.readouterr().err
 
 
 # ----- preference pairs read by a DPO run -----------------------------------------------------------

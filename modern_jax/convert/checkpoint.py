@@ -38,14 +38,15 @@ from flax.nnx import traversals
 
 from modern_jax.config import NETWORK_FIELDS, ModelConfig
 from modern_jax.configfile import read_json
-from modern_jax.convert.hf_checkpoint import from_hf, nonfinite, read_hf_config, refuse_nonfinite, resolve_hf, to_hf
+from modern_jax.convert.hf_checkpoint import (checkpoint_files, from_hf, nonfinite, read_hf_config, refuse_nonfinite,
+                                             resolve_hf, to_hf)
 from modern_jax.convert.hf_config import config_from_hf, model_type_of
 from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from modern_jax.lora import LoRAConfig
 from modern_jax.model import Transformer, abstract_params, adapt, merged
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import (BASE_FILE, HF_ASSETS_DIR, load_params, read_config, resolve_checkpoint, save_checkpoint,
-                                           write_checksums)
+from modern_jax.training.checkpoint import (BASE_FILE, HF_ASSETS_DIR, check_base, file_checksums, load_params,
+                                           read_config, resolve_checkpoint, save_checkpoint, write_checksums)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.loop import Initial
 
@@ -84,6 +85,8 @@ def load_model_params(ckpt: str | os.PathLike, log=None, **overrides: Any):
     if base_cfg.replace(**settings) != cfg:
         raise ValueError(f"{base_file}: the base {source} is not the model this run trained ({home / 'config.yaml'}): "
                          f"point {BASE_FILE} at the model the run started from")
+    check_base(home, source, init.checksums(), fix=f"put the model the run started from back there, or point "
+                                                  f"{base_file}'s source at it")
     model = nnx.merge(abstract_params(cfg)[0], init.params())
     adapt(model, lora, nnx.Rngs(0))  # the frozen base as the run holds it (quantized), adapters replaced below
     full = traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -196,7 +199,9 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
                                                        if count is not None])
             return params
 
-        return cfg, Initial(what, ours, tokenizer, assets, path=str(path.absolute()))
+        weights = sorted(p for p in (directory / PARAMS).rglob("*") if p.is_file())
+        return cfg, Initial(what, ours, tokenizer, assets, path=str(path.absolute()),
+                            checksums=lambda: file_checksums(directory, weights))
     path = resolve_hf(source)
     hf = read_hf_config(path)
     try:
@@ -211,7 +216,8 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     assets = tuple(path / name for name in HF_ASSETS if (path / name).is_file())
-    return cfg, Initial(f"the Hugging Face model {source}", params, tokenizer, assets, path=str(path.absolute()))
+    return cfg, Initial(f"the Hugging Face model {source}", params, tokenizer, assets, path=str(path.absolute()),
+                        checksums=lambda: file_checksums(path, checkpoint_files(path)))
 
 
 def finetune_run(run: RunConfig, source: str | os.PathLike, log=None, adapter: str | os.PathLike | None = None

@@ -322,7 +322,8 @@ def _check_completions(prompt, chosen, rejected, where: str, cut: str):
                              f"the record")
     if chosen == rejected:
         raise ValueError(f"{where}: the {CHOSEN!r} and {REJECTED!r} completions are the same, so the pair teaches "
-                         f"nothing (its loss has no gradient): make {REJECTED!r} the worse answer, or remove the record")
+                         f"nothing (its loss has no gradient): make {REJECTED!r} the worse answer, or remove the "
+                         f"record")
     return prompt, chosen, rejected
 
 

@@ -53,7 +53,8 @@ from modern_jax.data.preference import pair_eval_batches, pair_iterator, read_pa
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.parallel import distributed
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer
+from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer,
+                                           check_base)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.loss import PREFERENCE_METRICS
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
@@ -74,6 +75,7 @@ class Initial:
     assets: tuple[pathlib.Path, ...] = ()  # files copied into the run's hf/: config.json, tokenizer files
     adapters: Callable[[], dict] | None = None  # a LoRA run's adapters (a PEFT adapter's), read like `params`
     path: str | None = None  # where they come from (`lora.save_base: false` reads the base there again)
+    checksums: Callable[[], dict] | None = None  # the size and CRC-32 of each weight file there, read when called
 
 
 @dataclasses.dataclass
@@ -438,6 +440,9 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
                          "from a model it can read again: give --init-from-hf (the same one each time), or set "
                          "lora.save_base=true")
     init = None if steps and not adapters_only else init  # such a run reads its base again to resume
+    base = None  # the size and CRC-32 of each weight file of a base left out of the checkpoints
+    if adapters_only:
+        base = distributed.decide("base", lambda: _base_files(out_dir, init, resumed=bool(steps)))
     distributed.check_same("run", {**distributed.flatten(run.to_dict()), "init": init.source if init else None,
                                    "mesh": dict(mesh.shape), "devices": mesh.size, "resume from": steps[-1:] or None})
     shared = None
@@ -496,7 +501,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
                                         session.batch(session.periodic_eval[0], tc.eval_batch_size),
                                         session.token_bytes)
     if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
-        _write_run_files(out_dir, run, tokenizer, init)
+        _write_run_files(out_dir, run, tokenizer, init, base)
     directory.started = True
     distributed.note(step=start, resume=session.resume_hint())
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_base()))
@@ -512,10 +517,22 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     return session
 
 
-def _write_run_files(out_dir: pathlib.Path, run: RunConfig, tokenizer, init: Initial | None) -> None:
+def _base_files(out_dir: pathlib.Path, init: Initial, resumed: bool) -> dict | None:
+    """The size and CRC-32 of each weight file of the base a run leaves out of its checkpoints; a
+    resumed run's must be those it started from (`checkpoint.check_base`)."""
+    files = init.checksums() if init.checksums is not None else None
+    if resumed and files is not None:
+        check_base(out_dir, init.path, files, fix="give --init-from-hf the model the run started from, or train "
+                                                  "into a new train.output_dir")
+    return files
+
+
+def _write_run_files(out_dir: pathlib.Path, run: RunConfig, tokenizer, init: Initial | None,
+                     base: dict | None = None) -> None:
     (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
-    if init is not None and init.path is not None:  # where the run started: a base left out of its checkpoints
-        (out_dir / BASE_FILE).write_text(json.dumps({"source": init.path}) + "\n")
+    if init is not None and init.path is not None:  # where the run started, and the files of a base left out
+        record = {"source": init.path, **({} if base is None else {"files": base})}
+        (out_dir / BASE_FILE).write_text(json.dumps(record) + "\n")
     tokenizer.save(out_dir)
     if init is not None and init.assets:
         (out_dir / HF_ASSETS_DIR).mkdir(exist_ok=True)
