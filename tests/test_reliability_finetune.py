@@ -98,6 +98,34 @@ def test_a_damaged_peft_adapter_file_is_named(damage, error, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("key, value, problem", [
+    ("lora_alpha", None, "lora_alpha=None is invalid: expected a number > 0"),
+    ("lora_alpha", "sixteen", "lora_alpha='sixteen' is invalid: expected a number > 0"),
+    ("r", 0, "r=0 is invalid: expected an integer >= 1"),
+    ("lora_dropout", "none", "lora_dropout='none' is invalid: expected a number in [0, 1)"),
+])
+def test_a_peft_rank_alpha_or_dropout_that_is_not_a_number_is_named_by_its_key(key, value, problem, tmp_path, capsys):
+    adapter = adapter_copy(tmp_path, **{key: value})
+    line = refused(init_adapter(adapter, tmp_path), capsys)
+    assert line.endswith(f"{adapter / 'adapter_config.json'}: {problem}")
+
+
+def test_a_peft_adapter_holding_nan_or_inf_is_refused_naming_the_tensors(tmp_path, capsys):
+    adapter = adapter_copy(tmp_path)
+    weights = adapter / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    a, b = "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight", \
+        "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+    tensors[a][0, :2], tensors[b][1, 1] = np.nan, np.inf
+    save_file(tensors, weights, metadata={"format": "pt"})
+    line = refused(init_adapter(adapter, tmp_path), capsys)
+    assert line.endswith(f"{weights}: 2 tensor(s) hold NaN or infinite values: {a} (2 NaN, 0 inf of "
+                         f"{tensors[a].size:,} values), {b} (0 NaN, 1 inf of {tensors[b].size:,} values). The weights "
+                         f"are damaged or come from a run that diverged: download them again, or start from another "
+                         f"checkpoint")
+    assert not (tmp_path / "run").exists()
+
+
 # ----- a LoRA run whose checkpoints hold only its adapters: resumed, and its base read again ----------
 
 def lora_train(base, home: pathlib.Path, *overrides):

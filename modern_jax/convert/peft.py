@@ -16,7 +16,8 @@ included, `{e}`); a projection Hugging Face fuses with others (GPT-2's `c_attn`,
 An adapter is read only if it computes `W + (lora_alpha / r) B A` on every layer of the modules its
 tensors name: an adapter_config.json option that changes that (DoRA, rsLoRA, per-layer or
 per-module choices, trained biases or modules, an initialisation that rewrote the base) is refused
-by name, and so is a damaged or truncated `adapter_model.safetensors`.
+by name, and so is a damaged or truncated `adapter_model.safetensors` or one holding NaN or
+infinite values.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flax.nnx import traversals
 from safetensors.numpy import save_file
 
 from modern_jax.configfile import read_json
-from modern_jax.convert.hf_checkpoint import open_safetensors
+from modern_jax.convert.hf_checkpoint import nonfinite, open_safetensors, refuse_nonfinite
 from modern_jax.convert.hf_families import FAMILIES
 from modern_jax.convert.hf_weights import Rule
 from modern_jax.lora import LoRAConfig
@@ -127,6 +128,7 @@ _REFUSED = {
 # init_lora_weights that only initialise A and B; the others (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) also
 # rewrite the base weights, so their adapters fit only that rewritten base
 _BASE_KEEPING_INITS = (True, False, "gaussian", "eva", "orthogonal")
+_FIELDS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dropout", 0.0)}  # (LoRAConfig's, default)
 
 
 def read_peft_config(path) -> LoRAConfig:
@@ -148,11 +150,17 @@ def read_peft_config(path) -> LoRAConfig:
                          f"it a plain LoRA adapter of the original base")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"{path / CONFIG}: bias={cfg['bias']!r}: only adapters without trained biases are read")
+    values = {ours: cfg.get(key, default) for key, (ours, default) in _FIELDS.items()}
+    values["dropout"] = values["dropout"] or 0.0  # null: none
+    if type(values["alpha"]) is int:
+        values["alpha"] = float(values["alpha"])
     try:
-        return LoRAConfig(rank=cfg.get("r", 8), alpha=float(cfg.get("lora_alpha", 8)),
-                          dropout=float(cfg.get("lora_dropout") or 0.0))
-    except ValueError as e:
-        raise ValueError(f"{path / CONFIG}: {e}") from None
+        return LoRAConfig(**values)
+    except ValueError as e:  # named by PEFT's key
+        message = str(e)
+        for key, (ours, _) in _FIELDS.items():
+            message = message.replace(f"LoRAConfig.{ours}=", f"{key}=")
+        raise ValueError(f"{path / CONFIG}: {message}") from None
 
 
 def _shown(value) -> str:
@@ -194,7 +202,7 @@ def read_peft(path, model: Transformer, model_type: str) -> dict:
     """The adapters of `model` (made with the adapter's `LoRAConfig` and targets) filled from the
     PEFT adapter at `path`: a pure dict of every adapter parameter, host arrays."""
     path = Path(path)
-    out = {}
+    out, bad = {}, []
     with _weights(path) as f:
         present = set(f.keys())
         for tree_path, rule, names, variable in adapter_tensors(model, model_type):
@@ -208,6 +216,9 @@ def read_peft(path, model: Transformer, model_type: str) -> dict:
                 if tuple(x.shape) != want:
                     raise ValueError(f"{path / WEIGHTS}: {name} has shape {list(x.shape)}, the model needs "
                                      f"{list(want)} (rank {model.lora.rank})")
+                if (count := nonfinite(x)) is not None:
+                    bad.append(f"{name} ({count})")
                 buffer[slot] = rule.to_ours(x.astype(np.float32), buffer.shape[len(slot):])
             out[tree_path] = buffer
+    refuse_nonfinite(str(path / WEIGHTS), bad)
     return traversals.unflatten_mapping(out)
