@@ -213,6 +213,25 @@ def test_a_run_recorded_before_base_checksums_still_evaluates(lora_run, capsys):
     assert main(["evaluate", "--checkpoint", str(lora_run)]) == 0, capsys.readouterr().err
 
 
+@pytest.mark.parametrize("to", ["--to-hf", "--to-peft"])
+def test_convert_of_a_step_directory_finds_its_runs_hugging_face_files(to, lora_run, capsys):
+    """A step of a run started from a Hugging Face model: its family, token ids and tokenizer are
+    the run's (`hf/` beside `checkpoints/`), as for the run directory itself."""
+    out = lora_run.parent / "out"
+    assert main(["convert", to, str(lora_run / "checkpoints" / "2"), "--out", str(out)]) == 0, capsys.readouterr().err
+    if to == "--to-hf":
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
+            {p.name for p in out.iterdir()}
+        assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
+    else:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+
+
+def test_convert_of_a_run_that_does_not_exist_names_it(tmp_path, capsys):
+    line = refused(["convert", "--to-peft", tmp_path / "no_such_run", "--out", tmp_path / "out"], capsys)
+    assert line.endswith(f"checkpoint {str(tmp_path / 'no_such_run')!r} is not a directory")
+
+
 # ----- preference pairs read by a DPO run -----------------------------------------------------------
 
 def user(text):

@@ -110,6 +110,14 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str =
     return out
 
 
+def _hf_source(ckpt) -> tuple[Path, dict | None]:
+    """The directory of `ckpt`'s config.yaml (a run's, for one of its steps) and the Hugging Face
+    config.json kept in its hf/ (the model it was converted or fine-tuned from), if any."""
+    _, config_path, _, _ = resolve_checkpoint(ckpt)
+    home = config_path.parent
+    return home, read_hf_config(home / HF) if (home / HF / "config.json").is_file() else None
+
+
 def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: str | None = None,
                   dtype: str | None = None, overwrite: bool = False, log=None) -> list[str]:
     """Our checkpoint `ckpt` (converted, or a training run) -> a Hugging Face model directory `out`.
@@ -117,9 +125,8 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
     `model_type` defaults to the family the checkpoint was converted from (hf/config.json);
     a model trained here needs it named. Token ids and tokenizer files come along when known.
     """
-    ckpt = Path(ckpt)
     outputs.claim(out, outputs.HF, "output directory", overwrite=overwrite, dry_run=True)  # before reading
-    source = read_hf_config(ckpt / HF) if (ckpt / HF / "config.json").is_file() else None
+    home, source = _hf_source(ckpt)
     if model_type is None:
         if source is None:
             raise ValueError(f"{ckpt} was not converted from Hugging Face: name the model_type to write")
@@ -133,8 +140,8 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
     model = merged(model)  # a LoRA run: its adapters added into the base
     files = to_hf(model, out, model_type=model_type, dtype=dtype, extra_config=extra, overwrite=overwrite)
     for name in HF_ASSETS:
-        if name != "config.json" and (ckpt / HF / name).is_file():
-            shutil.copy2(ckpt / HF / name, Path(out) / name)
+        if name != "config.json" and (home / HF / name).is_file():
+            shutil.copy2(home / HF / name, Path(out) / name)
             files.append(name)
     return files
 
@@ -146,9 +153,8 @@ def convert_to_peft(ckpt: str | os.PathLike, out: str | os.PathLike, model_type:
     from modern_jax.convert.peft import write_peft
     from modern_jax.training import outputs
 
-    ckpt = Path(ckpt)
     outputs.claim(out, outputs.PEFT, "output directory", overwrite=overwrite, dry_run=True)  # before reading
-    source = read_hf_config(ckpt / HF) if (ckpt / HF / "config.json").is_file() else None
+    _, source = _hf_source(ckpt)
     if model_type is None:
         if source is None:
             raise ValueError(f"{ckpt} was not started from a Hugging Face model: name the base's family with "
