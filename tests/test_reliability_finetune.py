@@ -305,3 +305,11 @@ def test_a_preference_pair_whose_completions_are_the_same_is_named(kind, bad, tm
     line = refused(dpo(pairs, tmp_path), capsys)
     assert line.endswith(f"{where}: the 'chosen' and 'rejected' completions are the same, so the pair teaches nothing "
                          f"(its loss has no gradient): make 'rejected' the worse answer, or remove the record")
+
+
+@pytest.mark.parametrize("parquet", [False, True], ids=["jsonl", "parquet"])
+def test_a_preference_record_whose_prompt_is_null_is_named(parquet, tmp_path, capsys):
+    pairs, where = pairs_file(tmp_path, GOOD["explicit_text"], {**GOOD["explicit_text"], "prompt": None}, parquet)
+    line = refused(dpo(pairs, tmp_path), capsys)
+    assert line.endswith(f"{where}: field 'prompt' is null: give the record its prompt, or leave the field out of "
+                         f"every record (the prompt is then the start that 'chosen' and 'rejected' share)")

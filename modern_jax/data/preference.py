@@ -16,7 +16,7 @@ with to the completions. A `prompt` of the other kind than the completions (a te
 whole conversations, as in `ultrafeedback_binarized`) is ignored and the prompt extracted
 the same way (TRL's `maybe_extract_prompt`); a conversation `prompt` beside text completions
 is an error. Whether the records have a `prompt` is decided by the first one; a later record
-without one is an error. So are a completion that is empty (blank text, or messages of blank
+without one (or with a null `prompt`) is an error. So are a completion that is empty (blank text, or messages of blank
 content), a pair whose two completions are the same, and implicit conversations that part at a
 message other than the assistant's (a user or system message: they ask different questions).
 Each error names the record: its file and line (JSON Lines, from 1) or row (Parquet and
@@ -268,6 +268,10 @@ def _records(cfg: DataConfig, source: str):
                                      f"have one: give every record a {PROMPT!r}, or none (the prompt is then the "
                                      f"start that {CHOSEN!r} and {REJECTED!r} share)") from None
                 prompts = None  # the first record has none: implicit prompts
+            if prompts is not None and prompt is None:
+                raise ValueError(f"{where}: field {PROMPT!r} is null: give the record its prompt, or leave the field "
+                                 f"out of every record (the prompt is then the start that {CHOSEN!r} and "
+                                 f"{REJECTED!r} share)")
         yield name, where, prompt, chosen, rejected
         n += 1
         if cfg.max_documents is not None and n >= cfg.max_documents:
