@@ -20,8 +20,9 @@ one of them by its path (`experts.gate_proj`) with a dropout is refused. `quanti
 projection in the blocks (adapted or not) quantized and dequantizes it in the compute dtype as it
 runs (`ops.quant`): int8 blockwise, or NF4 with double quantization as QLoRA defines it.
 With `save_base: false` a run's checkpoints leave the frozen base out: it is read again from
-where the run started (`--init-from-hf`, recorded in the run's `base.json`) to resume,
-evaluate, sample or convert.
+where the run started (`--init-from-hf`, recorded in the run's `base.json` with the size and
+CRC-32 of each of its weight files) to resume, evaluate, sample or convert, and refused by name
+if those files have changed.
 """
 
 from __future__ import annotations

@@ -38,14 +38,15 @@ from flax.nnx import traversals
 
 from modern_jax.config import NETWORK_FIELDS, ModelConfig
 from modern_jax.configfile import read_json
-from modern_jax.convert.hf_checkpoint import from_hf, nonfinite, read_hf_config, refuse_nonfinite, resolve_hf, to_hf
+from modern_jax.convert.hf_checkpoint import (checkpoint_files, from_hf, nonfinite, read_hf_config, refuse_nonfinite,
+                                             resolve_hf, to_hf)
 from modern_jax.convert.hf_config import config_from_hf, model_type_of
 from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from modern_jax.lora import LoRAConfig
 from modern_jax.model import Transformer, abstract_params, adapt, merged
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import (BASE_FILE, HF_ASSETS_DIR, load_params, read_config, resolve_checkpoint, save_checkpoint,
-                                           write_checksums)
+from modern_jax.training.checkpoint import (BASE_FILE, HF_ASSETS_DIR, check_base, file_checksums, load_params,
+                                           read_config, resolve_checkpoint, save_checkpoint, write_checksums)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.loop import Initial
 
@@ -84,6 +85,8 @@ def load_model_params(ckpt: str | os.PathLike, log=None, **overrides: Any):
     if base_cfg.replace(**settings) != cfg:
         raise ValueError(f"{base_file}: the base {source} is not the model this run trained ({home / 'config.yaml'}): "
                          f"point {BASE_FILE} at the model the run started from")
+    check_base(home, source, init.checksums(), fix=f"put the model the run started from back there, or point "
+                                                  f"{base_file}'s source at it")
     model = nnx.merge(abstract_params(cfg)[0], init.params())
     adapt(model, lora, nnx.Rngs(0))  # the frozen base as the run holds it (quantized), adapters replaced below
     full = traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -107,6 +110,14 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str =
     return out
 
 
+def _hf_source(ckpt) -> tuple[Path, dict | None]:
+    """The directory of `ckpt`'s config.yaml (a run's, for one of its steps) and the Hugging Face
+    config.json kept in its hf/ (the model it was converted or fine-tuned from), if any."""
+    _, config_path, _, _ = resolve_checkpoint(ckpt)
+    home = config_path.parent
+    return home, read_hf_config(home / HF) if (home / HF / "config.json").is_file() else None
+
+
 def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: str | None = None,
                   dtype: str | None = None, overwrite: bool = False, log=None) -> list[str]:
     """Our checkpoint `ckpt` (converted, or a training run) -> a Hugging Face model directory `out`.
@@ -114,9 +125,8 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
     `model_type` defaults to the family the checkpoint was converted from (hf/config.json);
     a model trained here needs it named. Token ids and tokenizer files come along when known.
     """
-    ckpt = Path(ckpt)
     outputs.claim(out, outputs.HF, "output directory", overwrite=overwrite, dry_run=True)  # before reading
-    source = read_hf_config(ckpt / HF) if (ckpt / HF / "config.json").is_file() else None
+    home, source = _hf_source(ckpt)
     if model_type is None:
         if source is None:
             raise ValueError(f"{ckpt} was not converted from Hugging Face: name the model_type to write")
@@ -130,8 +140,8 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
     model = merged(model)  # a LoRA run: its adapters added into the base
     files = to_hf(model, out, model_type=model_type, dtype=dtype, extra_config=extra, overwrite=overwrite)
     for name in HF_ASSETS:
-        if name != "config.json" and (ckpt / HF / name).is_file():
-            shutil.copy2(ckpt / HF / name, Path(out) / name)
+        if name != "config.json" and (home / HF / name).is_file():
+            shutil.copy2(home / HF / name, Path(out) / name)
             files.append(name)
     return files
 
@@ -143,9 +153,8 @@ def convert_to_peft(ckpt: str | os.PathLike, out: str | os.PathLike, model_type:
     from modern_jax.convert.peft import write_peft
     from modern_jax.training import outputs
 
-    ckpt = Path(ckpt)
     outputs.claim(out, outputs.PEFT, "output directory", overwrite=overwrite, dry_run=True)  # before reading
-    source = read_hf_config(ckpt / HF) if (ckpt / HF / "config.json").is_file() else None
+    _, source = _hf_source(ckpt)
     if model_type is None:
         if source is None:
             raise ValueError(f"{ckpt} was not started from a Hugging Face model: name the base's family with "
@@ -196,7 +205,9 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
                                                        if count is not None])
             return params
 
-        return cfg, Initial(what, ours, tokenizer, assets, path=str(path.absolute()))
+        weights = sorted(p for p in (directory / PARAMS).rglob("*") if p.is_file())
+        return cfg, Initial(what, ours, tokenizer, assets, path=str(path.absolute()),
+                            checksums=lambda: file_checksums(directory, weights))
     path = resolve_hf(source)
     hf = read_hf_config(path)
     try:
@@ -211,7 +222,8 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     assets = tuple(path / name for name in HF_ASSETS if (path / name).is_file())
-    return cfg, Initial(f"the Hugging Face model {source}", params, tokenizer, assets, path=str(path.absolute()))
+    return cfg, Initial(f"the Hugging Face model {source}", params, tokenizer, assets, path=str(path.absolute()),
+                        checksums=lambda: file_checksums(path, checkpoint_files(path)))
 
 
 def finetune_run(run: RunConfig, source: str | os.PathLike, log=None, adapter: str | os.PathLike | None = None

@@ -182,13 +182,13 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _open_safetensors(file: Path):
+def open_safetensors(file: Path, fix: str = "download it again"):
     """`safe_open`, with a damaged file (truncated, bad header) reported as a CheckpointError naming it."""
     try:
         f = safe_open(file, framework="np")
     except Exception as e:  # safetensors raises its own error types (not ValueError)
         raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e}): "
-                              f"the file is damaged or truncated; download it again") from None
+                              f"the file is damaged or truncated; {fix}") from None
     with f:
         yield f
 
@@ -296,7 +296,7 @@ def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sourc
     found: dict[str, tuple[Path, str]] = {}
     unused, twice, wrong = [], [], []
     for file in checkpoint_files(path):
-        with _open_safetensors(file) as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 canonical = table.canonical(name)
                 if canonical not in sources:
@@ -347,7 +347,7 @@ def _stream(path: Path, found: dict[str, tuple[Path, str]], sources, cfg: ModelC
         by_file.setdefault(file, []).append((canonical, name))
     bad = []
     for file, names in by_file.items():
-        with _open_safetensors(file) as f:
+        with open_safetensors(file) as f:
             for canonical, name in names:
                 try:
                     x = f.get_tensor(name)

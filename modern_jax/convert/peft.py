@@ -12,6 +12,12 @@ is `r` by the kernel's input axes and `B`'s the kernel's output axes by `r`. Tha
 family whose projections are one torch Linear each (experts saved one Linear per expert
 included, `{e}`); a projection Hugging Face fuses with others (GPT-2's `c_attn`, gpt-oss's
 `gate_up_proj`) has no adapter of its own there, and is refused by name.
+
+An adapter is read only if it computes `W + (lora_alpha / r) B A` on every layer of the modules its
+tensors name: an adapter_config.json option that changes that (DoRA, rsLoRA, per-layer or
+per-module choices, trained biases or modules, an initialisation that rewrote the base) is refused
+by name, and so is a damaged or truncated `adapter_model.safetensors` or one holding NaN or
+infinite values.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax.nnx import traversals
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from modern_jax.configfile import read_json
+from modern_jax.convert.hf_checkpoint import nonfinite, open_safetensors, refuse_nonfinite
 from modern_jax.convert.hf_families import FAMILIES
 from modern_jax.convert.hf_weights import Rule
 from modern_jax.lora import LoRAConfig
@@ -105,8 +111,24 @@ def write_peft(model: Transformer, path, model_type: str, base: str = "") -> lis
     return [CONFIG, WEIGHTS]
 
 
-_REFUSED = {"use_rslora": "rank-stabilised scaling", "use_dora": "DoRA", "modules_to_save": "modules_to_save",
-            "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas"}
+# adapter_config.json options that make the adapter compute something other than W + (alpha / r) B A on
+# every layer of the modules its tensors name: refused when set. fan_in_fan_out is not one: PEFT sets
+# it by the layer's type (Conv1D stores (in, out), Linear (out, in)), and lora_A / lora_B keep one layout
+# either way. A variant whose extra tensors are not listed here is refused by them (`peft_targets`).
+_REFUSED = {
+    "use_rslora": "rank-stabilised scaling", "use_dora": "DoRA",
+    "use_qalora": "QA-LoRA's pooled inputs", "use_bdlora": "block-diagonal adapters",
+    "lora_bias": "a trained bias on lora_B", "modules_to_save": "whole modules trained beside the adapters",
+    "trainable_token_indices": "trained embedding rows", "target_parameters": "adapters on bare parameters",
+    "layers_to_transform": "adapters on some layers only", "layers_pattern": "adapters on some layers only",
+    "layer_replication": "repeated layers", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
+    "alora_invocation_tokens": "activated LoRA, on after its invocation tokens", "arrow_config": "Arrow routing",
+    "kasa_config": "KaSA's singular values", "monteclora_config": "MonteCLoRA's sampled adapters",
+    "megatron_config": "Megatron's parallel layers"}
+# init_lora_weights that only initialise A and B; the others (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) also
+# rewrite the base weights, so their adapters fit only that rewritten base
+_BASE_KEEPING_INITS = (True, False, "gaussian", "eva", "orthogonal")
+_FIELDS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dropout", 0.0)}  # (LoRAConfig's, default)
 
 
 def read_peft_config(path) -> LoRAConfig:
@@ -119,20 +141,41 @@ def read_peft_config(path) -> LoRAConfig:
         raise ValueError(f"{path / CONFIG}: peft_type={cfg.get('peft_type')!r}; only LORA adapters are read")
     for key, what in _REFUSED.items():
         if cfg.get(key):
-            raise ValueError(f"{path / CONFIG}: {key}={cfg[key]!r} ({what}) is not supported: train the adapter "
-                             f"without it")
+            raise ValueError(f"{path / CONFIG}: {key}={_shown(cfg[key])} ({what}) is not supported: train the "
+                             f"adapter without it")
+    if cfg.get("init_lora_weights", True) not in _BASE_KEEPING_INITS:
+        raise ValueError(f"{path / CONFIG}: init_lora_weights={_shown(cfg['init_lora_weights'])} rewrote the base "
+                         f"weights as training started, so the adapter fits only that rewritten base: save it with "
+                         f"PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...), which makes "
+                         f"it a plain LoRA adapter of the original base")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"{path / CONFIG}: bias={cfg['bias']!r}: only adapters without trained biases are read")
+    values = {ours: cfg.get(key, default) for key, (ours, default) in _FIELDS.items()}
+    values["dropout"] = values["dropout"] or 0.0  # null: none
+    if type(values["alpha"]) is int:
+        values["alpha"] = float(values["alpha"])
     try:
-        return LoRAConfig(rank=cfg.get("r", 8), alpha=float(cfg.get("lora_alpha", 8)),
-                          dropout=float(cfg.get("lora_dropout") or 0.0))
-    except ValueError as e:
-        raise ValueError(f"{path / CONFIG}: {e}") from None
+        return LoRAConfig(**values)
+    except ValueError as e:  # named by PEFT's key
+        message = str(e)
+        for key, (ours, _) in _FIELDS.items():
+            message = message.replace(f"LoRAConfig.{ours}=", f"{key}=")
+        raise ValueError(f"{path / CONFIG}: {message}") from None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _weights(path: Path):
+    """The adapter's safetensors file, open; a damaged one is one error naming it."""
+    return open_safetensors(path / WEIGHTS, fix="download or export the adapter again")
 
 
 def peft_targets(path, model: Transformer, model_type: str) -> tuple[str, ...]:
     """Our projection names (as `lora.targets`) that the adapter at `path` has tensors for."""
-    with safe_open(str(Path(path) / WEIGHTS), framework="numpy") as f:
+    with _weights(Path(path)) as f:
         present = set(f.keys())
     table = FAMILIES[model_type].weights.layer
     found, unused = set(), set(present)
@@ -159,8 +202,8 @@ def read_peft(path, model: Transformer, model_type: str) -> dict:
     """The adapters of `model` (made with the adapter's `LoRAConfig` and targets) filled from the
     PEFT adapter at `path`: a pure dict of every adapter parameter, host arrays."""
     path = Path(path)
-    out = {}
-    with safe_open(str(path / WEIGHTS), framework="numpy") as f:
+    out, bad = {}, []
+    with _weights(path) as f:
         present = set(f.keys())
         for tree_path, rule, names, variable in adapter_tensors(model, model_type):
             buffer = np.zeros(variable.shape, np.float32)
@@ -173,6 +216,9 @@ def read_peft(path, model: Transformer, model_type: str) -> dict:
                 if tuple(x.shape) != want:
                     raise ValueError(f"{path / WEIGHTS}: {name} has shape {list(x.shape)}, the model needs "
                                      f"{list(want)} (rank {model.lora.rank})")
+                if (count := nonfinite(x)) is not None:
+                    bad.append(f"{name} ({count})")
                 buffer[slot] = rule.to_ours(x.astype(np.float32), buffer.shape[len(slot):])
             out[tree_path] = buffer
+    refuse_nonfinite(str(path / WEIGHTS), bad)
     return traversals.unflatten_mapping(out)

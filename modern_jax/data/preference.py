@@ -16,7 +16,11 @@ with to the completions. A `prompt` of the other kind than the completions (a te
 whole conversations, as in `ultrafeedback_binarized`) is ignored and the prompt extracted
 the same way (TRL's `maybe_extract_prompt`); a conversation `prompt` beside text completions
 is an error. Whether the records have a `prompt` is decided by the first one; a later record
-without one is an error.
+without one (or with a null `prompt`) is an error. So are a completion that is empty (blank text, or messages of blank
+content), a pair whose two completions are the same, and implicit conversations that part at a
+message other than the assistant's (a user or system message: they ask different questions).
+Each error names the record: its file and line (JSON Lines, from 1) or row (Parquet and
+`datasets`, from 0).
 
 Tokens, as TRL 1.x's `DPOTrainer._prepare_dataset` makes them:
 
@@ -268,6 +272,10 @@ def _records(cfg: DataConfig, source: str):
                                      f"have one: give every record a {PROMPT!r}, or none (the prompt is then the "
                                      f"start that {CHOSEN!r} and {REJECTED!r} share)") from None
                 prompts = None  # the first record has none: implicit prompts
+            if prompts is not None and prompt is None:
+                raise ValueError(f"{where}: field {PROMPT!r} is null: give the record its prompt, or leave the field "
+                                 f"out of every record (the prompt is then the start that {CHOSEN!r} and "
+                                 f"{REJECTED!r} share)")
         yield name, where, prompt, chosen, rejected
         n += 1
         if cfg.max_documents is not None and n >= cfg.max_documents:
@@ -286,14 +294,15 @@ def _kind(value, field: str, where: str) -> str:
 
 
 def _split_prompt(prompt, chosen, rejected, where: str):
-    """`(prompt, chosen, rejected)` of one kind, the prompt extracted when it is implicit (module docstring)."""
+    """`(prompt, chosen, rejected)` of one kind, the prompt extracted when it is implicit (module docstring);
+    completions that are empty or the same, and implicit conversations that part before an answer, refused."""
     kind = _kind(chosen, CHOSEN, where)
     if _kind(rejected, REJECTED, where) != kind:
         raise ValueError(f"{where}: {CHOSEN!r} is a {kind} but {REJECTED!r} is not: give both as texts or both as "
                          "lists of messages")
     prompt_kind = None if prompt is None else _kind(prompt, PROMPT, where)
     if prompt_kind == kind:
-        return prompt, chosen, rejected
+        return _check_completions(prompt, chosen, rejected, where, "")
     if prompt_kind == "conversation":
         raise ValueError(f"{where}: {PROMPT!r} is a conversation but {CHOSEN!r} and {REJECTED!r} are texts: give the "
                          f"completions as lists of assistant messages, or the prompt as a text")
@@ -303,7 +312,27 @@ def _split_prompt(prompt, chosen, rejected, where: str):
         raise ValueError(f"{where}: {got}{CHOSEN!r} and {REJECTED!r} are {kind}s that do not start alike, so they hold "
                          f"no prompt: give the prompt as a {kind} in {PROMPT!r}, or whole {kind}s (prompt and "
                          f"completion) in {CHOSEN!r} and {REJECTED!r}")
-    return chosen[:n], chosen[n:], rejected[n:]
+    if kind == "conversation":
+        parted = next((m for m in (chosen[n], rejected[n]) if m["role"] != "assistant"), None)
+        if parted is not None:
+            raise ValueError(f"{where}: {CHOSEN!r} and {REJECTED!r} part at message {n}, a {parted['role']} message, "
+                             f"not an assistant's answer, so they answer different questions: give both the same "
+                             f"messages up to the answer they differ in")
+    return _check_completions(chosen[:n], chosen[n:], rejected[n:], where, " after the start both share")
+
+
+def _check_completions(prompt, chosen, rejected, where: str, cut: str):
+    """The pair, unless a completion is empty (blank text, or messages of blank content) or both are the same."""
+    for field, completion in ((CHOSEN, chosen), (REJECTED, rejected)):
+        text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+        if not text.strip():
+            raise ValueError(f"{where}: the {field!r} completion is empty{cut}: give {field!r} an answer, or remove "
+                             f"the record")
+    if chosen == rejected:
+        raise ValueError(f"{where}: the {CHOSEN!r} and {REJECTED!r} completions are the same, so the pair teaches "
+                         f"nothing (its loss has no gradient): make {REJECTED!r} the worse answer, or remove the "
+                         f"record")
+    return prompt, chosen, rejected
 
 
 def _shared_start(chosen, rejected) -> int:

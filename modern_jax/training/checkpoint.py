@@ -56,7 +56,7 @@ from modern_jax.training.outputs import step_numbers
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
 HF_ASSETS_DIR = "hf"  # a Hugging Face source's config.json and tokenizer files, kept for the way back
-BASE_FILE = "base.json"  # where a fine-tune started: `{"source": path}` (a base its checkpoints leave out)
+BASE_FILE = "base.json"  # where a fine-tune started: `{"source": path, "files": {name: [size, CRC-32]}}`
 DAMAGED = "damaged_checkpoints"
 CHECKSUMS = "checksums.json"
 ITEMS = ("params", "state", "meta")
@@ -83,14 +83,36 @@ def _crc32(path: pathlib.Path) -> int:
     return crc
 
 
+def file_checksums(root, files) -> dict[str, list[int]]:
+    """`{path relative to root: [size, CRC-32]}` of `files`: what checksums.json records of a
+    checkpoint, and base.json of the base a LoRA run reads again."""
+    return {p.relative_to(root).as_posix(): [p.stat().st_size, _crc32(p)] for p in files}
+
+
 def write_checksums(directory) -> None:
     """Record the size and CRC-32 of every file under `directory` (written last, atomically)."""
     directory = pathlib.Path(directory)
-    files = {p.relative_to(directory).as_posix(): [p.stat().st_size, _crc32(p)]
-             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != CHECKSUMS}
+    files = file_checksums(directory, [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != CHECKSUMS])
     tmp = directory / (CHECKSUMS + ".tmp")
     tmp.write_text(json.dumps({"files": files}))
     os.replace(tmp, directory / CHECKSUMS)
+
+
+def check_base(run_dir, source: str, files: dict[str, list[int]], fix: str) -> None:
+    """The base read again for a run whose checkpoints leave it out (`lora.save_base: false`) is the
+    one it started from: `files`, the size and CRC-32 of each of `source`'s weight files now, equal
+    those its base.json recorded then. Every byte counts, so another model of the same shape, or
+    this one fine-tuned or merged with adapters, does not pass; a run recorded before base.json held
+    them is not checked. Else a ValueError naming the base, the run, the file that differs and `fix`."""
+    base_file = pathlib.Path(run_dir) / BASE_FILE
+    recorded = (_read_json(base_file) or {}).get("files")
+    if recorded is None or recorded == files:
+        return
+    name = next(n for n in sorted(set(recorded) | set(files)) if recorded.get(n) != files.get(n))
+    then, now = (f"{size:,} bytes, CRC-32 {crc:08x}" if size is not None else "no such file"
+                 for size, crc in (recorded.get(name, (None, None)), files.get(name, (None, None))))
+    raise ValueError(f"{source} is not the base {run_dir} was trained on ({name}: {then} when the run started, "
+                     f"{now} now, by its {BASE_FILE}): {fix}")
 
 
 def _read_json(path: pathlib.Path):

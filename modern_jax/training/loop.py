@@ -54,7 +54,8 @@ from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.model import abstract_model, undropped
 from modern_jax.parallel import distributed
 from modern_jax.training import outputs
-from modern_jax.training.checkpoint import BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer
+from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer,
+                                           check_base)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.loss import PREFERENCE_METRICS
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
@@ -75,6 +76,7 @@ class Initial:
     assets: tuple[pathlib.Path, ...] = ()  # files copied into the run's hf/: config.json, tokenizer files
     adapters: Callable[[], dict] | None = None  # a LoRA run's adapters (a PEFT adapter's), read like `params`
     path: str | None = None  # where they come from (`lora.save_base: false` reads the base there again)
+    checksums: Callable[[], dict] | None = None  # the size and CRC-32 of each weight file there, read when called
 
 
 @dataclasses.dataclass
@@ -403,18 +405,34 @@ def _changes(saved: dict, now: dict) -> list[str]:
 TOKENIZER_FIELDS = ("data.tokenizer", "data.tokenizer_path")  # what a resumed run's saved tokenizer fixes
 
 
+def _differences(section: str, there: dict, here: dict, ignore=()) -> list[str]:
+    """`section.field is X there, Y here` for each field of the saved `there` that `here` holds otherwise."""
+    return [f"{section}.{k} is {v!r} there, {here.get(k)!r} here" for k, v in there.items()
+            if k not in ignore and here.get(k) != v]
+
+
 def _check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
-    """A resumed run keeps its model and its tokenizer; other changed settings are named."""
+    """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout) and its
+    tokenizer; other changed settings are named."""
     config_path = out_dir / CONFIG_FILE
     if not config_path.exists():
         return
     saved = read_yaml(config_path)
     saved = saved if isinstance(saved, dict) else {}
-    model_diff = [f"model.{k} is {v!r} there, {run.model.to_dict().get(k)!r} here"
-                  for k, v in (saved.get("model") or {}).items() if run.model.to_dict().get(k) != v]
+    model_diff = _differences("model", saved.get("model") or {}, run.model.to_dict())
     if model_diff:
         raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model ({'; '.join(model_diff[:3])}"
                          f", by its {CONFIG_FILE}): start a new train.output_dir or keep the model: section unchanged")
+    there, here = saved.get("lora"), None if run.lora is None else run.lora.to_dict()
+    if isinstance(there, dict) and here is not None:
+        lora_diff = _differences("lora", there, here, ignore=("dropout",))
+    else:
+        lora_diff = [] if (there is None) == (here is None) else [
+            "a lora: section there, none here" if here is None else "no lora: section there, one here"]
+    if lora_diff:
+        raise ValueError(f"the checkpoints in {str(out_dir)!r} were trained with other lora: settings "
+                         f"({'; '.join(lora_diff)}, by its {CONFIG_FILE}): resume with the lora: section they were "
+                         f"trained with, or start a new train.output_dir")
     now = run.to_dict()
     flat_saved, flat_now = distributed.flatten(saved), distributed.flatten(now)
     for field in TOKENIZER_FIELDS:
@@ -442,6 +460,9 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
                          "from a model it can read again: give --init-from-hf (the same one each time), or set "
                          "lora.save_base=true")
     init = None if steps and not adapters_only else init  # such a run reads its base again to resume
+    base = None  # the size and CRC-32 of each weight file of a base left out of the checkpoints
+    if adapters_only:
+        base = distributed.decide("base", lambda: _base_files(out_dir, init, resumed=bool(steps)))
     distributed.check_same("run", {**distributed.flatten(run.to_dict()), "init": init.source if init else None,
                                    "mesh": dict(mesh.shape), "devices": mesh.size, "resume from": steps[-1:] or None})
     shared = None
@@ -506,7 +527,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
                                             session.batch(session.periodic_eval[0], tc.eval_batch_size),
                                             session.token_bytes)
     if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
-        _write_run_files(out_dir, run, tokenizer, init)
+        _write_run_files(out_dir, run, tokenizer, init, base)
     directory.started = True
     distributed.note(step=start, resume=session.resume_hint())
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_base()))
@@ -522,10 +543,22 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     return session
 
 
-def _write_run_files(out_dir: pathlib.Path, run: RunConfig, tokenizer, init: Initial | None) -> None:
+def _base_files(out_dir: pathlib.Path, init: Initial, resumed: bool) -> dict | None:
+    """The size and CRC-32 of each weight file of the base a run leaves out of its checkpoints; a
+    resumed run's must be those it started from (`checkpoint.check_base`)."""
+    files = init.checksums() if init.checksums is not None else None
+    if resumed and files is not None:
+        check_base(out_dir, init.path, files, fix="give --init-from-hf the model the run started from, or train "
+                                                  "into a new train.output_dir")
+    return files
+
+
+def _write_run_files(out_dir: pathlib.Path, run: RunConfig, tokenizer, init: Initial | None,
+                     base: dict | None = None) -> None:
     (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
-    if init is not None and init.path is not None:  # where the run started: a base left out of its checkpoints
-        (out_dir / BASE_FILE).write_text(json.dumps({"source": init.path}) + "\n")
+    if init is not None and init.path is not None:  # where the run started, and the files of a base left out
+        record = {"source": init.path, **({} if base is None else {"files": base})}
+        (out_dir / BASE_FILE).write_text(json.dumps(record) + "\n")
     tokenizer.save(out_dir)
     if init is not None and init.assets:
         (out_dir / HF_ASSETS_DIR).mkdir(exist_ok=True)
