@@ -107,8 +107,8 @@ def test_plan_search_ranks_what_fits_by_estimated_speed_and_reuses_its_compiles(
     monkeypatch.setenv(planner.CACHE_ENV, str(tmp_path))
     args = ["plan", "--config", "configs/tiny.yaml", "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--batch", "8",
             "--seq", "256", "--search", "--search-remat", "full,none", "--search-accum", "1",
-            "--search-mesh", "fsdp=4;fsdp=8", "--search-chunk", "whole", "model.dtype=bfloat16",
-            "model.n_layers=2"]
+            "--search-mesh", "fsdp=4;tensor=4", "--search-chunk", "whole", "model.dtype=bfloat16",
+            "model.n_layers=2", "model.d_ff=390"]
     assert main(args) == 0
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "rank" not in line]
@@ -117,7 +117,7 @@ def test_plan_search_ranks_what_fits_by_estimated_speed_and_reuses_its_compiles(
     speeds = [float(r[7].replace(",", "")) for r in ranked]
     assert [int(r[0]) for r in ranked] == [1, 2] and speeds == sorted(speeds, reverse=True)
     refused = [r for r in rows if r[0].strip() == "-"]
-    assert {r[1].strip() for r in refused} == {"fsdp=8"} and "needs 8 devices" in refused[0][6]  # of 4 chips
+    assert {r[1].strip() for r in refused} == {"tensor=4"} and "d_ff=390 is not divisible" in refused[0][6]
     assert {r[2].strip() for r in ranked} == {"full", "none"}
     assert [r[2].strip() for r in ranked] == ["none", "full"]  # remat none recomputes nothing: faster
 
