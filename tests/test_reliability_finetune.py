@@ -160,8 +160,7 @@ def lora_changed(lora_run: pathlib.Path, differ: str) -> str:
 @pytest.mark.parametrize("changes, differ", [
     (["lora.rank=8"], "lora.rank is 16 there, 8 here"),
     (["lora.alpha=8"], "lora.alpha is 32.0 there, 8.0 here"),
-    (["lora.targets=[q_proj,v_proj]"], "lora.targets is ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', "
-                                       "'up_proj', 'down_proj'] there, ['q_proj', 'v_proj'] here"),
+    (["lora.targets=[q_proj,v_proj]"], "lora.targets is ['all-linear'] there, ['q_proj', 'v_proj'] here"),
     (["lora.quantize=int8", "lora.rank=4"], "lora.rank is 16 there, 4 here; lora.quantize is 'none' there, 'int8' "
                                             "here"),
 ], ids=["rank", "alpha", "targets", "quantize"])
