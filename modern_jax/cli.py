@@ -265,6 +265,22 @@ def _max_windows(text: str | None) -> int | str | None:
     return int(text)
 
 
+def _scoring_trainer(cfg, raw: dict, tc):
+    """The Trainer that evaluates or samples checkpoint `cfg` (its run config `raw`: its adapters)
+    under `tc`: next-token scoring, no optimiser, one device (in a launch of several processes
+    every device, each process feeding its rows)."""
+    import jax
+
+    from modern_jax.data.config import DataConfig
+    from modern_jax.lora import LoRAConfig
+    from modern_jax.sharding.mesh import make_mesh
+    from modern_jax.training import RunConfig, trainer_for
+
+    run = RunConfig(cfg.to_dict(), tc, DataConfig(), lora=LoRAConfig.of_run(raw))
+    mesh = make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None)
+    return trainer_for(run, mesh, optimizer=False)
+
+
 def cmd_evaluate(args) -> int:
     _check_flags(args, _positive("--seq-len"), _positive("--batch-size"))
     args.max_windows = _max_windows(args.max_windows)
@@ -272,11 +288,9 @@ def cmd_evaluate(args) -> int:
 
     from modern_jax.accounting import DoesNotFit, check_fits
     from modern_jax.data.pipeline import eval_batches, eval_windows
-    from modern_jax.sharding.mesh import make_mesh
-    from modern_jax.training import TrainConfig, Trainer, evaluate_batches
+    from modern_jax.training import TrainConfig, evaluate_batches
     from modern_jax.training.metrics import Progress
     from modern_jax.convert.checkpoint import load_model_params
-    from modern_jax.lora import LoRAConfig
 
     main = jax.process_index() == 0
     note = _note if main else (lambda *_: None)
@@ -315,8 +329,7 @@ def cmd_evaluate(args) -> int:
                  f"{windows:,}")
         tc = TrainConfig(seq_len=seq_len, eval_batch_size=batch_size, warmup_steps=0)
         # one device; in a launch of several processes every device, each process feeding its rows
-        trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None),
-                          lora=LoRAConfig.of_run(raw))
+        trainer = _scoring_trainer(cfg, raw, tc)
         token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
 
         def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
@@ -368,8 +381,7 @@ def cmd_generate(args) -> int:
     from modern_jax.accounting import DoesNotFit
     from modern_jax.generate import sample_texts
     from modern_jax.convert.checkpoint import load_model_params
-    from modern_jax.lora import LoRAConfig
-    from modern_jax.model import abstract_params
+    from modern_jax.training import TrainConfig
     from modern_jax.training.metrics import Progress
 
     import jax
@@ -380,7 +392,7 @@ def cmd_generate(args) -> int:
         tokenizer.encode(args.prompt)
     except ValueError as e:
         raise ValueError(f"--prompt cannot be encoded: {e}") from None
-    graphdef, _ = abstract_params(cfg, LoRAConfig.of_run(raw))
+    graphdef = _scoring_trainer(cfg, raw, TrainConfig(warmup_steps=0)).graphdef
     temperature = 0.0 if args.greedy else args.temperature
     try:
         with _warnings_as_notes(), Progress(None, enabled=jax.process_index() == 0) as progress, \

@@ -28,7 +28,9 @@ def check_keys(section: str, values: dict, allowed: list[str]) -> None:
             raise ValueError(f"unknown key {section}.{key}{hint} (allowed: {', '.join(allowed)})")
 
 
-RUN_SECTIONS = ("model", "execution", "train", "data", "parallel", "lora", "dpo")  # the sections of a run file
+# the sections that choose a training objective, each a module of `modern_jax.training.objectives`
+OBJECTIVES = ("dpo",)
+RUN_SECTIONS = ("model", "execution", "train", "data", "parallel", "lora", *OBJECTIVES)  # the sections of a run file
 
 
 @functools.cache

@@ -48,7 +48,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     from modern_jax.kernels.backend import recording_kernels
     from modern_jax.sharding.mesh import make_mesh
     from modern_jax.sharding.targets import chip, topology_devices
-    from modern_jax.training.step import Trainer
+    from modern_jax.training.step import trainer_for
 
     if topology is not None:
         devices = topology_devices(topology, slices)
@@ -59,9 +59,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     execution = run.execution
     if topology is None and execution.attention_impl == "default":  # host devices stand in for accelerators:
         execution = execution.replace(attention_impl="chunked")  # O(T) attention, as the flash kernels are
-    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(),
-                      context_layout=run.parallel.context_layout, strategies=run.parallel,
-                      execution=execution, lora=run.lora)
+    trainer = trainer_for(run, mesh, execution=execution)
     state = trainer.abstract_state()
     batch = trainer.abstract_batch()
     with recording_kernels() as kernels:
@@ -90,6 +88,8 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         "kernels": {name: sorted(impls) for name, impls in sorted(kernels.items())},
         "parameters": shard_bytes(state["params"]),
         "optimizer": shard_bytes(state["opt_state"]),
+        # the frozen copy an objective compares with (full-weight DPO's reference), if the state keeps one
+        "reference": shard_bytes(state["reference"]) if "reference" in state else None,
         "batch": shard_bytes(batch),
     }
     if hbm_gib is None and topology is not None and chip(devices) is not None:
@@ -267,15 +267,12 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
 def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
     """The compiler's cost of one training step of `run` on `mesh`, its loops counted: the counting
     programs' costs extrapolated to every stage's repeats (or, with `layers`, that program alone)."""
-    from modern_jax.training.step import Trainer
+    from modern_jax.training.step import trainer_for
 
     execution = run.execution.replace(scan_layers=False)
 
     def cost(layers):
-        trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(),
-                          context_layout=run.parallel.context_layout, strategies=run.parallel,
-                          execution=execution, lora=run.lora, layers=layers)
-        return counting_cost(trainer, kernel_costs=kernel_costs)
+        return counting_cost(trainer_for(run, mesh, execution=execution, layers=layers), kernel_costs=kernel_costs)
 
     if layers is not None:
         return cost(layers)
@@ -385,13 +382,14 @@ def format_plan(result: dict) -> str:
              f"mesh: {mesh} ({result['devices']} devices)"]
     lines += [f"{name}: {', '.join(impls)}" for name, impls in result["kernels"].items()]
     lines.append("per device:")
-    for key, label in (("parameters", "parameters"), ("optimizer", "optimizer state"), ("batch", "batch"),
+    for key, label in (("parameters", "parameters"), ("optimizer", "optimizer state"),
+                       ("reference", "frozen reference (a copy of the starting weights)"), ("batch", "batch"),
                        ("temporaries", "activations + temporaries (XLA)"), ("peak", "peak (arguments + outputs "
                                                                                        "- donated + temporaries)")):
         if result.get("compiler_refused") and key == "peak":
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB by the compiler's count, more than the chip's "
                          f"{result['hbm'] / GiB:.2f} GiB (it stopped there; no temporaries reported)")
-        elif result[key] is not None:
+        elif result.get(key) is not None:
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB ({result[key]} B)")
     if "hbm" in result:
         verdict = "fits" if result["fits"] else "does NOT fit"

@@ -204,3 +204,32 @@ def test_no_layer_names_a_mesh_axis_or_a_parallel_strategy():
                 if name in banned:
                     found.append(f"{path.name}:{node.lineno} the name {name!r}")
     assert not found, found
+
+
+def _names_in(path: pathlib.Path):
+    """`(line, identifier)` of every name token in a module (strings and comments left out)."""
+    import tokenize
+
+    with path.open("rb") as f:
+        for token in tokenize.tokenize(f.readline):
+            if token.type == tokenize.NAME:
+                yield token.start[0], token.string
+
+
+def test_no_code_outside_an_objective_names_it():
+    """The Trainer, the loop, the planner and the commands never ask which objective runs: no
+    identifier spelling an objective's name (`dpo`, `run.dpo`, `DPOConfig`, `dpo_loss`) appears
+    outside its own module (the registry holds section names as strings)."""
+    import re
+
+    from modern_jax.configfile import OBJECTIVES
+
+    named = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for name in OBJECTIVES:
+            if rel == f"training/objectives/{name}.py":
+                continue
+            named += [f"modern_jax/{rel}:{line}: {token}" for line, token in _names_in(path)
+                      if re.fullmatch(rf"{name}(_\w*|config)?", token.lower())]
+    assert not named, "\n".join(named)

@@ -30,7 +30,8 @@ from modern_jax.convert import from_hf
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
 from modern_jax.lora import LoRAConfig
 from modern_jax.training import TrainConfig, Trainer
-from modern_jax.training.config import DPOConfig, run_config_from_dict
+from modern_jax.training.config import run_config_from_dict
+from modern_jax.training.objectives.dpo import DPO, DPOConfig
 
 from common import one_device
 
@@ -76,14 +77,14 @@ def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, 
     lora = dataclasses.replace(read_peft_config(adapter), targets=peft_targets(adapter, base, "llama"))
     rows = batch["inputs"].shape[1]
     tc = TrainConfig(batch_size=rows, eval_batch_size=rows, seq_len=batch["inputs"].shape[2], warmup_steps=0)
-    trainer = Trainer(cfg, tc, one_device(), lora=lora,
-                      dpo=DPOConfig(beta=float(want["beta"]), loss_type=loss_type, label_smoothing=smoothing))
+    dpo = DPOConfig(beta=float(want["beta"]), loss_type=loss_type, label_smoothing=smoothing)
+    trainer = Trainer(cfg, tc, one_device(), lora=lora, objective=DPO(dpo, tc))
     params = traversals.flatten_mapping(jax.device_get(trainer.init_state(0)["params"]))
     params.update(traversals.flatten_mapping(jax.device_get(nnx.to_pure_dict(nnx.state(base, nnx.Param)))))
     params.update(traversals.flatten_mapping(read_peft(adapter, trainer.model(trainer.init_state(0)["params"]),
                                                        "llama")))
     params = traversals.unflatten_mapping(params)
-    sums = jax.device_get(trainer.preference_eval_step(params, trainer.put_batch(batch), params))
+    sums = jax.device_get(trainer.eval_step(params, trainer.put_batch(batch), None))
     pairs = float(sums["pairs"])
     assert pairs == 3
     np.testing.assert_allclose(float(sums["dpo_loss"]) / pairs, want[loss_key], rtol=1e-5, atol=1e-6)
@@ -92,7 +93,7 @@ def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, 
 
 
 def step_metrics(cfg, tc, lora, dpo, batch, seed: int = 0):
-    trainer = Trainer(cfg, tc, one_device(), lora=lora, dpo=dpo)
+    trainer = Trainer(cfg, tc, one_device(), lora=lora, objective=DPO(dpo, tc))
     state = trainer.init_state(seed)
     before = jax.device_get(state)
     state, metrics = trainer.train_step(state, trainer.put_batch(batch))
@@ -153,7 +154,7 @@ def test_lora_dpo_on_a_mesh_equals_one_device():
     batch = random_pairs(4, 8, 64)
     results = {}
     for name, mesh in (("one", one_device()), ("many", make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4]))):
-        trainer = Trainer(TINY, tc, mesh, lora=LoRAConfig(rank=4), dpo=DPOConfig(beta=0.5))
+        trainer = Trainer(TINY, tc, mesh, lora=LoRAConfig(rank=4), objective=DPO(DPOConfig(beta=0.5), tc))
         state = trainer.init_state(0)
         params = traversals.flatten_mapping(jax.device_get(state["params"]))
         for i, k in enumerate(sorted(k for k in params if k[-1] == "lora_b")):

@@ -222,48 +222,6 @@ def test_dropout_on_a_mesh_drops_what_one_device_drops(mesh_shape):
                                    token_batch(1, 8, 16, 128))
 
 
-def test_memory_planner_counts_sharded_state():
-    from modern_jax.planner import plan
-    from modern_jax.training.config import RunConfig, TrainConfig
-    from modern_jax.data.config import DataConfig
-
-    run = RunConfig(model_dict=CFG.to_dict(), train=TrainConfig(batch_size=8, seq_len=16), data=DataConfig())
-    replicated = plan(run, {"data": 8, "fsdp": 1, "tensor": 1})
-    sharded = plan(run, {"data": 1, "fsdp": 2, "tensor": 4}, hbm_gib=1.0)
-    n_params = sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(Transformer(CFG, rngs=nnx.Rngs(0)), nnx.Param)))
-    assert replicated["parameters"] == 4 * n_params  # fp32, every device holds everything
-    assert sharded["parameters"] < replicated["parameters"] / 4  # embed over fsdp, heads/mlp/vocab over tensor
-    assert sharded["optimizer"] < replicated["optimizer"] / 4
-    assert sharded["temporaries"] > 0 and sharded["fits"] is True
-
-
-@pytest.mark.quick
-def test_the_planner_counts_one_devices_shards_and_reads_the_compilers_refusal():
-    """The planner's arithmetic without compiling a step: a device holds its shards' bytes, and
-    the TPU compiler's out-of-memory message gives the peak and the HBM it names."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from modern_jax.planner import _HBM_OOM, _bytes, format_plan, shard_bytes
-
-    mesh = make_mesh(2, 1, 4)
-    tree = {"w": jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=NamedSharding(mesh, P("data", "tensor"))),
-            "b": jax.ShapeDtypeStruct((64,), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
-            "host": jax.ShapeDtypeStruct((3,), jnp.int32)}
-    assert shard_bytes(tree) == 4 * 16 * 4 + 64 * 2 + 3 * 4
-    error = ("RESOURCE_EXHAUSTED: CompileTimeHbmOom: Ran out of memory in memory space hbm: the total memory "
-             "required for HLO temporaries (211.22G) exceeds available HBM (95.73G)")
-    oom = _HBM_OOM.search(error)
-    peak, hbm = _bytes(*oom.group(1, 2)), _bytes(*oom.group(3, 4))
-    assert (peak, hbm) == (int(211.22 * 2**30), int(95.73 * 2**30)) and _bytes("512", "") == 512
-    text = format_plan({"device_kind": "TPU v5p", "compiler": "TPU", "mesh": {"data": 2}, "devices": 2,
-                        "kernels": {"attention": ["pallas_tpu"]}, "parameters": 2**30, "optimizer": 2 * 2**30,
-                        "batch": 0, "temporaries": None, "peak": peak, "hbm": hbm, "fits": False,
-                        "compiler_refused": True})
-    assert "parameters: 1.00 GiB (1073741824 B)" in text and "attention: pallas_tpu" in text
-    assert "211.22 GiB by the compiler's count, more than the chip's 95.73 GiB" in text
-    assert text.endswith("does NOT fit in 96 GiB of device memory")
-
-
 def _loss_batch(V, B=8, T=16):
     rng = np.random.default_rng(1)
     toks = rng.integers(0, V, (B, T + 1))

@@ -14,7 +14,7 @@ from modern_jax.execution import ExecutionConfig
 from modern_jax.lora import LoRAConfig
 from modern_jax.sharding import ParallelConfig
 from modern_jax.training import TrainConfig
-from modern_jax.training.config import DPOConfig
+from modern_jax.training.objectives.dpo import DPOConfig
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"

@@ -392,31 +392,6 @@ def test_compiled_steps_are_shared_exactly_when_the_program_is_the_same(monkeypa
         assert executable(**changes) is not base, changes  # anything the step reads: a new program
 
 
-def test_plan_re_runs_the_arguments_it_was_given(monkeypatch):
-    calls = []
-    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
-    argv = ["plan", "--config", str(REPO / "configs" / "tiny.yaml"), "--mesh", "data=2", "--batch", "4",
-            "--seq", "64", "model.n_layers=1"]
-    monkeypatch.setattr(sys, "argv", ["modern-jax", "something", "else"])
-    assert main(argv) == 0
-    (command, env), = calls
-    assert command[1:] == ["-m", "modern_jax.cli", *argv]
-    assert "--xla_force_host_platform_device_count=2" in env["XLA_FLAGS"]
-
-
-def test_plan_sizes_the_evaluation_batch_by_its_batch(capsys):
-    """`plan` compiles only the training step: a --batch that the mesh splits is enough, whatever
-    the config's train.eval_batch_size (64 does not split over 6 data shards)."""
-    argv = ["plan", "--config", str(REPO / "configs" / "tiny.yaml"), "--mesh", "data=6", "--batch", "6",
-            "--seq", "32", "model.n_layers=1"]
-    assert subprocess.run([sys.executable, "-m", "modern_jax.cli", *argv], capture_output=True, text=True,
-                          timeout=300).returncode == 0
-    given = subprocess.run([sys.executable, "-m", "modern_jax.cli", *argv, "train.eval_batch_size=64"],
-                           capture_output=True, text=True, timeout=300)
-    assert given.returncode == 2 and "train.eval_batch_size gives 64 rows, not divisible by the 6 data shards" in \
-        given.stderr
-
-
 # ----- SIGKILL at random moments ------------------------------------------------------------
 
 

@@ -389,7 +389,7 @@ def test_evaluate_refuses_a_batch_larger_than_the_memory_and_says_what_fits(rope
 
     def need(rows):
         return needs(trainer.lower("eval", params, trainer.abstract_batch((rows, 64)),
-                                   jax.ShapeDtypeStruct((260,), jnp.int32)).compile(), resident)
+                                   jax.ShapeDtypeStruct((260,), jnp.int32), None).compile(), resident)
 
     assert abs(float(match.group(1)) - need(128) / 2**20) < 0.01
     assert need(fits) <= 3 * 2**20 * 1.02 and need(int(fits * 1.2) + 1) > 3 * 2**20  # nearly affine

@@ -367,11 +367,12 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
 
 
 def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    import modern_jax.training.objectives.next_token as next_token
     import modern_jax.training.step as step_module
 
-    original = step_module.model_loss_sums
+    original = next_token.model_loss_sums
     monkeypatch.setattr(step_module, "_EXECUTABLES", {})  # compile the patched loss, not a cached step
-    monkeypatch.setattr(step_module, "model_loss_sums",
+    monkeypatch.setattr(next_token, "model_loss_sums",
                         lambda *a, **k: dict(original(*a, **k), ce=jnp.float32(np.nan)))
     with pytest.raises(TrainingDiverged, match="3 non-finite steps in a row .* no checkpoint has been written yet\\. "):
         train(_tiny_run(tmp_path, max_nonfinite_steps=3, samples=0), mesh=one_device(), log=lambda *_: None)
@@ -542,7 +543,7 @@ class _FakeWandb:
 
 
 def test_a_default_run_writes_tensorboard_events_wandb_and_a_labelled_plot(tmp_path, monkeypatch):
-    from modern_jax.training.loss import NEXT_TOKEN_SHOWN
+    from modern_jax.training.objectives.next_token import NextToken
     from modern_jax.training.metrics import loss_figure, read_metrics
 
     wandb = _FakeWandb()
@@ -568,7 +569,7 @@ def test_a_default_run_writes_tensorboard_events_wandb_and_a_labelled_plot(tmp_p
 
     png = (out / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"matplotlib" in png[:4096]
-    ax = loss_figure(records, NEXT_TOKEN_SHOWN, "runs/x").axes[0]
+    ax = loss_figure(records, NextToken.shown, "runs/x").axes[0]
     assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("step", "loss (nats / token)", "runs/x")
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train", "validation"]
     np.testing.assert_allclose(ax.lines[0].get_ydata(), [train_losses[s] for s in range(1, 9)])

@@ -132,7 +132,7 @@ def _slurm() -> Launch:
     else:
         port = os.environ.get("JAX_COORDINATOR_PORT")
         address = SlurmCluster.get_coordinator_address(None, port)
-        origin = (f"the first node of SLURM_STEP_NODELIST, port " +
+        origin = ("the first node of SLURM_STEP_NODELIST, port " +
                   (f"JAX_COORDINATOR_PORT={port}" if port else f"61440 + SLURM_JOB_ID % 4096 with SLURM_JOB_ID={job}"))
     return _checked(Launch("SLURM", address, _env_int("SLURM_NTASKS"), _env_int("SLURM_PROCID"), origin))
 

@@ -2,7 +2,7 @@
 
 from modern_jax.training.config import RunConfig, TrainConfig, load_run_config, run_config_from_dict
 from modern_jax.training.loop import Initial, TrainingDiverged, TrainResult, evaluate_batches, train
-from modern_jax.training.step import Trainer
+from modern_jax.training.step import Trainer, trainer_for
 
 __all__ = [
     "Initial",
@@ -15,4 +15,5 @@ __all__ = [
     "load_run_config",
     "run_config_from_dict",
     "train",
+    "trainer_for",
 ]

@@ -25,6 +25,7 @@ from modern_jax.configfile import RUN_SECTIONS, check_keys, check_sections, fail
 from modern_jax.data.config import DataConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.lora import LoRAConfig
+from modern_jax.training import objectives
 from modern_jax.sharding.config import ParallelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -179,52 +180,6 @@ def _floats_from_strings(cls, values: dict) -> dict:
     return out
 
 
-DPO_LOSSES = ("sigmoid", "ipo")
-
-
-@dataclass(frozen=True, slots=True)
-class DPOConfig:
-    """Preference tuning (the `dpo:` section; README: Preference tuning (DPO)).
-
-    Each pair's margin is `delta = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log
-    ref(rejected))`, log-probabilities summed over the completion's tokens:
-    - sigmoid: `-(1 - s) log sigmoid(beta delta) - s log sigmoid(-beta delta)` (DPO; with
-      `label_smoothing` s > 0, the conservative cDPO of noisy labels);
-    - ipo: `(delta' - 1 / (2 beta))^2`, delta' with each log-probability averaged over its
-      completion's tokens (IPO, length-normalised as TRL computes it).
-    The reference is the run's base with its adapters off in a LoRA run (no second copy of
-    the weights), else a frozen copy of the starting weights kept beside them."""
-
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
-    label_smoothing: float = 0.0
-
-    def __post_init__(self):
-        fail_ = functools.partial(fail, "DPOConfig")
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not self.beta > 0:
-            fail_("beta", self.beta, "expected a number > 0")
-        if self.loss_type not in DPO_LOSSES:
-            fail_("loss_type", self.loss_type, f"expected one of {', '.join(DPO_LOSSES)}")
-        if isinstance(self.label_smoothing, bool) or not isinstance(self.label_smoothing, (int, float)) or \
-                not 0 <= self.label_smoothing < 0.5:
-            fail_("label_smoothing", self.label_smoothing, "expected a number in [0, 0.5)")
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            fail_("label_smoothing", self.label_smoothing, f"smooths the sigmoid loss only; with loss_type="
-                                                           f"{self.loss_type} set it to 0")
-
-    @classmethod
-    def of_run(cls, raw: dict) -> DPOConfig | None:
-        """The `dpo:` section of a run file's contents (present, even empty: DPO), or None."""
-        if "dpo" not in raw:
-            return None
-        values = dict(raw["dpo"] or {})
-        check_keys("dpo", values, [f.name for f in dataclasses.fields(cls)])
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
 @dataclass(frozen=True)
 class RunConfig:
     """A whole run: the model, how to train it, and its data. `model_dict` may hold
@@ -236,7 +191,8 @@ class RunConfig:
     parallel: ParallelConfig = ParallelConfig()
     execution: ExecutionConfig = ExecutionConfig()
     lora: LoRAConfig | None = None  # a `lora:` section: train low-rank adapters on a frozen base
-    dpo: DPOConfig | None = None  # a `dpo:` section: preference tuning on pairs instead of next tokens
+    # the training objective: its section's config (`dpo:`), or next-token's
+    objective: objectives.Config = dataclasses.field(default_factory=lambda: objectives.config_of({}, None, ""))
 
     @property
     def model(self) -> ModelConfig:
@@ -257,7 +213,7 @@ class RunConfig:
         return {"model": model, "execution": self.execution.to_dict(), "train": self.train.to_dict(),
                 "data": self.data.to_dict(), "parallel": self.parallel.to_dict(),
                 **({} if self.lora is None else {"lora": self.lora.to_dict()}),
-                **({} if self.dpo is None else {"dpo": self.dpo.to_dict()})}
+                **({} if self.objective.section is None else {self.objective.section: self.objective.to_dict()})}
 
 
 def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
@@ -285,15 +241,8 @@ def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
     if model_cfg.position_embedding == "learned" and train.seq_len > P:
         raise ValueError(f"{where}: train.seq_len={train.seq_len} exceeds model.max_position_embeddings={P} "
                          f"(learned positions have no row past it): lower train.seq_len")
-    lora, dpo = LoRAConfig.of_run(raw), DPOConfig.of_run(raw)
-    if dpo is not None and train.batch_size % (2 * train.grad_accum):
-        raise ValueError(f"{where}: train.batch_size={train.batch_size} counts sequences, and a DPO pair is two "
-                         f"(chosen and rejected) in each of train.grad_accum={train.grad_accum} micro-batches: make "
-                         f"it a multiple of {2 * train.grad_accum}")
-    if dpo is not None and train.eval_batch_size % 2:
-        raise ValueError(f"{where}: train.eval_batch_size={train.eval_batch_size} counts sequences, and a DPO pair "
-                         f"is two: make it even")
-    return RunConfig(model, train, data, parallel, execution, lora, dpo)
+    return RunConfig(model, train, data, parallel, execution, LoRAConfig.of_run(raw),
+                     objectives.config_of(raw, train, where))
 
 
 def _check_sections(raw: dict, where: str) -> None:

@@ -47,9 +47,6 @@ import yaml
 from modern_jax import execution
 from modern_jax.accounting import flops_per_token
 from modern_jax.configfile import read_yaml
-from modern_jax.data.corpora import build_tokenizer, load_splits
-from modern_jax.data.pipeline import eval_batches, eval_windows, train_iterator
-from modern_jax.data.preference import pair_eval_batches, pair_iterator, read_pairs, split_pairs
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.model import abstract_model, undropped
 from modern_jax.parallel import distributed
@@ -57,9 +54,9 @@ from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer,
                                            check_base)
 from modern_jax.training.config import RunConfig
-from modern_jax.training.loss import PREFERENCE_METRICS
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
-from modern_jax.training.step import Trainer, describe_kernels
+from modern_jax.training import objectives
+from modern_jax.training.step import Trainer, describe_kernels, trainer_for
 
 
 class TrainingDiverged(RuntimeError):
@@ -162,25 +159,14 @@ def _sums(step, batches, advance) -> dict:
 
 
 def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int | None = None,
-                     advance: Callable[[], None] | None = None) -> dict:
-    """Loss (nats / token), bits per byte and token count over `batches` (one host fetch); `rows`:
-    the global rows of a batch whose local share each process passes (None: one process);
-    `advance`: called once a batch (a progress bar's)."""
-    totals = _sums(lambda batch: trainer.eval_step(params, trainer.put_batch(batch, rows), token_bytes), batches,
-                   advance)
-    ce, weight, n_bytes = float(totals["ce"]), float(totals["weight"]), float(totals["bytes"])
-    return {"loss": ce / max(weight, 1.0), "bpb": ce / math.log(2) / max(n_bytes, 1.0), "tokens": int(weight)}
-
-
-def evaluate_pairs(trainer: Trainer, state: dict, batches, rows: int | None = None,
-                   advance: Callable[[], None] | None = None) -> dict:
-    """DPO's loss and TRL's metrics (means over the pairs) over `batches` of pairs (one host fetch)."""
-    reference = state.get("reference", state["params"])
-    totals = _sums(lambda batch: trainer.preference_eval_step(state["params"], trainer.put_batch(batch, rows),
-                                                              reference), batches, advance)
-    pairs = max(float(totals["pairs"]), 1.0)
-    return {"loss": float(totals["dpo_loss"]) / pairs, **{k: float(totals[k]) / pairs for k in PREFERENCE_METRICS},
-            "pairs": int(totals["pairs"])}
+                     advance: Callable[[], None] | None = None, reference=None) -> dict:
+    """The objective's evaluation over `batches` (`objective.eval_values`: next-token's loss in nats
+    / token, bits per byte and tokens; DPO's loss and TRL's means over the pairs), one host fetch;
+    `rows`: the global rows of a batch whose local share each process passes (None: one process);
+    `advance`: called once a batch (a progress bar's); `reference`: the state's frozen copy, if any."""
+    totals = _sums(lambda batch: trainer.eval_step(params, trainer.put_batch(batch, rows), token_bytes, reference),
+                   batches, advance)
+    return trainer.objective.eval_values(totals)
 
 
 def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, meta: dict, log=print) -> bool:
@@ -192,29 +178,13 @@ def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, me
     return True
 
 
-def prepare_preferences(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None):
-    """A DPO run's tokenizer (a resumed run's, else `tokenizer`, else `data.tokenizer_path` or
-    bytes), its train and validation pairs (`data.preference`) and the run config with its
-    vocabulary resolved."""
-    tokenizer = _saved_tokenizer(resume_dir, tokenizer)
-    if tokenizer is None:
-        if not (run.data.tokenizer_path or run.data.tokenizer == "byte"):
-            raise ValueError(f"a DPO run's tokenizer is its model's (--init-from-hf), data.tokenizer_path or "
-                             f"data.tokenizer=byte, not one built from the pairs (data.tokenizer="
-                             f"{run.data.tokenizer!r}): start from a model with --init-from-hf, or set one of them")
-        tokenizer = build_tokenizer(run.data, [], [], run.vocab_size)
-    pairs = read_pairs(run.data, None, tokenizer, run.train.seq_len)
-    train_pairs, val_pairs = split_pairs(pairs, run.data.val_fraction)
-    return _with_vocab(run, tokenizer, "the tokenizer's"), tokenizer, train_pairs, val_pairs
-
-
-def prepare_run(run: RunConfig, resume_dir: pathlib.Path | None, tokenizer=None, shared: pathlib.Path | None = None):
-    """Tokenizer (a resumed run's, else `tokenizer`, else built from `data:`), splits and the run
-    config with its vocabulary resolved. `shared`: where the processes of a launch build the
-    token streams together."""
-    tokenizer = _saved_tokenizer(resume_dir, tokenizer)
-    tokenizer, train_stream, val_stream = load_splits(run.data, tokenizer, run.vocab_size, shared=shared)
-    return _with_vocab(run, tokenizer, f"the {run.data.tokenizer} tokenizer's"), tokenizer, train_stream, val_stream
+def prepare_run(run: RunConfig, objective, resume_dir: pathlib.Path | None, tokenizer=None,
+                shared: pathlib.Path | None = None):
+    """Tokenizer (a resumed run's, else `tokenizer`, else built from `data:`), the objective's
+    training and validation splits and the run config with its vocabulary resolved. `shared`:
+    where the processes of a launch build the token streams together."""
+    tokenizer, train_split, val_split = objective.read(run, _saved_tokenizer(resume_dir, tokenizer), shared)
+    return _with_vocab(run, tokenizer, f"the {run.data.tokenizer} tokenizer's"), tokenizer, train_split, val_split
 
 
 def _saved_tokenizer(resume_dir: pathlib.Path | None, tokenizer):
@@ -377,11 +347,8 @@ class _Session:
                  what: str = "validation") -> dict:
         """The validation figures over `batches` (logged at `step`), a bar `what` of them on `progress`."""
         with progress.phase(what, len(batches), "batches") as advance:
-            if self.run.dpo is not None:
-                values = evaluate_pairs(self.trainer, self.state, batches, self.run.train.eval_batch_size, advance)
-            else:
-                values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
-                                          self.run.train.eval_batch_size, advance)
+            values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
+                                      self.run.train.eval_batch_size, advance, self.state.get("reference"))
         if metrics_log is not None:
             metrics_log.write(step, "val", values)
         return values
@@ -389,10 +356,7 @@ class _Session:
     def eval_batches(self, max_windows):
         tc = self.run.train
         rows, _ = self.trainer.local_slices(tc.eval_batch_size)
-        if self.run.dpo is not None:  # `val_stream`: the validation pairs; a window is a pair
-            return pair_eval_batches(self.val_stream, batch_size=tc.eval_batch_size, max_pairs=max_windows, rows=rows)
-        return eval_batches(self.val_stream, seq_len=tc.seq_len, batch_size=tc.eval_batch_size,
-                            max_windows=max_windows, rows=rows)
+        return self.trainer.objective.eval_batches(self.val_stream, max_windows=max_windows, rows=rows)
 
 
 def _changes(saved: dict, now: dict) -> list[str]:
@@ -469,19 +433,14 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     if distributed.joined():
         shared = out_dir / _SHARED_DATA
         directory.made.append(shared)
+    objective = objectives.objective(run.objective, tc)
     with progress.phase("reading and tokenizing the data"):
-        if run.dpo is not None:  # the streams are pairs
-            run, tokenizer, train_stream, val_stream = prepare_preferences(
-                run, out_dir if steps else None, init.tokenizer if init is not None else None)
-        else:
-            run, tokenizer, train_stream, val_stream = prepare_run(run, out_dir if steps else None,
-                                                                   init.tokenizer if init is not None else None, shared)
+        run, tokenizer, train_stream, val_stream = prepare_run(run, objective, out_dir if steps else None,
+                                                               init.tokenizer if init is not None else None, shared)
     if steps:
         distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
-    rules = run.parallel.rules_table()
     model_cfg = run.model
-    trainer = Trainer(model_cfg, tc, mesh, rules=rules, context_layout=run.parallel.context_layout,
-                      strategies=run.parallel, execution=run.execution, lora=run.lora, dpo=run.dpo)
+    trainer = trainer_for(run, mesh, objective=objective)
     skipped = undropped(abstract_model(model_cfg, run.lora)) if run.lora is not None else []
     if skipped:  # a mixture's experts and routers: their adapters are added to the weights
         log(f"lora.dropout={run.lora.dropout}: on the inputs of the adapted projections but {', '.join(skipped)}, "
@@ -501,20 +460,13 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
             state = trainer.with_start(state, _initial_params(trainer, init, log))
 
     rows, _ = trainer.local_slices(tc.batch_size // tc.grad_accum)
-    if run.dpo is not None:
-        iterator = pair_iterator(train_stream, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seed=tc.seed,
-                                 rows=rows, state=data_state)
-    else:
-        iterator = train_iterator(train_stream, seq_len=tc.seq_len, batch_size=tc.batch_size,
-                                  grad_accum=tc.grad_accum, seed=tc.seed, rows=rows, num_threads=run.data.num_threads,
-                                  prefetch=run.data.prefetch, state=data_state)
+    iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
     session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
                        jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
                        iterator.get_state(), {}, start, latest, 0.0)
     session.periodic_eval = list(session.eval_batches(tc.eval_windows))
     # what the validation split holds: say so when asked more
-    windows = len(val_stream) if run.dpo is not None else len(eval_windows(val_stream, tc.seq_len))
-    unit = "pair" if run.dpo is not None else "window"
+    windows, unit = objective.eval_size(val_stream), objective.eval_unit
     for name in ("eval_windows", "final_eval_windows") if tc.eval_every > 0 else ("final_eval_windows",):
         asked = getattr(tc, name)
         if asked is not None and asked > windows:
@@ -536,7 +488,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         n_params = f"{n_params:,} + {trained:,} trained"
     else:
         n_params = f"{n_params:,}"
-    what = "pairs" if run.dpo is not None else "tokens"
+    what = objective.unit
     log(f"model: {n_params} parameters | train {len(train_stream):,} {what}, validation {len(val_stream):,} "
         f"{what} | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
     log(f"kernels: {describe_kernels(trainer.kernels)}")
@@ -625,7 +577,8 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
             if step % tc.log_every == 0 or step == tc.steps or stopping:
                 fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
                 rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-                record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message)
+                record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message,
+                                   s.trainer.objective.named)
                 if metrics_log is not None:
                     metrics_log.write(step, "train", record)
                 progress.update(step, record["loss"], rate, s.trainer.shown.line(record))
@@ -691,7 +644,7 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
         log(f"loss curve: {s.out_dir / 'loss.png'}")
 
 
-def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, message) -> dict:
+def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, message, named=()) -> dict:
     """Record the fetched metrics of the pending steps, note skipped steps, and summarise."""
     rows = []
     for (step, _), values in zip(pending, fetched):
@@ -712,9 +665,8 @@ def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, mes
         "tokens_per_s": rate,
         "model_flops_per_s": rate * flops,
     }
-    for name in PREFERENCE_METRICS:  # DPO
-        if name in rows[0]:
-            record[name] = float(np.mean([r[name] for r in finite_rows]))
+    for name in named:  # the objective's own figures (DPO's rewards): means over the interval's steps
+        record[name] = float(np.mean([r[name] for r in finite_rows]))
     if "max_attention_logit" in rows[0]:  # train.diagnostics: measured by the steps' own attention
         record["max_attention_logit"] = max(r["max_attention_logit"] for r in rows)
     if any(r["moe_aux_loss"] for r in rows):

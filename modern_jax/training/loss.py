@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from modern_jax import execution
 from modern_jax.ops import vocab
-from modern_jax.training.metrics import Shown
 
 
 def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
@@ -115,56 +114,6 @@ def sequence_logps(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, d
     lse_BT, z_target_BT, max_abs = _target_parts(h_BTD, model.head(), batch["targets"], chunk)
     w_BT = batch["weights"].astype(jnp.float32)
     return jnp.sum(w_BT * (z_target_BT - lse_BT), axis=-1), jnp.sum(w_BT, axis=-1), jax.lax.stop_gradient(max_abs)
-
-
-def real_pairs(count_B):
-    """`[P]` 1.0 for each pair (rows 2p, 2p + 1) whose completions both have a weighted token, 0.0
-    for padding, from each row's count of them."""
-    return jnp.all(count_B.reshape(-1, 2) > 0, axis=-1).astype(jnp.float32)
-
-
-def preference_sums(logps_B, ref_B, count_B, *, beta: float, loss_type: str, label_smoothing: float = 0.0) -> dict:
-    """Sums over the pairs of a batch whose rows alternate chosen, rejected (`B = 2P`), with
-    TRL's metrics: the DPO or IPO loss (`training.config.DPOConfig`), the rewards `beta (log pi -
-    log ref)` of the chosen and rejected, how often the chosen's is higher, their margin, the
-    policy's log-probabilities, and `pairs` (a pair with an empty completion, padding, counts 0)."""
-    pi_P2, ref_P2, n_P2 = (x.reshape(-1, 2) for x in (logps_B, jax.lax.stop_gradient(ref_B), count_B))
-    real_P = real_pairs(count_B)
-    ratio_P2 = pi_P2 - ref_P2
-    if loss_type == "ipo":
-        avg_P2 = ratio_P2 / jnp.maximum(n_P2, 1.0)
-        loss_P = jnp.square(avg_P2[:, 0] - avg_P2[:, 1] - 1.0 / (2.0 * beta))
-    else:
-        delta_P = ratio_P2[:, 0] - ratio_P2[:, 1]
-        loss_P = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * delta_P) \
-            - label_smoothing * jax.nn.log_sigmoid(-beta * delta_P)
-    rewards_P2 = jax.lax.stop_gradient(beta * ratio_P2)
-    total = lambda x: jnp.sum(real_P * x)  # noqa: E731
-    return {"dpo_loss": total(loss_P), "rewards/chosen": total(rewards_P2[:, 0]),
-            "rewards/rejected": total(rewards_P2[:, 1]),
-            "rewards/accuracies": total((rewards_P2[:, 0] > rewards_P2[:, 1]).astype(jnp.float32)),
-            "rewards/margins": total(rewards_P2[:, 0] - rewards_P2[:, 1]),
-            "logps/chosen": total(jax.lax.stop_gradient(pi_P2[:, 0])),
-            "logps/rejected": total(jax.lax.stop_gradient(pi_P2[:, 1])), "pairs": jnp.sum(real_P)}
-
-
-PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                      "logps/rejected")  # TRL's names: means over the pairs
-
-# what the console and the plot show of each objective (`metrics.Shown`)
-NEXT_TOKEN_SHOWN = Shown("loss (nats / token)", console=(("bpb", "bpb"),))
-
-
-def preference_shown(loss_type: str, label_smoothing: float = 0.0) -> Shown:
-    """DPO's: its loss per pair, the margin and accuracy on each line, and a panel of the rewards
-    (chosen, rejected, their margin) and one of the accuracy."""
-    loss = {"sigmoid": "cDPO loss (nats / pair)" if label_smoothing else "DPO loss (nats / pair)",
-            "ipo": "IPO loss (per pair)"}[loss_type]
-    return Shown(loss, console=(("rewards/margins", "margin"), ("rewards/accuracies", "accuracy")),
-                 panels=(("reward: beta x log(policy / reference)", (("rewards/chosen", "chosen"),
-                                                                     ("rewards/rejected", "rejected"),
-                                                                     ("rewards/margins", "margin"))),
-                         ("accuracy: pairs with chosen > rejected", (("rewards/accuracies", "accuracy"),))))
 
 
 @jax.named_scope("loss")

@@ -39,9 +39,8 @@ from modern_jax.sharding.config import layout_order
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
 from modern_jax.sharding.rules import split_size
 from modern_jax.sharding.targets import compiling_for, lowering_for
-from modern_jax.training.config import DPOConfig, TrainConfig
-from modern_jax.training.loss import (NEXT_TOKEN_SHOWN, PREFERENCE_METRICS, model_loss_sums, preference_shown,
-                                      preference_sums, real_pairs, sequence_logps)
+from modern_jax.training.config import RunConfig, TrainConfig
+from modern_jax.training.objectives import Objective, config_of, objective as objective_of
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 
 def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
@@ -66,7 +65,8 @@ class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES,
                  context_layout: str = "two_chunk", *, strategies: Strategies | None = None,
                  execution: ExecutionConfig | None = None, lora: LoRAConfig | None = None,
-                 dpo: DPOConfig | None = None, layers: tuple[LayerSpec, ...] | None = None):
+                 objective: Objective | None = None, layers: tuple[LayerSpec, ...] | None = None,
+                 optimizer: bool = True):
         check_mesh(model_cfg, mesh, rules)
         _check_divisible("batch_size / grad_accum", train_cfg.batch_size // train_cfg.grad_accum, mesh, rules)
         _check_divisible("eval_batch_size", train_cfg.eval_batch_size, mesh, rules)
@@ -86,26 +86,28 @@ class Trainer:
         self.strategies, self.execution = strategies or Strategies(), execution or ExecutionConfig()
         self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the steps were traced
         self.moe = model_cfg.ffn_type == "moe"
-        self.lora, self.dpo = lora, dpo
-        # what the console and the plot show of the objective
-        self.shown = NEXT_TOKEN_SHOWN if dpo is None else preference_shown(dpo.loss_type, dpo.label_smoothing)
+        self.lora = lora
+        # what the loss is and the data hold (next-token cross-entropy unless the run names another)
+        self.objective = objective_of(config_of({}, train_cfg, ""), train_cfg) if objective is None else objective
+        self.shown = self.objective.shown  # what the console and the plot show of it
         self.layers = layers  # the blocks built (default: the config's; the planner's counting programs build fewer)
         self.graphdef, abstract = abstract_params(model_cfg, lora, layers)
         # a LoRA run trains its adapters only: the rest is frozen, with no gradient and no optimiser state
         self.trained = None if lora is None else {path for path, v in nnx.to_flat_state(abstract)
                                                   if isinstance(v, LoRAParam)}
-        self.tx = make_optimizer(train_cfg, frozen=model_cfg.router_selection_bias and lora is None)
+        # the optimiser and its state (none for a Trainer that evaluates or samples only)
+        self.tx = make_optimizer(train_cfg, frozen=model_cfg.router_selection_bias and lora is None) if optimizer \
+            else None
         self.schedule = learning_rate_schedule(train_cfg)
         replicated = NamedSharding(mesh, PartitionSpec())
         params_sh = nnx.to_pure_dict(state_shardings(abstract, mesh, rules))
-        trained_sh = self.split(params_sh)[0]
-        opt_abstract = jax.eval_shape(self.tx.init, self.split(nnx.to_pure_dict(abstract))[0])
-        opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, trained_sh,
-                                       transform_non_params=lambda _: replicated)
-        self.state_shardings = {"params": params_sh, "opt_state": opt_sh, "step": replicated, "rng": replicated,
-                                "nonfinite": replicated}
-        # DPO's reference: a LoRA run's base (its adapters off); otherwise a frozen copy of the start
-        self.keeps_reference = dpo is not None and lora is None
+        self.state_shardings = {"params": params_sh, "step": replicated, "rng": replicated, "nonfinite": replicated}
+        if optimizer:
+            opt_abstract = jax.eval_shape(self.tx.init, self.split(nnx.to_pure_dict(abstract))[0])
+            self.state_shardings["opt_state"] = optax.tree_map_params(
+                self.tx, lambda _, s: s, opt_abstract, self.split(params_sh)[0], transform_non_params=lambda _: replicated)
+        # an objective's frozen reference: a LoRA run's base (its adapters off); otherwise a copy of the start
+        self.keeps_reference = self.objective.needs_reference and lora is None
         if self.keeps_reference:
             self.state_shardings["reference"] = params_sh
         self.batch_sharding = batch_sharding(mesh, rules)
@@ -116,10 +118,9 @@ class Trainer:
             "adapt": jax.jit(self._adapt, out_shardings=params_sh),
             "train": jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)),
-            "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batch_sharding, replicated),
+            "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batch_sharding, replicated,
+                                                      params_sh if self.keeps_reference else None),
                             out_shardings=replicated),
-            "preference_eval": jax.jit(self._preference_eval, in_shardings=(params_sh, self.batch_sharding, params_sh),
-                                       out_shardings=replicated),
             "copy": jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=params_sh),
             "finite": jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))),
         }
@@ -161,23 +162,25 @@ class Trainer:
         key = jax.random.wrap_key_data(key_data)
         model = Transformer(self.model_cfg, rngs=nnx.Rngs(key), lora=self.lora, layers=self.layers)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        state = {"params": params, "opt_state": self.tx.init(self.split(params)[0]), "step": jnp.zeros((), jnp.int32),
-                 "rng": key_data, "nonfinite": jnp.zeros((), jnp.int32)}
+        state = {"params": params, "step": jnp.zeros((), jnp.int32), "rng": key_data,
+                 "nonfinite": jnp.zeros((), jnp.int32)}
+        if self.tx is not None:
+            state["opt_state"] = self.tx.init(self.split(params)[0])
         if self.keeps_reference:
             state["reference"] = jax.tree.map(jnp.copy, params)
         return state
 
     def with_start(self, state: dict, params: dict) -> dict:
-        """`state` starting from `params` (a fine-tune's initial weights): DPO's frozen reference too."""
+        """`state` starting from `params` (a fine-tune's initial weights): the frozen reference too."""
         state = dict(state, params=params)
         if self.keeps_reference:
             state["reference"] = self._run("copy", params)
         return state
 
     def reference(self, params: dict, kept: dict | None = None) -> dict | None:
-        """The parameters of DPO's reference model: a LoRA run's base (`params` with its adapters
-        zero), else `kept`, the frozen copy in the state; None without DPO."""
-        if self.dpo is None:
+        """The parameters of the objective's reference model: a LoRA run's base (`params` with its
+        adapters zero), else `kept`, the frozen copy in the state; None if it needs none."""
+        if not self.objective.needs_reference:
             return None
         if self.keeps_reference:
             return kept
@@ -287,21 +290,17 @@ class Trainer:
     # ----- steps ---------------------------------------------------------------
 
     def _loss(self, params, batch, rng, reference=None):
-        """The objective's sums over `batch` (next-token `loss.loss_sums`, or with `dpo` the pairs'
-        `loss.preference_sums` against the `reference` parameters) and what the layers sowed."""
-        cfg, dpo = self.cfg, self.dpo
+        """The objective's sums over `batch` (against the `reference` parameters if it needs them)
+        and what the layers sowed."""
+        cfg, objective = self.cfg, self.objective
         dropout_rng = rng if self.uses_dropout else None
-        if dpo is not None:  # the reference's forward, outside the policy's capture
-            ref_B, _, _ = sequence_logps(self.model(reference), batch, chunk=cfg.loss_vocab_chunk)
+        # the reference's forward, outside the policy's capture
+        prepared = objective.prepare(None if reference is None else self.model(reference), batch,
+                                     chunk=cfg.loss_vocab_chunk)
 
         def sums_of(model):
-            if dpo is None:
-                return model_loss_sums(model, batch, chunk=cfg.loss_vocab_chunk, dropout_rng=dropout_rng,
-                                       diagnostics=cfg.diagnostics)
-            logps_B, count_B, max_abs = sequence_logps(model, batch, chunk=cfg.loss_vocab_chunk,
-                                                       dropout_rng=dropout_rng, diagnostics=cfg.diagnostics)
-            return {**preference_sums(logps_B, ref_B, count_B, beta=dpo.beta, loss_type=dpo.loss_type,
-                                      label_smoothing=dpo.label_smoothing), "max_abs_logit": max_abs}
+            return objective.sums(model, batch, prepared, chunk=cfg.loss_vocab_chunk, dropout_rng=dropout_rng,
+                                  diagnostics=cfg.diagnostics)
 
         sums, sown = nnx.capture(sums_of, nnx.Intermediate)(self.model(params))
         zero = jnp.zeros((), jnp.float32)
@@ -318,18 +317,12 @@ class Trainer:
         cfg = self.cfg
         params, frozen = self.split(state["params"])  # `params`: what is trained
         reference = self.reference(state["params"], state.get("reference"))
-        if self.dpo is None:
-            denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)  # the loss is a mean over all real targets
-        else:  # ... over all real pairs (a pair with an empty completion is padding)
-            denom = jnp.maximum(jnp.sum(real_pairs(jnp.sum(batch["weights"], -1).reshape(-1))), 1.0)
+        denom = self.objective.denominator(batch)
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
         def objective(params, micro, rng):
             sums, aux = self._loss(self.join(params, frozen), micro, rng, reference)
-            if self.dpo is not None:
-                loss = sums["dpo_loss"] / denom + cfg.moe_aux_weight * aux[AUX_LOSS]
-            else:
-                loss = (sums["ce"] + cfg.z_loss_weight * sums["z_loss"]) / denom + cfg.moe_aux_weight * aux[AUX_LOSS]
+            loss = self.objective.loss(sums, denom) + cfg.moe_aux_weight * aux[AUX_LOSS]
             if self.moe:
                 loss = loss + cfg.moe_router_z_weight * aux[ROUTER_Z_LOSS]
             return loss, (sums, aux)
@@ -380,8 +373,7 @@ class Trainer:
             "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
         }
         metrics = {
-            "loss": sums["dpo_loss"] / denom if self.dpo is not None else sums["ce"] / denom,
-            "z_loss": jnp.zeros((), jnp.float32) if self.dpo is not None else sums["z_loss"] / denom,
+            **self.objective.metrics(sums, denom),  # `loss`, `z_loss`, then the objective's own names
             "moe_aux_loss": aux[AUX_LOSS],
             "grad_norm": grad_norm,
             "lr": jnp.where(finite, lr, 0.0),  # what was applied: nothing on a skipped step
@@ -391,8 +383,6 @@ class Trainer:
         }
         if cfg.diagnostics:
             metrics["max_attention_logit"] = sums["max_attention_logit"]
-        if self.dpo is not None:  # TRL's names, means over the batch's pairs
-            metrics.update({name: sums[name] / denom for name in PREFERENCE_METRICS})
         if self.moe:
             load_LE = aux[LOAD]
             mean_L = jnp.maximum(jnp.mean(load_LE, axis=-1), 1e-9)
@@ -405,29 +395,23 @@ class Trainer:
         """`(state, batch [A, B, T] arrays) -> (new state, metrics)`; `state` is donated."""
         return self._run("train", state, batch)
 
-    def _eval(self, params, batch, token_bytes):
+    def _eval(self, params, batch, token_bytes, reference):
         micro = jax.tree.map(lambda x: x[0], batch)
-        sums = model_loss_sums(self.model(params), micro, chunk=self.cfg.loss_vocab_chunk)
-        n_bytes = jnp.sum(token_bytes[micro["targets"]] * micro["weights"])
-        return {"ce": sums["ce"], "weight": sums["weight"], "bytes": n_bytes}
+        reference = self.reference(params, reference)
+        prepared = self.objective.prepare(None if reference is None else self.model(reference), micro,
+                                          chunk=self.cfg.loss_vocab_chunk)
+        return self.objective.eval_sums(self.model(params), micro, prepared, token_bytes,
+                                        chunk=self.cfg.loss_vocab_chunk)
 
-    def _preference_eval(self, params, batch, reference):
-        micro = jax.tree.map(lambda x: x[0], batch)
-        return self._loss(params, micro, None, self.reference(params, reference))[0]
+    def eval_step(self, params, batch, token_bytes, reference=None):
+        """The objective's evaluation sums over one batch (`objective.eval_sums`); `token_bytes`: each
+        token id's bytes (bits per byte); `reference`: the state's frozen copy where it keeps one."""
+        return self._run("eval", params, batch, token_bytes, reference)
 
-    def preference_eval_step(self, params, batch, reference) -> dict:
-        """DPO's sums (`loss.preference_sums`) over one batch of pairs; `reference`: the state's
-        frozen copy (`state["reference"]`), or, in a LoRA run, anything (`params` will do)."""
-        return self._run("preference_eval", params, batch, reference)
-
-    def eval_step(self, params, batch, token_bytes):
-        """Sums of cross-entropy, target weight and target bytes over one batch."""
-        return self._run("eval", params, batch, token_bytes)
-
-    def eval_executable(self, params, batch, token_bytes):
+    def eval_executable(self, params, batch, token_bytes, reference=None):
         """The evaluation step compiled for these arguments (abstract ones will do), without running
         it: `eval_step` runs the one compiled last (its `memory_analysis()` is XLA's count)."""
-        self._executables["eval"] = self._executable("eval", params, batch, token_bytes)
+        self._executables["eval"] = self._executable("eval", params, batch, token_bytes, reference)
         return self._executables["eval"]
 
     def compile(self, state, batch: dict, eval_batch: dict | None = None, token_bytes=None) -> float:
@@ -436,12 +420,21 @@ class Trainer:
 
         start = time.perf_counter()
         self._executables["train"] = self._executable("train", state, batch)
-        if eval_batch is not None and self.dpo is not None:
-            self._executables["preference_eval"] = self._executable(
-                "preference_eval", state["params"], eval_batch, state.get("reference", state["params"]))
-        elif eval_batch is not None:
-            self._executables["eval"] = self._executable("eval", state["params"], eval_batch, token_bytes)
+        if eval_batch is not None:
+            self.eval_executable(state["params"], eval_batch, token_bytes, state.get("reference"))
         return time.perf_counter() - start
+
+
+def trainer_for(run: RunConfig, mesh: Mesh, *, objective: Objective | None = None, execution: ExecutionConfig | None = None,
+                layers: tuple[LayerSpec, ...] | None = None, optimizer: bool = True) -> Trainer:
+    """The one way to build a run's Trainer on `mesh`: its model, objective, adapters, rules and
+    strategies, from `run`. `objective`: the run's own, when already made; `execution`: another
+    than the run's (the planner's host estimate); `layers`: fewer blocks (the planner's counting
+    programs); `optimizer=False`: no optimiser or its state (evaluation, sampling)."""
+    return Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(),
+                   context_layout=run.parallel.context_layout, strategies=run.parallel,
+                   execution=execution or run.execution, lora=run.lora,
+                   objective=objective or objective_of(run.objective, run.train), layers=layers, optimizer=optimizer)
 
 
 def describe_kernels(kernels: dict[str, set[str]]) -> str:

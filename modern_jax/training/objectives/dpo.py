@@ -1,0 +1,168 @@
+"""Preference tuning (the `dpo:` section): DPO and its variants, TRL's losses and metrics.
+
+Each batch holds pairs, chosen and rejected in alternate rows (`B = 2P`), only the
+completions' tokens weighted (`data.preference`). A pair's margin is `delta = (log pi(chosen)
+- log ref(chosen)) - (log pi(rejected) - log ref(rejected))`, log-probabilities summed over
+the completion's tokens:
+- sigmoid: `-(1 - s) log sigmoid(beta delta) - s log sigmoid(-beta delta)` (DPO; with
+  `label_smoothing` s > 0, the conservative cDPO of noisy labels);
+- ipo: `(delta' - 1 / (2 beta))^2`, delta' with each log-probability averaged over its
+  completion's tokens (IPO, length-normalised as TRL computes it).
+The reference is the run's base with its adapters off in a LoRA run (no second copy of the
+weights), else a frozen copy of the starting weights kept beside them. The loss is a mean over
+the batch's real pairs (a pair with an empty completion is padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from modern_jax.configfile import fail
+from modern_jax.data.corpora import build_tokenizer
+from modern_jax.data.preference import pair_eval_batches, pair_iterator, read_pairs, split_pairs
+from modern_jax.training.loss import sequence_logps
+from modern_jax.training.metrics import Shown
+from modern_jax.training.objectives import base
+
+LOSSES = ("sigmoid", "ipo")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")  # TRL's names: means over the pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig(base.Config):
+    """The `dpo:` section (README: Preference tuning (DPO)): the module docstring's loss."""
+
+    section = "dpo"
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        fail_ = functools.partial(fail, "DPOConfig")
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not self.beta > 0:
+            fail_("beta", self.beta, "expected a number > 0")
+        if self.loss_type not in LOSSES:
+            fail_("loss_type", self.loss_type, f"expected one of {', '.join(LOSSES)}")
+        if isinstance(self.label_smoothing, bool) or not isinstance(self.label_smoothing, (int, float)) or \
+                not 0 <= self.label_smoothing < 0.5:
+            fail_("label_smoothing", self.label_smoothing, "expected a number in [0, 0.5)")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            fail_("label_smoothing", self.label_smoothing, f"smooths the sigmoid loss only; with loss_type="
+                                                           f"{self.loss_type} set it to 0")
+
+    def check(self, train, where: str) -> None:
+        if train.batch_size % (2 * train.grad_accum):
+            raise ValueError(f"{where}: train.batch_size={train.batch_size} counts sequences, and a DPO pair is two "
+                             f"(chosen and rejected) in each of train.grad_accum={train.grad_accum} micro-batches: "
+                             f"make it a multiple of {2 * train.grad_accum}")
+        if train.eval_batch_size % 2:
+            raise ValueError(f"{where}: train.eval_batch_size={train.eval_batch_size} counts sequences, and a DPO "
+                             f"pair is two: make it even")
+
+
+def real_pairs(count_B):
+    """`[P]` 1.0 for each pair (rows 2p, 2p + 1) whose completions both have a weighted token, 0.0
+    for padding, from each row's count of them."""
+    return jnp.all(count_B.reshape(-1, 2) > 0, axis=-1).astype(jnp.float32)
+
+
+def preference_sums(logps_B, ref_B, count_B, *, beta: float, loss_type: str, label_smoothing: float = 0.0) -> dict:
+    """Sums over the pairs of a batch whose rows alternate chosen, rejected (`B = 2P`), with
+    TRL's metrics: the DPO or IPO loss, the rewards `beta (log pi - log ref)` of the chosen and
+    rejected, how often the chosen's is higher, their margin, the policy's log-probabilities,
+    and `pairs` (a pair with an empty completion, padding, counts 0)."""
+    pi_P2, ref_P2, n_P2 = (x.reshape(-1, 2) for x in (logps_B, jax.lax.stop_gradient(ref_B), count_B))
+    real_P = real_pairs(count_B)
+    ratio_P2 = pi_P2 - ref_P2
+    if loss_type == "ipo":
+        avg_P2 = ratio_P2 / jnp.maximum(n_P2, 1.0)
+        loss_P = jnp.square(avg_P2[:, 0] - avg_P2[:, 1] - 1.0 / (2.0 * beta))
+    else:
+        delta_P = ratio_P2[:, 0] - ratio_P2[:, 1]
+        loss_P = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * delta_P) \
+            - label_smoothing * jax.nn.log_sigmoid(-beta * delta_P)
+    rewards_P2 = jax.lax.stop_gradient(beta * ratio_P2)
+    total = lambda x: jnp.sum(real_P * x)  # noqa: E731
+    return {"dpo_loss": total(loss_P), "rewards/chosen": total(rewards_P2[:, 0]),
+            "rewards/rejected": total(rewards_P2[:, 1]),
+            "rewards/accuracies": total((rewards_P2[:, 0] > rewards_P2[:, 1]).astype(jnp.float32)),
+            "rewards/margins": total(rewards_P2[:, 0] - rewards_P2[:, 1]),
+            "logps/chosen": total(jax.lax.stop_gradient(pi_P2[:, 0])),
+            "logps/rejected": total(jax.lax.stop_gradient(pi_P2[:, 1])), "pairs": jnp.sum(real_P)}
+
+
+def shown(config: DPOConfig) -> Shown:
+    """Its loss per pair, the margin and accuracy on each line, and a panel of the rewards (chosen,
+    rejected, their margin) and one of the accuracy."""
+    loss = {"sigmoid": "cDPO loss (nats / pair)" if config.label_smoothing else "DPO loss (nats / pair)",
+            "ipo": "IPO loss (per pair)"}[config.loss_type]
+    return Shown(loss, console=(("rewards/margins", "margin"), ("rewards/accuracies", "accuracy")),
+                 panels=(("reward: beta x log(policy / reference)", (("rewards/chosen", "chosen"),
+                                                                     ("rewards/rejected", "rejected"),
+                                                                     ("rewards/margins", "margin"))),
+                         ("accuracy: pairs with chosen > rejected", (("rewards/accuracies", "accuracy"),))))
+
+
+class DPO(base.Objective):
+    unit, eval_unit = "pairs", "pair"
+    needs_reference = True
+    named = METRICS
+
+    def __init__(self, config: DPOConfig, train):
+        super().__init__(config, train)
+        self.shown = shown(config)
+
+    def read(self, run, tokenizer, shared):
+        if tokenizer is None:
+            if not (run.data.tokenizer_path or run.data.tokenizer == "byte"):
+                raise ValueError(f"a DPO run's tokenizer is its model's (--init-from-hf), data.tokenizer_path or "
+                                 f"data.tokenizer=byte, not one built from the pairs (data.tokenizer="
+                                 f"{run.data.tokenizer!r}): start from a model with --init-from-hf, or set one of "
+                                 f"them")
+            tokenizer = build_tokenizer(run.data, [], [], run.vocab_size)
+        pairs = read_pairs(run.data, None, tokenizer, self.train.seq_len)
+        return (tokenizer, *split_pairs(pairs, run.data.val_fraction))
+
+    def train_batches(self, split, *, rows, data, state):
+        tc = self.train
+        return pair_iterator(split, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seed=tc.seed, rows=rows,
+                             state=state)
+
+    def eval_batches(self, split, *, max_windows, rows):
+        return pair_eval_batches(split, batch_size=self.train.eval_batch_size, max_pairs=max_windows, rows=rows)
+
+    def eval_size(self, split) -> int:
+        return len(split)
+
+    def prepare(self, reference, batch, *, chunk):
+        return sequence_logps(reference, batch, chunk=chunk)[0]  # the reference's log-probabilities
+
+    def sums(self, model, batch, prepared, *, chunk, dropout_rng, diagnostics):
+        logps_B, count_B, max_abs = sequence_logps(model, batch, chunk=chunk, dropout_rng=dropout_rng,
+                                                   diagnostics=diagnostics)
+        c = self.config
+        return {**preference_sums(logps_B, prepared, count_B, beta=c.beta, loss_type=c.loss_type,
+                                  label_smoothing=c.label_smoothing), "max_abs_logit": max_abs}
+
+    def denominator(self, batch):
+        return jnp.maximum(jnp.sum(real_pairs(jnp.sum(batch["weights"], -1).reshape(-1))), 1.0)
+
+    def loss(self, sums, denominator):
+        return sums["dpo_loss"] / denominator
+
+    def metrics(self, sums, denominator):
+        return {"loss": sums["dpo_loss"] / denominator, "z_loss": jnp.zeros((), jnp.float32),
+                **{name: sums[name] / denominator for name in METRICS}}
+
+    def eval_values(self, totals):
+        pairs = max(float(totals["pairs"]), 1.0)
+        return {"loss": float(totals["dpo_loss"]) / pairs, **{k: float(totals[k]) / pairs for k in METRICS},
+                "pairs": int(totals["pairs"])}
+
+
+Config, Objective = DPOConfig, DPO
