@@ -21,7 +21,7 @@ LAYERS = [
     ("ops",),
     ("layers",),
     ("model",),
-    ("accounting", "generate", "parallel", "data"),  # what the model is measured, sampled, placed and fed with
+    ("accounting", "generate", "multihost", "data"),  # what the model is measured, sampled, placed and fed with
     ("training",),
     ("planner", "convert", "report"),
     ("cli",),
@@ -144,7 +144,7 @@ def test_importing_the_model_loads_no_checkpoint_optimiser_or_data_library():
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('orbax', 'grain', 'safetensors', 'tensorstore', 'tokenizers', 'matplotlib', 'tensorboardX') "
             "or m.split('.')[:2] in (['modern_jax', 'training'], ['modern_jax', 'data'], "
-            "['modern_jax', 'convert'], ['modern_jax', 'parallel'], ['modern_jax', 'cli']))))")
+            "['modern_jax', 'convert'], ['modern_jax', 'multihost'], ['modern_jax', 'cli']))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"JAX_PLATFORMS": "cpu", "PATH": ""})
     assert json.loads(out.stdout.splitlines()[-1]) == []

@@ -67,7 +67,7 @@ from modern_jax import execution
 from modern_jax.sharding.config import MOE_EXCHANGES
 from modern_jax.sharding.context import active, strategies
 from modern_jax.sharding.rules import axis_position, live_axes, logical_to_spec, mesh_axes
-from modern_jax.sharding.targets import platform
+from modern_jax.sharding.devices import platform
 
 
 def dispatch(x_MD, experts_MY, weights_MY, experts_fn, *, n_experts: int, on_input: bool = False,

@@ -38,7 +38,7 @@ from modern_jax.model import Transformer, abstract_params, adapt, max_attention_
 from modern_jax.sharding.config import layout_order
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
 from modern_jax.sharding.rules import split_size
-from modern_jax.sharding.targets import compiling_for, lowering_for
+from modern_jax.sharding.devices import compiling_for, lowering_for
 from modern_jax.training.config import DPOConfig, TrainConfig
 from modern_jax.training.loss import (NEXT_TOKEN_SHOWN, PREFERENCE_METRICS, model_loss_sums, preference_shown,
                                       preference_sums, real_pairs, sequence_logps)
