@@ -152,14 +152,14 @@ class MLAttention(nnx.Module):
         Hn, U, Q = cfg.mla_nope_dim, cfg.mla_v_dim, cfg.mla_q_rank
         self.cfg, self.spec = cfg, spec
         if Q:
-            self.q_a_proj = Proj(cfg, (D, Q), ("embed", "q_lora"), role="in", rngs=rngs)
-            self.q_a_layernorm = Norm(cfg, (Q,), ("q_lora",), rngs=rngs)
-            self.q_b_proj = Proj(cfg, (Q, N, Hn + Y), ("q_lora", "q_heads", "head_dim"), role="qk", rngs=rngs)
+            self.q_a_proj = Proj(cfg, (D, Q), ("embed", "q_latent"), role="in", rngs=rngs)
+            self.q_a_layernorm = Norm(cfg, (Q,), ("q_latent",), rngs=rngs)
+            self.q_b_proj = Proj(cfg, (Q, N, Hn + Y), ("q_latent", "q_heads", "head_dim"), role="qk", rngs=rngs)
         else:
             self.q_proj = Proj(cfg, (D, N, Hn + Y), ("embed", "q_heads", "head_dim"), role="qk", rngs=rngs)
-        self.kv_a_proj_with_mqa = Proj(cfg, (D, Z + Y), ("embed", "kv_lora"), role="in", rngs=rngs)
-        self.kv_a_layernorm = Norm(cfg, (Z,), ("kv_lora",), rngs=rngs)
-        self.kv_b_proj = Proj(cfg, (Z, N, Hn + U), ("kv_lora", "q_heads", "head_dim"), role="v", rngs=rngs)
+        self.kv_a_proj_with_mqa = Proj(cfg, (D, Z + Y), ("embed", "kv_latent"), role="in", rngs=rngs)
+        self.kv_a_layernorm = Norm(cfg, (Z,), ("kv_latent",), rngs=rngs)
+        self.kv_b_proj = Proj(cfg, (Z, N, Hn + U), ("kv_latent", "q_heads", "head_dim"), role="v", rngs=rngs)
         self.o_proj = Proj(cfg, (N, U, D), ("q_heads", "head_dim", "embed"), role="out", in_dims=2, rngs=rngs)
         self.sinks = param(rngs, jax.nn.initializers.zeros, (N,), ("q_heads",), jnp.float32) if cfg.attention_sinks else None
 
