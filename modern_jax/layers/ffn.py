@@ -11,18 +11,9 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-from modern_jax.config import ModelConfig
+from modern_jax.config import ACTIVATIONS, ModelConfig
 from modern_jax.layers.linear import Proj
 from modern_jax.sharding import constrain
-
-ACTIVATIONS = {
-    "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "silu": jax.nn.silu,
-    "sigmoid": jax.nn.sigmoid,
-    "identity": lambda x: x,
-}
 
 
 class FFN(nnx.Module):

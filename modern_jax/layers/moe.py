@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from modern_jax.config import ModelConfig
-from modern_jax.layers.ffn import ACTIVATIONS, FFN
+from modern_jax.config import ACTIVATIONS, ModelConfig
+from modern_jax.layers.ffn import FFN
 from modern_jax.layers.linear import LoRA, Proj, Quantized, init_std, param, weight
 from modern_jax.ops.moe import dispatch
 
