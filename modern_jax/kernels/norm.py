@@ -1,7 +1,7 @@
 """Normalisation and its dispatch: RMSNorm, Gemma's (1 + w) RMSNorm, LayerNorm.
 
-Letters: M rows (every leading axis flattened), D normalised features (the weight's
-trailing axes flattened), P programs of the backward kernel.
+Letters (the package legend): M rows (every leading axis flattened), D normalised features (the weight's
+trailing axes flattened), I row blocks (programs) of the backward kernel.
 
     rmsnorm         y = x * rsqrt(mean(x^2) + eps) * w
     gemma_rmsnorm   y = x * rsqrt(mean(x^2) + eps) * (1 + w)
