@@ -1,4 +1,5 @@
-"""The package's shape: imports point down the layers, and the model loads no launch-side library."""
+"""The package's shape: imports point down the layers, the model loads no launch-side library, and
+every einsum speaks the one letter legend."""
 
 from __future__ import annotations
 
