@@ -13,7 +13,7 @@
 
 Under a cluster launcher (srun, mpirun, a Cloud TPU pod's workers) or with --coordinator /
 --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID),
-train, evaluate, generate and plan join the other processes first (`parallel.distributed`).
+train, evaluate, generate and plan join the other processes first (`multihost.distributed`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def cmd_info(args) -> None:
 def cmd_train(args) -> int:
     import signal
 
-    from modern_jax.parallel import distributed
+    from modern_jax.multihost import distributed
     from modern_jax.training import TrainingDiverged, load_run_config, train
 
     overrides = list(args.overrides)
@@ -446,7 +446,7 @@ def cmd_plan(args) -> int:
     if args.search and not args.topology:
         raise ValueError("--search needs --topology: it ranks by the TPU compiler's estimated step time")
     if args.topology:
-        from modern_jax.sharding.targets import check_topology
+        from modern_jax.sharding.devices import check_topology
 
         check_topology(args.topology)
     searched = _search_options(args, sizes) if args.search else None  # refused before anything compiles
@@ -534,7 +534,7 @@ def _chunks(text: str | None, run) -> list[int]:
 
 def _plan_once(args) -> int:
     """`plan` compiles ahead of time on one host: under a launcher process 0 plans and the others wait."""
-    from modern_jax.parallel import distributed
+    from modern_jax.multihost import distributed
 
     if not distributed.joined():
         return cmd_plan(args)
@@ -544,7 +544,7 @@ def _plan_once(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from modern_jax.parallel.launch import launch_local
+    from modern_jax.multihost.launch import launch_local
 
     if not args.rest:
         raise ValueError("launch needs a command to run: modern-jax launch --processes 2 --devices 4 train ...")
@@ -697,12 +697,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     args.argv = argv  # the command as given (plan re-runs it in a fresh process)
-    from modern_jax.parallel import distributed
+    from modern_jax.multihost import distributed
 
     status, message, agreed = 1, None, False
     try:
         if args.command in COMPUTING:
-            from modern_jax.sharding.targets import no_tpu_runtime_without_chips
+            from modern_jax.sharding.devices import no_tpu_runtime_without_chips
 
             no_tpu_runtime_without_chips()
         if args.command in COMPUTING and not os.environ.get("MODERN_JAX_ALONE"):
@@ -730,7 +730,7 @@ def main(argv=None) -> int:
         if distributed.joined():
             distributed.finish(failed=None if message is None or agreed else message)
             if message is not None and not agreed:  # this process's own error: no shutdown barrier
-                from modern_jax.parallel import watch
+                from modern_jax.multihost import watch
 
                 sys.stdout.flush()
                 watch.close()

@@ -21,13 +21,14 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
+
 from modern_jax.configfile import check_keys, fail, load_config_file
 
-NORM_TYPES = ("rmsnorm", "gemma_rmsnorm", "layernorm")
+NORM_TYPES = ("rmsnorm", "gemma_rmsnorm", "layernorm")  # computed by kernels/norm.py, which checks these names
 PLACEMENTS = ("post", "pre", "sandwich", "output", "parallel", "deepnorm")
 FFN_TYPES = ("mlp", "gated", "moe")
 ROUTER_SCORES = ("softmax", "topk_softmax", "sigmoid")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity")
 POSITIONS = ("none", "rope", "sinusoidal", "learned")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
@@ -41,6 +42,18 @@ MOVED = {**{name: "execution" for name in ("attention_impl", "norm_impl", "moe_d
                                            "moe_grouped_impl", "remat", "scan_layers")},
          **{name: "parallel" for name in ("context_strategy", "moe_exchange", "moe_exchange_factor")}}
 
+
+# The activations by name: the one table, which `activation` is checked against and the FFNs
+# apply (layers/ffn.py, layers/moe.py). It lives here, not beside the FFN, because imports point
+# down the layers (config -> ... -> layers): the config that checks a name cannot import the layer.
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+    "sigmoid": jax.nn.sigmoid,
+    "identity": lambda x: x,
+}
 
 _fail = functools.partial(fail, "ModelConfig")
 

@@ -31,13 +31,26 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from modern_jax.configfile import check_keys, fail
 
 ATTENTION_IMPLS = ("default", "reference", "chunked", "cudnn", "pallas_gpu", "pallas_tpu")
 NORM_IMPLS = ("default", "reference", "pallas")
 MOE_DISPATCHES = ("grouped", "dense", "capacity")
 GROUPED_IMPLS = ("default", "ragged_dot", "megablox")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_out")
+# execution.remat -> the `jax.checkpoint` policy of each block: what its backward pass keeps (every
+# other value is recomputed). The one table: the model applies it (model.py) and `remat` is checked
+# against it here, where it lives because imports point down (execution -> ... -> model).
+REMAT_POLICIES = {
+    "none": jax.checkpoint_policies.everything_saveable,  # everything: no block is wrapped in jax.checkpoint
+    "full": None,  # nothing but the block's inputs
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_qkv_out": jax.checkpoint_policies.save_only_these_names(
+        "query_proj", "key_proj", "value_proj", "attention_out", "attention_lse"
+    ),
+}
 
 _fail = functools.partial(fail, "ExecutionConfig")
 

@@ -37,7 +37,7 @@ from flax import nnx
 
 from modern_jax.configfile import check_keys, fail
 
-QUANTIZE = ("none", "int8", "nf4")
+QUANTIZE = ("none", "int8", "nf4")  # none, or a kind ops/quant.py stores the base as (its KINDS are these)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 

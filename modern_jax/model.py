@@ -56,16 +56,6 @@ from modern_jax.ops import quant, vocab
 from modern_jax.sharding import constrain
 from modern_jax.sharding.sequence import residual
 
-REMAT_POLICIES = {  # execution.remat: what the backward pass keeps (every other name recomputes)
-    "full": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_qkv_out": jax.checkpoint_policies.save_only_these_names(
-        "query_proj", "key_proj", "value_proj", "attention_out", "attention_lse"
-    ),
-}
-
-
 SUMMED = (AUX_LOSS, ROUTER_Z_LOSS, DROPPED)  # what the layers sow, added up over the layers
 MAXED = (MAX_LOGIT,)  # ... and what takes the max over them
 
@@ -169,9 +159,9 @@ class Stage(nnx.Module):
                 reduced = {name: zero if value is None else value for name, value in reduced.items()}
                 return x_BTD, cache, reduced, sown_value(sown_j, LOAD) if moe[j] else None
 
-            if run.remat == "none":
+            if run.remat == "none":  # keeps everything: no checkpoint at all
                 return apply
-            return jax.checkpoint(apply, policy=REMAT_POLICIES[run.remat], prevent_cse=not run.scan_layers)
+            return jax.checkpoint(apply, policy=execution.REMAT_POLICIES[run.remat], prevent_cse=not run.scan_layers)
 
         layers = [layer(j) for j in range(period)]
 

@@ -47,7 +47,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
 
     from modern_jax.kernels.backend import recording_kernels
     from modern_jax.sharding.mesh import make_mesh
-    from modern_jax.sharding.targets import chip, topology_devices
+    from modern_jax.sharding.devices import chip, topology_devices
     from modern_jax.training.step import trainer_for
 
     if topology is not None:
@@ -237,7 +237,7 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
     """The compiler's cost of one training step of `trainer` (built with `scan_layers=False`) as a
     program with no loop: flops, bytes accessed, transcendentals, optimal_seconds per device."""
     from modern_jax.kernels.backend import declaring_costs
-    from modern_jax.sharding.targets import chip
+    from modern_jax.sharding.devices import chip
 
     with declaring_costs(kernel_costs):
         lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch())
@@ -292,7 +292,7 @@ def estimate_speed(run, mesh, *, opaque_kernels_too: bool = True) -> dict:
     `seconds_io_kernels` with the kernels costed as their I/O (what the compiler sees of an
     undeclared kernel). MFU's FLOPs: 6 N per token plus causal attention (`accounting.flops_per_token`)."""
     from modern_jax.accounting import flops_per_token
-    from modern_jax.sharding.targets import chip
+    from modern_jax.sharding.devices import chip
 
     with_costs = step_cost(run, mesh, kernel_costs=True)
     io_only = step_cost(run, mesh, kernel_costs=False) if opaque_kernels_too else None

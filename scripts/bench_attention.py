@@ -23,7 +23,7 @@ import numpy as np
 
 from modern_jax.kernels import AttentionSpec, UnsupportedFeatureError, Visibility, attention, pallas_interpret
 from modern_jax.kernels.attention import DEFAULTS, attention_reference, resolve
-from modern_jax.sharding.targets import platform
+from modern_jax.sharding.devices import platform
 from modern_jax.report import median_seconds
 
 FULL = dict(batch=(2, 8), length=(1024, 4096, 16384), head_dim=(64, 128), group=(4, 8))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from modern_jax.kernels import add_norm, norm, pallas_interpret
-from modern_jax.sharding.targets import platform
+from modern_jax.sharding.devices import platform
 from modern_jax.report import median_seconds
 
 FULL = dict(rows=(4096, 32768), width=(2048, 4096, 8192))

@@ -10,7 +10,7 @@ grouped matmul is XLA's `ragged_dot`, no Pallas kernel). Each kernel is traced w
 default tiles its wrapper picks, as a training step would call it, through the kernel dispatch
 with the implementation named explicitly (so nothing falls back silently).
 
-- TPU: libtpu compiles deviceless for one chip of a topology (`sharding.targets`); Mosaic
+- TPU: libtpu compiles deviceless for one chip of a topology (`sharding.devices`); Mosaic
   rejects a kernel whose blocks do not fit VMEM, so a compiled program proves they fit. A
   program compiles as a whole: each of its kernels gets a line, all ok or the error.
 - GPU: `modern_jax.kernels.gpu_compile` compiles each Triton kernel to a cubin with the
@@ -48,9 +48,9 @@ from modern_jax.kernels import (  # noqa: E402
     norm,
     pallas_interpret,
 )
-from modern_jax.sharding.targets import ARCHS, compiling_for  # noqa: E402
+from modern_jax.sharding.devices import ARCHS, compiling_for  # noqa: E402
 from modern_jax.kernels.grouped import grouped_matmul  # noqa: E402
-from modern_jax.sharding.targets import topology_devices  # noqa: E402
+from modern_jax.sharding.devices import topology_devices  # noqa: E402
 
 TPU_CHIPS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 GPU_ARCHS = tuple(ARCHS)

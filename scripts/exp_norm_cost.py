@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from modern_jax.sharding.targets import platform
+from modern_jax.sharding.devices import platform
 from modern_jax.kernels.norm import norm
 from modern_jax.report import pyplot, save_figure, write_table
 

@@ -1,10 +1,12 @@
-"""The package's shape: imports point down the layers, and the model loads no launch-side library."""
+"""The package's shape: imports point down the layers, the model loads no launch-side library, and
+every einsum speaks the one letter legend."""
 
 from __future__ import annotations
 
 import ast
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -21,7 +23,7 @@ LAYERS = [
     ("ops",),
     ("layers",),
     ("model",),
-    ("accounting", "generate", "parallel", "data"),  # what the model is measured, sampled, placed and fed with
+    ("accounting", "generate", "multihost", "data"),  # what the model is measured, sampled, placed and fed with
     ("training",),
     ("planner", "convert", "report"),
     ("cli",),
@@ -144,7 +146,7 @@ def test_importing_the_model_loads_no_checkpoint_optimiser_or_data_library():
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('orbax', 'grain', 'safetensors', 'tensorstore', 'tokenizers', 'matplotlib', 'tensorboardX') "
             "or m.split('.')[:2] in (['modern_jax', 'training'], ['modern_jax', 'data'], "
-            "['modern_jax', 'convert'], ['modern_jax', 'parallel'], ['modern_jax', 'cli']))))")
+            "['modern_jax', 'convert'], ['modern_jax', 'multihost'], ['modern_jax', 'cli']))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"JAX_PLATFORMS": "cpu", "PATH": ""})
     assert json.loads(out.stdout.splitlines()[-1]) == []
@@ -233,3 +235,116 @@ def test_no_code_outside_an_objective_names_it():
             named += [f"modern_jax/{rel}:{line}: {token}" for line, token in _names_in(path)
                       if re.fullmatch(rf"{name}(_\w*|config)?", token.lower())]
     assert not named, "\n".join(named)
+
+
+# einsums built around another equation, not written out: LoRA's adapter follows its projection's
+# letters and takes a free one for its rank (module, class)
+BUILT = {("layers/linear.py", "LoRA")}
+EQUATION = re.compile(r"[A-Za-z.]*(?:,[A-Za-z.]*)*->[A-Za-z.]*")
+
+
+def legend(source: str | None = None) -> list[tuple[str, str]]:
+    """The package legend's rows `(letter, meaning)`, from the table in `modern_jax/__init__.py`'s docstring."""
+    doc = ast.get_docstring(ast.parse(source if source is not None else (PACKAGE / "__init__.py").read_text()))
+    return re.findall(r"^\| ([A-Z]) \| (.+?) \|$", doc or "", re.M)
+
+
+def declared_letters(source: str) -> set[str] | None:
+    """The letters a module's docstring says it uses: the single capitals of its paragraph that
+    starts `Letters` (None without one)."""
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    paragraph = next((p for p in doc.split("\n\n") if p.lstrip().startswith("Letters")), None)
+    return None if paragraph is None else set(re.findall(r"(?<![A-Za-z_`])[A-Z](?![A-Za-z_])", paragraph))
+
+
+def einsum_equations(source: str, skip_classes=()) -> list[tuple[int, str]]:
+    """`(line, equation)` of every einsum the source writes out: the first argument of `einsum(...)`
+    and of a projection's call (`q_proj("BTD,DNH->BTNH", x)`: a string that reads as an equation);
+    an f-string gives its literal parts (what is formatted in is another equation's). An equation
+    in a variable is checked where it is written; the classes `skip_classes` are left out."""
+    tree = ast.parse(source)
+    skipped = [range(node.lineno, node.end_lineno + 1) for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef) and node.name in skip_classes]
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args or any(node.lineno in r for r in skipped):
+            continue
+        name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+        first = node.args[0]
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            if name == "einsum" or EQUATION.fullmatch(first.value.replace(" ", "")):
+                found.append((node.lineno, first.value))
+        elif isinstance(first, ast.JoinedStr) and name == "einsum":
+            found.append((node.lineno, "".join(v.value for v in first.values if isinstance(v, ast.Constant))))
+    return found
+
+
+def letter_errors(rel: str, source: str, letters: set[str]) -> list[str]:
+    """What is wrong with the einsum letters of one module: a letter outside the legend, or outside
+    the letters its docstring names (STYLE.md: one letter convention, stated in the module docstring)."""
+    skip = {cls for module, cls in BUILT if module == rel}
+    equations = einsum_equations(source, skip)
+    if not equations:
+        return []
+    declared = declared_letters(source)
+    if declared is None:
+        return [f"modern_jax/{rel} writes einsums but its docstring has no `Letters` paragraph"]
+    errors = [f"modern_jax/{rel}'s docstring names {sorted(declared - letters)}, not in the package legend"] \
+        if declared - letters else []
+    for line, equation in equations:
+        used = set(re.findall(r"[A-Za-z]", equation))
+        if used - letters:
+            errors.append(f"modern_jax/{rel}:{line} {equation!r}: {sorted(used - letters)} not in the package legend")
+        elif used - declared:
+            errors.append(f"modern_jax/{rel}:{line} {equation!r}: {sorted(used - declared)} not in its docstring's "
+                          f"Letters")
+    return errors
+
+
+@pytest.mark.quick
+def test_the_legend_gives_each_letter_one_meaning():
+    rows = legend()
+    letters = [letter for letter, _ in rows]
+    assert len(rows) >= 20 and len(letters) == len(set(letters)), sorted(letters)
+
+
+@pytest.mark.quick
+def test_every_einsum_uses_the_letters_of_the_legend():
+    """Every einsum string written in the package uses letters of the one legend
+    (`modern_jax/__init__.py`), and only those its module's docstring names."""
+    letters = {letter for letter, _ in legend()}
+    errors = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        errors += letter_errors(path.relative_to(PACKAGE).as_posix(), path.read_text(), letters)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.quick
+def test_the_letter_check_finds_an_undeclared_letter():
+    source = '''"""A layer.
+
+Letters: B batch, T length, D model, F ffn width.
+"""
+import jax.numpy as jnp
+
+
+def f(x, w, y, letters):
+    a = jnp.einsum("BTD,DF->BTF", x, w)
+    b = self.up_proj("BTD,DIF->BTIF", x)  # I: declared by the legend, not by this docstring
+    c = jnp.einsum(f"{letters},DF->BTq", x, w)  # q: no letter of the legend
+    d = jnp.einsum(equation, x, w)  # checked where it is written
+    return "training {} -> {}".format(a, b)
+
+
+class LoRA:
+    def delta(self, a, b):
+        return jnp.einsum("...ir,...ro->...io", a, b)
+'''
+    assert [eq for _, eq in einsum_equations(source)] == ["BTD,DF->BTF", "BTD,DIF->BTIF", ",DF->BTq",
+                                                          "...ir,...ro->...io"]
+    errors = letter_errors("layers/linear.py", source, set("ABDFIT"))
+    assert len(errors) == 2 and "'BTD,DIF->BTIF': ['I'] not in its docstring's Letters" in errors[0] \
+        and "',DF->BTq': ['q'] not in the package legend" in errors[1], errors
+    assert letter_errors("layers/ffn.py", source, set("ABDFIT"))[-1].endswith("['i', 'o', 'r'] not in the package legend")
+    assert letter_errors("x.py", source.replace("Letters:", "Shapes:"), set("BDFT")) == [
+        "modern_jax/x.py writes einsums but its docstring has no `Letters` paragraph"]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from modern_jax.config import ModelConfig
-from modern_jax.sharding import targets
+from modern_jax.sharding import devices
 from modern_jax.kernels import AttentionSpec, Visibility, add_norm, attention, gpu_compile, pallas_interpret
 from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
 from modern_jax.training.config import TrainConfig
@@ -103,7 +103,7 @@ def test_oversized_tiles_are_reported():
 
 def test_an_unknown_arch_is_refused():
     with pytest.raises(ValueError, match="sm_90a, sm_80"):
-        targets.lowering_for("sm_70").__enter__()
+        devices.lowering_for("sm_70").__enter__()
 
 
 def test_missing_triton_names_the_fix(monkeypatch):

@@ -18,13 +18,13 @@ from modern_jax.data.config import DataConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels.attention import AttentionSpec, attention
 from modern_jax.kernels.backend import recording_kernels
-from modern_jax.sharding.targets import compiling_for, platform
+from modern_jax.sharding.devices import compiling_for, platform
 from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax.kernels.masks import Visibility
 from modern_jax.kernels.norm import add_norm
 from modern_jax.model import Transformer
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.sharding.targets import CHIPS, chip, topology_devices
+from modern_jax.sharding.devices import CHIPS, chip, topology_devices
 from modern_jax.planner import plan
 from modern_jax.sharding import Strategies
 from modern_jax.training.config import RunConfig, TrainConfig

@@ -36,7 +36,7 @@ from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax.kernels.masks import MASK_VALUE, softcap
 from modern_jax.kernels.norm import _Call, _fused, norm_reference
 from modern_jax.kernels.norm_rows import rows_backward
-from modern_jax.sharding.targets import compiling_for, lowering_for, topology_devices
+from modern_jax.sharding.devices import compiling_for, lowering_for, topology_devices
 
 B, T, K, G, H = 1, 1024, 2, 2, 128
 DTYPE = jnp.bfloat16

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from modern_jax.sharding import targets
+from modern_jax.sharding import devices
 from modern_jax.kernels import (AttentionImpl, AttentionSpec, UnsupportedFeatureError, Visibility, attention,
                                 pallas_interpret)
 from modern_jax.kernels.attention import attention_reference, resolve
@@ -197,7 +197,7 @@ def lower_grad(fn, platform, max_logit=False):
 
 @pytest.mark.parametrize("max_logit", [False, True])
 def test_pallas_gpu_lowers_to_triton(max_logit):
-    with targets.lowering_for("sm_90a"):  # an abstract H100 (jax deprecates Triton for Mosaic GPU: quiet)
+    with devices.lowering_for("sm_90a"):  # an abstract H100 (jax deprecates Triton for Mosaic GPU: quiet)
         text = lower_grad(flash_attention_gpu, "cuda", max_logit)
     assert text.count("__gpu$xla.gpu.triton") == 3  # forward (with the max logit when asked), dq, dk/dv
 

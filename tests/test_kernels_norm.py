@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from modern_jax.sharding import targets
+from modern_jax.sharding import devices
 from modern_jax.kernels import NormImpl, UnsupportedFeatureError, add_norm, norm, pallas_interpret
 from modern_jax.kernels.norm import _Call, _fused, resolve
 
@@ -98,6 +98,6 @@ def test_pallas_norm_lowers_for_its_platform(platform):
     if platform == "tpu":
         assert traced.lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == 2
         return
-    with targets.lowering_for("sm_90a"):  # an abstract H100
+    with devices.lowering_for("sm_90a"):  # an abstract H100
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, x, w, w).lower(lowering_platforms=("cuda",))
         assert text.as_text().count("__gpu$xla.gpu.triton") == 2

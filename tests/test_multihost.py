@@ -135,7 +135,7 @@ def test_experts_and_context_across_processes_survive_a_kill_and_a_stop(tmp_path
 
 JOIN = textwrap.dedent("""
     import sys, time
-    from modern_jax.parallel import distributed
+    from modern_jax.multihost import distributed
     distributed.start(distributed.detect(), "train", heartbeat_timeout=float(sys.argv[1]))
     distributed.note(step=7, resume=" The newest checkpoint is step 5; run the same command again (every process) to resume.")
     assert distributed.decide("x", lambda: {"from": distributed.index()}) == {"from": 0}
@@ -271,7 +271,7 @@ def test_a_process_id_out_of_range_is_named_at_once(tmp_path):
 def test_the_rehearsal_leaves_out_gloo_announcements_even_interleaved():
     """What one process of a rehearsal wrote (captured), gloo's announcements from two threads cut
     into each other, across lines too, between lines of its own."""
-    from modern_jax.parallel.launch import WithoutGloo
+    from modern_jax.multihost.launch import WithoutGloo
 
     full = b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
     captured = [b"model: 821,120 parameters", full,
@@ -298,7 +298,7 @@ def test_the_rehearsal_leaves_out_gloo_announcements_even_interleaved():
     ({}, None),
 ])
 def test_the_launcher_is_found_from_its_environment(monkeypatch, env, expected):
-    from modern_jax.parallel import distributed
+    from modern_jax.multihost import distributed
 
     for key in [k for k in __import__("os").environ if k.startswith(("SLURM_", "OMPI_", "JAX_COORD", "JAX_NUM",
                                                                       "JAX_PROCESS"))]:

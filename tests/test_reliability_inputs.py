@@ -35,7 +35,7 @@ from modern_jax.data.records import record_documents
 from modern_jax import execution
 from modern_jax.generate import _generate
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.sharding.targets import check_topology
+from modern_jax.sharding.devices import check_topology
 from modern_jax.training import TrainConfig, Trainer
 from modern_jax.model import abstract_params
 

@@ -126,7 +126,7 @@ def test_sequence_parallelism_reduce_scatters_block_outputs():
     tensor=4): the block outputs leave attention and the FFN by reduce-scatters along T (forward,
     and the gradients entering them backward), the sequence enters them by all-gathers, and no
     block-sized [B, T, D] all-reduce is left; turned off in the rules, they are all-reduced whole."""
-    from modern_jax.sharding.targets import topology_devices
+    from modern_jax.sharding.devices import topology_devices
     from modern_jax.training.config import TrainConfig
     from modern_jax.training.step import Trainer
 

@@ -17,7 +17,7 @@ from modern_jax.config import ModelConfig, model_config_from_file
 from modern_jax.execution import ExecutionConfig
 from modern_jax.kernels import UnsupportedFeatureError, pallas_interpret
 from modern_jax.model import Transformer
-from modern_jax.sharding import create_sharded, make_mesh
+from modern_jax.sharding import ParallelConfig, create_sharded, make_mesh
 from modern_jax.sharding import RULES, constrain, logical_rules, logical_to_spec, mesh_axes, state_shardings
 
 from common import assert_leaves_match
@@ -92,8 +92,8 @@ def test_every_logical_name_in_use_is_in_the_rules_table():
     for name, cfg in configs.items():
         for axis in parameter_names(cfg):
             used.setdefault(axis, name)
-    assert {"vocab", "embed", "layers", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "norm", "q_lora",
-            "kv_lora"} <= set(used), f"the grid misses parameter axes: {sorted(used)}"
+    assert {"vocab", "embed", "layers", "q_heads", "kv_heads", "head_dim", "mlp", "experts", "norm", "q_latent",
+            "kv_latent"} <= set(used), f"the grid misses parameter axes: {sorted(used)}"
     for axis in constrained_names():
         used.setdefault(axis, "constrain(...)")
     assert {"activation_batch", "activation_length", "activation_embed", "activation_kv_heads",
@@ -137,6 +137,17 @@ def test_an_unknown_logical_name_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"'vocab'"):  # a rules table missing a name the model uses
         logical_to_spec(("vocab", "embed"), without_vocab)
     assert mesh_axes(None, RULES) == ()  # None: replicated, never looked up
+
+
+@pytest.mark.quick
+def test_a_rule_under_an_old_axis_name_names_the_new_one():
+    """MLA's latents were `q_lora` / `kv_lora`, beside LoRA's adapters: a `parallel.rules` override
+    under the old name says what the axis is called now."""
+    for old, new in (("q_lora", "q_latent"), ("kv_lora", "kv_latent")):
+        with pytest.raises(ValueError, match=rf"ParallelConfig.rules.{old}=\('fsdp',\) is invalid: the logical axis "
+                                             rf"{old} is now {new}: write parallel.rules.{new}"):
+            ParallelConfig.from_dict({"rules": {old: ["fsdp"]}})
+        assert dict(ParallelConfig.from_dict({"rules": {new: ["fsdp"]}}).rules_table())[new] == ("fsdp",)
 
     mesh = make_mesh(2, 1, 4)
 

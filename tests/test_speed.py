@@ -13,7 +13,7 @@ from modern_jax import planner
 from modern_jax.accounting import causal_keys, flops_per_token
 from modern_jax.cli import main
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.sharding.targets import topology_devices
+from modern_jax.sharding.devices import topology_devices
 from modern_jax.training.config import load_run_config
 from modern_jax.training.step import Trainer
 

@@ -392,7 +392,7 @@ GPT2 = Family(
     weights=WeightTable(
         top={
             **top_level("transformer.wte", "transformer.ln_f", head_bias=False),
-            "embed_positions": Rule("transformer.wpe.weight", "P D", "P D"),
+            "embed_positions": Rule("transformer.wpe.weight", "T D", "T D"),
         },
         layer={
             **norm(f"{T}.ln_1", "input_layernorm"),

@@ -13,9 +13,9 @@ layer (`model.layers.{i}.mlp.experts.down_proj`, `E F D`) has only `{i}`. `{i}` 
 numbered by the model's layer (a stage's slot k is some layer i); any other variable
 counts from 0.
 
-Axis letters: V vocab, P positions, D model, N query heads, K kv heads, H head dim
-(U: MLA's value head dim), F ffn width, E experts, Q MLA's query rank, C its latent and X
-the latent with the rotary key (C + R). A Hugging Face layout groups axes in
+Axis letters (the package legend): V vocab, T positions (a learned table's rows), D model, N
+query heads, K kv heads, H head dim (U: MLA's value head dim), F ffn width, E experts, Q MLA's
+query latent, C its key / value latent and X the latent with the rotary key (C + R). A Hugging Face layout groups axes in
 parentheses where the tensor flattens them, e.g. `q_proj.weight` is `(N H) D` (torch's
 Linear stores [out, in]) and our kernel is `D N H`. A digit is a fused axis: GPT-2's
 `c_attn.weight` is `D (3 N H)`, and q, k and v are its parts 0, 1 and 2; gate and up

@@ -318,7 +318,7 @@ def _shared_stream(cfg: DataConfig, docs, encode, tokenizer: Tokenizer, what: st
     share of the documents (`_share`) and writes it at its offset into one file per array
     under `directory` (on the run's shared file system); every process then maps the files,
     so it holds in memory only the windows it reads. The stream is the one `_stream` makes."""
-    from modern_jax.parallel import distributed
+    from modern_jax.multihost import distributed
 
     chat = cfg.format == "chat"
     dtype = _stream_dtype(tokenizer.vocab_size)
@@ -401,7 +401,7 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
             tokenizer = build()
         else:  # one tokenizer for every process: process 0's
             from modern_jax.data.tokenizers import load_tokenizer
-            from modern_jax.parallel import distributed
+            from modern_jax.multihost import distributed
 
             tokenizer = load_tokenizer(distributed.decide("data/tokenizer", build))
     if rendered is not None:

@@ -1,7 +1,7 @@
 """The grain input pipeline: packed windows with segment ids, sharded per host, checkpointable.
 
-A batch is a dict of `[A, R, T]` arrays (A gradient-accumulation steps, R rows this host
-feeds, T tokens):
+A batch is a dict of `[A, B, T]` arrays (the package legend: A gradient-accumulation steps,
+B the rows this host feeds, T tokens):
 
     inputs, targets       int32   targets[t] = the token after inputs[t]
     positions             int32   restart at 0 at each document start (and window start)
@@ -40,27 +40,28 @@ UNBOUNDED = 2**62
 
 
 def pack_windows(stream: TokenStream, starts: np.ndarray, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
-    """The windows `stream[start : start + T + 1]` as a packed batch of `[N, T]` arrays.
+    """The windows `stream[start : start + T + 1]` as a packed batch of `[B, T]` arrays, a row
+    per start.
 
     Tokens past the end of the stream are padding: segment 0, weight 0.
     """
-    idx_NW = np.asarray(starts, np.int64)[:, None] + np.arange(seq_len + 1)  # W = T + 1
-    valid_NW = idx_NW < len(stream)
-    idx_NW = np.minimum(idx_NW, len(stream) - 1)
-    tokens_NW = np.where(valid_NW, stream.tokens[idx_NW].astype(np.int32), pad_id)
-    doc_NW = np.searchsorted(stream.doc_starts, idx_NW, side="right") - 1
-    doc_start_NW = np.maximum(stream.doc_starts[doc_NW], idx_NW[:, :1])  # a window starts a sequence
-    segment_NW = np.where(valid_NW, doc_NW - doc_NW[:, :1] + 1, 0)
-    positions_NW = np.where(valid_NW, idx_NW - doc_start_NW, 0)
-    same_doc_NT = (doc_NW[:, :-1] == doc_NW[:, 1:]) & valid_NW[:, 1:]
+    idx_BT = np.asarray(starts, np.int64)[:, None] + np.arange(seq_len + 1)  # T + 1 here: inputs and targets
+    valid_BT = idx_BT < len(stream)
+    idx_BT = np.minimum(idx_BT, len(stream) - 1)
+    tokens_BT = np.where(valid_BT, stream.tokens[idx_BT].astype(np.int32), pad_id)
+    doc_BT = np.searchsorted(stream.doc_starts, idx_BT, side="right") - 1
+    doc_start_BT = np.maximum(stream.doc_starts[doc_BT], idx_BT[:, :1])  # a window starts a sequence
+    segment_BT = np.where(valid_BT, doc_BT - doc_BT[:, :1] + 1, 0)
+    positions_BT = np.where(valid_BT, idx_BT - doc_start_BT, 0)
+    same_doc_BT = (doc_BT[:, :-1] == doc_BT[:, 1:]) & valid_BT[:, 1:]
     if stream.trained is not None:  # a conversation: only the assistant's tokens are targets
-        same_doc_NT &= stream.trained[idx_NW[:, 1:]]
+        same_doc_BT &= stream.trained[idx_BT[:, 1:]]
     return {
-        "inputs": tokens_NW[:, :-1],
-        "targets": tokens_NW[:, 1:],
-        "positions": positions_NW[:, :-1].astype(np.int32),
-        "segment_ids": segment_NW[:, :-1].astype(np.int32),
-        "weights": same_doc_NT.astype(np.float32),
+        "inputs": tokens_BT[:, :-1],
+        "targets": tokens_BT[:, 1:],
+        "positions": positions_BT[:, :-1].astype(np.int32),
+        "segment_ids": segment_BT[:, :-1].astype(np.int32),
+        "weights": same_doc_BT.astype(np.float32),
     }
 
 
@@ -87,9 +88,9 @@ class TrainBatches:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         starts_AB = np.random.default_rng([self.seed, int(i)]).integers(0, self.high, size=self.shape)
-        starts_AR = starts_AB[:, self.rows]
-        batch = pack_windows(self.stream, starts_AR.reshape(-1), self.seq_len)
-        return {k: v.reshape(*starts_AR.shape, self.seq_len) for k, v in batch.items()}
+        mine_AB = starts_AB[:, self.rows]  # this process's rows: a chunk of B
+        batch = pack_windows(self.stream, mine_AB.reshape(-1), self.seq_len)
+        return {k: v.reshape(*mine_AB.shape, self.seq_len) for k, v in batch.items()}
 
 
 def train_iterator(stream: TokenStream, *, seq_len: int, batch_size: int, grad_accum: int = 1, seed: int = 0,

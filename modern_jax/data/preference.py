@@ -37,17 +37,18 @@ across the boundary, the completions start earlier), and each completion is the 
 whole encoding. Everything after the prompt is trained, for a conversation the template's
 markup after the answer too (`<|im_end|>\n`), as TRL trains it.
 
-Truncation is TRL's default (`truncation_mode="keep_start"`) with `max_length` W = T + 1,
-T = `seq_len`: each sequence (prompt + completion) keeps its first W tokens, so a long
-completion loses its end. A prompt of W tokens or more leaves no completion token: TRL drops
+Truncation is TRL's default (`truncation_mode="keep_start"`) with `max_length` T + 1,
+T = `seq_len`: each sequence (prompt + completion) keeps its first T + 1 tokens, so a long
+completion loses its end. A prompt of T + 1 tokens or more leaves no completion token: TRL drops
 such a pair, here it is an error naming the record.
 
-Layout (W = T + 1 tokens make T next-token targets, as a window of `pipeline.pack_windows`):
+Layout, per pair (T + 1 tokens make T next-token targets, as a window of `pipeline.pack_windows`;
+letters of the package legend, the pairs in words):
 
-    tokens    int32   [P, 2, W]  index 0 chosen, 1 rejected: prompt, completion, then 0s
-    weights   float32 [P, 2, T]  1 iff tokens[p, c, t + 1] is a completion token
-    lengths   int32   [P, 2]     tokens of each sequence
-    prompts   int32   [P]        tokens of the prompt (the same in both sequences)
+    tokens    int32   [pairs, 2, T + 1]  index 0 chosen, 1 rejected: prompt, completion, then 0s
+    weights   float32 [pairs, 2, T]      1 iff tokens[p, c, t + 1] is a completion token
+    lengths   int32   [pairs, 2]         tokens of each sequence
+    prompts   int32   [pairs]            tokens of the prompt (the same in both sequences)
 
 `batch_of` makes the training batch of some pairs: the `pipeline.BATCH_KEYS` arrays of
 `[2N, T]`, row 2n the chosen and row 2n + 1 the rejected sequence of pair n, each one document
@@ -79,10 +80,10 @@ _SETTING = "preference_column"  # the setting records.py names in a missing-fiel
 class PreferencePairs:
     """Tokenized preference pairs (module docstring, Layout)."""
 
-    tokens: np.ndarray  # int32 [P, 2, W]
-    weights: np.ndarray  # float32 [P, 2, T]
-    lengths: np.ndarray  # int32 [P, 2]
-    prompts: np.ndarray  # int32 [P]
+    tokens: np.ndarray  # int32 [pairs, 2, T + 1]
+    weights: np.ndarray  # float32 [pairs, 2, T]
+    lengths: np.ndarray  # int32 [pairs, 2]
+    prompts: np.ndarray  # int32 [pairs]
     names: tuple[str, ...]  # each pair's record ("file.jsonl, line 3"), for a deterministic split
 
     def __len__(self) -> int:
@@ -107,7 +108,7 @@ def read_pairs(cfg: DataConfig, path, tokenizer: Tokenizer, seq_len: int) -> Pre
                          f"records with the fields {COLUMNS}: give .jsonl / .parquet files or a Hugging Face "
                          f"dataset (or set data.source: {' / '.join(RECORD_SOURCES)})")
     template, special = chat_template(cfg, tokenizer), tokenizer.special_tokens
-    W = seq_len + 1
+    width = seq_len + 1
     rows = []
     for name, where, prompt, chosen, rejected in _records(cfg, source):
         prompt, chosen, rejected = _split_prompt(prompt, chosen, rejected, where)
@@ -115,28 +116,28 @@ def read_pairs(cfg: DataConfig, path, tokenizer: Tokenizer, seq_len: int) -> Pre
             ids = _tokenize(prompt, chosen, rejected, tokenizer, template, special, where)
         except ValueError as e:  # a character the tokenizer has no id for
             raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
-        rows.append((name, _check_fits(*ids, W, where)))
+        rows.append((name, _check_fits(*ids, width, where)))
     if not rows:
         raise ValueError(f"data.path={str(cfg.path)!r} holds no records")
 
-    P = len(rows)
-    tokens_P2W = np.zeros((P, 2, W), np.int32)
-    completion_P2W = np.zeros((P, 2, W), bool)
-    lengths_P2 = np.zeros((P, 2), np.int32)
-    prompts_P = np.zeros(P, np.int32)
+    # the module docstring's layout: [pairs, 2, T + 1], [pairs, 2] and [pairs]
+    tokens = np.zeros((len(rows), 2, width), np.int32)
+    completion = np.zeros((len(rows), 2, width), bool)
+    lengths = np.zeros((len(rows), 2), np.int32)
+    prompts = np.zeros(len(rows), np.int32)
     cut = 0
     for p, (_, (prompt_ids, *completions)) in enumerate(rows):
-        prompts_P[p] = len(prompt_ids)
+        prompts[p] = len(prompt_ids)
         for c, completion_ids in enumerate(completions):
-            sequence = np.concatenate([prompt_ids, completion_ids])[:W]  # keep_start
-            cut += len(prompt_ids) + len(completion_ids) > W
-            tokens_P2W[p, c, : len(sequence)] = sequence
-            completion_P2W[p, c, len(prompt_ids) : len(sequence)] = True
-            lengths_P2[p, c] = len(sequence)
+            sequence = np.concatenate([prompt_ids, completion_ids])[:width]  # keep_start
+            cut += len(prompt_ids) + len(completion_ids) > width
+            tokens[p, c, : len(sequence)] = sequence
+            completion[p, c, len(prompt_ids) : len(sequence)] = True
+            lengths[p, c] = len(sequence)
     if cut:
-        warnings.warn(f"{cut} of the {2 * P} sequences of data.path={str(cfg.path)!r} are longer than seq_len + 1 = "
-                      f"{W} tokens and lose the end of their completion", stacklevel=2)
-    return PreferencePairs(tokens_P2W, completion_P2W[..., 1:].astype(np.float32), lengths_P2, prompts_P,
+        warnings.warn(f"{cut} of the {2 * len(rows)} sequences of data.path={str(cfg.path)!r} are longer than seq_len "
+                      f"+ 1 = {width} tokens and lose the end of their completion", stacklevel=2)
+    return PreferencePairs(tokens, completion[..., 1:].astype(np.float32), lengths, prompts,
                            tuple(name for name, _ in rows))
 
 
@@ -144,14 +145,14 @@ def batch_of(pairs: PreferencePairs, indices) -> dict[str, np.ndarray]:
     """The training batch of the pairs `indices` (N of them): `[2N, T]` arrays, row 2n chosen and
     row 2n + 1 rejected (module docstring)."""
     indices = np.asarray(indices, np.int64).reshape(-1)
-    tokens_RW = pairs.tokens[indices].reshape(2 * len(indices), -1)  # R = 2N rows: chosen, rejected, ...
-    T = tokens_RW.shape[1] - 1
-    valid_RT = np.arange(T) < pairs.lengths[indices].reshape(-1, 1)  # an input token, not padding
+    tokens = pairs.tokens[indices].reshape(2 * len(indices), -1)  # [B, T + 1], B = 2N rows: chosen, rejected, ...
+    T = tokens.shape[1] - 1
+    valid_BT = np.arange(T) < pairs.lengths[indices].reshape(-1, 1)  # an input token, not padding
     return {
-        "inputs": tokens_RW[:, :-1],
-        "targets": tokens_RW[:, 1:],
-        "positions": np.where(valid_RT, np.arange(T, dtype=np.int32), 0).astype(np.int32),
-        "segment_ids": valid_RT.astype(np.int32),
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": np.where(valid_BT, np.arange(T, dtype=np.int32), 0).astype(np.int32),
+        "segment_ids": valid_BT.astype(np.int32),
         "weights": pairs.weights[indices].reshape(2 * len(indices), T),
     }
 
@@ -387,16 +388,16 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def _check_fits(prompt_ids, chosen_ids, rejected_ids, W: int, where: str):
-    """The ids, unless a sequence of W tokens would hold no completion token."""
+def _check_fits(prompt_ids, chosen_ids, rejected_ids, width: int, where: str):
+    """The ids, unless a sequence of `width` tokens would hold no completion token."""
     for field, ids in ((CHOSEN, chosen_ids), (REJECTED, rejected_ids)):
         if not len(ids):
             raise ValueError(f"{where}: the {field!r} completion has no tokens after the prompt: give it some text")
     if not len(prompt_ids):
         raise ValueError(f"{where}: the prompt has no tokens, so no token comes before the first completion token "
                          f"to predict it: give {PROMPT!r} some text")
-    if len(prompt_ids) >= W:
-        raise ValueError(f"{where}: the prompt is {len(prompt_ids)} tokens, so a sequence of seq_len + 1 = {W} tokens "
+    if len(prompt_ids) >= width:
+        raise ValueError(f"{where}: the prompt is {len(prompt_ids)} tokens, so a sequence of seq_len + 1 = {width} tokens "
                          f"holds none of the completions: raise seq_len to at least {len(prompt_ids)} or shorten "
                          f"the {PROMPT!r}")
     return prompt_ids, chosen_ids, rejected_ids

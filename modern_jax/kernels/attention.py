@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from modern_jax.execution import ATTENTION_IMPLS
-from modern_jax.sharding.targets import platform
+from modern_jax.sharding.devices import platform
 from modern_jax.kernels.backend import UnsupportedFeatureError, can_run_pallas, interpret_target, note_kernel
 from modern_jax.kernels.chunked import attention_chunked
 from modern_jax.kernels.flash_gpu import flash_attention_gpu

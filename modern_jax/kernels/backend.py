@@ -16,7 +16,7 @@ the platform whose kernels an implementation that has one per platform (`norm_im
 resolves to.
 
 The platform is the one the computation is compiled for, not the host's
-(`sharding.targets.platform`: inside `compiling_for(mesh)` that mesh's devices' platform).
+(`sharding.devices.platform`: inside `compiling_for(mesh)` that mesh's devices' platform).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import os
 import jax
 
 from modern_jax.execution import scoped
-from modern_jax.sharding.targets import platform
+from modern_jax.sharding.devices import platform
 
 INTERPRET_ENV = "MODERN_JAX_PALLAS_INTERPRET"
 _INTERPRET: contextvars.ContextVar[str | None] = contextvars.ContextVar("modern_jax_pallas_interpret", default=None)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 
-from modern_jax.sharding.targets import gpu_arch, lowering_for
+from modern_jax.sharding.devices import gpu_arch, lowering_for
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 MAX_REGISTERS = 255  # per thread, every NVIDIA architecture since Kepler

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from modern_jax.execution import GROUPED_IMPLS
-from modern_jax.sharding.targets import platform
+from modern_jax.sharding.devices import platform
 from modern_jax.kernels.backend import UnsupportedFeatureError, interpret_target, note_kernel
 from modern_jax.kernels.masks import pad_axis, round_up
 

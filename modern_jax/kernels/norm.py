@@ -1,7 +1,7 @@
 """Normalisation and its dispatch: RMSNorm, Gemma's (1 + w) RMSNorm, LayerNorm.
 
-Letters: M rows (every leading axis flattened), D normalised features (the weight's
-trailing axes flattened), P programs of the backward kernel.
+Letters (the package legend): M rows (every leading axis flattened), D normalised features (the weight's
+trailing axes flattened), I row blocks (programs) of the backward kernel.
 
     rmsnorm         y = x * rsqrt(mean(x^2) + eps) * w
     gemma_rmsnorm   y = x * rsqrt(mean(x^2) + eps) * (1 + w)
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from modern_jax.config import NORM_TYPES
 from modern_jax.execution import NORM_IMPLS
 from modern_jax.kernels import norm_gpu, norm_tpu
 from modern_jax.kernels.backend import (
@@ -43,9 +44,6 @@ from modern_jax.kernels.backend import (
     varying_axes,
     vary_over,
 )
-
-KINDS = ("rmsnorm", "gemma_rmsnorm", "layernorm")
-
 
 # DEFAULT, REFERENCE, PALLAS: the names `execution.NORM_IMPLS` defines
 NormImpl = enum.StrEnum("NormImpl", {name.upper(): name for name in NORM_IMPLS})
@@ -89,8 +87,8 @@ def norm_reference(x, weight, bias=None, *, kind: str = "rmsnorm", eps: float = 
 
 
 def _dispatch(x, residual, weight, bias, kind, eps, impl):
-    if kind not in KINDS:
-        raise ValueError(f"norm kind {kind!r} is not one of {', '.join(KINDS)}")
+    if kind not in NORM_TYPES:  # the kinds are named once, by the config (`norm_type`)
+        raise ValueError(f"norm kind {kind!r} is not one of {', '.join(NORM_TYPES)}")
     impl = resolve(impl)
     note_kernel("norm", impl.value)
     if impl is NormImpl.REFERENCE:

@@ -1,9 +1,10 @@
 """The fused norm on GPU: Triton kernels written with Pallas.
 
-Letters as in `kernels/norm.py`: M rows, D features, P programs of the backward kernel.
+Letters (the package legend, as in `kernels/norm.py`): M rows, D features, I row blocks (programs)
+of the backward kernel.
 
-Forward: one program per row. Backward: P programs, each a run of rows, each writing
-its partial dw / db `[P, D]`, summed afterwards (deterministic, no atomics).
+Forward: one program per row. Backward: I programs, each a run of rows, each writing
+its partial dw / db `[I, D]`, summed afterwards (deterministic, no atomics).
 
 A program holds its row, and the backward its dw / db sums, in registers, with up to 16
 warps. Compiled for sm_90a and sm_80 (`scripts/check_kernels_compile.py`), rows padded to
@@ -64,7 +65,7 @@ def backward(call, h_MD, dy_MD, dh_MD, w_D, has_bias):
     M, D = h_MD.shape
     Dp = pl.next_power_of_2(D)
     rows_per_program = max(1, -(-M // 1024))
-    P = -(-M // rows_per_program)
+    blocks = -(-M // rows_per_program)
     fused_add = dh_MD is not None
 
     def kernel(*refs):
@@ -94,11 +95,11 @@ def backward(call, h_MD, dy_MD, dh_MD, w_D, has_bias):
     partial = pl.BlockSpec((None, D), lambda p: (p, 0))
     args = [h_MD, dy_MD] + ([dh_MD] if fused_add else []) + [w_D]
     in_specs = [full, full] + ([full] if fused_add else []) + [pl.BlockSpec((D,), lambda p: (0,))]
-    out_shape = [out_struct((M, D), h_MD.dtype, h_MD), *[out_struct((P, D), jnp.float32, h_MD)] * 2]
-    dx_MD, dw_PD, db_PD = pl.pallas_call(
-        kernel, grid=(P,), in_specs=in_specs, out_specs=[full, partial, partial], out_shape=out_shape,
+    out_shape = [out_struct((M, D), h_MD.dtype, h_MD), *[out_struct((blocks, D), jnp.float32, h_MD)] * 2]
+    dx_MD, dw_ID, db_ID = pl.pallas_call(
+        kernel, grid=(blocks,), in_specs=in_specs, out_specs=[full, partial, partial], out_shape=out_shape,
         compiler_params=_params(Dp),
         cost_estimate=costs.norm_backward(call.kind, M, D, fused_add=fused_add, io=(args, out_shape)),
         interpret=call.interpret, name="norm_gpu_bwd",
     )(*args)
-    return dx_MD, dw_PD.sum(0), db_PD.sum(0) if has_bias else None
+    return dx_MD, dw_ID.sum(0), db_ID.sum(0) if has_bias else None

@@ -1,9 +1,10 @@
 """The fused norm on TPU: Mosaic kernels written with Pallas.
 
-Letters as in `kernels/norm.py`: M rows, D features, P blocks of the backward kernel.
+Letters (the package legend, as in `kernels/norm.py`): M rows, D features, I row blocks of the
+backward kernel.
 
 Blocks of `rows` rows by the whole feature axis; the backward writes one partial
-dw / db per block (`[P, 1, D]`), summed afterwards. A ragged last block is masked.
+dw / db per block (`[I, 1, D]`), summed afterwards. A ragged last block is masked.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def forward(call, x_MD, res_MD, w_D, b_D):
 def backward(call, h_MD, dy_MD, dh_MD, w_D, has_bias):
     M, D = h_MD.shape
     rows = _rows(M, D)
-    P = pl.cdiv(M, rows)
+    blocks = pl.cdiv(M, rows)
     fused_add = dh_MD is not None
 
     def kernel(*refs):
@@ -74,11 +75,11 @@ def backward(call, h_MD, dy_MD, dh_MD, w_D, has_bias):
     partial = pl.BlockSpec((None, 1, D), lambda i: (i, 0, 0))
     args = [h_MD, dy_MD] + ([dh_MD] if fused_add else []) + [w_D[None]]
     in_specs = [block, block] + ([block] if fused_add else []) + [pl.BlockSpec((1, D), lambda i: (0, 0))]
-    out_shape = [out_struct((M, D), h_MD.dtype, h_MD), *[out_struct((P, 1, D), jnp.float32, h_MD)] * 2]
-    dx_MD, dw_P1D, db_P1D = pl.pallas_call(
-        kernel, grid=(P,), in_specs=in_specs, out_specs=[block, partial, partial], out_shape=out_shape,
+    out_shape = [out_struct((M, D), h_MD.dtype, h_MD), *[out_struct((blocks, 1, D), jnp.float32, h_MD)] * 2]
+    dx_MD, dw_I1D, db_I1D = pl.pallas_call(
+        kernel, grid=(blocks,), in_specs=in_specs, out_specs=[block, partial, partial], out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         cost_estimate=costs.norm_backward(call.kind, M, D, fused_add=fused_add, io=(args, out_shape)),
         interpret=call.interpret, name="norm_tpu_bwd",
     )(*args)
-    return dx_MD, dw_P1D.sum((0, 1)), db_P1D.sum((0, 1)) if has_bias else None
+    return dx_MD, dw_I1D.sum((0, 1)), db_I1D.sum((0, 1)) if has_bias else None

@@ -1,9 +1,9 @@
 """Self-attention: MHA / GQA / MQA and DeepSeek's multi-head latent attention (MLA).
 
-Letters: B batch, T query length, S key length, D model, N query heads, K kv heads,
-G query heads per kv head (N = K * G), H head dim, U value head dim (MLA), Z MLA latent
-(d_c), Y the rotary dim of MLA's decoupled key (d_R), X the two side by side (Z + Y), Q MLA
-query rank (as in `modern_jax`).
+Letters (the package legend): B batch, T query length, S key length, D model, N query heads,
+K kv heads, G query heads per kv head (N = K * G), H query / key head dim, U value head dim
+(MLA), C MLA's key / value latent (d_c), R the rotary dim of MLA's decoupled key (d_R), X the
+two side by side (C + R), Q MLA's query latent.
 
 Decoding caches are dicts of arrays `[B, S, ...]` plus `pos[B, S]` (the position held
 by each slot, -1 when empty). Local layers keep a ring of `sliding_window` slots, chunked
@@ -140,26 +140,26 @@ class Attention(nnx.Module):
 
 
 class MLAttention(nnx.Module):
-    """Multi-head latent attention: keys and values come from a shared latent c[Z].
+    """Multi-head latent attention: keys and values come from a shared latent c[C].
 
-    The cache holds only `c[Z]` and the decoupled rotary key `k_pe[Y]` per token. With a
+    The cache holds only `c[C]` and the decoupled rotary key `k_pe[R]` per token. With a
     cache the up-projections are absorbed: queries move into latent space
     (`q_nope @ W_uk`), attention runs as MQA over `[c, k_pe]`, and `W_uv` maps back.
     """
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs):
-        D, N, Z, Y = cfg.d_model, cfg.n_heads, cfg.mla_kv_rank, cfg.mla_rope_dim
+        D, N, C, R = cfg.d_model, cfg.n_heads, cfg.mla_kv_rank, cfg.mla_rope_dim
         Hn, U, Q = cfg.mla_nope_dim, cfg.mla_v_dim, cfg.mla_q_rank
         self.cfg, self.spec = cfg, spec
         if Q:
-            self.q_a_proj = Proj(cfg, (D, Q), ("embed", "q_lora"), role="in", rngs=rngs)
-            self.q_a_layernorm = Norm(cfg, (Q,), ("q_lora",), rngs=rngs)
-            self.q_b_proj = Proj(cfg, (Q, N, Hn + Y), ("q_lora", "q_heads", "head_dim"), role="qk", rngs=rngs)
+            self.q_a_proj = Proj(cfg, (D, Q), ("embed", "q_latent"), role="in", rngs=rngs)
+            self.q_a_layernorm = Norm(cfg, (Q,), ("q_latent",), rngs=rngs)
+            self.q_b_proj = Proj(cfg, (Q, N, Hn + R), ("q_latent", "q_heads", "head_dim"), role="qk", rngs=rngs)
         else:
-            self.q_proj = Proj(cfg, (D, N, Hn + Y), ("embed", "q_heads", "head_dim"), role="qk", rngs=rngs)
-        self.kv_a_proj_with_mqa = Proj(cfg, (D, Z + Y), ("embed", "kv_lora"), role="in", rngs=rngs)
-        self.kv_a_layernorm = Norm(cfg, (Z,), ("kv_lora",), rngs=rngs)
-        self.kv_b_proj = Proj(cfg, (Z, N, Hn + U), ("kv_lora", "q_heads", "head_dim"), role="v", rngs=rngs)
+            self.q_proj = Proj(cfg, (D, N, Hn + R), ("embed", "q_heads", "head_dim"), role="qk", rngs=rngs)
+        self.kv_a_proj_with_mqa = Proj(cfg, (D, C + R), ("embed", "kv_latent"), role="in", rngs=rngs)
+        self.kv_a_layernorm = Norm(cfg, (C,), ("kv_latent",), rngs=rngs)
+        self.kv_b_proj = Proj(cfg, (C, N, Hn + U), ("kv_latent", "q_heads", "head_dim"), role="v", rngs=rngs)
         self.o_proj = Proj(cfg, (N, U, D), ("q_heads", "head_dim", "embed"), role="out", in_dims=2, rngs=rngs)
         self.sinks = param(rngs, jax.nn.initializers.zeros, (N,), ("q_heads",), jnp.float32) if cfg.attention_sinks else None
 
@@ -202,8 +202,7 @@ class MLAttention(nnx.Module):
             keys, k_pos_BS, cache = attend_with_cache(cache, {"c": c_BTC, "k_pe": k_pe_BTR}, pos_BT, spec.span)
             c_BSC, k_pe_BSR = keys["c"].astype(x_BTD.dtype), keys["k_pe"].astype(x_BTD.dtype)
         absorb = cache is not None if absorb is None else absorb
-        w_CNX = self.kv_b_proj.weight(x_BTD.dtype)
-        w_uk_CNH, w_uv_CNU = w_CNX[..., :Hn], w_CNX[..., Hn:]
+        w_uk_CNH, w_uv_CNU = jnp.split(self.kv_b_proj.weight(x_BTD.dtype), [Hn], axis=-1)  # [C, N, Hn + U]
         spec_ = AttentionSpec(scale=self.scale(), window=spec.window, chunk=spec.chunk, softcap=cfg.attn_softcap,
                               dropout_rate=cfg.attn_dropout)
         vis = Visibility(pos_BT, k_pos_BS, seg_BT, k_seg_BS)
@@ -220,10 +219,10 @@ class MLAttention(nnx.Module):
             S = c_BSC.shape[1]
             k_nope_BSNH = jnp.einsum("BSC,CNH->BSNH", c_BSC, w_uk_CNH)
             v_BSNU = jnp.einsum("BSC,CNU->BSNU", c_BSC, w_uv_CNU)
-            k_BSNX = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_pe_BSR[:, :, None], (B, S, N, k_pe_BSR.shape[-1]))], -1)
-            q_BTN1X = jnp.concatenate([q_nope_BTNH, q_pe_BTNR], axis=-1)[:, :, :, None]
+            k_BSNH = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_pe_BSR[:, :, None], (B, S, N, k_pe_BSR.shape[-1]))], -1)
+            q_BTN1H = jnp.concatenate([q_nope_BTNH, q_pe_BTNR], axis=-1)[:, :, :, None]  # H = Hn + R again
             sinks_N1 = None if self.sinks is None else self.sinks[...][:, None]
-            o_BTN1U = sow_max_logit(self, attention(q_BTN1X, k_BSNX, v_BSNU, spec_, vis, sinks_KG=sinks_N1, **kwargs),
+            o_BTN1U = sow_max_logit(self, attention(q_BTN1H, k_BSNH, v_BSNU, spec_, vis, sinks_KG=sinks_N1, **kwargs),
                                     diagnostics)
             o_BTNU = o_BTN1U[:, :, :, 0]
         o_BTNU = checkpoint_name(constrain(o_BTNU, ("activation_batch", "activation_length", "activation_heads", None)),

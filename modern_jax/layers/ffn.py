@@ -1,6 +1,6 @@
 """Feed-forward layers: plain MLP `W2 act(W1 x)` and gated `W_down(act(W_gate x) * W_up x)`.
 
-Letters: B batch, T length, D model, F ffn width.
+Letters (the package legend): B batch, T length, D model, F ffn width; 2 the fused gate and up.
 GLU = gated + sigmoid, ReGLU = gated + relu, GEGLU = gated + gelu, SwiGLU = gated + silu,
 bilinear = gated + identity.
 """
@@ -11,18 +11,9 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-from modern_jax.config import ModelConfig
+from modern_jax.config import ACTIVATIONS, ModelConfig
 from modern_jax.layers.linear import Proj
 from modern_jax.sharding import constrain
-
-ACTIVATIONS = {
-    "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "silu": jax.nn.silu,
-    "sigmoid": jax.nn.sigmoid,
-    "identity": lambda x: x,
-}
 
 
 class FFN(nnx.Module):
@@ -41,7 +32,8 @@ class FFN(nnx.Module):
     @jax.named_scope("ffn")
     def __call__(self, x_BTD):
         if self.fused:
-            gate_up_BT2F = self.gate_up_proj("BTD,DIF->BTIF", x_BTD)
+            # the kernel's [2, F] (gate and up) ride on `...`: an einsum has no letter for a digit
+            gate_up_BT2F = self.gate_up_proj("BTD,D...->BT...", x_BTD)
             h_BTF = self.act(gate_up_BT2F[:, :, 0]) * gate_up_BT2F[:, :, 1]
         elif self.gated:
             h_BTF = self.act(self.gate_proj("BTD,DF->BTF", x_BTD)) * self.up_proj("BTD,DF->BTF", x_BTD)

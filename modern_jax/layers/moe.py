@@ -1,7 +1,7 @@
 """A mixture of experts: a router picks k of E gated FFNs per token (README: Mixture of experts).
 
 Letters (the package legend): B batch, T length, M tokens (B T), D model, F expert width,
-E experts, Y experts chosen per token, G the router's groups of experts.
+E experts, Y experts chosen per token; the router's groups of experts have no letter.
 
     z      = x W_r [+ b_r]                                    router logits, float32
     s      = softmax(z) | sigmoid(z)                          scores
@@ -12,7 +12,7 @@ E experts, Y experts chosen per token, G the router's groups of experts.
     Expert(x) = W_down (act(W_gate x) * W_up x)
               | gpt-oss: W_down ((clip(up) + 1) * g sigmoid(alpha g)), g = min(gate, limit)
 
-Groups (DeepSeek-V3): the E experts form G groups; a group's score is the sum of its two
+Groups (DeepSeek-V3): the E experts form `router_groups` groups; a group's score is the sum of its two
 best `s + bias_sel`, the best `router_topk_groups` groups stay, and the top-k is taken
 among their experts.
 
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from modern_jax.config import ModelConfig
-from modern_jax.layers.ffn import ACTIVATIONS, FFN
+from modern_jax.config import ACTIVATIONS, ModelConfig
+from modern_jax.layers.ffn import FFN
 from modern_jax.layers.linear import LoRA, Proj, Quantized, init_std, param, weight
 from modern_jax.ops.moe import dispatch
 
@@ -69,15 +69,15 @@ def route(cfg: ModelConfig, z_ME, bias_E=None):
 def _group_limit(cfg: ModelConfig, choice_ME):
     """Keep the experts of each token's `router_topk_groups` best groups (the others can not be
     chosen); a group scores the sum of its two best experts."""
-    G = cfg.router_groups
-    if G == 1:
+    groups = cfg.router_groups
+    if groups == 1:
         return choice_ME
     M, E = choice_ME.shape
-    choice_MGE = choice_ME.reshape(M, G, E // G)
-    group_MG = jnp.sum(jax.lax.top_k(choice_MGE, 2)[0], axis=-1)
-    _, top_groups = jax.lax.top_k(group_MG, cfg.router_topk_groups)
-    keep_MG = jnp.sum(jax.nn.one_hot(top_groups, G, dtype=jnp.int32), axis=1) > 0
-    return jnp.where(keep_MG[:, :, None], choice_MGE, -jnp.inf).reshape(M, E)
+    by_group = choice_ME.reshape(M, groups, E // groups)  # [M, groups, E / groups]: a group's experts are a chunk of E
+    group_score = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [M, groups]
+    _, top_groups = jax.lax.top_k(group_score, cfg.router_topk_groups)
+    keep = jnp.sum(jax.nn.one_hot(top_groups, groups, dtype=jnp.int32), axis=1) > 0  # [M, groups]
+    return jnp.where(keep[:, :, None], by_group, -jnp.inf).reshape(M, E)
 
 
 class Router(nnx.Module):

@@ -1,7 +1,7 @@
 """Attention under `shard_map`: KV heads split across the tensor axis, the sequence across `context`.
 
-Letters as in `modern_jax.kernels.attention`: B batch, T/S query/key length, K kv heads,
-G queries per kv head, H/U key/value head dims, C the context axis's size.
+Letters (the package legend): B batch, T/S query/key length, K kv heads, G queries per kv
+head, H/U key/value head dims, P the devices of the context axis.
 
 Each device owns `K / TP` KV heads and exactly their query groups, so no K/V is
 gathered. When the tensor axis has more devices than KV heads (2 KV heads on TP=8, MQA),
@@ -10,8 +10,8 @@ query group split in `r`, so every device still owns whole (smaller) query group
 `q[B,T,K,G,H] -> q[B,T,K*r,G/r,H]`, `k[B,S,K,H] -> k[B,S,K*r,H]`. The batch is split
 over the batch axes when it divides them. The kernel runs per device.
 
-Context parallelism: with `activation_length` mapped to a `context` axis of C > 1 devices,
-each device holds `T / C` queries and keys (in whatever order the sequence was laid out over
+Context parallelism: with `activation_length` mapped to a `context` axis of P > 1 devices,
+each device holds `T / P` queries and keys (in whatever order the sequence was laid out over
 the axis: the masks are positions and segment ids, so packing, windows, chunks, sinks and
 soft-cap hold for any order). Two strategies (`parallel.context_strategy`, read from the
 active `sharding.strategies()`):
@@ -19,7 +19,7 @@ active `sharding.strategies()`):
 - `all_gather` (default): each device gathers the keys and values (and their positions and
   segments) of the whole sequence along the axis and runs the kernel on its own queries; the
   queries are never gathered, the backward reduce-scatters dK and dV.
-- `ring`: the key/value blocks travel round the axis (`ppermute`, C steps) while each device
+- `ring`: the key/value blocks travel round the axis (`ppermute`, P steps) while each device
   folds every block into its queries' online softmax (running max, sum and output in float32),
   so no device holds more than one block of keys; the steps are rematerialised in the
   backward. The blocks are computed in plain JAX (the online softmax of the `chunked` kernel at
@@ -149,8 +149,8 @@ def ring_attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility
     Step s holds the block that started `s` devices back; each is masked by its own positions and
     segments, so the order they arrive in changes nothing. The sinks join the denominator once,
     at the end."""
-    C = math.prod(jax.lax.axis_size(a) for a in axes)
-    perm = [(i, (i + 1) % C) for i in range(C)]
+    devices = math.prod(jax.lax.axis_size(a) for a in axes)  # P
+    perm = [(i, (i + 1) % devices) for i in range(devices)]
     B, T, K, G, H = q_BTKGH.shape
     U = v_BSKU.shape[-1]
 
@@ -173,7 +173,7 @@ def ring_attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility
 
     init = flash.init_state((B, K, G, T), U)
     top = jnp.zeros((B, K, G, T, 1), jnp.float32) if return_max_logit else None
-    (state, top, *_), _ = jax.lax.scan(fold, (init, top, k_BSKH, v_BSKU, vis.k_pos, vis.k_seg), None, length=C)
+    (state, top, *_), _ = jax.lax.scan(fold, (init, top, k_BSKH, v_BSKU, vis.k_pos, vis.k_seg), None, length=devices)
     sink = None if sinks_KG is None else sinks_KG.astype(jnp.float32)[None, :, :, None, None]
     o_BKGTU, _ = flash.finish(*state, sink)  # the sink's logit joins the denominator only
     o_BTKGU = o_BKGTU.transpose(0, 3, 1, 2, 4).astype(q_BTKGH.dtype)

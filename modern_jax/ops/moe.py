@@ -14,8 +14,8 @@ expert. Each dispatch supplies its own `matmul`, so the expert FFN is written on
   chosen. E times the work: the numerical oracle of the tests.
 - `grouped` (dropless, the default): the `M Y` assignments sorted by expert, the experts'
   matmuls as one grouped matmul each (`kernels.grouped`), unsorted and combined.
-- `capacity`: the sorted assignments placed in `C = ceil(factor * M * Y / E)` slots per
-  expert (`x[E, Z, D]`, batched matmuls); an expert's assignments past its C-th, in token
+- `capacity`: the sorted assignments placed in `ceil(factor * M * Y / E)` slots per expert
+  (`x[E, Z, D]`, batched matmuls); an expert's assignments past its last slot, in token
   order, are dropped (they add nothing) and counted.
 
 With `on_input` the weight scales the expert's input instead of its output (Llama 4), and
@@ -29,10 +29,10 @@ mesh splits `experts` (the `expert` axis, size P), each device holds E / P exper
 `exchange` picks how tokens meet them:
 
 - `all_to_all`: route locally, sort the assignments by the device that owns their expert,
-  place them in `C` slots per destination (`C = ceil(factor * M_local Y / P)`, or every
-  assignment with `exchange_factor=None`), swap the slots with one `all_to_all`, run the
-  grouped matmuls on the local experts, swap back and combine. Assignments past a
-  destination's C slots are dropped and counted; with enough slots the result is exactly
+  place them in `ceil(factor * M_local Y / P)` slots per destination (or every assignment
+  with `exchange_factor=None`), swap the slots with one `all_to_all`, run the grouped
+  matmuls on the local experts, swap back and combine. Assignments past a destination's
+  slots are dropped and counted; with enough slots the result is exactly
   the unsharded one.
 - `ragged_all_to_all` (TPU and GPU; XLA:CPU does not implement it): the same sort, but each
   destination gets exactly its rows, no slots: packed into a receive buffer of `P Z` rows
@@ -67,7 +67,7 @@ from modern_jax import execution
 from modern_jax.sharding.config import MOE_EXCHANGES
 from modern_jax.sharding.context import active, strategies
 from modern_jax.sharding.rules import axis_position, live_axes, logical_to_spec, mesh_axes
-from modern_jax.sharding.targets import platform
+from modern_jax.sharding.devices import platform
 
 
 def dispatch(x_MD, experts_MY, weights_MY, experts_fn, *, n_experts: int, on_input: bool = False,
@@ -180,8 +180,8 @@ def _grouped(x_ZD, expert_Z, E: int, experts_fn, impl: str, psum_axes=()):
 def _slots(group_Z, n_groups: int, slots: int):
     """`(kept, slot)` of rows sorted by group: row z takes slot `group * slots + its place in the
     group's queue` if that place is below `slots`, else it is dropped and points past the end."""
-    sizes_G = jnp.zeros((n_groups,), jnp.int32).at[group_Z].add(1)
-    rank_Z = jnp.arange(group_Z.shape[0]) - (jnp.cumsum(sizes_G) - sizes_G)[group_Z]
+    queued = jnp.zeros((n_groups,), jnp.int32).at[group_Z].add(1)  # [n_groups]: experts or devices, no one letter
+    rank_Z = jnp.arange(group_Z.shape[0]) - (jnp.cumsum(queued) - queued)[group_Z]
     kept_Z = rank_Z < slots
     return kept_Z, jnp.where(kept_Z, group_Z * slots + rank_Z, n_groups * slots)
 

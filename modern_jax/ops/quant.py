@@ -46,7 +46,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("int8", "nf4")
+from modern_jax.lora import QUANTIZE
+
+# The kinds are named once, by the `lora:` section that chooses one (imports point down: the
+# config cannot import this module); "none" keeps a weight as it is.
+KINDS = tuple(kind for kind in QUANTIZE if kind != "none")
 BLOCK = 64
 INT8_MAX = 127
 

@@ -7,11 +7,11 @@
 | `config.py`   | the run's `parallel:` section: mesh sizes, rule overrides, the axes' strategies, the context layout |
 | `context.py`  | the active mesh, rules and strategies that `constrain` and the ops read             |
 | `sequence.py` | sequence parallelism: the tensor-parallel regions and the residual stream's split  |
-| `targets.py`  | what a computation is compiled for: the platform, TPU topologies, abstract GPUs    |
+| `devices.py`  | the devices compiled for: the platform, TPU chips and topologies, abstract GPUs   |
 | `create.py`   | NNX objects created already sharded                                                 |
 
 The ops (`modern_jax.ops`) implement the strategies; a layer calls an op or `region` and
-passes no parallel choice. Many processes (pod slices, GPU clusters) are `modern_jax.parallel`'s.
+passes no parallel choice. Many processes (pod slices, GPU clusters) are `modern_jax.multihost`'s.
 """
 
 from modern_jax.sharding.config import ParallelConfig, Strategies

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from modern_jax.configfile import check_keys, fail
 from modern_jax.sharding.mesh import AXES, make_mesh
-from modern_jax.sharding.rules import RULES
+from modern_jax.sharding.rules import RENAMED, RULES
 
 
 _fail = functools.partial(fail, "ParallelConfig")
@@ -93,6 +93,9 @@ class ParallelConfig(Strategies):
             _fail("context_layout", self.context_layout, f"expected one of {', '.join(CONTEXT_LAYOUTS)}")
         known = dict(RULES)
         for name, axes in self.rules:
+            if name in RENAMED:
+                _fail(f"rules.{name}", axes, f"the logical axis {name} is now {RENAMED[name]}: write "
+                                             f"parallel.rules.{RENAMED[name]}")
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=3)
                 hint = f"did you mean {', '.join(close)}? " if close else ""

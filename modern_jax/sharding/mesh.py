@@ -10,7 +10,7 @@ every activation's sequence (context parallelism: attention gathers keys and val
 and `tensor` innermost (the fastest links: both communicate inside every layer).
 
 Many processes (TPU pod slices, multi-node GPU): the commands join them by themselves
-(`parallel.distributed`); in Python call `initialize_distributed()` first, in every process,
+(`multihost.distributed`); in Python call `initialize_distributed()` first, in every process,
 before any other JAX call. `make_mesh` then spans all processes' devices.
 """
 

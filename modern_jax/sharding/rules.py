@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes: one rules table for parameters and activations.
 
 Parameters carry logical names in their `out_sharding` metadata (`embed`, `vocab`,
-`q_heads`, `kv_heads`, `head_dim`, `mlp`, `experts`, `norm`, `layers`, `q_lora`, `kv_lora`);
+`q_heads`, `kv_heads`, `head_dim`, `mlp`, `experts`, `norm`, `layers`, `q_latent`, `kv_latent`);
 key activations are constrained to `activation_*` names. Model code names no mesh
 axis: `RULES` maps logical names to mesh axes and a mesh axis is used at most once per
 array. These are pure functions of a mesh and a rules table; `sharding.context` holds the
@@ -46,16 +46,19 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("experts", "expert"),  # a mixture's routed experts, split over the expert axis
     ("norm", None),
-    ("q_lora", ("fsdp", "context", "expert")),  # MLA's ranks: q_b / kv_b have no embed dimension to split over
-    ("kv_lora", ("fsdp", "context", "expert")),
+    ("q_latent", ("fsdp", "context", "expert")),  # MLA's latents: q_b / kv_b have no embed dimension to split over
+    ("kv_latent", ("fsdp", "context", "expert")),
 )
+
+# logical axes that had another name; a `parallel.rules` entry under the old one is refused with the new
+RENAMED = {"q_lora": "q_latent", "kv_lora": "kv_latent"}  # MLA's low ranks, not LoRA adapters
 
 # logical axes that are replicated, rather than rejected, when the mesh does not divide
 # them: GQA with fewer KV heads than the tensor axis keeps whole KV heads on every device;
-# a rank too small for the fsdp axis stays whole (its weights are the small ones); a sequence the
+# a latent too small for the fsdp axis stays whole (its weights are the small ones); a sequence the
 # context (and tensor) axes do not divide, one decoded token, stays whole on every device
 REPLICABLE = ("kv_heads", "activation_kv_heads", "activation_batch", "activation_length", "activation_norm_length",
-              "q_lora", "kv_lora")
+              "q_latent", "kv_latent")
 
 def mesh_axes(name, rules) -> tuple[str, ...]:
     """The mesh axes a logical name maps to (empty: replicated; None is always replicated).

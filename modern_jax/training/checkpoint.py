@@ -28,7 +28,7 @@ damaged one; it never falls back to an older step by itself.
 
 In a launch of several processes every process writes and reads its own shards; process 0
 alone removes partial saves, checks checksums, seals and sets damaged steps aside, and
-decides which step a run resumes from (`parallel.distributed`).
+decides which step a run resumes from (`multihost.distributed`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
 from modern_jax.lora import LoRAConfig, LoRAParam
-from modern_jax.parallel import distributed
+from modern_jax.multihost import distributed
 from modern_jax.training.outputs import step_numbers
 
 CONFIG_FILE = "config.yaml"

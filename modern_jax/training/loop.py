@@ -21,7 +21,7 @@ parameters.
 
 The run directory has one writer: its lock (`outputs.RunLock`) is taken before anything is
 written, and a start that fails removes what it wrote. In a launch of several processes
-(`parallel.distributed`) process 0 takes the lock and writes the run's files (config,
+(`multihost.distributed`) process 0 takes the lock and writes the run's files (config,
 tokenizer, metrics, TensorBoard, plots, samples) and prints; every process computes and saves
 its shards of each checkpoint; the processes agree on the directory's verdict, the step to
 resume from and the step a signal stops at.
@@ -49,7 +49,7 @@ from modern_jax.accounting import flops_per_token
 from modern_jax.configfile import read_yaml
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.model import abstract_model, undropped
-from modern_jax.parallel import distributed
+from modern_jax.multihost import distributed
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer,
                                            check_base)

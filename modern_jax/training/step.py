@@ -38,7 +38,7 @@ from modern_jax.model import Transformer, abstract_params, adapt, max_attention_
 from modern_jax.sharding.config import layout_order
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
 from modern_jax.sharding.rules import split_size
-from modern_jax.sharding.targets import compiling_for, lowering_for
+from modern_jax.sharding.devices import compiling_for, lowering_for
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.objectives import Objective, config_of, objective as objective_of
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer

@@ -1,6 +1,6 @@
 """Preference tuning (the `dpo:` section): DPO and its variants, TRL's losses and metrics.
 
-Each batch holds pairs, chosen and rejected in alternate rows (`B = 2P`), only the
+Each batch holds pairs, chosen and rejected in alternate rows (B = 2 pairs), only the
 completions' tokens weighted (`data.preference`). A pair's margin is `delta = (log pi(chosen)
 - log ref(chosen)) - (log pi(rejected) - log ref(rejected))`, log-probabilities summed over
 the completion's tokens:
@@ -66,34 +66,35 @@ class DPOConfig(base.Config):
 
 
 def real_pairs(count_B):
-    """`[P]` 1.0 for each pair (rows 2p, 2p + 1) whose completions both have a weighted token, 0.0
+    """`[pairs]` 1.0 for each pair (rows 2p, 2p + 1) whose completions both have a weighted token, 0.0
     for padding, from each row's count of them."""
     return jnp.all(count_B.reshape(-1, 2) > 0, axis=-1).astype(jnp.float32)
 
 
 def preference_sums(logps_B, ref_B, count_B, *, beta: float, loss_type: str, label_smoothing: float = 0.0) -> dict:
-    """Sums over the pairs of a batch whose rows alternate chosen, rejected (`B = 2P`), with
+    """Sums over the pairs of a batch whose rows alternate chosen, rejected (B = 2 pairs), with
     TRL's metrics: the DPO or IPO loss, the rewards `beta (log pi - log ref)` of the chosen and
     rejected, how often the chosen's is higher, their margin, the policy's log-probabilities,
     and `pairs` (a pair with an empty completion, padding, counts 0)."""
-    pi_P2, ref_P2, n_P2 = (x.reshape(-1, 2) for x in (logps_B, jax.lax.stop_gradient(ref_B), count_B))
-    real_P = real_pairs(count_B)
-    ratio_P2 = pi_P2 - ref_P2
+    # [pairs, 2] (pairs have no letter): each pair's chosen and rejected rows side by side
+    pi, ref, n = (x.reshape(-1, 2) for x in (logps_B, jax.lax.stop_gradient(ref_B), count_B))
+    real = real_pairs(count_B)  # [pairs], as are `loss` and `delta`
+    ratio = pi - ref
     if loss_type == "ipo":
-        avg_P2 = ratio_P2 / jnp.maximum(n_P2, 1.0)
-        loss_P = jnp.square(avg_P2[:, 0] - avg_P2[:, 1] - 1.0 / (2.0 * beta))
+        avg = ratio / jnp.maximum(n, 1.0)
+        loss = jnp.square(avg[:, 0] - avg[:, 1] - 1.0 / (2.0 * beta))
     else:
-        delta_P = ratio_P2[:, 0] - ratio_P2[:, 1]
-        loss_P = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * delta_P) \
-            - label_smoothing * jax.nn.log_sigmoid(-beta * delta_P)
-    rewards_P2 = jax.lax.stop_gradient(beta * ratio_P2)
-    total = lambda x: jnp.sum(real_P * x)  # noqa: E731
-    return {"dpo_loss": total(loss_P), "rewards/chosen": total(rewards_P2[:, 0]),
-            "rewards/rejected": total(rewards_P2[:, 1]),
-            "rewards/accuracies": total((rewards_P2[:, 0] > rewards_P2[:, 1]).astype(jnp.float32)),
-            "rewards/margins": total(rewards_P2[:, 0] - rewards_P2[:, 1]),
-            "logps/chosen": total(jax.lax.stop_gradient(pi_P2[:, 0])),
-            "logps/rejected": total(jax.lax.stop_gradient(pi_P2[:, 1])), "pairs": jnp.sum(real_P)}
+        delta = ratio[:, 0] - ratio[:, 1]
+        loss = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * delta) \
+            - label_smoothing * jax.nn.log_sigmoid(-beta * delta)
+    rewards = jax.lax.stop_gradient(beta * ratio)
+    total = lambda x: jnp.sum(real * x)  # noqa: E731
+    return {"dpo_loss": total(loss), "rewards/chosen": total(rewards[:, 0]),
+            "rewards/rejected": total(rewards[:, 1]),
+            "rewards/accuracies": total((rewards[:, 0] > rewards[:, 1]).astype(jnp.float32)),
+            "rewards/margins": total(rewards[:, 0] - rewards[:, 1]),
+            "logps/chosen": total(jax.lax.stop_gradient(pi[:, 0])),
+            "logps/rejected": total(jax.lax.stop_gradient(pi[:, 1])), "pairs": jnp.sum(real)}
 
 
 def shown(config: DPOConfig) -> Shown:

@@ -1,4 +1,5 @@
-"""What a computation is compiled for: the platform, a TPU topology without a TPU, an abstract GPU.
+"""The devices a computation runs on or is compiled for: the platform, the TPU chips (`CHIPS`) and
+their topologies (without a TPU), an abstract GPU.
 
     with compiling_for(mesh):                        # kernels resolve for the mesh's devices' platform
         ...

@@ -37,7 +37,7 @@ def watch_stderr() -> None:
         return
     read, write = os.pipe()
     _terminal = os.dup(2)
-    _watching = subprocess.Popen([sys.executable, "-m", "modern_jax.parallel.watch"], stdin=read,
+    _watching = subprocess.Popen([sys.executable, "-m", "modern_jax.multihost.watch"], stdin=read,
                                  stdout=subprocess.DEVNULL, stderr=_terminal, close_fds=True)
     sys.stderr.flush()
     os.dup2(write, 2)

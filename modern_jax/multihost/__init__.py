@@ -3,6 +3,6 @@
 `modern_jax.sharding`'s.
 """
 
-from modern_jax.parallel.distributed import initialize_distributed
+from modern_jax.multihost.distributed import initialize_distributed
 
 __all__ = ["initialize_distributed"]

@@ -238,7 +238,7 @@ class _Joined:
                 hook()
             except Exception:
                 pass
-        from modern_jax.parallel import watch
+        from modern_jax.multihost import watch
 
         watch.close()
         os._exit(LOST_EXIT)
@@ -266,7 +266,7 @@ def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTB
             raise ValueError(f"{flag} {value}: expected a positive number of seconds")
     import jax
 
-    from modern_jax.parallel import watch
+    from modern_jax.multihost import watch
 
     deadline = time.monotonic() + join_timeout
     launch = _resolved(launch, join_timeout)
@@ -389,7 +389,7 @@ def count() -> int:
 def note(**status) -> None:
     """What a lost process's message says: `step=`, and `resume=` (how to continue)."""
     if _JOINED is not None:
-        from modern_jax.parallel import watch
+        from modern_jax.multihost import watch
 
         _JOINED.status.update(status)
         watch.status(**status)
