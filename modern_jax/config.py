@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from modern_jax.configfile import check_keys, fail, load_config_file
+from modern_jax.configfile import MovedSetting, check_keys, fail, load_config_file
 
 NORM_TYPES = ("rmsnorm", "gemma_rmsnorm", "layernorm")  # computed by kernels/norm.py, which checks these names
 PLACEMENTS = ("post", "pre", "sandwich", "output", "parallel", "deepnorm")
@@ -561,10 +561,6 @@ MOE_FIELDS = ("n_experts", "experts_per_token", "expert_d_ff", "n_shared_experts
               "router_selection_bias", "router_groups", "router_topk_groups", "router_on_input", "moe_aux_per_sequence",
               "expert_bias", "expert_swiglu_limit", "expert_swiglu_alpha")
 NETWORK_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("network", True))
-
-
-class MovedSetting(UserWarning):
-    """A setting read in the place it used to live (the notice says where it lives now)."""
 
 
 def split_moved(model: dict, where: str = "") -> tuple[dict, dict[str, dict]]:

@@ -14,6 +14,10 @@ import functools
 from typing import Any
 
 
+class MovedSetting(UserWarning):
+    """A setting read in the place it used to live (the notice says where it lives now)."""
+
+
 def fail(section: str, field_name: str, value: Any, allowed: str) -> None:
     """Raise the one error every config field gives: `Section.field=value is invalid: allowed`."""
     raise ValueError(f"{section}.{field_name}={value!r} is invalid: {allowed}")

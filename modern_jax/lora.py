@@ -1,4 +1,5 @@
-"""Low-rank adapters (LoRA) and the frozen base they train on (QLoRA): the `lora:` section.
+"""Low-rank adapters (LoRA) and the frozen base they train on (QLoRA): the `lora:` section (the
+converter that applies it is `training.converters.LoRA`).
 
     lora:
       rank: 8               # r: each adapted projection W gains B A, A [in, r], B [r, out]
@@ -15,7 +16,7 @@ matches a projection whose name inside a block ends with it at a dot (`q_proj` m
 dense FFN's), or is `all-linear` (every projection in the blocks, routers included). The
 output head and the embeddings are never adapted. `dropout` drops out each adapted projection's
 input, as PEFT's `lora_dropout` does; a mixture's experts and routers take none, their adapters
-being added to their weights (`model.undropped` names them, the run says so), and a target naming
+being added to their weights (the run names them), and a target naming
 one of them by its path (`experts.gate_proj`) with a dropout is refused. `quantize` stores every
 projection in the blocks (adapted or not) quantized and dequantizes it in the compute dtype as it
 runs (`ops.quant`): int8 blockwise, or NF4 with double quantization as QLoRA defines it.
@@ -33,7 +34,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from flax import nnx
 
 from modern_jax.configfile import check_keys, fail
 
@@ -42,10 +42,6 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 ALL_LINEAR = "all-linear"
 
 _fail = functools.partial(fail, "LoRAConfig")
-
-
-class LoRAParam(nnx.Param):
-    """An adapter's weight: what a LoRA run trains (every other `nnx.Param` stays frozen)."""
 
 
 @dataclass(frozen=True, slots=True)

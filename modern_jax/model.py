@@ -31,9 +31,7 @@ jitted function in `jax.experimental.checkify` inside `checked()` (or with
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import math
 import os
 
 import jax
@@ -41,18 +39,16 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx import traversals
 
 from modern_jax import execution
 from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.layers.attention import MAX_LOGIT
 from modern_jax.layers.block import Block
-from modern_jax.layers.linear import LoRA, Proj, Quantized, param
+from modern_jax.layers.linear import Proj, param
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS, ExpertProj, MoE
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import sinusoidal
-from modern_jax.lora import LoRAConfig
-from modern_jax.ops import quant, vocab
+from modern_jax.ops import vocab
 from modern_jax.sharding import constrain
 from modern_jax.sharding.sequence import residual
 
@@ -202,9 +198,8 @@ class Transformer(nnx.Module):
     parallelism; padded entries hold the lowest float32 and are never predicted).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None,
-                 layers: tuple[LayerSpec, ...] | None = None):
-        self.cfg, self.lora = cfg, lora
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layers: tuple[LayerSpec, ...] | None = None):
+        self.cfg = cfg
         D, V, dtype = cfg.d_model, cfg.padded_vocab_size, jnp.dtype(cfg.param_dtype)
         self.embed_tokens = param(rngs, jax.nn.initializers.normal(cfg.init_std), (V, D), ("vocab", "embed"), dtype)
         self.embed_positions = (
@@ -221,8 +216,6 @@ class Transformer(nnx.Module):
             None if cfg.tie_embeddings
             else Proj(cfg, (D, V), ("embed", "vocab"), role="in", bias=cfg.head_bias, rngs=rngs)
         )
-        if lora is not None:
-            adapt(self, lora, rngs)
 
     # ----- decoding cache ------------------------------------------------------
 
@@ -365,22 +358,18 @@ class Transformer(nnx.Module):
 _CHECKS = os.environ.get("MODERN_JAX_CHECKS", "") == "1"
 
 
-def abstract_model(cfg: ModelConfig, lora: LoRAConfig | None = None,
-                   layers: tuple[LayerSpec, ...] | None = None) -> Transformer:
+def abstract_model(cfg: ModelConfig, layers: tuple[LayerSpec, ...] | None = None) -> Transformer:
     """The model with every parameter a ShapeDtypeStruct (no memory, no initialisation): what
     counts, sharding plans, checkpoint readers and converters read."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), lora=lora, layers=layers))
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), layers=layers))
 
 
-def abstract_params(cfg: ModelConfig, lora: LoRAConfig | None = None, layers: tuple[LayerSpec, ...] | None = None):
-    """`(graphdef, parameters as ShapeDtypeStructs)` of `abstract_model(cfg, lora, layers)`."""
-    return nnx.split(abstract_model(cfg, lora, layers), nnx.Param)
+def abstract_params(cfg: ModelConfig, layers: tuple[LayerSpec, ...] | None = None):
+    """`(graphdef, parameters as ShapeDtypeStructs)` of `abstract_model(cfg, layers)`."""
+    return nnx.split(abstract_model(cfg, layers), nnx.Param)
 
 
-# ----- LoRA ----------------------------------------------------------------------
-
-ADAPTABLE = (Proj, ExpertProj)
-MERGED_SITES = (ExpertProj,)  # adapters added to the weight itself (no input to drop out)
+PROJECTIONS = (Proj, ExpertProj)  # the weights a block applies by einsum or by the experts' matmul
 
 
 def projections(model: Transformer):
@@ -388,63 +377,8 @@ def projections(model: Transformer):
     for s, stage in enumerate(model.stages):
         for j, block in enumerate(stage.blocks):
             for path, module in nnx.iter_graph(block):
-                if isinstance(module, ADAPTABLE):
+                if isinstance(module, PROJECTIONS):
                     yield ".".join(map(str, path)), module, s, j
-
-
-def merged(model: Transformer) -> Transformer:
-    """A LoRA model as a plain one of its config: each adapter added into its (dequantized)
-    weight, in `param_dtype` (what `convert --to-hf` of a LoRA run writes)."""
-    if model.lora is None:
-        return model
-    graphdef, _ = abstract_params(model.cfg)
-    flat = traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    plain = {k: v for k, v in flat.items() if k[0] != "stages" or ("adapter" not in k and "kernel" not in k)}
-    dtype = jnp.dtype(model.cfg.param_dtype)
-    for name, module, s, j in projections(model):
-        plain[("stages", s, "blocks", j, *name.split("."), "kernel")] = module.weight(dtype)
-    return nnx.merge(graphdef, traversals.unflatten_mapping(plain))
-
-
-def adapt(model: Transformer, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
-    """Give the projections `lora.targets` names adapters (B zero: the model is unchanged) and,
-    with `lora.quantize`, store every projection in the blocks quantized (routers excepted: the
-    choice of experts stays in the base's precision)."""
-    names = sorted({name for name, *_ in projections(model)})
-    for target in lora.targets:
-        if not any(LoRAConfig(targets=(target,)).matches(name) for name in names):
-            raise ValueError(f"lora.targets: {target!r} names no projection of this model (its projections: "
-                             f"{', '.join(names)}; or all-linear)")
-    for salt, (name, module, _, _) in enumerate(projections(model)):
-        router = isinstance(module, Proj) and name.endswith("router.proj")
-        if lora.matches(name):
-            merged_site = isinstance(module, MERGED_SITES) or router
-            # its adapter is added to the weight: no input of its own to drop out. A target that names it by
-            # its path asked for that dropout, and is refused; a name every family shares, or all-linear, gives
-            # the dropout to the projections it can reach (`undropped` names the others)
-            named = [t for t in lora.targets if "." in t and LoRAConfig(targets=(t,)).matches(name)]
-            if lora.dropout and merged_site and named:
-                raise ValueError(f"lora.dropout={lora.dropout} cannot apply to {name} (lora.targets names it: "
-                                 f"{named[0]!r}): its adapter is added to the weight itself (as PEFT does for "
-                                 f"experts), which has no input of its own to drop out: set lora.dropout=0, or leave "
-                                 f"it out of lora.targets")
-            module.adapter = LoRA(module.kernel, module.in_dims, module.out_dims,
-                                  dataclasses.replace(lora, dropout=0.0) if merged_site else lora, salt, rngs)
-        if lora.quantize != "none" and not router:
-            out = math.prod(module.kernel.shape[module.kernel.ndim - module.out_dims:])
-            if out % quant.BLOCK:
-                raise ValueError(f"lora.quantize={lora.quantize!r} quantizes each projection's outputs in blocks of "
-                                 f"{quant.BLOCK}, and {name} has {out}: use lora.quantize=none for this model")
-            module.kernel = Quantized(module.kernel, module.out_dims, lora.quantize)
-
-
-def undropped(model: Transformer) -> list[str]:
-    """The adapted projections that a LoRA model's `lora.dropout` does not reach: a mixture's experts
-    and routers, whose adapters are added to their weights (`adapt`)."""
-    if model.lora is None or not model.lora.dropout:
-        return []
-    return sorted({name for name, module, _, _ in projections(model)
-                   if module.adapter is not None and not module.adapter.dropout})
 
 
 @contextlib.contextmanager

@@ -112,3 +112,13 @@ def token_batch(A: int, B: int, T: int, V: int, seed: int = 5) -> dict:
     return {"inputs": tokens[..., :-1].astype(np.int32), "targets": tokens[..., 1:].astype(np.int32),
             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (A, B, T)).copy(),
             "segment_ids": np.ones((A, B, T), np.int32), "weights": np.ones((A, B, T), np.float32)}
+
+
+def lora_model(cfg, lora, seed: int = 0):
+    """`Transformer(cfg)` converted by LoRA `lora`, its adapters drawn from the same seed's stream
+    right after the base's (as a LoRA run's `init` draws them)."""
+    from modern_jax.model import Transformer
+    from modern_jax.training.converters import LoRA
+
+    rngs = nnx.Rngs(seed)
+    return LoRA(lora).convert(Transformer(cfg, rngs=rngs), rngs)

@@ -6,6 +6,13 @@ tests never turn into skips."""
 
 import os
 import re
+import sys
+
+# jax reads JAX_PLATFORMS and its compilation cache's settings when it is imported: set below
+if "jax" in sys.modules:
+    raise RuntimeError("jax was imported before tests/conftest.py set its environment (the platform, the "
+                       "compilation cache): keep what pytest loads first (pyproject.toml's filterwarnings "
+                       "categories, plugins) free of jax")
 
 DEVICES = 8
 _COUNT = "--xla_force_host_platform_device_count"

@@ -239,7 +239,7 @@ def test_no_code_outside_an_objective_names_it():
 
 # einsums built around another equation, not written out: LoRA's adapter follows its projection's
 # letters and takes a free one for its rank (module, class)
-BUILT = {("layers/linear.py", "LoRA")}
+BUILT = {("training/converters.py", "Adapter")}
 EQUATION = re.compile(r"[A-Za-z.]*(?:,[A-Za-z.]*)*->[A-Za-z.]*")
 
 
@@ -336,15 +336,34 @@ def f(x, w, y, letters):
     return "training {} -> {}".format(a, b)
 
 
-class LoRA:
+class Adapter:
     def delta(self, a, b):
         return jnp.einsum("...ir,...ro->...io", a, b)
 '''
     assert [eq for _, eq in einsum_equations(source)] == ["BTD,DF->BTF", "BTD,DIF->BTIF", ",DF->BTq",
                                                           "...ir,...ro->...io"]
-    errors = letter_errors("layers/linear.py", source, set("ABDFIT"))
+    errors = letter_errors("training/converters.py", source, set("ABDFIT"))
     assert len(errors) == 2 and "'BTD,DIF->BTIF': ['I'] not in its docstring's Letters" in errors[0] \
         and "',DF->BTq': ['q'] not in the package legend" in errors[1], errors
     assert letter_errors("layers/ffn.py", source, set("ABDFIT"))[-1].endswith("['i', 'o', 'r'] not in the package legend")
     assert letter_errors("x.py", source.replace("Letters:", "Shapes:"), set("BDFT")) == [
         "modern_jax/x.py writes einsums but its docstring has no `Letters` paragraph"]
+
+
+def test_the_model_knows_nothing_of_fine_tuning():
+    """LoRA is a converter given to the Trainer (`training/converters.py`): the model, its layers and
+    kernels import no fine-tuning module and name no adapter, and `Transformer` takes no LoRA argument."""
+    import inspect
+    import re
+
+    from modern_jax.model import Transformer
+
+    assert "lora" not in inspect.signature(Transformer).parameters
+    found = []
+    for path in [PACKAGE / "model.py", *sorted((PACKAGE / "layers").glob("*.py")),
+                 *sorted((PACKAGE / "kernels").glob("*.py"))]:
+        rel = path.relative_to(PACKAGE).as_posix()
+        found += [f"{rel} imports {m}" for m in _imports(path) if m.startswith(("modern_jax.lora", "modern_jax.training"))]
+        found += [f"{rel}:{line}: {token}" for line, token in _names_in(path)
+                  if re.fullmatch(r"(?i)(lora\w*|\w*adapter\w*|adapt)", token)]
+    assert not found, "\n".join(found)

@@ -31,6 +31,7 @@ from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
 from modern_jax.lora import LoRAConfig
 from modern_jax.training import TrainConfig, Trainer
 from modern_jax.training.config import run_config_from_dict
+from modern_jax.training.converters import LoRA, converter_of
 from modern_jax.training.objectives.dpo import DPO, DPOConfig
 
 from common import one_device
@@ -78,7 +79,7 @@ def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, 
     rows = batch["inputs"].shape[1]
     tc = TrainConfig(batch_size=rows, eval_batch_size=rows, seq_len=batch["inputs"].shape[2], warmup_steps=0)
     dpo = DPOConfig(beta=float(want["beta"]), loss_type=loss_type, label_smoothing=smoothing)
-    trainer = Trainer(cfg, tc, one_device(), lora=lora, objective=DPO(dpo, tc))
+    trainer = Trainer(cfg, tc, one_device(), converter=LoRA(lora), objective=DPO(dpo, tc))
     params = traversals.flatten_mapping(jax.device_get(trainer.init_state(0)["params"]))
     params.update(traversals.flatten_mapping(jax.device_get(nnx.to_pure_dict(nnx.state(base, nnx.Param)))))
     params.update(traversals.flatten_mapping(read_peft(adapter, trainer.model(trainer.init_state(0)["params"]),
@@ -93,7 +94,7 @@ def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, 
 
 
 def step_metrics(cfg, tc, lora, dpo, batch, seed: int = 0):
-    trainer = Trainer(cfg, tc, one_device(), lora=lora, objective=DPO(dpo, tc))
+    trainer = Trainer(cfg, tc, one_device(), converter=converter_of(lora), objective=DPO(dpo, tc))
     state = trainer.init_state(seed)
     before = jax.device_get(state)
     state, metrics = trainer.train_step(state, trainer.put_batch(batch))
@@ -154,7 +155,7 @@ def test_lora_dpo_on_a_mesh_equals_one_device():
     batch = random_pairs(4, 8, 64)
     results = {}
     for name, mesh in (("one", one_device()), ("many", make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4]))):
-        trainer = Trainer(TINY, tc, mesh, lora=LoRAConfig(rank=4), objective=DPO(DPOConfig(beta=0.5), tc))
+        trainer = Trainer(TINY, tc, mesh, converter=LoRA(LoRAConfig(rank=4)), objective=DPO(DPOConfig(beta=0.5), tc))
         state = trainer.init_state(0)
         params = traversals.flatten_mapping(jax.device_get(state["params"]))
         for i, k in enumerate(sorted(k for k in params if k[-1] == "lora_b")):

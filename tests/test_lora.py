@@ -24,11 +24,12 @@ from modern_jax.configfile import load_config_file
 from modern_jax.convert import from_hf
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config, write_peft
 from modern_jax.lora import LoRAConfig
-from modern_jax.model import Transformer, abstract_params, merged
+from modern_jax.model import Transformer, abstract_params
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training import TrainConfig, Trainer
+from modern_jax.training.converters import LoRA
 
-from common import assert_leaves_match, one_device, probe, step_gradients, token_batch
+from common import assert_leaves_match, lora_model, one_device, probe, step_gradients, token_batch
 
 REPO = pathlib.Path(__file__).parent.parent
 PEFT = REPO / "tests" / "fixtures" / "hf_peft"
@@ -57,9 +58,9 @@ def randomise_b(model, seed: int = 1, std: float = 0.1) -> None:
             v[...] = std * jax.random.normal(jax.random.key(seed + i), v.shape)
 
 
-def naive_kernels(model) -> dict:
+def naive_kernels(model, lora: LoRAConfig) -> dict:
     """`W + scale A B` of every adapted projection, by one einsum over the flattened in / out dims."""
-    out, lora = {}, model.lora
+    out = {}
     for path, v in flat(nnx.state(model, nnx.Param)).items():
         if path[-1] != "lora_a":
             continue
@@ -78,7 +79,7 @@ def naive_kernels(model) -> dict:
 def test_adapters_start_at_the_base_and_act_as_w_plus_scaled_ba(cfg):
     targets = ("all-linear",) if cfg is MOE else LoRAConfig().targets
     lora = LoRAConfig(rank=4, alpha=8.0, targets=targets)
-    base, adapted = Transformer(cfg, rngs=nnx.Rngs(0)), Transformer(cfg, rngs=nnx.Rngs(0), lora=lora)
+    base, adapted = Transformer(cfg, rngs=nnx.Rngs(0)), lora_model(cfg, lora)
     want = np.asarray(logits(base, TOKENS))
     np.testing.assert_allclose(np.asarray(logits(adapted, TOKENS)), want, atol=1e-6)  # B = 0: the base, as PEFT starts
     randomise_b(adapted)
@@ -86,19 +87,19 @@ def test_adapters_start_at_the_base_and_act_as_w_plus_scaled_ba(cfg):
     assert np.max(np.abs(got - want)) > 0.05  # the adapters act
     # the reference: the base model with each adapted kernel replaced by W + scale A B, built here
     state = flat(nnx.state(base, nnx.Param))
-    kernels = naive_kernels(adapted)
+    kernels = naive_kernels(adapted, lora)
     assert len(kernels) == (8 if cfg is MOE else 7)  # q k v o, and the router and 3 expert projections or the FFN's 3
     for owner, w in kernels.items():
         state[(*owner, "kernel")] = w
     reference = nnx.merge(abstract_params(cfg)[0], traversals.unflatten_mapping(state))
     np.testing.assert_allclose(got, np.asarray(logits(reference, TOKENS)), atol=2e-5)
-    np.testing.assert_allclose(np.asarray(logits(merged(adapted), TOKENS)), got, atol=2e-5)  # what convert --to-hf writes
+    np.testing.assert_allclose(np.asarray(logits(LoRA(lora).merged(adapted), TOKENS)), got, atol=2e-5)  # what convert --to-hf writes
 
 
 def test_a_lora_step_moves_only_the_adapters_and_keeps_no_optimiser_state_for_the_base():
     lora = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
     tc = TrainConfig(batch_size=2, seq_len=8, steps=2, warmup_steps=0, lr=1e-2, weight_decay=0.0)
-    trainer = Trainer(TINY, tc, one_device(), lora=lora)
+    trainer = Trainer(TINY, tc, one_device(), converter=LoRA(lora))
     state = trainer.init_state(0)
     adapters = {k: v for k, v in flat(state["params"]).items() if "adapter" in k}
     assert {k[-3] for k in adapters} == {"q_proj", "v_proj"} and len(adapters) == 4
@@ -120,7 +121,7 @@ def test_lora_on_a_mesh_equals_one_device():
     batch = token_batch(1, 4, 8, 64)
     grads = {}
     for name, mesh in (("one", one_device()), ("many", make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4]))):
-        trainer = Trainer(TINY, tc, mesh, lora=lora)
+        trainer = Trainer(TINY, tc, mesh, converter=LoRA(lora))
         state = trainer.init_state(0)
         params = flat(state["params"])
         for i, k in enumerate(sorted(k for k in params if k[-1] == "lora_b")):
@@ -147,19 +148,19 @@ def test_a_peft_adapter_gives_peft_logits_and_writes_back_the_same_file(family, 
     lora = dataclasses.replace(read_peft_config(PEFT / family / "adapter"),
                                targets=peft_targets(PEFT / family / "adapter", base, family))
     assert (lora.rank, lora.alpha) == (4, 8.0)
-    model = Transformer(cfg, rngs=nnx.Rngs(0), lora=lora)
+    model = lora_model(cfg, lora)
     adapters = flat(read_peft(PEFT / family / "adapter", model, family))
     state = flat(nnx.state(model, nnx.Param))
     state.update(flat(nnx.state(base, nnx.Param)))
     state.update(adapters)
-    model = nnx.merge(abstract_params(cfg, lora)[0], traversals.unflatten_mapping(state))
+    model = nnx.merge(nnx.graphdef(model), traversals.unflatten_mapping(state))
     tokens = jnp.asarray(ref["tokens"])
     V = ref["peft_logits"].shape[-1]
     scale = float(np.max(np.abs(ref["peft_logits"])))
     assert np.max(np.abs(ref["peft_logits"] - ref["base_logits"])) > 0.1  # the adapter matters
     np.testing.assert_allclose(np.asarray(logits(model, tokens))[..., :V], ref["peft_logits"], atol=1e-4 * scale)
-    np.testing.assert_allclose(np.asarray(logits(merged(model), tokens))[..., :V], ref["merged_logits"], atol=1e-4 * scale)
-    write_peft(model, tmp_path, family)
+    np.testing.assert_allclose(np.asarray(logits(LoRA(lora).merged(model), tokens))[..., :V], ref["merged_logits"], atol=1e-4 * scale)
+    write_peft(model, lora, tmp_path, family)
     ours, theirs = load_file(tmp_path / "adapter_model.safetensors"), load_file(PEFT / family / "adapter" /
                                                                               "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs)
@@ -175,7 +176,7 @@ def test_a_quantized_base_stays_near_the_float_base_and_trains_its_adapters(kind
     int8 0.5%, NF4 11%, on this model); pieces of the stated dtypes; the adapters train."""
     cfg = dataclasses.replace(TINY, init_std=0.02)
     base = Transformer(cfg, rngs=nnx.Rngs(0))
-    model = Transformer(cfg, rngs=nnx.Rngs(0), lora=LoRAConfig(quantize=kind))
+    model = lora_model(cfg, LoRAConfig(quantize=kind))
     want, got = np.asarray(logits(base, TOKENS)), np.asarray(logits(model, TOKENS))
     distance = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
     print(f"{kind}: max |logit - float base's| / max |logit| = {distance:.4f}")
@@ -185,7 +186,7 @@ def test_a_quantized_base_stays_near_the_float_base_and_trains_its_adapters(kind
                       {"codes": np.uint8, "absmax_q": np.int8, "absmax_scale": np.float32,
                        "absmax_mean": np.float32})
     tc = TrainConfig(batch_size=2, seq_len=8, steps=3, warmup_steps=0, lr=1e-2)
-    trainer = Trainer(cfg, tc, one_device(), lora=LoRAConfig(quantize=kind))
+    trainer = Trainer(cfg, tc, one_device(), converter=LoRA(LoRAConfig(quantize=kind)))
     state, batch = trainer.init_state(0), trainer.put_batch(token_batch(1, 2, 8, 64))
     losses = []
     for _ in range(3):
@@ -196,12 +197,12 @@ def test_a_quantized_base_stays_near_the_float_base_and_trains_its_adapters(kind
 
 def test_what_lora_refuses():
     with pytest.raises(ValueError, match=r"lora.targets: 'qproj' names no projection .*self_attn.q_proj"):
-        Transformer(TINY, rngs=nnx.Rngs(0), lora=LoRAConfig(targets=("qproj",)))
+        lora_model(TINY, LoRAConfig(targets=("qproj",)))
     with pytest.raises(ValueError, match=r"lora.dropout=0.1 cannot apply to mlp.experts.gate_proj"):
-        Transformer(MOE, rngs=nnx.Rngs(0), lora=LoRAConfig(dropout=0.1, targets=("experts.gate_proj",)))
+        lora_model(MOE, LoRAConfig(dropout=0.1, targets=("experts.gate_proj",)))
     narrow = dataclasses.replace(TINY, n_kv_heads=2)  # k_proj: 2 heads x 16 = 32 outputs
     with pytest.raises(ValueError, match=r"blocks of 64, and self_attn.k_proj has 32"):
-        Transformer(narrow, rngs=nnx.Rngs(0), lora=LoRAConfig(quantize="nf4"))
+        lora_model(narrow, LoRAConfig(quantize="nf4"))
     for field, value, allowed in (("rank", 0, "integer >= 1"), ("alpha", -1.0, "> 0"), ("dropout", 1.0, r"\[0, 1\)"),
                                   ("quantize", "fp4", "none, int8, nf4"), ("targets", [], "non-empty")):
         with pytest.raises(ValueError, match=rf"LoRAConfig.{field}=.* is invalid: .*{allowed}"):
@@ -236,9 +237,9 @@ def test_expert_adapters_round_trip_through_peft_names_one_per_expert(tmp_path):
     PEFT's per-module names; written and read back, the same model."""
     cfg = dataclasses.replace(MOE, qk_norm="head", tie_embeddings=False)
     lora = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "experts.gate_proj", "experts.down_proj"))
-    model = Transformer(cfg, rngs=nnx.Rngs(0), lora=lora)
+    model = lora_model(cfg, lora)
     randomise_b(model)
-    write_peft(model, tmp_path, "qwen3_moe")
+    write_peft(model, lora, tmp_path, "qwen3_moe")
     names = set(load_file(tmp_path / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.1.mlp.experts.3.down_proj.lora_B.weight" in names
     assert len(names) == 2 * 2 * (1 + 2 * 4)  # A and B, 2 layers, q_proj and 2 projections x 4 experts
@@ -262,8 +263,11 @@ def test_the_shipped_lora_run_files_adapt_every_preset(run_file):
     FFNs, MLA, mixtures of experts with shared experts and routers), abstractly: every projection
     in the blocks gains an adapter; lora.dropout reaches each one with an input of its own, and the
     experts' and routers' (added to their weights) are named by `undropped`, which the run logs."""
+    from flax import nnx
+
     from modern_jax.config import model_config_from_file
-    from modern_jax.model import MERGED_SITES, abstract_model, projections, undropped
+    from modern_jax.model import projections
+    from modern_jax.training.converters import MERGED_SITES, abstract_converted
 
     lora = LoRAConfig.of_run(load_config_file(REPO / "configs" / run_file))
     assert lora.dropout > 0
@@ -271,12 +275,12 @@ def test_the_shipped_lora_run_files_adapt_every_preset(run_file):
     for path in PRESETS:
         auto_vocab = load_config_file(path)["model"]["vocab_size"] == "auto"
         cfg = model_config_from_file(path, ["model.vocab_size=256"] if auto_vocab else [])
-        model = abstract_model(cfg, lora)
+        model = nnx.merge(*abstract_converted(cfg, LoRA(lora)))
         sites = {name: module for name, module, _, _ in projections(model)}
-        assert all(module.adapter is not None for module in sites.values()), path.name
+        assert all(hasattr(module, "adapter") for module in sites.values()), path.name
         merged_sites = {name for name, module in sites.items()
                         if isinstance(module, MERGED_SITES) or name.endswith("router.proj")}
-        assert undropped(model) == sorted(merged_sites), path.name
+        assert LoRA(lora).undropped(model) == sorted(merged_sites), path.name
         assert all(module.adapter.dropout == lora.dropout for name, module in sites.items()
                    if name not in merged_sites), path.name
         kinds.add(("moe" if merged_sites else "dense", "mla" if "self_attn.q_a_proj" in sites else

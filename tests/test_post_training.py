@@ -21,10 +21,10 @@ from flax.nnx import traversals
 from modern_jax.cli import main
 from modern_jax.convert import from_hf, load_checkpoint
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
-from modern_jax.model import Transformer, abstract_params
 from modern_jax.training import load_run_config, train
 from modern_jax.convert import finetune_run
 
+from common import lora_model
 from test_finetune import readme_commands
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -79,11 +79,11 @@ def test_the_lora_qlora_and_dpo_sections_run_as_written(tmp_path, monkeypatch, c
     adapter = tmp_path / "runs/lora_adapter"
     lora = dataclasses.replace(read_peft_config(adapter), targets=peft_targets(adapter, base, "llama"))
     assert (lora.rank, lora.alpha, lora.dropout) == (16, 32.0, 0.05)
-    model = Transformer(cfg, rngs=nnx.Rngs(0), lora=lora)
+    model = lora_model(cfg, lora)
     state = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     state.update(base_params)
     state.update(traversals.flatten_mapping(read_peft(adapter, model, "llama")))
-    model = nnx.merge(abstract_params(cfg, lora)[0], traversals.unflatten_mapping(state))
+    model = nnx.merge(nnx.graphdef(model), traversals.unflatten_mapping(state))
     np.testing.assert_allclose(np.asarray(logits(model, TOKENS)), want, atol=1e-6)
     _, merged = from_hf(tmp_path / "runs/lora_merged")
     # merged: W + s B A rounded once in float32, so a few logits move by 2e-5 (the adapters moved them by > 1e-2)

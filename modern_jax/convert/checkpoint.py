@@ -43,11 +43,12 @@ from modern_jax.convert.hf_checkpoint import (checkpoint_files, from_hf, nonfini
 from modern_jax.convert.hf_config import config_from_hf, model_type_of
 from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from modern_jax.lora import LoRAConfig
-from modern_jax.model import Transformer, abstract_params, adapt, merged
+from modern_jax.model import Transformer, abstract_params
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, HF_ASSETS_DIR, check_base, file_checksums, load_params,
                                            read_config, resolve_checkpoint, save_checkpoint, write_checksums)
 from modern_jax.training.config import RunConfig
+from modern_jax.training.converters import LoRA, abstract_converted, converter_of
 from modern_jax.training.loop import Initial
 
 CONFIG, PARAMS, HF = "config.yaml", "params", HF_ASSETS_DIR
@@ -62,8 +63,20 @@ def load_checkpoint(ckpt: str | os.PathLike, log=None, **overrides: Any) -> tupl
     """`(config, model)` from a converted checkpoint, a training run directory (its newest
     step) or one step directory; parameters come back in their saved dtype."""
     cfg, params, raw, _ = load_model_params(ckpt, log=log, **overrides)
-    graphdef, _ = abstract_params(cfg, LoRAConfig.of_run(raw))
-    return cfg, nnx.merge(graphdef, params)
+    return cfg, _model(cfg, params, converter_of(LoRAConfig.of_run(raw)))
+
+
+def _model(cfg: ModelConfig, params: dict, converter) -> Transformer:
+    """The model of `params`, converted as its run trained it (a LoRA run's: with its adapters)."""
+    return nnx.merge(abstract_converted(cfg, converter)[0], params)
+
+
+def _plain(ckpt, log=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
+    """`load_checkpoint`, as a plain model of its config: a LoRA run's adapters merged into its base."""
+    cfg, params, raw, _ = load_model_params(ckpt, log=log, **overrides)
+    converter = converter_of(LoRAConfig.of_run(raw))
+    model = _model(cfg, params, converter)
+    return cfg, model if converter is None else converter.merged(model)
 
 
 def load_model_params(ckpt: str | os.PathLike, log=None, **overrides: Any):
@@ -88,7 +101,7 @@ def load_model_params(ckpt: str | os.PathLike, log=None, **overrides: Any):
     check_base(home, source, init.checksums(), fix=f"put the model the run started from back there, or point "
                                                   f"{base_file}'s source at it")
     model = nnx.merge(abstract_params(cfg)[0], init.params())
-    adapt(model, lora, nnx.Rngs(0))  # the frozen base as the run holds it (quantized), adapters replaced below
+    LoRA(lora).convert(model, nnx.Rngs(0))  # the frozen base as the run holds it (quantized), adapters replaced below
     full = traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     full.update(traversals.flatten_mapping(params))
     return cfg, traversals.unflatten_mapping(full), raw, home
@@ -136,8 +149,7 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
     if source is not None:
         text = source.get("text_config") or {}
         extra = {k: source.get(k, text.get(k)) for k in CARRIED_KEYS if k in source or k in text}
-    _, model = load_checkpoint(ckpt, log=log)
-    model = merged(model)  # a LoRA run: its adapters added into the base
+    _, model = _plain(ckpt, log=log)  # a LoRA run: its adapters added into the base
     files = to_hf(model, out, model_type=model_type, dtype=dtype, extra_config=extra, overwrite=overwrite)
     for name in HF_ASSETS:
         if name != "config.json" and (home / HF / name).is_file():
@@ -160,13 +172,15 @@ def convert_to_peft(ckpt: str | os.PathLike, out: str | os.PathLike, model_type:
             raise ValueError(f"{ckpt} was not started from a Hugging Face model: name the base's family with "
                              f"--model-type")
         model_type = model_type_of(source)
-    _, model = load_checkpoint(ckpt, log=log)
-    if model.lora is None:
+    cfg, params, raw, _ = load_model_params(ckpt, log=log)
+    lora = LoRAConfig.of_run(raw)
+    if lora is None:
         raise ValueError(f"{ckpt} is not a LoRA run (its config.yaml has no lora: section): convert --to-hf "
                          f"writes the whole model")
+    model = _model(cfg, params, LoRA(lora))
     outputs.claim(out, outputs.PEFT, "output directory", overwrite=overwrite)
     with outputs.RunLock(Path(out), "output directory", command="convert --to-peft").acquire():
-        files = write_peft(model, out, model_type, base=(source or {}).get("_name_or_path", ""))
+        files = write_peft(model, lora, out, model_type, base=(source or {}).get("_name_or_path", ""))
         outputs.mark(out, outputs.PEFT, f"modern-jax convert --to-peft (model_type {model_type})")
     return files
 
@@ -197,8 +211,8 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
         assets = tuple(home / HF / name for name in HF_ASSETS if (home / HF / name).is_file())
 
         def ours() -> dict:  # a LoRA run's: its adapters merged into its base
-            _, model = load_checkpoint(path, log=log, **overrides)
-            params = nnx.to_pure_dict(nnx.state(merged(model), nnx.Param))
+            _, model = _plain(path, log=log, **overrides)
+            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
             flat = jax.tree_util.tree_flatten_with_path(params)[0]
             counts = ((".".join(str(getattr(k, "key", k)) for k in key), nonfinite(x)) for key, x in flat)
             refuse_nonfinite(str(directory / PARAMS), [f"{name} ({count})" for name, count in counts
@@ -282,7 +296,7 @@ def _with_adapter(run: RunConfig, init: Initial, source, adapter) -> tuple[RunCo
                                  f"{adapter} ({name} {getattr(found, name)}): remove lora.{name}, or give the "
                                  f"adapter's")
         lora = dataclasses.replace(lora, dropout=run.lora.dropout, quantize=run.lora.quantize)
-    model = abstract_model(cfg, lora)
+    model = nnx.merge(*abstract_converted(cfg, LoRA(lora)))
     adapters = functools.partial(read_peft, adapter, model, model_type)
     return dataclasses.replace(run, lora=lora), dataclasses.replace(
         init, source=f"{init.source} with the PEFT adapter {adapter}", adapters=adapters)

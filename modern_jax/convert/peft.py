@@ -1,6 +1,6 @@
 """LoRA adapters in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`.
 
-    write_peft(model, "out/adapter", model_type="llama")    # PeftModel.from_pretrained(base, dir) loads it
+    write_peft(model, lora, "out/adapter", model_type="llama")  # PeftModel.from_pretrained(base, dir) loads it
     lora, adapters = read_peft("some/adapter", model)      # a PEFT adapter onto our model
 
 PEFT keeps one `lora_A` `[r, in]` and one `lora_B` `[out, r]` per adapted torch Linear, named
@@ -37,6 +37,7 @@ from modern_jax.convert.hf_families import FAMILIES
 from modern_jax.convert.hf_weights import Rule
 from modern_jax.lora import LoRAConfig
 from modern_jax.model import Transformer, projections
+from modern_jax.training.converters import LoRA
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -66,9 +67,7 @@ def adapter_tensors(model: Transformer, model_type: str):
                          f"(families: {', '.join(sorted(FAMILIES))})")
     table = FAMILIES[model_type].weights.layer
     out = []
-    for name, module, s, j in projections(model):
-        if module.adapter is None:
-            continue
+    for name, module, s, j in LoRA.adapted(model):
         key = f"{name}.kernel"
         if key not in table:
             raise ValueError(f"{model_type}: the adapted projection {name} has no Hugging Face counterpart")
@@ -88,9 +87,10 @@ def _module_pattern(names: list[str]) -> str:
     return "(" + "|".join(shapes) + ")"
 
 
-def write_peft(model: Transformer, path, model_type: str, base: str = "") -> list[str]:
-    """Write `model`'s adapters as a PEFT LoRA adapter directory; returns the files written."""
-    if model.lora is None:
+def write_peft(model: Transformer, lora: LoRAConfig, path, model_type: str, base: str = "") -> list[str]:
+    """Write the adapters of `model` (converted by `lora`) as a PEFT LoRA adapter directory;
+    returns the files written."""
+    if not LoRA.adapted(model):
         raise ValueError("the model has no adapters: convert --to-peft needs a LoRA run (a `lora:` section)")
     tensors, modules = {}, []
     for path_, rule, names, variable in adapter_tensors(model, model_type):
@@ -101,7 +101,6 @@ def write_peft(model: Transformer, path, model_type: str, base: str = "") -> lis
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
-    lora = model.lora
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base or None,
               "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
               "target_modules": _module_pattern(sorted(set(modules))), "fan_in_fan_out": False,
@@ -205,7 +204,9 @@ def read_peft(path, model: Transformer, model_type: str) -> dict:
     out, bad = {}, []
     with _weights(path) as f:
         present = set(f.keys())
-        for tree_path, rule, names, variable in adapter_tensors(model, model_type):
+        tensors = adapter_tensors(model, model_type)
+        rank = next(v.shape[-1] for tree_path, _, _, v in tensors if tree_path[-1] == "lora_a")
+        for tree_path, rule, names, variable in tensors:
             buffer = np.zeros(variable.shape, np.float32)
             for name, slot in names:
                 if name not in present:
@@ -215,7 +216,7 @@ def read_peft(path, model: Transformer, model_type: str) -> dict:
                 want = rule.hf_shape(buffer.shape[len(slot):])
                 if tuple(x.shape) != want:
                     raise ValueError(f"{path / WEIGHTS}: {name} has shape {list(x.shape)}, the model needs "
-                                     f"{list(want)} (rank {model.lora.rank})")
+                                     f"{list(want)} (rank {rank})")
                 if (count := nonfinite(x)) is not None:
                     bad.append(f"{name} ({count})")
                 buffer[slot] = rule.to_ours(x.astype(np.float32), buffer.shape[len(slot):])

@@ -27,7 +27,7 @@ from flax import nnx
 from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.layers.attention import Attention, MLAttention
 from modern_jax.layers.ffn import FFN
-from modern_jax.layers.linear import adapter_dropout
+from modern_jax.layers.linear import module_dropout
 from modern_jax.layers.moe import MoE
 from modern_jax.layers.norms import Norm
 from modern_jax.sharding.sequence import region
@@ -80,7 +80,7 @@ class Block(nnx.Module):
     @jax.named_scope("block")
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache=None, rng=None, diagnostics: bool = False):
         rngs = [None] * 4 if rng is None else list(jax.random.split(rng, 4))
-        with adapter_dropout(rngs[3]):  # a LoRA run's adapters' dropout
+        with module_dropout(rngs[3]):  # the dropout of modules a converter adds to the blocks
             return self._forward(x_BTD, pos_BT, seg_BT, cache, rngs, diagnostics)
 
     def _forward(self, x_BTD, pos_BT, seg_BT, cache, rngs, diagnostics):

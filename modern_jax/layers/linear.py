@@ -1,5 +1,7 @@
-"""Weights declared once: shape, logical axes and initialiser, applied by an einsum; and what a
-LoRA run adds to them: low-rank adapters, and a frozen kernel stored quantized (`modern_jax.lora`)."""
+"""Weights declared once: shape, logical axes and initialiser, applied by an einsum; a frozen
+weight may be stored quantized (`Quantized`, `ops.quant`), which the projection dequantizes as it
+runs. A converter (`training.converters`) may subclass a projection and add modules of its own,
+which draw their dropout from the block's key for them (`module_dropout`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from modern_jax.config import ModelConfig
-from modern_jax.lora import LoRAConfig, LoRAParam
 from modern_jax.ops import quant
 
 
@@ -39,12 +40,13 @@ def init_std(cfg: ModelConfig, role: str, fan_in: int, fan_out: int) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.n_layers) if role == "out" else cfg.init_std
 
 
-_DROPOUT_KEY = contextvars.ContextVar("adapter_dropout_key", default=None)
+_DROPOUT_KEY = contextvars.ContextVar("module_dropout_key", default=None)
 
 
 @contextlib.contextmanager
-def adapter_dropout(key):
-    """The key of the adapters' dropout inside one block (None: no dropout); each adapter folds in its own salt."""
+def module_dropout(key):
+    """The key, inside one block, of the dropout that modules added to the model draw (None: no
+    dropout); each folds in a salt of its own."""
     token = _DROPOUT_KEY.set(key)
     try:
         yield
@@ -52,49 +54,13 @@ def adapter_dropout(key):
         _DROPOUT_KEY.reset(token)
 
 
+def module_dropout_key():
+    """The current block's key for `module_dropout`, or None."""
+    return _DROPOUT_KEY.get()
+
+
 def _axes(variable) -> tuple:
     return tuple(variable.get_metadata()["out_sharding"])
-
-
-class LoRA(nnx.Module):
-    """`(alpha / r) B A x`: A `[lead..., in..., r]`, B `[lead..., r, out...]` (lead: stacked layers,
-    experts), initialised as PEFT does: A uniform in +-1/sqrt(in) (torch's Linear default), B zero,
-    so an adapted model starts equal to its base."""
-
-    def __init__(self, kernel, in_dims: int, out_dims: int, lora: LoRAConfig, salt: int, rngs: nnx.Rngs):
-        shape, axes = tuple(kernel.shape), _axes(kernel)
-        lead = len(shape) - in_dims - out_dims
-        ins, outs = slice(lead, lead + in_dims), slice(lead + in_dims, None)
-        bound = 1.0 / math.sqrt(math.prod(shape[ins]))
-        a_shape, b_shape = (*shape[:lead], *shape[ins], lora.rank), (*shape[:lead], lora.rank, *shape[outs])
-        self.lora_a = LoRAParam(jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound),
-                                out_sharding=(*axes[:lead], *axes[ins], None), eager_sharding=False)
-        self.lora_b = LoRAParam(jnp.zeros(b_shape, jnp.float32), out_sharding=(*axes[:lead], None, *axes[outs]),
-                                eager_sharding=False)
-        self.scale, self.dropout, self.salt, self.in_dims = lora.scale, lora.dropout, salt, in_dims
-
-    def delta(self, dtype):
-        """`scale A B`, the adapter as a weight `[lead..., in..., out...]` in `dtype`."""
-        a, b = self.lora_a[...], self.lora_b[...]
-        a = a.reshape(*a.shape[:a.ndim - 1 - self.in_dims], -1, a.shape[-1])  # [lead..., in, r]
-        lead = a.shape[:-2]
-        b2 = b.reshape(*lead, b.shape[len(lead)], -1)  # [lead..., r, out]
-        w = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b2.astype(jnp.float32)) * self.scale
-        return w.reshape(*self.lora_a.shape[:-1], *b.shape[len(lead) + 1:]).astype(dtype)
-
-    def __call__(self, equation: str, x):
-        """`scale B A dropout(x)` for a projection applied as `equation` (`x, kernel -> y`)."""
-        key = _DROPOUT_KEY.get()
-        if self.dropout and key is not None:
-            keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1.0 - self.dropout, x.shape)
-            x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
-        ins, out = equation.split("->")
-        x_letters, w_letters = ins.split(",")
-        contracted, kept = w_letters[:self.in_dims], w_letters[self.in_dims:]
-        r = next(c for c in "rRzZqQ" if c not in equation)
-        h = jnp.einsum(f"{x_letters},{contracted}{r}->{out.replace(kept, r)}", x, self.lora_a[...].astype(x.dtype))
-        return jnp.einsum(f"{out.replace(kept, r)},{r}{kept}->{out}", h * jnp.asarray(self.scale, x.dtype),
-                          self.lora_b[...].astype(x.dtype))
 
 
 class Quantized(nnx.Module):
@@ -139,18 +105,18 @@ class Proj(nnx.Module):
         self.kernel = param(rngs, jax.nn.initializers.normal(std), shape, axes, dtype)
         self.bias = param(rngs, jax.nn.initializers.zeros, shape[in_dims:], axes[in_dims:], dtype) if bias else None
         self.in_dims, self.out_dims = in_dims, len(shape) - in_dims
-        self.adapter: LoRA | None = nnx.data(None)  # `adapt` adds one in a LoRA run
 
     def weight(self, dtype):
-        """The kernel as it acts, in `dtype`: dequantized, plus the adapter's `scale A B` (for layers
-        that read the weight itself: a router, MLA's absorbed `kv_b_proj`)."""
-        w = weight(self.kernel, dtype)
-        return w if self.adapter is None else w + self.adapter.delta(dtype)
+        """The kernel as it acts, in `dtype` (for layers that read the weight itself: a router,
+        MLA's absorbed `kv_b_proj`)."""
+        return weight(self.kernel, dtype)
+
+    def apply(self, equation: str, x):
+        """`equation` (`x, kernel -> y`) applied to `x`, without the bias."""
+        return jnp.einsum(equation, x, weight(self.kernel, x.dtype))
 
     def __call__(self, equation: str, x):
-        y = jnp.einsum(equation, x, weight(self.kernel, x.dtype))
-        if self.adapter is not None:
-            y = y + self.adapter(equation, x)
+        y = self.apply(equation, x)
         if self.bias is not None:
             b = self.bias[...].astype(x.dtype)
             y = y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)  # over every leading (batch, length) axis

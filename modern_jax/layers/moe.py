@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from modern_jax.config import ACTIVATIONS, ModelConfig
 from modern_jax.layers.ffn import FFN
-from modern_jax.layers.linear import LoRA, Proj, Quantized, init_std, param, weight
+from modern_jax.layers.linear import Proj, Quantized, init_std, param, weight
 from modern_jax.ops.moe import dispatch
 
 AUX_LOSS, ROUTER_Z_LOSS, LOAD, DROPPED = "moe_aux_loss", "moe_router_z_loss", "moe_load", "moe_dropped"
@@ -109,19 +109,18 @@ class ExpertProj(nnx.Module):
         self.kernel = param(rngs, jax.nn.initializers.normal(std), (E, I, O), ("experts", *axes), dtype)
         self.bias = param(rngs, jax.nn.initializers.zeros, (E, O), ("experts", axes[1]), dtype) if bias else None
         self.in_dims, self.out_dims = 1, 1
-        self.adapter: LoRA | None = nnx.data(None)  # `adapt` adds one in a LoRA run: per expert, added to its weight
 
     def weight(self, dtype):
-        """The kernel as it acts, in `dtype`: dequantized, plus the adapter's `scale A B`."""
-        w = weight(self.kernel, dtype)
-        return w if self.adapter is None else w + self.adapter.delta(dtype)
+        """The kernel as it acts, in `dtype` (dequantized)."""
+        return weight(self.kernel, dtype)
+
+    def acting(self, dtype):
+        """What the matmul gets: the kernel as stored (the dispatch casts it where it measured best,
+        `ops.moe`), or in `dtype` where it is stored quantized."""
+        return self.weight(dtype) if isinstance(self.kernel, Quantized) else self.kernel[...]
 
     def __call__(self, x, matmul):
-        if isinstance(self.kernel, Quantized) or self.adapter is not None:
-            w = self.weight(x.dtype)
-        else:  # as stored: the dispatch casts it where it measured best (`ops.moe`)
-            w = self.kernel[...]
-        return matmul(x, w, None if self.bias is None else self.bias[...], reduce=self.reduces)
+        return matmul(x, self.acting(x.dtype), None if self.bias is None else self.bias[...], reduce=self.reduces)
 
 
 class Experts(nnx.Module):

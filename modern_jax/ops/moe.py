@@ -61,7 +61,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from modern_jax.kernels.backend import UnsupportedFeatureError
-from modern_jax.lora import LoRAParam
 from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax import execution
 from modern_jax.sharding.config import MOE_EXCHANGES
@@ -256,9 +255,10 @@ def _under_mesh(split, x_MD, experts_MY, weights_MY, experts_module, local, exch
         # reduced in it (Mixtral on fsdp 32: 29.42 GiB per chip instead of 31.17). With the
         # experts split the gathers are EP times smaller and the cast measured worse (fsdp 8 x
         # expert 4: 30.27 instead of 30.05), so there the matmuls cast them on arrival.
-        # (a frozen base's quantized pieces and a LoRA run's adapters stay as they are)
+        # (the experts' own float weights, `nnx.Param` itself: a frozen base's quantized pieces and
+        # the parameters a converter adds, of their own Param types, stay as they are)
         cast = lambda v: v.replace(v[...].astype(x_MD.dtype)) if (  # noqa: E731
-            jnp.issubdtype(v.dtype, jnp.floating) and not isinstance(v, LoRAParam)) else v
+            jnp.issubdtype(v.dtype, jnp.floating) and type(v) is nnx.Param) else v
         state = jax.tree.map(cast, state, is_leaf=is_var)
     rows = P(row_axes or None, None)
 

@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp
 
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
-from modern_jax.lora import LoRAConfig, LoRAParam
+from modern_jax.lora import LoRAConfig
 from modern_jax.multihost import distributed
 from modern_jax.training.outputs import step_numbers
 
@@ -499,7 +499,7 @@ def load_params(path, log=None, **overrides):
     first device, or replicated on every device of a launch of several processes."""
     from flax import nnx
 
-    from modern_jax.model import abstract_params
+    from modern_jax.training.converters import abstract_converted, converter_of
 
     directory, config_path, what, elsewhere = resolve_checkpoint(path)
     raw = read_config(config_path)
@@ -508,11 +508,11 @@ def load_params(path, log=None, **overrides):
         log(f"loading {what}")
     problem = check_files(directory, items=("params",))
     if problem is None:
-        lora = LoRAConfig.of_run(raw)
-        _, abstract = abstract_params(cfg, lora)
-        if lora is not None and not lora.save_base:  # the adapters only (convert.load_checkpoint adds the base)
+        converter = converter_of(LoRAConfig.of_run(raw))
+        _, abstract = abstract_converted(cfg, converter)
+        if converter is not None and not converter.saves_base:  # the trained only (convert.load_checkpoint adds the base)
             abstract = nnx.from_flat_state([(path, v) for path, v in nnx.to_flat_state(abstract)
-                                            if isinstance(v, LoRAParam)])
+                                            if converter.trains(v)])
         if jax.process_count() > 1:
             sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
                                                   jax.sharding.PartitionSpec())

@@ -42,13 +42,13 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from flax import nnx
 import yaml
 
 from modern_jax import execution
 from modern_jax.accounting import flops_per_token
 from modern_jax.configfile import read_yaml
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
-from modern_jax.model import abstract_model, undropped
 from modern_jax.multihost import distributed
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer,
@@ -56,6 +56,7 @@ from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE,
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training import objectives
+from modern_jax.training.converters import abstract_converted
 from modern_jax.training.step import Trainer, describe_kernels, trainer_for
 
 
@@ -441,7 +442,8 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
     model_cfg = run.model
     trainer = trainer_for(run, mesh, objective=objective)
-    skipped = undropped(abstract_model(model_cfg, run.lora)) if run.lora is not None else []
+    skipped = [] if trainer.converter is None else trainer.converter.undropped(
+        nnx.merge(*abstract_converted(model_cfg, trainer.converter)))
     if skipped:  # a mixture's experts and routers: their adapters are added to the weights
         log(f"lora.dropout={run.lora.dropout}: on the inputs of the adapted projections but {', '.join(skipped)}, "
             f"whose adapters are added to their weights (no input of their own to drop out)")
@@ -483,7 +485,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     directory.started = True
     distributed.note(step=start, resume=session.resume_hint())
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_base()))
-    if trainer.lora is not None:  # the base's count (stored quantized or not), and the adapters trained
+    if trainer.converter is not None:  # the base's count (stored quantized or not), and the adapters trained
         trained = sum(x.size for x in jax.tree.leaves(trainer.split(state["params"])[0]))
         n_params = f"{n_params:,} + {trained:,} trained"
     else:

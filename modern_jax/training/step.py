@@ -33,13 +33,13 @@ from modern_jax.execution import ExecutionConfig
 from modern_jax.execution import use as use_execution
 from modern_jax.kernels.backend import recording_kernels
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
-from modern_jax.lora import LoRAConfig, LoRAParam
-from modern_jax.model import Transformer, abstract_params, adapt, max_attention_logit, sown_value
+from modern_jax.model import Transformer, abstract_params, max_attention_logit, sown_value
 from modern_jax.sharding.config import layout_order
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
 from modern_jax.sharding.rules import split_size
 from modern_jax.sharding.devices import compiling_for, lowering_for
 from modern_jax.training.config import RunConfig, TrainConfig
+from modern_jax.training.converters import LoRA, abstract_converted, converted, converter_of
 from modern_jax.training.objectives import Objective, config_of, objective as objective_of
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 
@@ -64,7 +64,7 @@ class Trainer:
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, rules=RULES,
                  context_layout: str = "two_chunk", *, strategies: Strategies | None = None,
-                 execution: ExecutionConfig | None = None, lora: LoRAConfig | None = None,
+                 execution: ExecutionConfig | None = None, converter: LoRA | None = None,
                  objective: Objective | None = None, layers: tuple[LayerSpec, ...] | None = None,
                  optimizer: bool = True):
         check_mesh(model_cfg, mesh, rules)
@@ -86,17 +86,18 @@ class Trainer:
         self.strategies, self.execution = strategies or Strategies(), execution or ExecutionConfig()
         self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the steps were traced
         self.moe = model_cfg.ffn_type == "moe"
-        self.lora = lora
+        self.converter = converter  # what turns the plain model into the one trained (LoRA's adapters), if any
         # what the loss is and the data hold (next-token cross-entropy unless the run names another)
         self.objective = objective_of(config_of({}, train_cfg, ""), train_cfg) if objective is None else objective
         self.shown = self.objective.shown  # what the console and the plot show of it
         self.layers = layers  # the blocks built (default: the config's; the planner's counting programs build fewer)
-        self.graphdef, abstract = abstract_params(model_cfg, lora, layers)
-        # a LoRA run trains its adapters only: the rest is frozen, with no gradient and no optimiser state
-        self.trained = None if lora is None else {path for path, v in nnx.to_flat_state(abstract)
-                                                  if isinstance(v, LoRAParam)}
+        self.graphdef, abstract = abstract_converted(model_cfg, converter, layers)
+        # a converted model trains what its converter says (LoRA: the adapters); the rest is frozen,
+        # with no gradient and no optimiser state
+        self.trained = None if converter is None else {path for path, v in nnx.to_flat_state(abstract)
+                                                       if converter.trains(v)}
         # the optimiser and its state (none for a Trainer that evaluates or samples only)
-        self.tx = make_optimizer(train_cfg, frozen=model_cfg.router_selection_bias and lora is None) if optimizer \
+        self.tx = make_optimizer(train_cfg, frozen=model_cfg.router_selection_bias and converter is None) if optimizer \
             else None
         self.schedule = learning_rate_schedule(train_cfg)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -106,16 +107,18 @@ class Trainer:
             opt_abstract = jax.eval_shape(self.tx.init, self.split(nnx.to_pure_dict(abstract))[0])
             self.state_shardings["opt_state"] = optax.tree_map_params(
                 self.tx, lambda _, s: s, opt_abstract, self.split(params_sh)[0], transform_non_params=lambda _: replicated)
-        # an objective's frozen reference: a LoRA run's base (its adapters off); otherwise a copy of the start
-        self.keeps_reference = self.objective.needs_reference and lora is None
+        # an objective's frozen reference: a converted model with its additions off (LoRA's base);
+        # otherwise a copy of the start
+        self.keeps_reference = self.objective.needs_reference and converter is None
         if self.keeps_reference:
             self.state_shardings["reference"] = params_sh
         self.batch_sharding = batch_sharding(mesh, rules)
         self.replicated = replicated
-        self.uses_dropout = model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0 or bool(lora and lora.dropout)
+        self.uses_dropout = model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0 or \
+            bool(converter and converter.config.dropout)
         self._jitted = {
             "init": jax.jit(self._init, out_shardings=self.state_shardings),
-            "adapt": jax.jit(self._adapt, out_shardings=params_sh),
+            "convert": jax.jit(self._convert, out_shardings=params_sh),
             "train": jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)),
             "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batch_sharding, replicated,
@@ -160,7 +163,8 @@ class Trainer:
 
     def _init(self, key_data):
         key = jax.random.wrap_key_data(key_data)
-        model = Transformer(self.model_cfg, rngs=nnx.Rngs(key), lora=self.lora, layers=self.layers)
+        rngs = nnx.Rngs(key)
+        model = converted(Transformer(self.model_cfg, rngs=rngs, layers=self.layers), self.converter, rngs)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         state = {"params": params, "step": jnp.zeros((), jnp.int32), "rng": key_data,
                  "nonfinite": jnp.zeros((), jnp.int32)}
@@ -178,27 +182,29 @@ class Trainer:
         return state
 
     def reference(self, params: dict, kept: dict | None = None) -> dict | None:
-        """The parameters of the objective's reference model: a LoRA run's base (`params` with its
-        adapters zero), else `kept`, the frozen copy in the state; None if it needs none."""
+        """The parameters of the objective's reference model: a converted model's with its additions
+        off (LoRA: its base), else `kept`, the frozen copy in the state; None if it needs none."""
         if not self.objective.needs_reference:
             return None
         if self.keeps_reference:
             return kept
         trained, frozen = self.split(params)
-        return self.join(jax.tree.map(jnp.zeros_like, trained), frozen)
+        return self.join(self.converter.off(trained), frozen)
 
     @property
     def saves_base(self) -> bool:
-        """Whether checkpoints hold the frozen base too (`lora.save_base`), or the adapters only."""
-        return self.lora is None or self.lora.save_base
+        """Whether checkpoints hold the frozen base too, or the trained parameters only (a
+        converter's choice: `lora.save_base`)."""
+        return self.converter is None or self.converter.saves_base
 
     def saved(self, state: dict) -> dict:
-        """What a checkpoint of `state` holds (abstract states too): all of it, or with
-        `lora.save_base: false` the adapters in place of the parameters."""
+        """What a checkpoint of `state` holds (abstract states too): all of it, or without its frozen
+        base (`lora.save_base: false`) the trained parameters in place of all of them."""
         return state if self.saves_base else {**state, "params": self.split(state["params"])[0]}
 
     def split(self, params) -> tuple[dict, dict]:
-        """`(trained, frozen)`: the parameters the optimiser moves (all but a LoRA run's base), and the rest."""
+        """`(trained, frozen)`: the parameters the optimiser moves (all but a converted model's frozen
+        base), and the rest."""
         if self.trained is None:
             return params, {}
         flat = traversals.flatten_mapping(params)
@@ -214,15 +220,16 @@ class Trainer:
         return traversals.unflatten_mapping({**traversals.flatten_mapping(frozen),
                                                  **traversals.flatten_mapping(trained)})
 
-    def _adapt(self, base, key_data):
+    def _convert(self, base, key_data):
         model = nnx.merge(abstract_params(self.model_cfg)[0], base)
-        adapt(model, self.lora, nnx.Rngs(jax.random.wrap_key_data(key_data)))
+        self.converter.convert(model, nnx.Rngs(jax.random.wrap_key_data(key_data)))
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def abstract_base(self) -> dict:
         """ShapeDtypeStructs (with shardings) of the base model's parameters: what a fine-tune
-        starts from (the whole model, or a LoRA run's base before its adapters and quantization)."""
-        if self.lora is None:
+        starts from (the whole model, or a converted model's plain base: LoRA's before its adapters
+        and quantization)."""
+        if self.converter is None:
             return self.abstract_state()["params"]
         _, abstract = abstract_params(self.model_cfg)
         shardings = nnx.to_pure_dict(state_shardings(abstract, self.mesh, self.rules))
@@ -230,11 +237,11 @@ class Trainer:
                             nnx.to_pure_dict(abstract), shardings)
 
     def from_base(self, base: dict, seed: int) -> dict:
-        """The run's parameters from its base's (placed as `abstract_base`): a LoRA run adds its
+        """The run's parameters from its base's (placed as `abstract_base`), converted: LoRA adds its
         adapters (B zero: the model starts equal to its base) and quantizes the frozen projections."""
-        if self.lora is None:
+        if self.converter is None:
             return base
-        return self._run("adapt", base, jax.random.key_data(jax.random.key(seed)))
+        return self._run("convert", base, jax.random.key_data(jax.random.key(seed)))
 
     def init_state(self, seed: int) -> dict:
         """Fresh parameters and optimiser state, created directly with their shardings."""
@@ -433,7 +440,7 @@ def trainer_for(run: RunConfig, mesh: Mesh, *, objective: Objective | None = Non
     programs); `optimizer=False`: no optimiser or its state (evaluation, sampling)."""
     return Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(),
                    context_layout=run.parallel.context_layout, strategies=run.parallel,
-                   execution=execution or run.execution, lora=run.lora,
+                   execution=execution or run.execution, converter=converter_of(run.lora),
                    objective=objective or objective_of(run.objective, run.train), layers=layers, optimizer=optimizer)
 
 
