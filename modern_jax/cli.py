@@ -333,7 +333,7 @@ def cmd_evaluate(args) -> int:
         token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
 
         def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
-            return trainer.eval_executable(params, trainer.abstract_batch((batch_size, seq_len)), token_bytes)
+            return trainer.eval_executable(params, trainer.batches.abstract((batch_size, seq_len)), token_bytes)
 
         def fits(batch_size: int) -> None:
             check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
@@ -352,7 +352,7 @@ def cmd_evaluate(args) -> int:
                     fits(batch_size)
                 except DoesNotFit as e:
                     raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
-        rows, _ = trainer.local_slices(batch_size)
+        rows, _ = trainer.batches.local_slices(batch_size)
         batches = eval_batches(stream, seq_len=seq_len, batch_size=batch_size, max_windows=asked, rows=rows)
         with progress.phase("evaluating", len(batches), "batches") as advance:
             values = evaluate_batches(trainer, params, batches, token_bytes, rows=batch_size, advance=advance)

@@ -61,7 +61,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         execution = execution.replace(attention_impl="chunked")  # O(T) attention, as the flash kernels are
     trainer = trainer_for(run, mesh, execution=execution)
     state = trainer.abstract_state()
-    batch = trainer.abstract_batch()
+    batch = trainer.batches.abstract()
     with recording_kernels() as kernels:
         lowered = trainer.lower("train", state, batch)
 
@@ -240,7 +240,7 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
     from modern_jax.sharding.devices import chip
 
     with declaring_costs(kernel_costs):
-        lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch())
+        lowered = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract())
 
     def compile_():
         compiled = lowered.compile(compiler_options=dict(COUNTING_OPTIONS))

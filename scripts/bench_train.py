@@ -61,7 +61,7 @@ def bench(name: str, cfg, batch: int, seq: int, steps: int, peak: float, time_st
     tc = TrainConfig(batch_size=batch, seq_len=seq, steps=1000, warmup_steps=10)
     trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1]), execution=run)
     state = trainer.init_state(0)
-    data = trainer.put_batch(synthetic_batch(cfg, batch, seq))
+    data = trainer.batches.put(synthetic_batch(cfg, batch, seq))
     compile_s = trainer.compile(state, data)
     row = {"name": name, "params": param_counts(cfg)["total"], "layers": cfg.n_layers, "scan": run.scan_layers,
            "batch": f"{batch}x{seq}", "compile_s": compile_s}

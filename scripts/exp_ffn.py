@@ -59,7 +59,7 @@ def train_losses(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: i
     state = trainer.init_state(seed)
     losses = []
     for i in range(train_cfg.steps):
-        state, metrics = trainer.train_step(state, trainer.put_batch(source[i]))
+        state, metrics = trainer.train_step(state, trainer.batches.put(source[i]))
         losses.append(metrics["loss"])  # stays on the device; fetched once at the end
     return np.asarray(jax.device_get(losses), np.float64)
 

@@ -60,7 +60,7 @@ def run(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int) -> tu
     state = trainer.init_state(seed)
     losses, loads = [], []
     for i in range(train_cfg.steps):
-        state, metrics = trainer.train_step(state, trainer.put_batch(source[i]))
+        state, metrics = trainer.train_step(state, trainer.batches.put(source[i]))
         losses.append(metrics["loss"])  # stays on the device; fetched once at the end
         loads.append(metrics.get("moe_load_max", np.full((1,), np.nan)))
     losses, loads = jax.device_get((losses, loads))

@@ -54,7 +54,7 @@ def run(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int = 0) -
     state = trainer.init_state(seed)
     metrics = []
     for i in range(train_cfg.steps):
-        state, step_metrics = trainer.train_step(state, trainer.put_batch(source[i]))
+        state, step_metrics = trainer.train_step(state, trainer.batches.put(source[i]))
         metrics.append({k: step_metrics[k] for k in ("loss", "max_abs_logit", "max_attention_logit")})
     metrics = jax.device_get(metrics)
     losses = np.array([m["loss"] for m in metrics], np.float64)

@@ -74,7 +74,7 @@ def step_gradients(trainer, state, batch) -> tuple[dict, dict]:
     cfg = trainer.cfg
     assert (cfg.eps, cfg.weight_decay, cfg.clip_norm) == (1.0, 0.0, None), "make the train config with probe()"
     before = jax.device_get(state["params"])
-    new_state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    new_state, metrics = trainer.train_step(state, trainer.batches.put(batch))
     metrics = jax.device_get(metrics)
     assert bool(metrics["finite"]), metrics
 

@@ -81,7 +81,7 @@ def test_training_step_compiles_for_sm90a():
     cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512)  # kernels: default
     trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=256), one_device())
     with pallas_interpret(False):
-        lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch(), platform="cuda")
+        lowered = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract(), platform="cuda")
     calls = gpu_compile.triton_kernels(lowered)
     # the layers are scanned, so each call site lowers once: attention, and three norms (before
     # attention, before the MLP, the final one), each forward and backward

@@ -163,7 +163,7 @@ def test_moe_step_compiles_for_tpu_with_megablox_and_the_ragged_exchange():
                       make_mesh(data=2, expert=2, devices=devices), execution=ExecutionConfig(attention_impl="reference"),
                       strategies=Strategies(moe_exchange="ragged_all_to_all"))
     with recording_kernels() as seen:
-        lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch())
+        lowered = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract())
     assert seen["moe_grouped"] == {"megablox"} and seen["attention"] == {"reference"}
     # the scanned layer: rows, expert ids and outputs forward; the rows' and outputs' transposes backward
     assert lowered.as_text().count("ragged_all_to_all") == 3 + 2

@@ -94,7 +94,7 @@ def test_train_step_reports_the_max_attention_logit_of_its_own_forward(name, mon
     trainer = Trainer(cfg, tc, one_device(), execution=run)
     state = trainer.init_state(0)
     params = jax.device_get(state["params"])  # the step donates the state
-    _, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    _, metrics = trainer.train_step(state, trainer.batches.put(batch))
     want, calls = reference_max_logit(cfg, params, batch, monkeypatch)
     assert calls == cfg.n_layers * accum
     if name == "gqa_local_global":
@@ -103,7 +103,7 @@ def test_train_step_reports_the_max_attention_logit_of_its_own_forward(name, mon
 
     trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=16, grad_accum=accum, warmup_steps=0,
                                        diagnostics=False), one_device(), execution=run)
-    _, quiet = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch))
+    _, quiet = trainer.train_step(trainer.init_state(0), trainer.batches.put(batch))
     assert "max_attention_logit" not in quiet
     np.testing.assert_allclose(float(quiet["loss"]), float(metrics["loss"]), rtol=1e-6)
 
@@ -118,7 +118,7 @@ def test_max_attention_logit_on_a_mesh_equals_one_device():
     values = []
     for mesh in (one_device(), make_mesh(2, 2, 2)):
         trainer = Trainer(cfg, tc, mesh, execution=ExecutionConfig(attention_impl="chunked"))
-        _, metrics = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch))
+        _, metrics = trainer.train_step(trainer.init_state(0), trainer.batches.put(batch))
         values.append(float(metrics["max_attention_logit"]))
     np.testing.assert_allclose(values[1], values[0], rtol=1e-5)
 
@@ -149,7 +149,7 @@ def train_step_temp_bytes(diagnostics: bool, T: int = 4096) -> int:
     cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_position_embeddings=T)
     trainer = Trainer(cfg, TrainConfig(batch_size=1, seq_len=T, warmup_steps=0, diagnostics=diagnostics),
                       one_device(), execution=ExecutionConfig(attention_impl="chunked"))
-    batch = {name: jax.ShapeDtypeStruct((1, 1, T), dtype, sharding=trainer.batch_sharding)
+    batch = {name: jax.ShapeDtypeStruct((1, 1, T), dtype, sharding=trainer.batches.sharding)
              for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("positions", jnp.int32),
                                  ("segment_ids", jnp.int32), ("weights", jnp.float32))}
     compiled = trainer.lower("train", trainer.abstract_state(), batch).compile()

@@ -85,7 +85,7 @@ def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, 
     params.update(traversals.flatten_mapping(read_peft(adapter, trainer.model(trainer.init_state(0)["params"]),
                                                        "llama")))
     params = traversals.unflatten_mapping(params)
-    sums = jax.device_get(trainer.eval_step(params, trainer.put_batch(batch), None))
+    sums = jax.device_get(trainer.eval_step(params, trainer.batches.put(batch), None))
     pairs = float(sums["pairs"])
     assert pairs == 3
     np.testing.assert_allclose(float(sums["dpo_loss"]) / pairs, want[loss_key], rtol=1e-5, atol=1e-6)
@@ -97,7 +97,7 @@ def step_metrics(cfg, tc, lora, dpo, batch, seed: int = 0):
     trainer = Trainer(cfg, tc, one_device(), converter=converter_of(lora), objective=DPO(dpo, tc))
     state = trainer.init_state(seed)
     before = jax.device_get(state)
-    state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+    state, metrics = trainer.train_step(state, trainer.batches.put(batch))
     return trainer, before, jax.device_get(state), jax.device_get(metrics)
 
 
@@ -126,7 +126,7 @@ def test_full_dpo_keeps_a_frozen_copy_of_its_start_as_the_reference():
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after["params"]),
                                                         jax.tree.leaves(before["params"])))
     state = jax.device_put(after)
-    state, second = trainer.train_step(state, trainer.put_batch(batch))
+    state, second = trainer.train_step(state, trainer.batches.put(batch))
     assert float(second["rewards/margins"]) > 0  # the policy moved from its reference towards the chosen
     assert float(second["loss"]) < math.log(2)
 

@@ -167,7 +167,7 @@ def test_the_ragged_exchange_is_refused_on_cpu():
 def test_a_checkpoint_saved_on_expert4_restores_on_expert2_and_one_device(tmp_path):
     tc = TrainConfig(batch_size=8, seq_len=16, warmup_steps=0, lr=1e-2)
     trainer = Trainer(CFG, tc, make_mesh(data=2, expert=4))
-    state, _ = trainer.train_step(trainer.init_state(0), trainer.put_batch(batch()))
+    state, _ = trainer.train_step(trainer.init_state(0), trainer.batches.put(batch()))
     checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
     checkpointer.save(state, {"step": 1})
     checkpointer.close()

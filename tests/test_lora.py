@@ -107,7 +107,7 @@ def test_a_lora_step_moves_only_the_adapters_and_keeps_no_optimiser_state_for_th
     n_opt = sum(np.size(x) for x in jax.tree.leaves(state["opt_state"]))
     assert 2 * n_adapter <= n_opt <= 2 * n_adapter + 8  # Adam's two moments of the adapters, and its counts
     before = flat(state["params"])
-    state, metrics = trainer.train_step(state, trainer.put_batch(token_batch(1, 2, 8, 64)))
+    state, metrics = trainer.train_step(state, trainer.batches.put(token_batch(1, 2, 8, 64)))
     after = flat(state["params"])
     moved = {k for k in before if not np.array_equal(before[k], after[k])}
     assert moved == {k for k in adapters if k[-1] == "lora_b"}  # A's gradient is zero while B is (B A: dA = x dy B^T)
@@ -187,7 +187,7 @@ def test_a_quantized_base_stays_near_the_float_base_and_trains_its_adapters(kind
                        "absmax_mean": np.float32})
     tc = TrainConfig(batch_size=2, seq_len=8, steps=3, warmup_steps=0, lr=1e-2)
     trainer = Trainer(cfg, tc, one_device(), converter=LoRA(LoRAConfig(quantize=kind)))
-    state, batch = trainer.init_state(0), trainer.put_batch(token_batch(1, 2, 8, 64))
+    state, batch = trainer.init_state(0), trainer.batches.put(token_batch(1, 2, 8, 64))
     losses = []
     for _ in range(3):
         state, metrics = trainer.train_step(state, batch)

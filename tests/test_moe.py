@@ -300,7 +300,7 @@ def test_auxiliary_loss_free_balancing_moves_only_the_selection_bias():
         model = trainer.model(before)
         _, sown = nnx.capture(lambda m: m(jnp.asarray(batch["inputs"][0])), nnx.Intermediate)(model)
         loads = np.asarray([v.get_value()[0] for p, v in nnx.to_flat_state(sown) if "moe_load" in map(str, p)][0])
-        after, metrics = trainer.train_step(state, trainer.put_batch(batch))
+        after, metrics = trainer.train_step(state, trainer.batches.put(batch))
         states[name] = (before, jax.device_get(after["params"]), loads, metrics)
     before, after, loads, metrics = states["frozen"]
     bias_path = lambda p: p["stages"][0]["blocks"][0]["mlp"]["router"]["selection_bias"]  # noqa: E731

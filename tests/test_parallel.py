@@ -272,7 +272,7 @@ def test_fsdp_gathers_each_layer_inside_the_scan():
 
     cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, d_ff=192)  # scanned (the default)
     trainer = Trainer(cfg, TrainConfig(batch_size=8, seq_len=16, steps=10, warmup_steps=1), make_mesh(fsdp=8))
-    batch = trainer.put_batch(token_batch(1, 8, 16, 128))
+    batch = trainer.batches.put(token_batch(1, 8, 16, 128))
     hlo = trainer.lower("train", trainer.abstract_state(), batch).compile().as_text()
     computation, gathers = None, []
     for line in hlo.splitlines():

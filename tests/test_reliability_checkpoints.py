@@ -318,7 +318,7 @@ def test_a_skipped_step_logs_no_learning_rate_and_consumes_its_schedule_step():
     state = trainer.init_state(0)
     logged = []
     for weight in (1.0, np.nan, 1.0, 1.0):  # step 2 is non-finite and skipped
-        state, metrics = trainer.train_step(state, trainer.put_batch(_batch(rng, 32, weight)))
+        state, metrics = trainer.train_step(state, trainer.batches.put(_batch(rng, 32, weight)))
         logged.append(float(metrics["lr"]))
     assert logged[1] == 0.0
     for i in (0, 2, 3):
@@ -350,7 +350,7 @@ def test_the_update_is_adamw_at_the_scheduled_rate():
     for _ in range(3):
         updates, opt = reference.update(jax.grad(objective)(want), opt, want)
         want = optax.apply_updates(want, updates)
-        state, _ = trainer.train_step(state, trainer.put_batch(batch))
+        state, _ = trainer.train_step(state, trainer.batches.put(batch))
     # Adam divides by sqrt(v): float noise in near-zero gradients moves a weight by up to ~1e-6;
     # a wrong rate would move every weight by ~lr = 1e-2 (the steps here use 0, 5e-3 and 1e-2)
     moved = 0.0
@@ -366,12 +366,12 @@ def test_batch_sharding_follows_the_rules_table():
     tc = TrainConfig(batch_size=8, seq_len=8, warmup_steps=0)
     default = Trainer(cfg, tc, mesh)
     # expert and context: size 1 here (the sequence is split over context)
-    assert tuple(default.batch_sharding.spec) == (None, ("data", "fsdp", "expert"), "context")
+    assert tuple(default.batches.sharding.spec) == (None, ("data", "fsdp", "expert"), "context")
     from modern_jax.sharding import RULES
 
     rules = tuple((k, "data" if k == "activation_batch" else v) for k, v in RULES)
     only_data = Trainer(cfg, tc, mesh, rules=rules)
-    assert tuple(only_data.batch_sharding.spec) == (None, "data", "context")
+    assert tuple(only_data.batches.sharding.spec) == (None, "data", "context")
 
 
 def test_compiled_steps_are_shared_exactly_when_the_program_is_the_same(monkeypatch):
@@ -383,7 +383,7 @@ def test_compiled_steps_are_shared_exactly_when_the_program_is_the_same(monkeypa
         tc = TrainConfig(batch_size=4, seq_len=8, warmup_steps=0, **changes)
         trainer = Trainer(cfg, tc, one_device())
         state = trainer.init_state(0)
-        trainer.compile(state, trainer.put_batch(batch))
+        trainer.compile(state, trainer.batches.put(batch))
         return trainer._executables["train"]
 
     base = executable()

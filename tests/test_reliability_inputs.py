@@ -388,7 +388,7 @@ def test_evaluate_refuses_a_batch_larger_than_the_memory_and_says_what_fits(rope
     resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
     def need(rows):
-        return needs(trainer.lower("eval", params, trainer.abstract_batch((rows, 64)),
+        return needs(trainer.lower("eval", params, trainer.batches.abstract((rows, 64)),
                                    jax.ShapeDtypeStruct((260,), jnp.int32), None).compile(), resident)
 
     assert abs(float(match.group(1)) - need(128) / 2**20) < 0.01

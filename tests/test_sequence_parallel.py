@@ -137,7 +137,7 @@ def test_sequence_parallelism_reduce_scatters_block_outputs():
 
     def compiled(rules):
         trainer = Trainer(cfg, tc, mesh, rules)
-        return collectives(trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch()).compile()
+        return collectives(trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract()).compile()
                            .as_text(), 2, 512, 256, 4)
 
     on = compiled(RULES)

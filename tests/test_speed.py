@@ -41,7 +41,7 @@ def test_the_counted_step_equals_the_whole_program_unrolled():
     assert counted["optimal_seconds"] == pytest.approx(whole["optimal_seconds"], rel=0.02)
     assert counted["flops"] == pytest.approx(whole["flops"], rel=0.005)
     trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
-    scanned = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch()).compile().cost_analysis()
+    scanned = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract()).compile().cost_analysis()
     assert scanned["flops"] < 0.5 * whole["flops"]  # the layers, chunks and micro-batches counted once
 
 
@@ -137,7 +137,7 @@ def test_saving_the_attention_output_keeps_the_kernel_forward_from_running_again
     run = small_run("model.n_layers=2", "train.seq_len=256", f"execution.remat={remat}", "execution.scan_layers=false")
     mesh = make_mesh(fsdp=4, devices=topology_devices("v5e:2x2"))
     trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
-    text = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch()).as_text()
+    text = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract()).as_text()
     assert text.count("flash_attention_tpu_fwd") == 2 * forwards
     assert text.count("flash_attention_tpu_dq") == text.count("flash_attention_tpu_dkdv") == 2
 
@@ -171,7 +171,7 @@ def test_sliced_prefetches_are_off_where_the_v6e_cost_model_counts_them_below_ze
                     "train.batch_size=4", "train.seq_len=256", "execution.scan_layers=false")
     mesh = make_mesh(fsdp=4, devices=topology_devices("v6e:2x2"))
     trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
-    lowered = trainer.lower("train", trainer.abstract_state(), trainer.abstract_batch())
+    lowered = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract())
     sliced = lowered.compile({k: v for k, v in planner.COUNTING_OPTIONS.items() if "sliced" not in k})
     assert sliced.as_text().count("ConcatBitcast") > 0 and sliced.cost_analysis()["optimal_seconds"] < 0
     counted = planner.counting_cost(trainer, kernel_costs=False)

@@ -167,7 +167,7 @@ def test_moe_aux_loss_sown_by_layers_joins_the_loss(monkeypatch, scan, remat):
 
     params = jax.device_get(state["params"])
     want_aux, want_norm = float(up_norms(params)), float(global_norm(jax.grad(reference)(params)))
-    _, metrics = trainer.train_step(state, trainer.put_batch(data))
+    _, metrics = trainer.train_step(state, trainer.batches.put(data))
     assert float(metrics["moe_aux_loss"]) == pytest.approx(want_aux, rel=1e-6)
     assert float(metrics["grad_norm"]) == pytest.approx(want_norm, rel=1e-5)
 
@@ -242,7 +242,7 @@ def test_tiny_model_overfits_one_batch():
     tc = TrainConfig(steps=80, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=5, weight_decay=0.0)
     trainer = Trainer(cfg, tc, one_device())
     state = trainer.init_state(0)
-    batch = trainer.put_batch(_batch(np.random.default_rng(0), 1, 4, 16, 32))
+    batch = trainer.batches.put(_batch(np.random.default_rng(0), 1, 4, 16, 32))
     losses = []
     for _ in range(tc.steps):
         state, metrics = trainer.train_step(state, batch)
@@ -259,7 +259,7 @@ def test_gradient_accumulation_equals_the_full_batch_and_nonfinite_steps_are_ski
     for accum in (1, 2):
         trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=8, grad_accum=accum, warmup_steps=0), mesh)
         batch = {k: v.reshape(accum, 4 // accum, 8) for k, v in data.items()}
-        results.append(trainer.train_step(trainer.init_state(0), trainer.put_batch(batch)))
+        results.append(trainer.train_step(trainer.init_state(0), trainer.batches.put(batch)))
     (s1, m1), (s2, m2) = results
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
     np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-5)
@@ -270,11 +270,11 @@ def test_gradient_accumulation_equals_the_full_batch_and_nonfinite_steps_are_ski
     state = trainer.init_state(0)
     before = jax.tree.map(np.asarray, state["params"])
     bad = dict(data, weights=np.full_like(data["weights"], np.nan))
-    state, metrics = trainer.train_step(state, trainer.put_batch(bad))
+    state, metrics = trainer.train_step(state, trainer.batches.put(bad))
     assert not bool(metrics["finite"]) and int(state["nonfinite"]) == 1 and int(state["step"]) == 1
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])):
         np.testing.assert_array_equal(a, b)  # the update was skipped
-    state, metrics = trainer.train_step(state, trainer.put_batch(data))
+    state, metrics = trainer.train_step(state, trainer.batches.put(data))
     assert bool(metrics["finite"]) and int(state["nonfinite"]) == 0
 
 
@@ -325,7 +325,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
 def test_bf16_compute_keeps_float32_master_weights():
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32, dtype="bfloat16")
     trainer = Trainer(cfg, TrainConfig(batch_size=2, seq_len=8, warmup_steps=0), one_device())
-    batch = trainer.put_batch(_batch(np.random.default_rng(4), 1, 2, 8, 32))
+    batch = trainer.batches.put(_batch(np.random.default_rng(4), 1, 2, 8, 32))
     state, metrics = trainer.train_step(trainer.init_state(0), batch)
     assert bool(metrics["finite"]) and 2.5 < float(metrics["loss"]) < 4.5
     assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.float32)}

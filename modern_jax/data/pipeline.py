@@ -19,7 +19,7 @@ Training batch `i` is a pure function of `(seed, i)`: `A * B` window starts draw
 uniformly from the stream by `numpy.random.default_rng([seed, i])` (the classic random
 window sampling of char-LM training; a split of at most T + 1 tokens gives every row the
 whole split, with a warning). A process takes the rows `rows` of every accumulation step that
-its devices hold (all of them on one process; `Trainer.local_slices` says which), so processes
+its devices hold (all of them on one process; `BatchPlacement.local_slices` says which), so processes
 read disjoint rows that together make the global batch, and the global batch is the same
 however many processes share it. The grain iterator's state is its next batch index: saving
 it with the checkpoint and restoring it makes a resumed run see exactly the batches the

@@ -165,7 +165,7 @@ def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int |
     / token, bits per byte and tokens; DPO's loss and TRL's means over the pairs), one host fetch;
     `rows`: the global rows of a batch whose local share each process passes (None: one process);
     `advance`: called once a batch (a progress bar's); `reference`: the state's frozen copy, if any."""
-    totals = _sums(lambda batch: trainer.eval_step(params, trainer.put_batch(batch, rows), token_bytes, reference),
+    totals = _sums(lambda batch: trainer.eval_step(params, trainer.batches.put(batch, rows), token_bytes, reference),
                    batches, advance)
     return trainer.objective.eval_values(totals)
 
@@ -342,7 +342,7 @@ class _Session:
         return f" {self.newest().capitalize()}; run the same command again (every process) to resume."
 
     def batch(self, batch: dict, rows: int) -> dict:
-        return self.trainer.put_batch(batch, rows)
+        return self.trainer.batches.put(batch, rows)
 
     def evaluate(self, metrics_log: MetricsLog | None, step: int, batches, progress: Progress,
                  what: str = "validation") -> dict:
@@ -356,7 +356,7 @@ class _Session:
 
     def eval_batches(self, max_windows):
         tc = self.run.train
-        rows, _ = self.trainer.local_slices(tc.eval_batch_size)
+        rows, _ = self.trainer.batches.local_slices(tc.eval_batch_size)
         return self.trainer.objective.eval_batches(self.val_stream, max_windows=max_windows, rows=rows)
 
 
@@ -461,7 +461,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         if init is not None:
             state = trainer.with_start(state, _initial_params(trainer, init, log))
 
-    rows, _ = trainer.local_slices(tc.batch_size // tc.grad_accum)
+    rows, _ = trainer.batches.local_slices(tc.batch_size // tc.grad_accum)
     iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
     session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
                        jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,

@@ -22,7 +22,6 @@ import hashlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax.nnx import traversals
 from flax import nnx
@@ -34,19 +33,13 @@ from modern_jax.execution import use as use_execution
 from modern_jax.kernels.backend import recording_kernels
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
 from modern_jax.model import Transformer, abstract_params, max_attention_logit, sown_value
-from modern_jax.sharding.config import layout_order
-from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, logical_to_spec, mesh_axes, state_shardings
-from modern_jax.sharding.rules import split_size
+from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, state_shardings
 from modern_jax.sharding.devices import compiling_for, lowering_for
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.converters import LoRA, abstract_converted, converted, converter_of
 from modern_jax.training.objectives import Objective, config_of, objective as objective_of
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
-
-def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
-    """Batches `[A, B, T]` (micro-batches, rows, tokens): rows split as `activation_batch` is."""
-    return NamedSharding(mesh, logical_to_spec((None, "activation_batch", "activation_length"), rules, mesh))
-
+from modern_jax.training.placement import BatchPlacement
 
 # XLA options for the compiled steps (over those of XLA_FLAGS). Initialisation always compiles at
 # level 0: it runs once.
@@ -68,16 +61,7 @@ class Trainer:
                  objective: Objective | None = None, layers: tuple[LayerSpec, ...] | None = None,
                  optimizer: bool = True):
         check_mesh(model_cfg, mesh, rules)
-        _check_divisible("batch_size / grad_accum", train_cfg.batch_size // train_cfg.grad_accum, mesh, rules)
-        _check_divisible("eval_batch_size", train_cfg.eval_batch_size, mesh, rules)
-        # the devices splitting the sequence (context parallelism) and the order laid over them
-        self.context = split_size("activation_length", mesh, rules)
-        if train_cfg.seq_len % self.context:
-            raise ValueError(f"train.seq_len={train_cfg.seq_len} is not divisible by the mesh's context={self.context} "
-                             f"(the devices that split the sequence): make it a multiple of {self.context}, or "
-                             f"change context in --mesh (parallel.context)")
-        self.context_layout = context_layout
-        layout_order(train_cfg.seq_len, self.context, context_layout)  # its errors name the fields
+        self.batches = BatchPlacement(mesh, rules, train_cfg, context_layout)  # where each batch goes
         if train_cfg.moe_bias_update_rate and not model_cfg.router_selection_bias:
             raise ValueError(f"train.moe_bias_update_rate={train_cfg.moe_bias_update_rate} balances experts through "
                              f"the router's selection bias, which this model has none of: set "
@@ -112,16 +96,15 @@ class Trainer:
         self.keeps_reference = self.objective.needs_reference and converter is None
         if self.keeps_reference:
             self.state_shardings["reference"] = params_sh
-        self.batch_sharding = batch_sharding(mesh, rules)
         self.replicated = replicated
         self.uses_dropout = model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0 or \
             bool(converter and converter.config.dropout)
         self._jitted = {
             "init": jax.jit(self._init, out_shardings=self.state_shardings),
             "convert": jax.jit(self._convert, out_shardings=params_sh),
-            "train": jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
+            "train": jax.jit(self._step, in_shardings=(self.state_shardings, self.batches.sharding),
                              out_shardings=(self.state_shardings, replicated), donate_argnums=(0,)),
-            "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batch_sharding, replicated,
+            "eval": jax.jit(self._eval, in_shardings=(params_sh, self.batches.sharding, replicated,
                                                       params_sh if self.keeps_reference else None),
                             out_shardings=replicated),
             "copy": jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=params_sh),
@@ -252,41 +235,6 @@ class Trainer:
         shapes = jax.eval_shape(self._init, jax.random.key_data(jax.random.key(0)))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                             self.state_shardings)
-
-    def abstract_batch(self, eval_shape: tuple[int, int] | None = None) -> dict:
-        """ShapeDtypeStructs (with shardings) of one step's batch: `[grad_accum, rows, seq_len]` each;
-        with `eval_shape` (rows, length), of one evaluation batch `[1, rows, length]`."""
-        A = self.cfg.grad_accum
-        shape = (A, self.cfg.batch_size // A, self.cfg.seq_len) if eval_shape is None else (1, *eval_shape)
-        return {key: jax.ShapeDtypeStruct(shape, jnp.float32 if key == "weights" else jnp.int32,
-                                          sharding=self.batch_sharding)
-                for key in ("inputs", "targets", "positions", "segment_ids", "weights")}
-
-    def laid_out(self, batch: dict) -> dict:
-        """`batch` with its sequences in the order laid over the context axis (`context_layout`):
-        positions, segments and weights travel with their tokens, so no number changes."""
-        order = layout_order(next(iter(batch.values())).shape[-1], self.context, self.context_layout)
-        return batch if order is None else {k: np.asarray(v)[..., order] for k, v in batch.items()}
-
-    def local_slices(self, rows: int) -> tuple[slice, slice]:
-        """The rows and the (laid-out) token positions of a `[A, rows, seq_len]` batch that this
-        process's devices hold: everything on one process; a share of them on each of several."""
-        shape = (1, rows, self.cfg.seq_len)
-        held = self.batch_sharding.addressable_devices_indices_map(shape).values()
-        return tuple(_span([index[d] for index in held], shape[d], ("rows", "tokens")[d - 1]) for d in (1, 2))
-
-    def put_batch(self, batch: dict, rows: int | None = None) -> dict:
-        """This process's rows (`local_slices(rows)` of a global batch of `rows` rows; None: the
-        batch is all of them, one process) as global arrays on the mesh, laid out for the context
-        axis; a process whose devices hold part of each sequence passes its part."""
-        laid_out = self.laid_out(batch)
-        first = next(iter(laid_out.values()))
-        rows = first.shape[1] if rows is None else rows
-        _, tokens = self.local_slices(rows)
-        shape = (first.shape[0], rows, first.shape[2])
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.ascontiguousarray(v[..., tokens]),
-                                                          shape)
-                for k, v in laid_out.items()}
 
     def model(self, params) -> Transformer:
         return nnx.merge(self.graphdef, params)
@@ -449,27 +397,6 @@ def describe_kernels(kernels: dict[str, set[str]]) -> str:
     return ", ".join(f"{kind} {'/'.join(sorted(impls))}" for kind, impls in sorted(kernels.items())) or "none"
 
 
-def _check_divisible(name: str, rows: int, mesh, rules=RULES) -> None:
-    """The batch rows split over the mesh axes of `activation_batch` (each process holds whole shards)."""
-    axes = [a for a in mesh_axes("activation_batch", rules) if a in mesh.shape]
-    shards = split_size("activation_batch", mesh, rules)
-    if rows % shards:
-        raise ValueError(f"train.{name} gives {rows} rows, not divisible by the {shards} data shards of the mesh "
-                         f"({' x '.join(f'{a}={mesh.shape[a]}' for a in axes)}): make it a multiple of {shards}")
-
-
-def _span(slices, size: int, what: str) -> slice:
-    """One slice covering `slices` (a process's devices' shares of one dimension), which must touch."""
-    ranges = sorted({(s.start or 0, size if s.stop is None else s.stop) for s in slices})
-    start, stop = ranges[0]
-    for lo, hi in ranges[1:]:
-        if lo > stop:
-            raise ValueError(f"this process's devices hold {what} {ranges} of {size}, which do not touch: lay the "
-                             f"mesh out so that each process holds one block of the batch")
-        stop = max(stop, hi)
-    return slice(start, stop)
-
-
 _MAXIMA = ("max_abs_logit", "max_attention_logit")
 
 
@@ -483,4 +410,4 @@ def _accumulate(carry, result, n_micro):
     return c_loss + loss, new_sums, new_aux, jax.tree.map(jnp.add, c_grads, grads)
 
 
-__all__ = ["Trainer", "batch_sharding", "describe_kernels"]
+__all__ = ["Trainer", "describe_kernels", "trainer_for"]
