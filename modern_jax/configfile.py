@@ -33,7 +33,7 @@ def check_keys(section: str, values: dict, allowed: list[str]) -> None:
 
 
 # the sections that choose a training objective, each a module of `modern_jax.training.objectives`
-OBJECTIVES = ("dpo",)
+OBJECTIVES = ("dpo", "grpo")
 RUN_SECTIONS = ("model", "execution", "train", "data", "parallel", "lora", *OBJECTIVES)  # the sections of a run file
 
 
