@@ -149,3 +149,146 @@ def test_per_token_log_probabilities_and_entropy_equal_trl_and_a_naive_softmax(r
     for b, n in enumerate(lengths):  # TRL's, at the completion's targets
         np.testing.assert_allclose(np.asarray(logps)[b, 4:4 + n], want["per_token_logps"][b, :n], atol=2e-5)
         np.testing.assert_allclose(np.asarray(entropy)[b, 4:4 + n], want["entropies"][b, :n], atol=2e-5)
+
+
+# ----- the run: rollouts, resume, the first step ----------------------------------------------
+
+ROOT = pathlib.Path(__file__).parent.parent
+CHAT = pathlib.Path(__file__).parent / "fixtures" / "hf_chat"
+
+
+def arithmetic(tmp_path) -> pathlib.Path:
+    """scripts/make_arithmetic.py's sums of 0 to 5, written once into `tmp_path`."""
+    import runpy
+
+    path = tmp_path / "arithmetic.jsonl"
+    if not path.exists():
+        runpy.run_path(str(ROOT / "scripts" / "make_arithmetic.py"))["main"](["--out", str(path), "--largest", "5"])
+    return path
+
+
+def grpo_run(tmp_path, name: str, *overrides):
+    from modern_jax.convert import finetune_run
+    from modern_jax.training.config import load_run_config
+
+    run = load_run_config(ROOT / "configs" / "grpo.yaml", [
+        f"train.output_dir={tmp_path / name}", f"data.path={arithmetic(tmp_path)}",
+        "grpo.rewards=[configs/rewards.py:exact_answer, configs/rewards.py:number_last]", "train.batch_size=16",
+        "grpo.num_generations=4", "grpo.max_completion_length=6", "train.seq_len=32", "train.eval_batch_size=16",
+        "train.eval_every=0", "train.progress=false", "train.plot=false", "train.log_every=1", *overrides])
+    return finetune_run(run, CHAT)
+
+
+def test_a_lora_grpo_run_starts_at_kl_0_compiles_its_rollouts_once_and_resumes_exactly(tmp_path, monkeypatch):
+    """Step 1 of a LoRA run (the adapters' B zero): kl 0 to the base and no ratio clipped. Over 4
+    steps of 2 iterations each batch and a final evaluation, the rollouts compile once for the
+    steps and once for the evaluation; stopped after 2 steps and resumed, the run logs every figure
+    the uninterrupted run logs."""
+    from modern_jax.training import loop
+
+    monkeypatch.chdir(ROOT)
+    made = []
+    monkeypatch.setattr(loop, "trainer_for", lambda *a, **k: made.append(step_trainer(*a, **k)) or made[-1])
+    overrides = ("grpo.beta=0.04", "grpo.num_iterations=2", "train.steps=4", "train.checkpoint_every=2")
+    run, init = grpo_run(tmp_path, "whole", *overrides)
+    whole = loop.train(run, init=init)
+    first = whole.history[0]
+    assert first["kl"] == 0.0 and first["clip_ratio/region_mean"] == 0.0
+    assert whole.history[1]["kl"] > 0  # the adapters moved
+    rollouts = {k: v for k, v in made[0].compilations.items() if k.startswith("grpo_rollout")}
+    assert sum(rollouts.values()) == 2 and made[0].compilations["train"] == 1, made[0].compilations
+    run, init = grpo_run(tmp_path, "parts", *overrides)
+    part = loop.train(run, init=init, stop_after=2)
+    assert part.interrupted and part.step == 2
+    rest = loop.train(dataclasses.replace(run, train=dataclasses.replace(run.train, resume=True)), init=init)
+    resumed = part.history + rest.history
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(whole.history, resumed):
+        for key in ("loss", "reward", "kl", "entropy", "grad_norm", "completions/mean_length"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-6, atol=1e-9, err_msg=f"step {a['step']} {key}")
+    samples = [json.loads(line) for line in (tmp_path / "whole" / "completions.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 3} and {"prompt", "completion", "exact_answer"} <= set(samples[0])
+
+
+def step_trainer(*args, **kwargs):
+    from modern_jax.training.step import trainer_for
+
+    return trainer_for(*args, **kwargs)
+
+
+def test_full_weight_grpo_keeps_a_frozen_reference_and_refuses_what_it_cannot_run(tmp_path, monkeypatch):
+    from modern_jax.training.config import run_config_from_dict
+
+    monkeypatch.chdir(ROOT)
+    base = {"model": {"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
+            "train": {"batch_size": 8, "eval_batch_size": 8, "seq_len": 16},
+            "grpo": {"rewards": ["configs/rewards.py:exact_answer"], "num_generations": 4, "max_completion_length": 4}}
+    run_config_from_dict(base)
+    bad = [({"train": {**base["train"], "batch_size": 6}}, r"batch_size / grad_accum = 6 rows.*multiple of 4"),
+           ({"train": {**base["train"], "seq_len": 4}}, r"seq_len=4 .* exceed grpo.max_completion_length=4"),
+           ({"grpo": {**base["grpo"], "num_iterations": 3}}, r"train.steps=.*multiple of 3"),
+           ({"grpo": {**base["grpo"], "loss_type": "ppo"}}, r"loss_type='ppo' is invalid: expected one of grpo"),
+           ({"grpo": {**base["grpo"], "rewards": []}}, r"rewards=\[\] is invalid"),
+           ({"grpo": {**base["grpo"], "reward_weights": [1, 2]}}, r"reward_weights=\[1, 2\] is invalid: expected 1"),
+           ({"grpo": {**base["grpo"], "num_generations": 1}}, r"num_generations=1 is invalid"),
+           ({"grpo": {**base["grpo"], "epsilonhigh": 0.3}}, r"unknown key grpo.epsilonhigh; did you mean epsilon_high"),
+           ({"dpo": {}}, r"sections dpo, grpo each choose a training objective")]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            run_config_from_dict({**base, **change})
+    run = run_config_from_dict({**base, "grpo": {**base["grpo"], "beta": 0.1}})
+    trainer = step_trainer(run, one_device())
+    assert "reference" in trainer.abstract_state()  # full weights: a frozen copy of the start
+
+
+def test_reward_functions_are_named_and_checked(tmp_path, monkeypatch):
+    from modern_jax.training.rewards import Rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.py").write_text("def short(completions, **kw):\n    return [1.0] * (len(completions) - 1)\n"
+                                   "def strict(prompts, completions):\n    return [0.0] * len(completions)\n"
+                                   "def nan(completions, **kw):\n    return [float('nan')] * len(completions)\n"
+                                   "def good(completions, answer, **kw):\n    return [None, float(answer[1])]\n")
+    for spec, message in (("r.py", "expected 'path/to/file.py:function'"), ("nofile.py:f", "no file 'nofile.py'"),
+                          ("r.py:missing", "has no function 'missing'; its functions: good, nan, short, strict"),
+                          ("no_such_module:f", "cannot import 'no_such_module'")):
+        with pytest.raises(ValueError, match=message):
+            Rewards([spec])
+    call = lambda spec: Rewards([spec]).score(["p", "q"], ["a", "b"], [[1], [2]], {"answer": [3, 4]})  # noqa: E731
+    with pytest.raises(ValueError, match="short returned 1 rewards for 2 completions"):
+        call("r.py:short")
+    with pytest.raises(ValueError, match=r"strict cannot take the arguments .* answer as keywords; end its parameters"):
+        call("r.py:strict")
+    with pytest.raises(ValueError, match="nan returned nan for completion 0: return a finite number"):
+        call("r.py:nan")
+    got = call("r.py:good")
+    assert np.isnan(got[0, 0]) and got[1, 0] == 4.0
+
+
+def test_prompt_batches_repeat_each_prompt_once_per_generation_and_resume(tmp_path):
+    from modern_jax.data.config import DataConfig
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.data.prompts import prompt_iterator, read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": i}) + "\n" for i in range(10)))
+
+    prompts = read_prompts(DataConfig(path=str(path)), ByteTokenizer(), room=8)
+    assert prompts.columns["answer"][:3] == (0, 1, 2) and len(prompts) == 10
+    it = prompt_iterator(prompts, batch_size=8, generations=4, grad_accum=2, seed=1, repeat=2)
+    batches = [next(it) for _ in range(4)]
+    for b in batches:
+        assert b["index"].shape == (2, 4) and (b["index"] == b["index"][:, :1]).all()  # a group per micro-batch
+    np.testing.assert_array_equal(batches[0]["index"], batches[1]["index"])  # repeat: one batch for 2 steps
+    assert not np.array_equal(batches[1]["index"], batches[2]["index"])
+    resumed = prompt_iterator(prompts, batch_size=8, generations=4, grad_accum=2, seed=1, repeat=2, state=it.get_state())
+    again = prompt_iterator(prompts, batch_size=8, generations=4, grad_accum=2, seed=1, repeat=2)
+    for _ in range(4):
+        next(again)
+    np.testing.assert_array_equal(next(resumed)["index"], next(again)["index"])
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(ValueError, match="no field 'prompt'.*rename that field to 'prompt'"):
+        read_prompts(DataConfig(path=str(tmp_path / "bad.jsonl")), ByteTokenizer(), room=8)
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "0123456789"}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1: the prompt is 11 tokens, more than the 8"):
+        read_prompts(DataConfig(path=str(tmp_path / "long.jsonl")), ByteTokenizer(), room=8)

@@ -289,7 +289,7 @@ class GRPO(base.Objective):
         tokens = self._sample(trainer, params, prompt_AR, length_AR, rows, jax.random.fold_in(
             key, EVALUATION if evaluation else SAMPLING))
         real = np.asarray(item["real"], bool) if evaluation else np.ones((A, R), bool)
-        batch = self._rows(prompts, index, tokens, real)
+        batch = self._rows(prompts, index, tokens, real, None if evaluation else step + 1)
         placed = trainer.batches.put(batch, rows)
         if c.num_iterations > 1 and not evaluation:  # the sampling weights' log-probabilities, kept for the steps
             placed["old_logps"] = trainer.program("grpo_old_logps", functools.partial(self._old_logps, trainer.model),
@@ -301,10 +301,12 @@ class GRPO(base.Objective):
         """`[A, R, max_completion_length]` tokens sampled after this process's prompts (all rows of
         the step sampled at once, on the mesh), fetched back for this process's rows."""
         c, mesh = self.config, trainer.mesh
-        sharding = NamedSharding(mesh, logical_to_spec((None, "activation_batch", None), trainer.rules, mesh))
         A, R = length_AR.shape
         shape = (A, rows if rows is not None else R)
-        put = lambda x: jax.make_array_from_process_local_data(sharding, x, shape + x.shape[2:])  # noqa: E731
+
+        def put(x):  # rows split as the batch's are
+            spec = logical_to_spec((None, "activation_batch") + (None,) * (x.ndim - 2), trainer.rules, mesh)
+            return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, shape + x.shape[2:])
         out = trainer.program(f"grpo_rollout_{prompt_AR.shape[-1]}", functools.partial(self._rollout, trainer.model),
                               params, put(prompt_AR), put(length_AR), key)
         return _local_rows(out, R)
@@ -324,8 +326,9 @@ class GRPO(base.Objective):
                                   temperature=self.config.temperature)
         return logps.reshape(batch["inputs"].shape)
 
-    def _rows(self, prompts, index, tokens, real) -> dict:
-        """The `[A, R, T]` rows (prompt, completion, padding) of this process's rollouts, scored."""
+    def _rows(self, prompts, index, tokens, real, first_step: int | None) -> dict:
+        """The `[A, R, T]` rows (prompt, completion, padding) of this process's rollouts, scored (a few
+        kept for completions.jsonl, with `first_step`, the first step they train; None: an evaluation's)."""
         c, eos, T = self.config, self.tokenizer.eos_id, self.train.seq_len
         A, R = index.shape
         completions = [cut_at_eos(row, eos) for row in tokens.reshape(A * R, -1)]  # without the <eos>
@@ -355,15 +358,15 @@ class GRPO(base.Objective):
                  "segment_ids": valid.astype(np.int32), "weights": completion * keep[:, None],
                  "completion": completion, "ended": row(ended), "real": row(real.reshape(-1)),
                  **{f"reward_{f}": row(scores[:, f]) for f in range(scores.shape[1])}}
-        if self.config.completions_per_log:
-            self._samples = [{"prompt": asked[n], "completion": given[n],
+        if self.config.completions_per_log and first_step is not None:
+            self._samples = [{"step": first_step, "prompt": asked[n], "completion": given[n],
                               **{name: None if np.isnan(scores[n, f]) else float(scores[n, f])
                                  for f, name in enumerate(self.rewards.names)}}
                              for n in range(min(N, self.config.completions_per_log)) if real.reshape(-1)[n]]
         return {k: np.ascontiguousarray(v).reshape(A, R, T) for k, v in batch.items()}
 
     def samples(self) -> list[dict]:
-        """The rows of the last batch sampled to write to completions.jsonl (then forgotten)."""
+        """The first rows of the last batch sampled for training, to write to completions.jsonl."""
         taken, self._samples = self._samples, []
         return taken
 
