@@ -61,11 +61,11 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         execution = execution.replace(attention_impl="chunked")  # O(T) attention, as the flash kernels are
     trainer = trainer_for(run, mesh, execution=execution)
     state = trainer.abstract_state()
-    batch = trainer.batches.abstract()
+    batch = trainer.batches.abstract(fields=trainer.objective.fields())
     with recording_kernels() as kernels:
         lowered = trainer.lower("train", state, batch)
 
-    def compile_memory() -> dict:
+    def compile_memory(lowered=lowered) -> dict:
         try:
             analysis = lowered.compile().memory_analysis()
         except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that cannot fit HBM
@@ -99,6 +99,20 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         return out
     out.update(memory)
     out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+    # an objective's own programs (GRPO's rollouts: the KV cache of a step's whole batch), run between
+    # the steps while the whole state stays in memory: the plan's peak is the larger
+    resident = shard_bytes(state) - shard_bytes(state["params"])
+    for name, (fn, args) in trainer.objective.programs(trainer, state["params"]).items():
+        with recording_kernels():
+            program = trainer.lower_program(name, fn, *args)
+        counted = _cached(_program_key(program, mesh, {"memory": True}), lambda: compile_memory(program)) if topology \
+            else compile_memory(program)
+        if "temporaries" not in counted:
+            out.update(peak=max(out["peak"], counted["peak"] + resident), compiler_refused=True)
+            continue
+        held = counted["arguments"] + counted["outputs"] - counted["aliased"] + counted["temporaries"]
+        out.setdefault("programs", {})[name] = {"temporaries": counted["temporaries"], "peak": held + resident}
+        out["peak"] = max(out["peak"], held + resident)
     if hbm_gib is not None:
         out["hbm"] = int(hbm_gib * GiB)
         out["fits"] = out["peak"] <= out["hbm"]
@@ -240,7 +254,8 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
     from modern_jax.sharding.devices import chip
 
     with declaring_costs(kernel_costs):
-        lowered = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract())
+        lowered = trainer.lower("train", trainer.abstract_state(),
+                                trainer.batches.abstract(fields=trainer.objective.fields()))
 
     def compile_():
         compiled = lowered.compile(compiler_options=dict(COUNTING_OPTIONS))
@@ -385,12 +400,16 @@ def format_plan(result: dict) -> str:
     for key, label in (("parameters", "parameters"), ("optimizer", "optimizer state"),
                        ("reference", "frozen reference (a copy of the starting weights)"), ("batch", "batch"),
                        ("temporaries", "activations + temporaries (XLA)"), ("peak", "peak (arguments + outputs "
-                                                                                       "- donated + temporaries)")):
+                                                                                       "- donated + temporaries; or "
+                                                                                       "a program's below)")):
         if result.get("compiler_refused") and key == "peak":
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB by the compiler's count, more than the chip's "
                          f"{result['hbm'] / GiB:.2f} GiB (it stopped there; no temporaries reported)")
         elif result.get(key) is not None:
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB ({result[key]} B)")
+    for name, program in result.get("programs", {}).items():
+        lines.append(f"  {name}: {program['peak'] / GiB:.2f} GiB with the state ({program['temporaries'] / GiB:.2f} GiB "
+                     f"of its own temporaries: a rollout's KV cache and logits)")
     if "hbm" in result:
         verdict = "fits" if result["fits"] else "does NOT fit"
         lines.append(f"{verdict} in {result['hbm'] / GiB:.0f} GiB of device memory")

@@ -139,3 +139,18 @@ def test_plan_sizes_the_evaluation_batch_by_its_batch():
                            capture_output=True, text=True, timeout=300)
     assert given.returncode == 2 and "train.eval_batch_size gives 64 rows, not divisible by the 6 data shards" in \
         given.stderr
+
+
+def test_a_grpo_plan_counts_its_rollouts_kv_cache_and_its_reference():
+    """A GRPO step's batch is sampled between steps, with the whole state held: the plan compiles the
+    rollouts of the step's whole batch at the longest prompts too, whose KV cache (2 layers x (k, v) x
+    4 rows x seq_len slots x 2 KV heads x 32, float32) is among its temporaries; a full-weight run
+    with beta > 0 keeps its frozen reference."""
+    grpo = ["grpo.rewards=[configs/rewards.py:exact_answer]", "grpo.num_generations=2"]
+    short, long = (_plan(*grpo, f"grpo.max_completion_length={n}") for n in (8, 40))
+    (name, rollout), = short["programs"].items()
+    assert name == "grpo_rollout_56" and short["peak"] >= rollout["peak"]  # prompts of 64 - 8 tokens
+    cache = 2 * 2 * 4 * 64 * 2 * 32 * 4
+    assert rollout["temporaries"] >= cache and long["programs"]["grpo_rollout_24"]["temporaries"] >= cache
+    assert rollout["peak"] >= cache + short["parameters"] + short["optimizer"]
+    assert short["reference"] is None and _plan(*grpo, "grpo.max_completion_length=8", "grpo.beta=0.04")["reference"] == short["parameters"]

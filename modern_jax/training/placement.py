@@ -18,7 +18,8 @@ from modern_jax.sharding import RULES, logical_to_spec, mesh_axes
 from modern_jax.sharding.config import layout_order
 from modern_jax.sharding.rules import split_size
 
-FIELDS = ("inputs", "targets", "positions", "segment_ids", "weights")  # what a batch holds
+FIELDS = {"inputs": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32,
+          "weights": jnp.float32}  # what a batch holds (an objective may add to it: `Objective.fields`)
 
 
 def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
@@ -42,13 +43,14 @@ class BatchPlacement:
         self.cfg, self.context_layout = train_cfg, context_layout
         self.sharding = batch_sharding(mesh, rules)
 
-    def abstract(self, eval_shape: tuple[int, int] | None = None) -> dict:
+    def abstract(self, eval_shape: tuple[int, int] | None = None, fields: dict | None = None) -> dict:
         """ShapeDtypeStructs (with shardings) of one step's batch: `[grad_accum, rows, seq_len]` each;
-        with `eval_shape` (rows, length), of one evaluation batch `[1, rows, length]`."""
+        with `eval_shape` (rows, length), of one evaluation batch `[1, rows, length]`; `fields`: the
+        arrays and their dtypes (default `FIELDS`)."""
         A = self.cfg.grad_accum
         shape = (A, self.cfg.batch_size // A, self.cfg.seq_len) if eval_shape is None else (1, *eval_shape)
-        return {key: jax.ShapeDtypeStruct(shape, jnp.float32 if key == "weights" else jnp.int32,
-                                          sharding=self.sharding) for key in FIELDS}
+        return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharding)
+                for key, dtype in (FIELDS if fields is None else fields).items()}
 
     def laid_out(self, batch: dict) -> dict:
         """`batch` with its sequences in the order laid over the context axis (`context_layout`):

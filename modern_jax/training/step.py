@@ -134,6 +134,11 @@ class Trainer:
             self._programs[key] = self._executable(name, *args)
         return self._programs[key](*args)
 
+    def lower_program(self, name: str, fn, *args, platform: str | None = None):
+        """`fn(*args)` lowered as `program` compiles it (abstract arguments will do): the planner's."""
+        self._jitted.setdefault(name, jax.jit(fn))
+        return self.lower(name, *args, platform=platform)
+
     def lower(self, name: str, *args, platform: str | None = None):
         """Trace and lower step `name` for the mesh's devices (their platform picks the kernels), or
         for `platform` ('cuda', 'tpu') with no such device here (lowered only: compile it with that

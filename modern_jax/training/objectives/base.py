@@ -33,6 +33,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from modern_jax.training.metrics import Shown
+from modern_jax.training.placement import FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,15 @@ class Objective:
         `rows` rows, None: one process) as global arrays on `trainer`'s mesh, for `step` (None: an
         evaluation's) with `params` the current weights and `key` its random key."""
         return trainer.batches.put(item, rows)
+
+    def fields(self) -> dict:
+        """The arrays of a step's batch and their dtypes (what the planner's abstract batch holds)."""
+        return dict(FIELDS)
+
+    def programs(self, trainer, params) -> dict:
+        """`{name: (fn, args)}`: the objective's own programs of a step besides the Trainer's (GRPO's
+        rollouts), with `params` abstract parameters, for the planner to compile and count."""
+        return {}
 
     def samples(self) -> list[dict]:
         """Rows of the last batch `placed` made, to write beside the metrics (then forgotten)."""

@@ -317,7 +317,8 @@ class GRPO(base.Objective):
         A, B, W = prompt_ABW.shape
         tokens = decode(model, prompt_ABW.reshape(A * B, W), key, max_new_tokens=c.max_completion_length,
                         temperature=c.temperature, top_k=c.top_k or None, top_p=c.top_p if c.top_p < 1 else None,
-                        eos_id=self.tokenizer.eos_id, length_B=length_AB.reshape(A * B))
+                        eos_id=None if self.tokenizer is None else self.tokenizer.eos_id,  # None: a plan's
+                        length_B=length_AB.reshape(A * B))
         return tokens.reshape(A, B, -1)
 
     def _old_logps(self, model_of, params, batch):
@@ -364,6 +365,22 @@ class GRPO(base.Objective):
                                  for f, name in enumerate(self.rewards.names)}}
                              for n in range(min(N, self.config.completions_per_log)) if real.reshape(-1)[n]]
         return {k: np.ascontiguousarray(v).reshape(A, R, T) for k, v in batch.items()}
+
+    def fields(self) -> dict:
+        rows = {name: jnp.float32 for name in ("completion", "ended", "real")}
+        rows.update({f"reward_{f}": jnp.float32 for f in range(len(self.rewards.names))})
+        return {**super().fields(), **rows, **({"old_logps": jnp.float32} if self.config.num_iterations > 1 else {})}
+
+    def programs(self, trainer, params):
+        """The rollouts of a step's whole batch at the longest prompts (`seq_len - max_completion_length`)."""
+        mesh, tc = trainer.mesh, self.train
+        A, W = tc.grad_accum, tc.seq_len - self.config.max_completion_length
+        spec = lambda n: NamedSharding(mesh, logical_to_spec((None, "activation_batch") + (None,) * n,  # noqa: E731
+                                                             trainer.rules, mesh))
+        prompts = jax.ShapeDtypeStruct((A, tc.batch_size // A, W), jnp.int32, sharding=spec(1))
+        lengths = jax.ShapeDtypeStruct((A, tc.batch_size // A), jnp.int32, sharding=spec(0))
+        return {f"grpo_rollout_{W}": (functools.partial(self._rollout, trainer.model),
+                                      (params, prompts, lengths, jax.random.key(0)))}
 
     def samples(self) -> list[dict]:
         """The first rows of the last batch sampled for training, to write to completions.jsonl."""
