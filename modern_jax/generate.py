@@ -4,7 +4,9 @@
                       temperature=0.8, top_k=50, top_p=0.95, eos_id=tok.eos_id)
 
 The prompt is prefilled in one call, then one token per step inside a `lax.scan`, all in
-one jit. After a sequence emits `eos_id` it keeps emitting it (callers cut there).
+one jit. After a sequence emits `eos_id` it keeps emitting it (callers cut there). Prompts of
+different lengths share a batch right-aligned (`left_padded`, then `decode(..., length_B=)`,
+traceable inside any jit): the pads get negative positions, which no query sees.
 
 A model with learned positions has no row past `max_position_embeddings`: `generate`
 refuses a prompt plus `max_new_tokens` longer than that, and `sample_texts` stops there
@@ -58,15 +60,22 @@ def sample_token(logits_BV, rng, *, temperature: float, top_k: int | None, top_p
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "run"))
 def _generate(graphdef, params, prompt_BT, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, run):
     with execution.use(run):  # static: another execution is another program
-        return _sample(graphdef, params, prompt_BT, rng, max_new_tokens, temperature, top_k, top_p, eos_id)
+        return decode(nnx.merge(graphdef, params), prompt_BT, rng, max_new_tokens=max_new_tokens,
+                      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
 
 
-def _sample(graphdef, params, prompt_BT, rng, max_new_tokens, temperature, top_k, top_p, eos_id):
-    model = nnx.merge(graphdef, params)
+def decode(model, prompt_BT, rng, *, max_new_tokens: int, temperature: float, top_k: int | None,
+           top_p: float | None, eos_id: int | None, length_B=None):
+    """`[B, max_new_tokens]` tokens sampled after each prompt row (traceable: call it inside jit).
+
+    `length_B`: each row's prompt length in a left-padded `prompt_BT` (its last `length` tokens
+    are the prompt; the pads before them get negative positions, which no query sees); None:
+    every row is a whole prompt."""
     B, T = prompt_BT.shape
     sample = partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
     cache = model.init_cache(B, T + max_new_tokens)
-    logits_BTV, cache = model(prompt_BT, cache=cache)
+    positions = None if length_B is None else (jnp.arange(T, dtype=jnp.int32)[None] - (T - length_B)[:, None])
+    logits_BTV, cache = model(prompt_BT, positions=positions, cache=cache)
     first_B = sample(logits_BTV[:, -1], jax.random.fold_in(rng, 0))
     done_B = jnp.zeros((B,), bool) if eos_id is None else first_B == eos_id
 
@@ -81,6 +90,17 @@ def _sample(graphdef, params, prompt_BT, rng, max_new_tokens, temperature, top_k
 
     _, rest_TB = jax.lax.scan(step, (first_B, done_B, cache), jnp.arange(1, max_new_tokens))
     return jnp.concatenate([first_B[:, None], rest_TB.T], axis=1)
+
+
+def left_padded(prompts, width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`(prompt[B, width], length[B])`: token-id lists right-aligned in rows of `width` (for `decode`)."""
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    if not len(prompts) or lengths.min() < 1 or lengths.max() > width:
+        raise ValueError(f"prompts must each hold 1 to {width} tokens, got lengths {sorted(set(lengths.tolist()))}")
+    rows = np.full((len(prompts), width), pad_id, np.int32)
+    for row, prompt, n in zip(rows, prompts, lengths):
+        row[width - n:] = prompt
+    return rows, lengths
 
 
 def generate(graphdef, params, prompt_BT, *, max_new_tokens: int, rng=None, temperature: float = 1.0,

@@ -22,6 +22,9 @@ times as it repeats, so compile time does not grow with depth. How they run, sca
 Python loop and what the backward pass recomputes, is the active `execution` (`scan_layers`,
 `remat`), as are the kernels the layers' ops call: the model's config is its architecture only.
 
+A negative position is padding (before a left-padded prompt, `generate.sample_rows`): no query
+sees a key there, and a cache's next position is the one after its last token's.
+
 Ranges (token ids, learned positions, the cache's length and batch) are checked wherever the
 values are known: shapes always, values eagerly. Under jit the values are tracers; wrap the
 jitted function in `jax.experimental.checkify` inside `checked()` (or with
@@ -285,16 +288,16 @@ class Transformer(nnx.Module):
         elif positions.shape != (B, T):
             raise ValueError(f"positions must have the tokens' shape {(B, T)}, got {positions.shape}")
         pos_BT = positions.astype(jnp.int32)
-        if cfg.position_embedding == "learned":
-            _check_range(pos_BT, 0, P, f"positions must lie in [0, max_position_embeddings={P}) (learned "
-                                       f"positions have no row past it); got values in [{{}}, {{}}]: shorten "
-                                       f"the sequence")
+        if cfg.position_embedding == "learned":  # (a negative position, padding, reads row 0)
+            _check_range(jnp.maximum(pos_BT, 0), 0, P, f"positions must lie below max_position_embeddings={P} "
+                                                       f"(learned positions have no row past it); got values in "
+                                                       f"[{{}}, {{}}]: shorten the sequence")
 
         x_BTD = vocab.lookup(self.embed_tokens[...].astype(cfg.dtype), tokens_BT)
         if cfg.embed_scale:
             x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
         if cfg.position_embedding == "learned":
-            x_BTD = x_BTD + self.embed_positions[...].astype(cfg.dtype)[pos_BT]
+            x_BTD = x_BTD + self.embed_positions[...].astype(cfg.dtype)[jnp.maximum(pos_BT, 0)]
         elif cfg.position_embedding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
         x_BTD = residual(x_BTD)
@@ -316,7 +319,7 @@ class Transformer(nnx.Module):
                      capture_noop=True)
         if self.norm is not None:
             x_BTD = self.norm(x_BTD)
-        new_cache = None if cache is None else {"index": cache["index"] + T, "stages": new_stage_caches}
+        new_cache = None if cache is None else {"index": pos_BT[:, -1] + 1, "stages": new_stage_caches}
         return x_BTD, new_cache
 
     def moe_layers(self) -> list[tuple[int, int, int, int]]:

@@ -10,11 +10,13 @@ Runs in its own Python 3.11 environment (torch is never a dependency of modern_j
     .hfvenv/bin/python scripts/make_hf_fixtures.py reference DIR ...   # for the live test
     .hfvenv/bin/python scripts/make_hf_fixtures.py chat [--out DIR]    # tests/fixtures/hf_chat
     .hfvenv/bin/python scripts/make_hf_fixtures.py chat-reference DIR ...   # for the live test
-    .hfvenv/bin/pip install peft trl                                        # for the three below
+    .hfvenv/bin/pip install peft trl                                        # for the four below
     .hfvenv/bin/python scripts/make_hf_fixtures.py peft [--out DIR]    # tests/fixtures/hf_peft
     .hfvenv/bin/python scripts/make_hf_fixtures.py peft-logits --base DIR --adapter DIR --tokens IDS.npy --out OUT.npz
     .hfvenv/bin/python scripts/make_hf_fixtures.py dpo-reference --model DIR [--ref-model DIR] [--adapter DIR] \
         --batch BATCH.npz --out OUT.npz [--beta B] [--loss-type sigmoid|ipo] [--label-smoothing S]
+    .hfvenv/bin/python scripts/make_hf_fixtures.py grpo-reference [--model DIR --adapter DIR] [--batch BATCH.npz] \
+        [--out DIR]                                                   # tests/fixtures/hf_peft/llama/grpo
 
 Writes under tests/fixtures/hf/:
 - `param_counts.json`: for each config (tiny ones and the published sizes of the presets),
@@ -40,6 +42,13 @@ And `tests/fixtures/hf_peft/`: for a tiny Llama (untied head) and a tiny Qwen3 (
 of the PeftModel and of its `merge_and_unload()`. `peft-logits` gives PEFT's logits for an adapter
 (one we export must load there, strictly); `dpo-reference` gives TRL's DPO loss and metrics on a
 batch of preference pairs, from TRL's own `DPOTrainer._compute_loss`.
+
+And `tests/fixtures/hf_peft/llama/grpo/` (`grpo-reference`, the llama base and adapter unless --model / --adapter
+name others): `batch.npz`, a fixed GRPO batch (2 prompts x 4 completions, their rewards from two reward functions
+`correct` and `format`, None as NaN, and perturbed old log-probabilities; see `make_grpo_batch`), and per setting
+in GRPO_SETTINGS `<name>.npz`: TRL's loss, advantages, per-token log-probabilities and entropies of the policy (and
+of the reference, the base, when beta != 0) and every metric TRL logs for the step, as the JSON string `metrics`
+under TRL's names, from a `GRPOTrainer` built by its own constructor with only its generation replaced.
 
 The tests read only these files, so the default test run needs neither torch nor
 transformers. `tests/test_convert_live.py` runs the same comparisons live, through this
@@ -841,20 +850,326 @@ def run_dpo_reference(model_dir: Path, ref_dir: Path | None, adapter: Path | Non
                                                                "rewards_accuracies", "rewards_margins")))
 
 
+# ----- TRL's GRPO -------------------------------------------------------------------------
+
+PEFT_LLAMA = FIXTURES.parent / "hf_peft" / "llama"
+GRPO_G, GRPO_PROMPT_LEN, GRPO_C, GRPO_EOS, GRPO_PAD = 4, 5, 6, 2, 0  # two prompts of G completions: B = 8 rows
+# each row's completion length (the eos included) and whether it ends with the eos; the others are truncated
+# (length C, last token not the eos). Row 2 ends with the eos exactly at C, row 5 is the eos alone.
+GRPO_LENGTHS = (3, 6, 6, 4, 6, 1, 5, 6)
+GRPO_ENDS_EOS = (True, False, True, True, False, True, True, False)
+GRPO_REWARD_FUNCS, GRPO_REWARD_WEIGHTS = ("correct", "format"), (1.0, 0.5)
+_NAN = float("nan")  # a reward function that returned None for that row
+GRPO_REWARDS = ((1.0, 0.5), (0.0, _NAN), (_NAN, 1.0), (1.0, 0.25),  # weighted sums 1.25, 0, 0.5, 1.125
+                (1.0, 0.0), (1.0, 0.0), (_NAN, 2.0), (1.0, 0.0))    # all 1.0: the second group's std is 0
+GRPO_UNSCORABLE_ROW = 1  # `rewards_unscorable`: GRPO_REWARDS with every function None for this row
+GRPO_TEMPERATURE, GRPO_LOGP_NOISE = 0.7, 0.3
+GRPO_BASE = dict(loss_type="grpo", beta=0.04, epsilon=0.2, epsilon_high=0.28, temperature=GRPO_TEMPERATURE,
+                 importance_sampling_level="token", scale_rewards="group", mask_truncated_completions=False,
+                 use_bias_correction_kl=True, use_old_logps=True, rewards="rewards")
+GRPO_SETTINGS = {
+    "grpo": {}, "bnpo": dict(loss_type="bnpo"), "dr_grpo": dict(loss_type="dr_grpo"), "dapo": dict(loss_type="dapo"),
+    "gspo": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),  # as the GSPO paper
+    "scale_batch": dict(scale_rewards="batch"), "scale_none": dict(scale_rewards="none"),
+    "mask_truncated": dict(mask_truncated_completions=True),
+    "kl_uncorrected": dict(use_bias_correction_kl=False),
+    "unscorable": dict(rewards="rewards_unscorable"),
+    "on_policy": dict(beta=0.0, use_old_logps=False),  # ratios 1: GRPO's loss is then minus the mean advantage
+    "on_policy_dapo": dict(beta=0.0, use_old_logps=False, loss_type="dapo"),
+}
+
+
+def grpo_tokenizer(vocab_size: int):
+    """Word-level: id i is the word `w<i>` (0 `<pad>`, 1 `<s>`, 2 `</s>`), so a prompt's text is its ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def trl_grpo(model_dir: Path, adapter: Path, setting: dict, batch: dict, rewards, workdir: Path):
+    """TRL 1.16.0's GRPOTrainer, built by its own constructor on CPU, with only its generation replaced: it returns
+    the batch's completions. The policy is `adapter` on `model_dir`, given to the trainer as a new LoRA (the base and
+    `peft_config`) whose weights are then set to the adapter's, so that the reference is the base (adapter disabled)
+    as in a LoRA run; a PeftModel with a trained adapter would make TRL's reference a frozen copy of that adapter.
+    The reward functions `correct` and `format` return `rewards` [B, F] (None where NaN)."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompt_ids, completion_ids, lengths = batch["prompt_ids"], batch["completion_ids"], batch["completion_lengths"]
+    completion_lists = [row[:n].tolist() for row, n in zip(completion_ids, lengths)]
+    tokenizer = grpo_tokenizer(AutoConfig.from_pretrained(model_dir).vocab_size)
+    texts = [" ".join(f"w{i}" for i in row) for row in prompt_ids[::GRPO_G]]
+
+    def reward_func(name: str, column: np.ndarray):
+        def func(prompts, completions, completion_ids, **kwargs):  # TRL's keywords
+            if completion_ids != completion_lists:
+                raise SystemExit(f"reward {name}: TRL passed other completions than the batch's")
+            return [None if np.isnan(r) else float(r) for r in column]
+
+        func.__name__ = name
+        return func
+
+    args = GRPOConfig(
+        output_dir=str(workdir), report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+        disable_dropout=True, seed=0, per_device_train_batch_size=len(prompt_ids), num_generations=GRPO_G,
+        max_completion_length=completion_ids.shape[1], reward_weights=list(map(float, batch["reward_weights"])),
+        num_iterations=2 if setting["use_old_logps"] else 1,  # TRL keeps the old log-probabilities when > 1
+        **{k: setting[k] for k in ("loss_type", "beta", "epsilon", "epsilon_high", "temperature",
+                                   "importance_sampling_level", "scale_rewards", "mask_truncated_completions",
+                                   "use_bias_correction_kl")})
+    trainer = GRPOTrainer(
+        model=load_hf(model_dir), reward_funcs=[reward_func(n, rewards[:, i]) for i, n in enumerate(GRPO_REWARD_FUNCS)],
+        args=args, train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tokenizer,
+        peft_config=LoraConfig.from_pretrained(adapter))
+    saved = load_file(adapter / "adapter_model.safetensors")
+    set_peft_model_state_dict(trainer.model, saved)
+    held = get_peft_model_state_dict(trainer.model)
+    if held.keys() != saved.keys() or any(not torch.equal(saved[k], held[k]) for k in saved):
+        raise SystemExit(f"{adapter}: the trainer's LoRA does not hold the adapter as saved")
+    if trainer.eos_token_ids != [GRPO_EOS] or tokenizer.pad_token_id != GRPO_PAD:
+        raise SystemExit(f"TRL's eos ids {trainer.eos_token_ids}, pad id {tokenizer.pad_token_id}")
+
+    def generate_single_turn(prompt_ids_list, images, multimodal_fields, num_generations, has_tool_images=False):
+        if prompt_ids_list != prompt_ids.tolist() or num_generations != GRPO_G:
+            raise SystemExit(f"TRL tokenized the prompts as {prompt_ids_list}, not {prompt_ids.tolist()}")
+        return [list(c) for c in completion_lists], None
+
+    trainer._generate_single_turn = generate_single_turn
+    trainer.current_gradient_accumulation_steps = 1  # as the training loop sets it, one micro-batch a step
+    trainer.model.train()  # the metrics of a training step ("train"); no dropout (LoRA's is 0, disable_dropout)
+    return trainer, [{"prompt": texts[row // GRPO_G]} for row in range(len(prompt_ids))]
+
+
+def grpo_attention(batch: dict) -> torch.Tensor:
+    """[B, P + C]: every prompt token, then each row's completion tokens (right padding off)."""
+    prompt, lengths = batch["prompt_ids"], torch.from_numpy(batch["completion_lengths"]).long()
+    completion = (torch.arange(batch["completion_ids"].shape[1])[None] < lengths[:, None]).long()
+    return torch.cat([torch.ones(prompt.shape, dtype=torch.long), completion], dim=1)
+
+
+def make_grpo_batch(model_dir: Path, adapter: Path, workdir: Path) -> dict:
+    """The fixed batch (see run_grpo_reference), seeded; `old_logps` are TRL's own per-token log-probabilities of
+    the policy at GRPO_TEMPERATURE plus N(0, GRPO_LOGP_NOISE^2) noise on the completion tokens (0 past them)."""
+    rng = np.random.default_rng(zlib.crc32(b"grpo-batch"))
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    n_prompts, rows = 2, len(GRPO_LENGTHS)
+    prompts = rng.integers(3, vocab, (n_prompts, GRPO_PROMPT_LEN))
+    completion_ids = np.full((rows, GRPO_C), GRPO_PAD)
+    for row, (n, eos) in enumerate(zip(GRPO_LENGTHS, GRPO_ENDS_EOS)):
+        completion_ids[row, :n] = rng.integers(3, vocab, n)
+        if eos:
+            completion_ids[row, n - 1] = GRPO_EOS
+    rewards = np.array(GRPO_REWARDS, np.float32)
+    unscorable = rewards.copy()
+    unscorable[GRPO_UNSCORABLE_ROW] = np.nan
+    batch = {"prompt_ids": np.repeat(prompts, GRPO_G, axis=0).astype(np.int32),
+             "completion_ids": completion_ids.astype(np.int32),
+             "completion_lengths": np.array(GRPO_LENGTHS, np.int32), "rewards": rewards,
+             "rewards_unscorable": unscorable, "reward_weights": np.array(GRPO_REWARD_WEIGHTS, np.float32)}
+    trainer, _ = trl_grpo(model_dir, adapter, GRPO_BASE, batch, rewards, workdir)
+    ids = torch.from_numpy(np.concatenate([batch["prompt_ids"], completion_ids], 1)).long()
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, grpo_attention(batch), GRPO_C)
+    mask = grpo_attention(batch)[:, GRPO_PROMPT_LEN:].numpy()
+    noise_rng = np.random.default_rng(zlib.crc32(b"grpo-old-logps-9"))  # a seed under which some ratios clip on
+    noise = noise_rng.normal(0.0, GRPO_LOGP_NOISE, logps.shape) * mask  # both sides, per token and per sequence
+    batch["old_logps"] = ((logps.numpy() + noise) * mask).astype(np.float32)
+    batch.update(num_generations=np.int32(GRPO_G), temperature=np.float32(GRPO_TEMPERATURE),
+                 eos_id=np.int32(GRPO_EOS), pad_id=np.int32(GRPO_PAD), reward_funcs=np.array(GRPO_REWARD_FUNCS))
+    return batch
+
+
+def plain_grpo(setting: dict, rewards, weights, logps, old, ref, mask, max_completion_length: int) -> dict:
+    """GRPO as the formulas in TRL 1.16.0's docs and code state it, in float64, to check the trainer's numbers."""
+    r = np.nansum(rewards * weights, axis=1)
+    r[np.isnan(rewards).all(axis=1)] = np.nan  # unscorable: out of the baseline, advantage 0
+    grouped = r.reshape(-1, GRPO_G)
+    mean = np.repeat(np.nanmean(grouped, 1), GRPO_G)
+    std = (np.full_like(r, np.nanstd(r, ddof=1)) if setting["scale_rewards"] == "batch"
+           else np.repeat(np.nanstd(grouped, 1, ddof=1), GRPO_G))
+    advantages = r - mean if setting["scale_rewards"] == "none" else (r - mean) / (std + 1e-4)
+    advantages = np.nan_to_num(advantages, nan=0.0)
+    old = logps if old is None else old
+    log_ratio = logps - old
+    if setting["importance_sampling_level"] == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / np.maximum(mask.sum(-1), 1))[:, None]
+    ratio, a = np.exp(log_ratio), advantages[:, None]
+    clipped = np.clip(ratio, 1 - setting["epsilon"], 1 + setting["epsilon_high"])
+    per_token = -np.minimum(ratio * a, clipped * a)
+    metrics = {}
+    if setting["beta"] != 0:
+        kl = np.exp(ref - logps) - (ref - logps) - 1
+        kl = kl * ratio if setting["use_bias_correction_kl"] else kl
+        per_token = per_token + setting["beta"] * kl
+        metrics["kl"] = (kl * mask).sum() / mask.sum()
+    per_token = per_token * mask
+    loss = {"grpo": (per_token.sum(-1) / np.maximum(mask.sum(-1), 1)).mean(),
+            "bnpo": per_token.sum() / mask.sum(), "dapo": per_token.sum() / mask.sum(),
+            "dr_grpo": per_token.sum() / (len(mask) * max_completion_length)}[setting["loss_type"]]
+    low = np.broadcast_to((ratio < 1 - setting["epsilon"]) & (a < 0), mask.shape) * mask
+    high = np.broadcast_to((ratio > 1 + setting["epsilon_high"]) & (a > 0), mask.shape) * mask
+    if setting["importance_sampling_level"] == "token":
+        metrics.update({"clip_ratio/low_mean": low.sum() / mask.sum(), "clip_ratio/high_mean": high.sum() / mask.sum()})
+    return {"advantages": advantages, "loss": loss, **metrics}
+
+
+def run_grpo_reference(model_dir: Path, adapter: Path, batch_path: Path | None, out: Path) -> None:
+    """TRL's GRPO on one fixed batch, per setting in GRPO_SETTINGS (GRPO_BASE with one change), into `out`.
+
+    `batch.npz` (made here unless --batch names one; B = 8 rows, P = 5, C = 6, F = 2 reward functions):
+    `prompt_ids` int32 [B, P] (a group's G = `num_generations` rows adjacent and sharing their prompt, no padding),
+    `completion_ids` int32 [B, C] right-padded with `pad_id`, `completion_lengths` int32 [B] (the eos `eos_id`
+    counted; a completion of length C that does not end with it is truncated), `rewards` float32 [B, F] of the
+    reward functions `reward_funcs` (NaN: it returned None), `rewards_unscorable` the same with one row all NaN,
+    `reward_weights` float32 [F], `old_logps` float32 [B, C] (see make_grpo_batch) and their `temperature`.
+
+    `<name>.npz`: `loss`, what `_compute_loss` returns on the whole batch (one micro-batch, gradient accumulation 1,
+    one process); `advantages` [B]; `per_token_logps` and `entropies` [B, C] of the policy at the temperature, and
+    `ref_per_token_logps` [B, C] of the reference when beta != 0, all 0 where `completion_mask` [B, C] (TRL's, after
+    mask_truncated_completions) is; `num_items_in_batch`, that mask's sum; `rewards`, the batch's array the setting
+    uses; `metrics`, a JSON string of every metric TRL logs for the step under its own name (`reward`,
+    `rewards/correct/mean`, `completions/clipped_ratio`, `kl`, `entropy`, `clip_ratio/low_mean`, ...); the setting
+    (`loss_type`, `beta`, `epsilon`, `epsilon_high`, `temperature`, `importance_sampling_level`, `scale_rewards`,
+    `mask_truncated_completions`, `use_bias_correction_kl`, `use_old_logps`, `max_completion_length`,
+    `num_generations`, `num_iterations`, `reward_weights`) and `trl_version`.
+
+    TRL's own `_generate_and_score_completions` (rewards, advantages, the reward and length metrics, the reference's
+    log-probabilities) and `_compute_loss` run on the batch, the old log-probabilities replaced by the batch's
+    `old_logps` where the setting uses them; a plain transformers forward (log_softmax(logits / T)) and the formulas
+    (plain_grpo) must agree with them."""
+    import tempfile
+
+    import trl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        if batch_path is None:
+            batch = make_grpo_batch(model_dir, adapter, Path(workdir))
+            np.savez(out / "batch.npz", **batch)
+        else:
+            with np.load(batch_path) as z:
+                batch = dict(z)
+        rows, C = batch["completion_ids"].shape
+        P = batch["prompt_ids"].shape[1]
+        ids = torch.from_numpy(np.concatenate([batch["prompt_ids"], batch["completion_ids"]], 1)).long()
+        truncated = ~np.array([row[n - 1] == GRPO_EOS for row, n in
+                               zip(batch["completion_ids"], batch["completion_lengths"])])
+        policy = load_peft(load_hf(model_dir), adapter)
+        summary = []
+        for name, change in GRPO_SETTINGS.items():
+            setting = dict(GRPO_BASE, **change)
+            assert np.float32(setting["temperature"]) == batch["temperature"], "the old log-probabilities' temperature"
+            rewards = batch[setting["rewards"]]
+            trainer, inputs = trl_grpo(model_dir, adapter, setting, batch, rewards, Path(workdir))
+            calls = []
+            spied = trainer._get_per_token_logps_and_entropies
+
+            def spy(*args, **kwargs):
+                calls.append(spied(*args, **kwargs))
+                return calls[-1]
+
+            trainer._get_per_token_logps_and_entropies = spy
+            scored = trainer._generate_and_score_completions(inputs)
+            if setting["use_old_logps"] != ("old_per_token_logps" in scored):
+                raise SystemExit(f"{name}: TRL's old log-probabilities are not as the setting says")
+            trl_old = scored.pop("old_per_token_logps", None)
+            if setting["use_old_logps"]:
+                scored["old_per_token_logps"] = torch.from_numpy(batch["old_logps"])
+            calls.clear()
+            loss = trainer._compute_loss(trainer.model, scored)
+            (logps, entropies, _), = calls
+            metrics = {k: float(v[0]) for k, v in trainer._metrics["train"].items()}
+            assert all(len(v) == 1 for v in trainer._metrics["train"].values()), trainer._metrics["train"]
+            mask = scored["completion_mask"]
+            attention = torch.cat([scored["prompt_mask"], mask], 1)
+
+            T = setting["temperature"]  # transformers' logits at the temperature, masked as TRL masks
+            with torch.no_grad():
+                logits = policy(input_ids=ids, attention_mask=attention).logits.float()[:, P - 1:-1] / T
+                plain = logits.log_softmax(-1)
+                with policy.disable_adapter():
+                    plain_ref = (policy(input_ids=ids, attention_mask=attention).logits.float()[:, P - 1:-1] / T
+                                 ).log_softmax(-1).gather(-1, ids[:, P:, None])[..., 0] * mask
+            plain_logps = plain.gather(-1, ids[:, P:, None])[..., 0] * mask
+            plain_entropy = -(plain.exp() * plain).sum(-1) * mask
+            np.testing.assert_allclose(logps.numpy(), plain_logps.numpy(), atol=1e-5, err_msg=f"{name}: logps")
+            np.testing.assert_allclose(entropies.numpy(), plain_entropy.numpy(), atol=1e-5, err_msg=f"{name}: entropy")
+            if trl_old is not None:  # TRL's own old log-probabilities: the policy's, before the replacement
+                np.testing.assert_allclose(trl_old.numpy(), logps.numpy(), atol=1e-6, err_msg=f"{name}: old logps")
+            ref = scored.get("ref_per_token_logps")
+            if (ref is not None) != (setting["beta"] != 0):
+                raise SystemExit(f"{name}: TRL's reference log-probabilities are not as beta says")
+            if ref is not None:
+                np.testing.assert_allclose(ref.numpy(), plain_ref.numpy(), atol=1e-5, err_msg=f"{name}: ref logps")
+
+            m = mask.numpy().astype(np.float64)
+            check = plain_grpo(setting, rewards.astype(np.float64), batch["reward_weights"].astype(np.float64),
+                               logps.double().numpy(), batch["old_logps"].astype(np.float64)
+                               if setting["use_old_logps"] else None,
+                               None if ref is None else ref.double().numpy(), m, C)
+            np.testing.assert_allclose(scored["advantages"].numpy(), check["advantages"], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name}: advantages")
+            np.testing.assert_allclose(float(loss), check["loss"], rtol=1e-5, atol=1e-7, err_msg=f"{name}: loss")
+            for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+                if key in check:
+                    np.testing.assert_allclose(metrics[key], check[key], rtol=1e-5, atol=1e-7, err_msg=f"{name}: {key}")
+            lengths = batch["completion_lengths"]
+            expected = {"completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.mean(),
+                        "completions/mean_terminated_length": lengths[~truncated].mean(),
+                        "num_tokens": batch["prompt_ids"].size + lengths.sum()}
+            for key, value in expected.items():
+                np.testing.assert_allclose(metrics[key], value, rtol=1e-6, err_msg=f"{name}: {key}")
+            if setting["use_old_logps"]:
+                assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0, metrics
+
+            result = {
+                "loss": np.float32(loss), "advantages": scored["advantages"].numpy(),
+                "per_token_logps": logps.numpy(), "entropies": entropies.numpy(),
+                "completion_mask": mask.numpy().astype(np.int32), "rewards": rewards,
+                "num_items_in_batch": np.int32(scored["num_items_in_batch"]),
+                "metrics": np.array(json.dumps(metrics, sort_keys=True)),
+                "max_completion_length": np.int32(C), "num_generations": np.int32(GRPO_G),
+                "num_iterations": np.int32(trainer.num_iterations),
+                "reward_weights": batch["reward_weights"], "trl_version": np.array(trl.__version__),
+                **{k: np.array(v) for k, v in setting.items() if k != "rewards"},
+            }
+            if ref is not None:
+                result["ref_per_token_logps"] = ref.numpy()
+            np.savez(out / f"{name}.npz", **{k: np.asarray(v) for k, v in result.items()})
+            summary.append(f"{name}: loss {float(loss):.6f}  reward {metrics['reward']:.4f}  "
+                           f"frac_zero_std {metrics['frac_reward_zero_std']:.2f}  entropy {metrics['entropy']:.4f}  "
+                           + ("" if ref is None else f"kl {metrics['kl']:.5f}  ")
+                           + f"clip low/high {metrics['clip_ratio/low_mean']:.3f}/"
+                           f"{metrics['clip_ratio/high_mean']:.3f}")
+    print(f"TRL {trl.__version__} GRPO on {rows} rows ({out}):")
+    for name, line in zip(GRPO_SETTINGS, summary):
+        with np.load(out / f"{name}.npz") as z:
+            json.loads(str(z["metrics"]))
+        print("  " + line)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", choices=("all", "counts", "checkpoints", "reference", "chat",
-                                                    "chat-wide", "chat-reference", "peft", "peft-logits", "dpo-reference"),
+                                                    "chat-wide", "chat-reference", "peft", "peft-logits",
+                                                    "dpo-reference", "grpo-reference"),
                         default="all")
     parser.add_argument("directories", nargs="*", type=Path, help="reference: checkpoint directories")
     parser.add_argument("--out", type=Path, default=FIXTURES)
     parser.add_argument("--only", nargs="*", help="checkpoint names to (re)make")
     parser.add_argument("--base", type=Path, help="peft-logits: the base checkpoint")
-    parser.add_argument("--adapter", type=Path, help="peft-logits, dpo-reference: a PEFT adapter directory")
+    parser.add_argument("--adapter", type=Path,
+                        help="peft-logits, dpo-reference, grpo-reference: a PEFT adapter directory")
     parser.add_argument("--tokens", type=Path, help="peft-logits: token ids [B, T] (.npy)")
-    parser.add_argument("--model", type=Path, help="dpo-reference: the policy's checkpoint")
+    parser.add_argument("--model", type=Path, help="dpo-reference, grpo-reference: the policy's checkpoint")
     parser.add_argument("--ref-model", type=Path, help="dpo-reference: the reference's checkpoint")
-    parser.add_argument("--batch", type=Path, help="dpo-reference: tokens and weights [P, 2, T] (.npz)")
+    parser.add_argument("--batch", type=Path, help="dpo-reference: tokens and weights [P, 2, T] (.npz); "
+                        "grpo-reference: a batch.npz to use instead of making one")
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--loss-type", choices=("sigmoid", "ipo"), default="sigmoid")
     parser.add_argument("--label-smoothing", type=float, default=0.0)
@@ -875,6 +1190,10 @@ def main(argv=None) -> None:
             parser.error("dpo-reference needs --model and --batch")
         run_dpo_reference(args.model, args.ref_model, args.adapter, args.batch, args.out, args.beta,
                           args.loss_type, args.label_smoothing)
+        return
+    if args.what == "grpo-reference":
+        run_grpo_reference(args.model or PEFT_LLAMA / "base", args.adapter or PEFT_LLAMA / "adapter", args.batch,
+                           PEFT_LLAMA / "grpo" if args.out == FIXTURES else args.out)
         return
     if args.what == "reference":
         run_reference(args.directories)

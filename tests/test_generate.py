@@ -84,3 +84,33 @@ def test_eos_ends_a_sample(tiny):
     _, graphdef, params = tiny
     texts = sample_texts(graphdef, params, ByteTokenizer(), "ab", n=2, max_new_tokens=5, temperature=0.0)
     assert len(texts) == 2 and all(t.startswith("ab") for t in texts)
+
+
+@pytest.mark.parametrize("kind", ["rope_gqa", "learned_positions", "window_ring", "llama4_chunks_temperature"])
+def test_left_padded_rows_sample_what_each_prompt_samples_alone(kind):
+    """Prompts of 2 to 7 tokens right-aligned in one batch (`left_padded` + `decode`): each row's
+    greedy tokens and the logits they came from equal those of its prompt decoded alone, unpadded
+    (rings shorter than the padded prompt, learned positions and temperature tuning included)."""
+    from modern_jax.generate import decode, left_padded
+
+    base = dict(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.5)
+    cfg = ModelConfig(**{**base, **{
+        "rope_gqa": dict(qk_norm="head"),
+        "learned_positions": dict(position_embedding="learned", max_position_embeddings=32),
+        "window_ring": dict(attention_pattern="LG", sliding_window=3),
+        "llama4_chunks_temperature": dict(n_layers=4, attention_pattern="CCCG", attention_chunk_size=3,
+                                          rope_pattern="RRRN", qk_norm="l2", attn_temperature_floor=2,
+                                          attn_temperature_scale=0.5)}[kind]})
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    prompts = [[257, 5, 6, 7, 8, 9, 10], [257, 40], [257, 70, 71, 72]]
+    rows, lengths = left_padded(prompts, 8, pad_id=99)
+    run = jax.jit(lambda p, n: decode(model, p, jax.random.key(0), max_new_tokens=6, temperature=0.0, top_k=None,
+                                      top_p=None, eos_id=None, length_B=n))
+    together = np.asarray(run(jnp.asarray(rows), jnp.asarray(lengths)))
+    for prompt, got in zip(prompts, together):
+        alone = decode(model, jnp.asarray([prompt], jnp.int32), jax.random.key(0), max_new_tokens=6, temperature=0.0,
+                       top_k=None, top_p=None, eos_id=None)
+        np.testing.assert_array_equal(got, np.asarray(alone)[0])
+    assert len({tuple(r) for r in together.tolist()}) == 3  # the rows differ: padding leaking in would show
+    with pytest.raises(ValueError, match="1 to 8 tokens"):
+        left_padded([[1] * 9], 8)

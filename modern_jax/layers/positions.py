@@ -108,6 +108,6 @@ def scale_queries(q_BTNH, pos_BT, spec: TemperatureSpec):
     """Temperature tuning (Llama 4's `attn_temperature_tuning`): the queries at position p times
     `log(floor((p + 1) / floor) + 1) * scale + 1` (1 while p + 1 < floor, then growing like log p).
     The floor is integer division, exact at any position."""
-    steps_BT = ((pos_BT.astype(jnp.int32) + 1) // spec.floor).astype(jnp.float32)
+    steps_BT = ((jnp.maximum(pos_BT.astype(jnp.int32), 0) + 1) // spec.floor).astype(jnp.float32)  # padding: 0
     factor_BT11 = (jnp.log1p(steps_BT) * spec.scale + 1.0)[:, :, None, None]
     return (q_BTNH.astype(jnp.float32) * factor_BT11).astype(q_BTNH.dtype)
