@@ -154,6 +154,8 @@ def cmd_train(args) -> int:
     for label, value in result.val_shown.items():  # the objective's own figures (bits per byte, DPO's margin)
         print(f"val_{label}: {value:.4f}")
     print(f"val_loss: {result.val_loss:.4f}")
+    for name, value in result.harness.items():  # train.harness_tasks: lm-eval's figures at the last step
+        print(f"harness/{name}: {value:.4f}")
     print(f"tokens_per_s: {result.tokens_per_s:.0f}")
     return 0
 

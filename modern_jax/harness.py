@@ -66,8 +66,8 @@ class Scorer:
             raise ValueError(f"--batch-size {batch_size} does not split over the mesh's {shards} data shards "
                              f"({dict(trainer.mesh.shape)}): give a multiple of {shards}")
         self.params_sharding = trainer.state_shardings["params"]
-        self.params = jax.device_put(jax.tree.map(np.asarray, params) if jax.process_count() > 1 else params,
-                                     self.params_sharding)
+        self.params = None if params is None else jax.device_put(  # None: set later (a training state's)
+            jax.tree.map(np.asarray, params) if jax.process_count() > 1 else params, self.params_sharding)
         self._program = jax.jit(self._score, in_shardings=(self.params_sharding, trainer.batches.sharding),
                                 out_shardings=trainer.replicated)
         self._compiled: dict = {}
@@ -362,15 +362,15 @@ def quiet_lm_eval(level=logging.WARNING) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def task_manager(include_path: str | None = None):
+def task_manager(include_path: str | None = None, flag: str = "--include-path"):
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not pathlib.Path(include_path).is_dir():
-        raise ValueError(f"--include-path {include_path} is not a directory: give a directory of task YAML files")
+        raise ValueError(f"{flag} {include_path} is not a directory: give a directory of task YAML files")
     return TaskManager(include_path=include_path)
 
 
-def check_tasks(manager, tasks: list[str]) -> None:
+def check_tasks(manager, tasks: list[str], flag: str = "--tasks", include: str = "--include-path") -> None:
     """Every task name known to lm_eval (its own, or a YAML under the include path)."""
     known = set(manager.all_tasks)
     unknown = [t for t in tasks if t not in known]
@@ -379,8 +379,8 @@ def check_tasks(manager, tasks: list[str]) -> None:
 
         close = {t: difflib.get_close_matches(t, known, n=3) for t in unknown}
         hints = "; ".join(f"{t!r}" + (f" (close: {', '.join(c)})" if c else "") for t, c in close.items())
-        raise ValueError(f"--tasks: no task named {hints}: give lm-eval's task names, or a directory of task YAML "
-                         f"files with --include-path")
+        raise ValueError(f"{flag}: no task named {hints}: give lm-eval's task names, or a directory of task YAML "
+                         f"files with {include}")
 
 
 def load_tasks(manager, tasks: list[str]) -> None:
@@ -439,6 +439,28 @@ def evaluate_tasks(lm: HarnessLM, tasks: list[str], *, include_path: str | None 
                            batch_size=lm.batch_size)
 
 
+class Benchmarks:
+    """train.harness_*: lm-eval's tasks on a training state's parameters. The tasks are checked
+    and their data read when made (before the first step); each call scores them with the
+    trainer's mesh and programs (compiled once) and returns `{task/metric: value}`."""
+
+    def __init__(self, trainer, tokenizer, train_cfg):
+        quiet_lm_eval()
+        self.tasks, self.cfg, self.tokenizer = list(train_cfg.harness_tasks), train_cfg, tokenizer
+        self.manager = task_manager(train_cfg.harness_include_path, "train.harness_include_path")
+        check_tasks(self.manager, self.tasks, "train.harness_tasks", "train.harness_include_path")
+        load_tasks(self.manager, self.tasks)
+        self.scorer = Scorer(trainer, None, train_cfg.eval_batch_size)
+
+    def __call__(self, params) -> dict[str, float]:
+        self.scorer.params = params
+        lm = HarnessLM(self.scorer, self.tokenizer, seed=self.cfg.seed)
+        limit = self.cfg.harness_limit
+        results = evaluate_tasks(lm, self.tasks, limit=int(limit) if limit is not None and limit >= 1 else limit,
+                                 seed=self.cfg.seed, manager=self.manager, bootstrap_iters=0)
+        return {k: v for k, v in flat_metrics(results).items() if not k.endswith("/sample_len")}
+
+
 def flat_metrics(results: dict) -> dict[str, float]:
     """`{task/metric: value}` of a results dict: each task's numbers (lm_eval's `acc,none` read
     as `acc`; stderrs left out)."""
@@ -453,4 +475,4 @@ def flat_metrics(results: dict) -> dict[str, float]:
     return out
 
 
-__all__ = ["HarnessLM", "Scorer", "buckets", "evaluate_tasks", "flat_metrics"]
+__all__ = ["Benchmarks", "HarnessLM", "Scorer", "buckets", "evaluate_tasks", "flat_metrics"]

@@ -90,7 +90,7 @@ def assert_same_figures(ours: dict, metrics: dict, reference: dict) -> None:
                 if t[1] is not None:
                     assert m[1] == t[1], (task, row["doc_id"], "greedy")
                     compared["greedy"] += 1
-    assert compared["loglikelihood"] >= 40 and compared["text"] >= 10, compared
+    assert compared["loglikelihood"] >= 20 and compared["greedy"] >= 10 and compared["text"] >= 5, compared
     assert set(reference["metrics"]) <= set(metrics), set(reference["metrics"]) - set(metrics)
     for name, value in reference["metrics"].items():
         np.testing.assert_allclose(metrics[name], value, rtol=1e-4, err_msg=name)
@@ -128,3 +128,41 @@ def test_live_the_harness_gives_lm_eval_hf_backends_figures(tmp_path):
     reference = json.loads(fresh.read_text())
     run_harness(["--hf", reference["settings"]["model"]], tmp_path / "out", reference["settings"])
     assert_same_figures(our_samples(tmp_path / "out"), our_metrics(tmp_path / "out"), reference)
+
+
+def test_in_training_figures_equal_the_command_on_the_run_and_on_its_export(tmp_path, capsys):
+    """A fine-tune with train.harness_*: the figures in metrics.jsonl and TensorBoard at the asked step
+    and the last; `harness --checkpoint RUN` gives the last ones, and `--hf` on `convert --to-hf`'s
+    export gives the same numbers as the run, response by response."""
+    run, export = tmp_path / "run", tmp_path / "hf"
+    tasks = "sums_choice,sums_answer,sums_text"
+    assert main(["train", "--init-from-hf", CHAT, "--data", f"{CHAT}/chat.jsonl", "--output-dir", str(run),
+                 "train.steps=4", "train.seq_len=64", "train.batch_size=8", "train.eval_batch_size=8",
+                 "train.lr=3e-3", "train.warmup_steps=1", "train.samples=0", "train.plot=false",
+                 "train.eval_every=0", "train.checkpoint_every=0", "train.harness_every=2",
+                 f"train.harness_tasks={tasks}", "train.harness_limit=6",
+                 "train.harness_include_path=configs/harness"]) == 0
+    printed = capsys.readouterr().out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r for r in records if r["split"] == "harness"}
+    assert sorted(logged) == [2, 4], sorted(logged)
+    final = {k: v for k, v in logged[4].items() if k not in ("step", "split")}
+    assert {"sums_choice/acc", "sums_answer/exact_match", "sums_text/bits_per_byte"} <= set(final), final
+    assert f"harness/sums_choice/acc: {final['sums_choice/acc']:.4f}" in printed  # the final summary
+    from test_train import _tensorboard_scalars
+
+    scalars = _tensorboard_scalars(run / "tensorboard")
+    assert scalars["harness/sums_choice/acc"] == pytest.approx({2: logged[2]["sums_choice/acc"], 4: final[
+        "sums_choice/acc"]}), scalars.keys()
+    assert set(scalars["harness/sums_text/bits_per_byte"]) == {2, 4}
+
+    settings = {"include_path": "configs/harness", "tasks": tasks.split(","), "limit": 6}
+    run_harness(["--checkpoint", str(run)], tmp_path / "ours", settings)
+    ours = our_metrics(tmp_path / "ours")
+    for name, value in final.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-4, err_msg=name)
+    assert main(["convert", "--to-hf", str(run), "--out", str(export)]) == 0
+    run_harness(["--hf", str(export)], tmp_path / "export", settings)
+    reference = {"metrics": ours, "samples": {task: [{"doc_id": d, "resps": r} for d, r in rows.items()]
+                                              for task, rows in our_samples(tmp_path / "ours").items()}}
+    assert_same_figures(our_samples(tmp_path / "export"), our_metrics(tmp_path / "export"), reference)
