@@ -434,7 +434,7 @@ def cmd_harness(args) -> int:
     if args.output_path:  # before anything is read: refused early, written by process 0 only
         outputs.claim(args.output_path, outputs.HARNESS, "--output-path", hint="choose a new directory")
     harness.quiet_lm_eval()
-    manager = harness.task_manager(args.include_path)
+    manager = harness.task_manager(args.include_path, tasks=tasks)
     harness.check_tasks(manager, tasks)
     harness.load_tasks(manager, tasks)  # a task whose data cannot be read is refused before the model is
     cfg, params, raw, tokenizer, source = _harness_model(args, note)

@@ -166,3 +166,59 @@ def test_in_training_figures_equal_the_command_on_the_run_and_on_its_export(tmp_
     reference = {"metrics": ours, "samples": {task: [{"doc_id": d, "resps": r} for d, r in rows.items()]
                                               for task, rows in our_samples(tmp_path / "ours").items()}}
     assert_same_figures(our_samples(tmp_path / "export"), our_metrics(tmp_path / "export"), reference)
+
+
+def test_two_processes_of_four_devices_give_the_figures_of_one(tmp_path):
+    """`harness` under a launch of 2 processes x 4 host devices: the rows of every batch split over
+    the 8 devices, process 0 alone writes the files and prints the table, and every response and
+    metric is the one process's (lm-eval's hf backend's, which test_the_harness_gives_lm_eval_hf_
+    backends_figures holds one process to)."""
+    from processes import Launch
+
+    reference = json.loads(REFERENCE.read_text())
+    settings, out = reference["settings"], tmp_path / "out"
+    argv = ["harness", "--hf", settings["model"], "--include-path", settings["include_path"], "--tasks",
+            *settings["tasks"], "--limit", str(settings["limit"]), "--batch-size", "8", "--log-samples",
+            "--output-path", str(out)]
+    launch = Launch(argv, n=2, devices=4, logdir=tmp_path)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    assert "process 0 of 2, 8 devices (4 local)" in launch.log(0)
+    assert "|sums_choice|" in launch.log(0) and "|sums_choice|" not in launch.log(1)
+    assert len(glob.glob(str(out / "*" / "results_*.json"))) == 1
+    assert_same_figures(our_samples(out), our_metrics(out), reference)
+
+
+@pytest.mark.quick
+def test_the_padded_lengths_are_few():
+    from modern_jax.harness import buckets
+
+    assert buckets(128) == [16, 32, 64, 128]
+    assert buckets(100) == [16, 32, 64, 100]
+    assert buckets(8) == [8]
+
+
+def test_an_unknown_task_is_refused_with_the_close_names(capsys):
+    assert main(["harness", "--hf", CHAT, "--include-path", "configs/harness", "--tasks", "sums_choise"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no task named 'sums_choise' (close: sums_choice" in err, err
+
+
+@pytest.mark.quick
+def test_a_directory_of_other_files_is_refused_before_anything_is_read(tmp_path, capsys):
+    (tmp_path / "mine.txt").write_text("x")
+    assert main(["harness", "--hf", CHAT, "--include-path", "configs/harness", "--tasks", "sums_choice",
+                 "--output-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--output-path" in err and "did not write" in err and "nothing was written" in err, err
+
+
+@pytest.mark.quick
+def test_a_task_of_the_hub_without_network_is_one_line_naming_it_and_the_local_fix(tmp_path, capsys):
+    (tmp_path / "hub.yaml").write_text("task: hub_sums\ndataset_path: some-org/some-sums\ntest_split: test\n"
+                                       "output_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+                                       "doc_to_choice: '{{choices}}'\ndoc_to_target: label\n")
+    assert main(["harness", "--hf", CHAT, "--include-path", str(tmp_path), "--tasks", "hub_sums"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "task hub_sums: its data come from the Hugging Face hub (some-org/some-sums)" in err, err
+    assert "dataset_path: json" in err and "--include-path" in err, err
