@@ -146,6 +146,7 @@ def test_in_training_figures_equal_the_command_on_the_run_and_on_its_export(tmp_
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: r for r in records if r["split"] == "harness"}
     assert sorted(logged) == [2, 4], sorted(logged)
+    assert logged[2]["sums_text/bits_per_byte"] != logged[4]["sums_text/bits_per_byte"]  # the state of each step
     final = {k: v for k, v in logged[4].items() if k not in ("step", "split")}
     assert {"sums_choice/acc", "sums_answer/exact_match", "sums_text/bits_per_byte"} <= set(final), final
     assert f"harness/sums_choice/acc: {final['sums_choice/acc']:.4f}" in printed  # the final summary
