@@ -828,10 +828,9 @@ def main(argv=None) -> int:
 
     status, message, agreed = 1, None, False
     try:
-        if args.command in COMPUTING:
-            from modern_jax.sharding.devices import no_tpu_runtime_without_chips
+        from modern_jax.sharding.devices import no_tpu_runtime_without_chips
 
-            no_tpu_runtime_without_chips()
+        no_tpu_runtime_without_chips()  # every command: convert and report place arrays too
         if args.command in COMPUTING and not os.environ.get("MODERN_JAX_ALONE"):
             seconds = (lambda t: 0 < t < math.inf, "a positive number of seconds")
             _check_flags(args, _positive("--num-processes"), ("--heartbeat-timeout", *seconds),

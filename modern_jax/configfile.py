@@ -33,8 +33,9 @@ def check_keys(section: str, values: dict, allowed: list[str]) -> None:
 
 
 # the sections that choose a training objective, each a module of `modern_jax.training.objectives`
-OBJECTIVES = ("dpo",)
+OBJECTIVES = ("dpo", "grpo")
 RUN_SECTIONS = ("model", "execution", "train", "data", "parallel", "lora", *OBJECTIVES)  # the sections of a run file
+OPTIONAL_SECTIONS = ("lora", *OBJECTIVES)  # sections an override `SECTION=null` drops
 
 
 @functools.cache
@@ -172,8 +173,12 @@ def apply_overrides(raw: dict, overrides: list[str], sections=None) -> dict:
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for item in overrides:
         key, sep, text = item.partition("=")
+        if sep and key in OPTIONAL_SECTIONS and text.strip() in ("null", "~"):  # `lora=null`: the section dropped
+            raw.pop(key, None)
+            continue
         if not sep or "." not in key:
-            raise ValueError(f"bad override {item!r}: expected section.key=value, e.g. model.n_layers=4")
+            raise ValueError(f"bad override {item!r}: expected section.key=value, e.g. model.n_layers=4 (or "
+                             f"SECTION=null to drop an optional section: {', '.join(OPTIONAL_SECTIONS)})")
         if sections is not None:
             check_sections({key.split(".")[0]: {}}, f"bad override {item!r}", sections)
         try:

@@ -268,3 +268,7 @@ def test_train_on_a_host_without_a_tpu_says_nothing_of_libtpu(tmp_path, text):
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr
     assert "val_loss: " in done.stdout
+    done = subprocess.run([sys.executable, "-m", "modern_jax.cli", "convert", "--to-hf", str(tmp_path / "run"), "--out",
+                           str(tmp_path / "hf"), "--model-type", "qwen3"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "libtpu" not in done.stderr and "TPU" not in done.stderr, done.stderr

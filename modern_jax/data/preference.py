@@ -283,7 +283,7 @@ def _records(cfg: DataConfig, source: str):
             return
 
 
-def _kind(value, field: str, where: str) -> str:
+def value_kind(value, field: str, where: str) -> str:
     """`text` or `conversation` (checked), else a ValueError naming the record and the field."""
     if isinstance(value, str):
         return "text"
@@ -297,11 +297,11 @@ def _kind(value, field: str, where: str) -> str:
 def _split_prompt(prompt, chosen, rejected, where: str):
     """`(prompt, chosen, rejected)` of one kind, the prompt extracted when it is implicit (module docstring);
     completions that are empty or the same, and implicit conversations that part before an answer, refused."""
-    kind = _kind(chosen, CHOSEN, where)
-    if _kind(rejected, REJECTED, where) != kind:
+    kind = value_kind(chosen, CHOSEN, where)
+    if value_kind(rejected, REJECTED, where) != kind:
         raise ValueError(f"{where}: {CHOSEN!r} is a {kind} but {REJECTED!r} is not: give both as texts or both as "
                          "lists of messages")
-    prompt_kind = None if prompt is None else _kind(prompt, PROMPT, where)
+    prompt_kind = None if prompt is None else value_kind(prompt, PROMPT, where)
     if prompt_kind == kind:
         return _check_completions(prompt, chosen, rejected, where, "")
     if prompt_kind == "conversation":
@@ -346,7 +346,7 @@ def _shared_start(chosen, rejected) -> int:
 # ----- tokens --------------------------------------------------------------------
 
 
-def _render(messages: list[dict], template: str, special: dict[str, str], where: str, generation_prompt: bool) -> str:
+def render_conversation(messages: list[dict], template: str, special: dict[str, str], where: str, generation_prompt: bool) -> str:
     """A conversation as the chat template renders it (`chat.render`'s environment, here with
     the generation prompt when asked); generation marks are dropped."""
     import jinja2
@@ -365,8 +365,8 @@ def _render(messages: list[dict], template: str, special: dict[str, str], where:
 def _tokenize(prompt, chosen, rejected, tokenizer: Tokenizer, template: str, special: dict[str, str], where: str):
     """`(prompt ids, chosen completion ids, rejected completion ids)` (module docstring)."""
     if isinstance(prompt, list):
-        prompt_ids = tokenizer.encode(_render(prompt, template, special, where, True))
-        wholes = [tokenizer.encode(_render(prompt + c, template, special, where, False)) for c in (chosen, rejected)]
+        prompt_ids = tokenizer.encode(render_conversation(prompt, template, special, where, True))
+        wholes = [tokenizer.encode(render_conversation(prompt + c, template, special, where, False)) for c in (chosen, rejected)]
     else:
         bos = np.asarray([] if tokenizer.bos_id is None else [tokenizer.bos_id], np.int32)
         eos_token = special.get("eos_token")

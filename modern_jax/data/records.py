@@ -2,7 +2,8 @@
 
 Each source yields one document per record: the value of one field (`data.text_field` for
 text, `data.messages_field` for conversations), and only that field is used (Parquet and
-`datasets` read only that column). Records come in a fixed order (files sorted by path, then
+`datasets` read only that column); with `whole`, the whole record (a dict that has the field:
+a prompt with the columns its rewards read). Records come in a fixed order (files sorted by path, then
 line or row order), each named by its file and line or row, so the split by name is
 deterministic. A record without the field is an error naming the file, the line and the
 fields it has.
@@ -74,7 +75,7 @@ def _files(cfg: DataConfig, source: str) -> list[tuple[pathlib.Path, str]]:
     return [(f, f.relative_to(path).as_posix()) for f in files]
 
 
-def _jsonl(cfg: DataConfig, field: str, setting: str) -> Iterator[Record]:
+def _jsonl(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> Iterator[Record]:
     for file, name in _files(cfg, "jsonl"):
         opener = gzip.open if file.name.endswith(".gz") else open
         try:
@@ -92,20 +93,21 @@ def _jsonl(cfg: DataConfig, field: str, setting: str) -> Iterator[Record]:
                         raise ValueError(f"{where}: expected a JSON object {{...}}, got {type(record).__name__}")
                     if field not in record:
                         raise _missing(where, field, setting, record)
-                    yield f"{name}, line {n}", where, record[field]
+                    yield f"{name}, line {n}", where, record if whole else record[field]
         except UnicodeDecodeError as e:
             raise ValueError(f"{file}: not UTF-8 text (byte {e.start}): is it a JSON Lines file?") from None
         except (OSError, EOFError) as e:  # gzip: a damaged or truncated file
             raise ValueError(f"{file}: cannot be read ({type(e).__name__}: {e})") from None
 
 
-def _parquet(cfg: DataConfig, field: str, setting: str) -> Iterator[Record]:
+def _parquet(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     for file, name in _files(cfg, "parquet"):
         try:
             names = pq.read_schema(file).names
-            column = pq.read_table(file, columns=[field]).column(field).to_pylist() if field in names else None
+            column = None if field not in names else pq.read_table(file).to_pylist() if whole else \
+                pq.read_table(file, columns=[field]).column(field).to_pylist()
         except PermissionError as e:
             raise ValueError(f"{file} cannot be read ({e.strerror or e}): check its permissions") from None
         except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) and others on a damaged file
@@ -133,7 +135,7 @@ def _datasets_log(messages: list[str]):
         logger.handlers, logger.propagate = saved
 
 
-def _hf(cfg: DataConfig, field: str, setting: str) -> Iterator[Record]:
+def _hf(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> Iterator[Record]:
     import datasets
 
     datasets.disable_progress_bars()
@@ -180,8 +182,8 @@ def _hf(cfg: DataConfig, field: str, setting: str) -> Iterator[Record]:
     if columns is not None:
         if field not in columns:
             raise _missing(f"{where} (split {cfg.hf_split!r})", field, setting, columns)
-        dataset = dataset.select_columns([field])
+        dataset = dataset if whole else dataset.select_columns([field])
     for row, record in enumerate(dataset):
         if field not in record:
             raise _missing(f"{where}, row {row}", field, setting, record)
-        yield f"{cfg.hf_split}, row {row}", f"{where}, row {row}", record[field]
+        yield f"{cfg.hf_split}, row {row}", f"{where}, row {row}", dict(record) if whole else record[field]

@@ -126,24 +126,26 @@ def lookup(table_VD, tokens_BT):
 
 
 def split_parts(parts, h_BTD, head: Head, targets_BT):
-    """`parts(h, head, targets, first) -> (max, sum exp(z - max), target logit, max |z|)` over the
-    rows of `head` (global ids from `first`), combined over the vocab shards when the mesh splits them."""
+    """`parts(h, head, targets, first) -> (max, sum exp(z - max), target logit, max |z|[, sum
+    exp(z - max) z])` over the rows of `head` (global ids from `first`), combined over the vocab
+    shards when the mesh splits them."""
     split = _split(head.w_VD.shape[0], *targets_BT.shape)
     if split is None:
         return parts(h_BTD, head, targets_BT, 0)
     mesh, _, vocab, batch, length = split
 
     def per_device(h_BTD, w_VD, targets_BT, *b_V):
-        m_BT, s_BT, z_target_BT, max_abs = parts(h_BTD, head.replace(w_VD=w_VD, b_V=b_V[0] if b_V else None),
-                                                 targets_BT, _first_row(vocab, w_VD.shape[0]))
+        m_BT, s_BT, z_target_BT, max_abs, *ez = parts(h_BTD, head.replace(w_VD=w_VD, b_V=b_V[0] if b_V else None),
+                                                      targets_BT, _first_row(vocab, w_VD.shape[0]))
         m_all_BT = jax.lax.pmax(jax.lax.stop_gradient(m_BT), vocab)  # a stabiliser: lse does not depend on it
-        s_all_BT = jax.lax.psum(s_BT * jnp.exp(m_BT - m_all_BT), vocab)
+        scale_BT = jnp.exp(m_BT - m_all_BT)
         every = tuple(vocab) + tuple(batch or ()) + tuple(length or ())
-        return m_all_BT, s_all_BT, jax.lax.psum(z_target_BT, vocab), jax.lax.pmax(jax.lax.stop_gradient(max_abs), every)
+        return (m_all_BT, jax.lax.psum(s_BT * scale_BT, vocab), jax.lax.psum(z_target_BT, vocab),
+                jax.lax.pmax(jax.lax.stop_gradient(max_abs), every), *(jax.lax.psum(e * scale_BT, vocab) for e in ez))
 
     rows = P(batch, length)
     specs = (P(batch, length, None), P(vocab, None), rows) + (() if head.b_V is None else (P(vocab),))
     args = (h_BTD, head.w_VD, targets_BT) + (() if head.b_V is None else (head.b_V,))
-    m_BT, s_BT, z_target_BT, max_abs = jax.shard_map(
-        per_device, mesh=mesh, in_specs=specs, out_specs=(rows, rows, rows, P()))(*args)
-    return m_BT, s_BT, z_target_BT, max_abs
+    n_out = len(jax.eval_shape(lambda: parts(h_BTD, head, targets_BT, 0)))
+    return jax.shard_map(per_device, mesh=mesh, in_specs=specs,
+                         out_specs=(rows, rows, rows, P()) + (rows,) * (n_out - 4))(*args)

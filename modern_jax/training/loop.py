@@ -166,9 +166,17 @@ def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int |
     / token, bits per byte and tokens; DPO's loss and TRL's means over the pairs), one host fetch;
     `rows`: the global rows of a batch whose local share each process passes (None: one process);
     `advance`: called once a batch (a progress bar's); `reference`: the state's frozen copy, if any."""
-    totals = _sums(lambda batch: trainer.eval_step(params, trainer.batches.put(batch, rows), token_bytes, reference),
-                   batches, advance)
+    count = iter(range(1 << 30))
+    totals = _sums(lambda batch: trainer.eval_step(params, eval_batch(trainer, params, batch, rows, next(count)),
+                                                   token_bytes, reference), batches, advance)
     return trainer.objective.eval_values(totals)
+
+
+def eval_batch(trainer: Trainer, params, batch: dict, rows: int | None, index: int) -> dict:
+    """Evaluation batch `index` on the mesh, as the objective places it (GRPO samples its completions
+    from `params`, with a key of `train.seed` and the index: every evaluation samples the same)."""
+    key = jax.random.fold_in(jax.random.key(trainer.cfg.seed), index)
+    return trainer.objective.placed(batch, trainer=trainer, params=params, rows=rows, step=None, key=key)
 
 
 def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, meta: dict, log=print) -> bool:
@@ -343,8 +351,11 @@ class _Session:
     def resume_hint(self) -> str:
         return f" {self.newest().capitalize()}; run the same command again (every process) to resume."
 
-    def batch(self, batch: dict, rows: int) -> dict:
-        return self.trainer.batches.put(batch, rows)
+    def batch(self, batch: dict, rows: int, step: int) -> dict:
+        """Step `step`'s batch on the mesh (GRPO samples it from the current weights, with the step's key)."""
+        key = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), step)
+        return self.trainer.objective.placed(batch, trainer=self.trainer, params=self.state["params"], rows=rows,
+                                             step=step, key=key)
 
     def evaluate(self, metrics_log: MetricsLog | None, step: int, batches, progress: Progress,
                  what: str = "validation") -> dict:
@@ -491,11 +502,11 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
             log(f"train.{name}={asked:,}: the validation split has {windows:,} {unit}{'s' if windows != 1 else ''} "
                 f"of {tc.seq_len} tokens; evaluating all of them")
     # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
-    session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum)
+    session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum, start)
     with progress.phase("compiling the training and evaluation steps"):
         session.compile_s = trainer.compile(state, session.next_batch,
-                                            session.batch(session.periodic_eval[0], tc.eval_batch_size),
-                                            session.token_bytes)
+                                            eval_batch(trainer, state["params"], session.periodic_eval[0],
+                                                       tc.eval_batch_size, 0), session.token_bytes)
     if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
         _write_run_files(out_dir, run, tokenizer, init, base)
     directory.started = True
@@ -580,6 +591,8 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
     interval_start, interval_tokens = loop_start, 0
     step, next_batch = s.start, s.next_batch
     message = progress.message if main else _quiet
+    every = s.trainer.objective.steps_per_batch  # a run stops and saves only between batches that serve several steps
+    asked = False  # a stop signal came
     try:
         while step < tc.steps:
             batch, next_batch = next_batch, None
@@ -589,9 +602,11 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
             interval_tokens += tokens_per_step
             pending.append((step, metrics))
             s.data_state = s.iterator.get_state()
-            stopping = stop.due(step) or (stop_after is not None and step - s.start >= stop_after and step < tc.steps)
-            if step < tc.steps:
-                next_batch = s.batch(next(s.iterator), rows)  # overlaps with the running step
+            asked = stop.due(step) or asked  # every process calls it at every step
+            stopping = step % every == 0 and (asked or (stop_after is not None and step - s.start >= stop_after
+                                                        and step < tc.steps))
+            if step < tc.steps and not stopping:
+                next_batch = s.batch(next(s.iterator), rows, step)  # overlaps with the running step
             if step % tc.log_every == 0 or step == tc.steps or stopping:
                 fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
                 rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
@@ -599,6 +614,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                                    s.trainer.objective.named)
                 if metrics_log is not None:
                     metrics_log.write(step, "train", record)
+                    _write_samples(s.out_dir, step, s.trainer.objective.samples())
                 progress.update(step, record["loss"], rate, s.trainer.shown.line(record))
                 pending.clear()
                 if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
@@ -640,6 +656,15 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
     result.signal = stop.received
     s.checkpointer.wait()
     return result
+
+
+SAMPLES_FILE = "completions.jsonl"  # rows of the batches an objective made (GRPO's completions and rewards)
+
+
+def _write_samples(out_dir: pathlib.Path, step: int, samples: list[dict]) -> None:
+    if samples:
+        with open(out_dir / SAMPLES_FILE, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n" for sample in samples)
 
 
 def _finish(s: _Session, result: TrainResult, log) -> None:

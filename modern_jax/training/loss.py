@@ -25,9 +25,11 @@ from modern_jax import execution
 from modern_jax.ops import vocab
 
 
-def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
+def _chunk(h_BTD, head: vocab.Head, first, targets_BT, temperature: float = 1.0, entropy: bool = False):
     """Max, sum of exp(z - max), the target's logit (0 if not in this chunk) and max |z| over
-    the rows of `head`, whose global ids start at `first`.
+    the rows of `head`, whose global ids start at `first`; with `entropy`, also the sum of
+    exp(z - max) z (for the entropy `lse - that / sum`). `z` is the logits over `temperature`
+    (max |z| is the logits' own).
 
     Without a soft-cap the logits are written in the compute dtype (accumulated in float32 by the
     matmul, rounded once, as the head's gradient is): the statistics are float32. The target's
@@ -36,24 +38,30 @@ def _chunk(h_BTD, head: vocab.Head, first, targets_BT):
     rows = head.w_VD.shape[0]
     z_BTV = head.logits(h_BTD, first, dtype=jnp.float32 if head.softcap is not None else h_BTD.dtype)
     real_V = head.real(first)  # chunk padding, and the model's padding rows
-    # a stabiliser: lse = m + log sum exp(z - m) for any m, so no gradient needs to flow through it
-    m_BT = jax.lax.stop_gradient(jnp.max(z_BTV, axis=-1).astype(jnp.float32))
     z_BTV = z_BTV.astype(jnp.float32)
-    s_BT = jnp.sum(jnp.exp(z_BTV - m_BT[..., None]), axis=-1)
+    max_abs = jnp.max(jnp.where(real_V[None, None, :], jnp.abs(z_BTV), 0.0))
+    if temperature != 1.0:
+        z_BTV = z_BTV / temperature
+    # a stabiliser: lse = m + log sum exp(z - m) for any m, so no gradient needs to flow through it
+    m_BT = jax.lax.stop_gradient(jnp.max(z_BTV, axis=-1))
+    e_BTV = jnp.exp(z_BTV - m_BT[..., None])
+    s_BT = jnp.sum(e_BTV, axis=-1)
     target_BTV = (jnp.arange(rows)[None, None, :] == (targets_BT - first)[..., None]) & real_V[None, None, :]
     z_target_BT = jnp.sum(jnp.where(target_BTV, z_BTV, 0.0), axis=-1)
-    max_abs = jnp.max(jnp.where(real_V[None, None, :], jnp.abs(z_BTV), 0.0))
-    return m_BT, s_BT, z_target_BT, max_abs
+    if not entropy:
+        return m_BT, s_BT, z_target_BT, max_abs
+    ez_BT = jnp.sum(jnp.where(real_V[None, None, :], e_BTV * z_BTV, 0.0), axis=-1)  # padding rows: z is -inf there
+    return m_BT, s_BT, z_target_BT, max_abs, ez_BT
 
 
-def vocab_parts(h_BTD, head: vocab.Head, targets_BT, first, *, chunk: int = 8192):
-    """Max, sum of exp(z - max), the target's logit and max |z| over the rows of `head`, whose
-    global ids start at `first`, made in `n = ceil(rows / chunk)` equal chunks of at most `chunk`
-    rows (so at most n - 1 rows of padding)."""
+def vocab_parts(h_BTD, head: vocab.Head, targets_BT, first, *, chunk: int = 8192, temperature: float = 1.0,
+                entropy: bool = False):
+    """`_chunk`'s figures over the rows of `head`, whose global ids start at `first`, made in
+    `n = ceil(rows / chunk)` equal chunks of at most `chunk` rows (so at most n - 1 rows of padding)."""
     rows = head.w_VD.shape[0]
     head = head.replace(w_VD=head.w_VD.astype(h_BTD.dtype))  # sliced in the compute dtype
     if rows <= chunk:
-        return _chunk(h_BTD, head, first, targets_BT)
+        return _chunk(h_BTD, head, first, targets_BT, temperature, entropy)
     n = -(-rows // chunk)
     chunk = -(-rows // n)
     w_pad_VD = jnp.pad(head.w_VD, ((0, n * chunk - rows), (0, 0)))
@@ -65,15 +73,17 @@ def vocab_parts(h_BTD, head: vocab.Head, targets_BT, first, *, chunk: int = 8192
         w_chunk_VD = jax.lax.dynamic_slice_in_dim(w_pad_VD, i * chunk, chunk)
         b_chunk_V = None if b_pad_V is None else jax.lax.dynamic_slice_in_dim(b_pad_V, i * chunk, chunk)
         chunk_head = head.replace(w_VD=w_chunk_VD, b_V=b_chunk_V, vocab_size=real)
-        return _chunk(h_BTD, chunk_head, first + i * chunk, targets_BT)
+        return _chunk(h_BTD, chunk_head, first + i * chunk, targets_BT, temperature, entropy)
 
     @jax.checkpoint
     def body(carry, i):
-        m_BT, s_BT, z_target_BT, max_abs = carry
-        m_c, s_c, zt_c, max_c = chunk_i(i)
-        m_new = jnp.maximum(m_BT, m_c)
-        s_new = s_BT * jnp.exp(m_BT - m_new) + s_c * jnp.exp(m_c - m_new)
-        return (m_new, s_new, z_target_BT + zt_c, jnp.maximum(max_abs, max_c)), None
+        new = chunk_i(i)
+        m_new = jnp.maximum(carry[0], new[0])
+        old_scale, new_scale = jnp.exp(carry[0] - m_new), jnp.exp(new[0] - m_new)
+        combined = (m_new, carry[1] * old_scale + new[1] * new_scale, carry[2] + new[2], jnp.maximum(carry[3], new[3]))
+        if entropy:  # the sum of exp(z - m) z rescales as the sum does
+            combined += (carry[4] * old_scale + new[4] * new_scale,)
+        return combined, None
 
     # the first chunk starts the running values (so they carry the inputs' sharding types)
     return jax.lax.scan(body, jax.checkpoint(chunk_i)(0), jnp.arange(1, n), unroll=not execution.current().scan_layers)[0]
@@ -106,14 +116,26 @@ def _target_parts(h_BTD, head: vocab.Head, targets_BT, chunk: int):
 
 
 @jax.named_scope("logps")
+def token_logps(model, batch: dict, *, chunk: int = 8192, temperature: float = 1.0, entropy: bool = False,
+                dropout_rng=None, diagnostics: bool = False) -> tuple:
+    """`(logps[B, T], entropy[B, T] or None, max |logit|)`: each target's log-probability under
+    the model's next-token distribution at `temperature` (softmax of the logits over it), and with
+    `entropy` that distribution's entropy (in nats; no gradient)."""
+    h_BTD, _ = model.hidden_states(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                                   dropout_rng=dropout_rng, diagnostics=diagnostics)
+    parts = functools.partial(vocab_parts, chunk=chunk, temperature=temperature, entropy=entropy)
+    m_BT, s_BT, z_target_BT, max_abs, *ez = vocab.split_parts(parts, h_BTD, model.head(), batch["targets"])
+    lse_BT = m_BT + jnp.log(s_BT)
+    entropy_BT = jax.lax.stop_gradient(lse_BT - ez[0] / s_BT) if entropy else None
+    return z_target_BT - lse_BT, entropy_BT, jax.lax.stop_gradient(max_abs)
+
+
 def sequence_logps(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, diagnostics: bool = False) -> tuple:
     """`(logps[B], count[B], max |logit|)`: each row's summed log-probability of its weighted
     targets (a completion's tokens), and how many there are."""
-    h_BTD, _ = model.hidden_states(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                   dropout_rng=dropout_rng, diagnostics=diagnostics)
-    lse_BT, z_target_BT, max_abs = _target_parts(h_BTD, model.head(), batch["targets"], chunk)
+    logps_BT, _, max_abs = token_logps(model, batch, chunk=chunk, dropout_rng=dropout_rng, diagnostics=diagnostics)
     w_BT = batch["weights"].astype(jnp.float32)
-    return jnp.sum(w_BT * (z_target_BT - lse_BT), axis=-1), jnp.sum(w_BT, axis=-1), jax.lax.stop_gradient(max_abs)
+    return jnp.sum(w_BT * logps_BT, axis=-1), jnp.sum(w_BT, axis=-1), max_abs
 
 
 @jax.named_scope("loss")

@@ -111,6 +111,8 @@ class Trainer:
             "finite": jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))),
         }
         self._executables: dict = {}
+        self._programs: dict = {}  # an objective's own programs, compiled per name and argument types
+        self.compilations: dict[str, int] = {}  # programs compiled by this Trainer, per name
 
     def _executable(self, name: str, *args):
         """The compiled `name` for these arguments (each distinct program compiled once per process)."""
@@ -119,12 +121,23 @@ class Trainer:
         key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), tuple(sorted(options.items())))
         if key not in _EXECUTABLES:
             _EXECUTABLES[key] = lowered.compile(compiler_options=dict(options) or None)
+            self.compilations[name] = self.compilations.get(name, 0) + 1
         return _EXECUTABLES[key]
+
+    def program(self, name: str, fn, *args):
+        """`fn(*args)` compiled for the mesh (its rules, strategies and kernels), once per `name` and
+        argument types: an objective's own programs (GRPO's rollouts, one per prompt width)."""
+        leaves = jax.tree.leaves(args)
+        key = (name, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        if key not in self._programs:
+            self._jitted.setdefault(name, jax.jit(fn))
+            self._programs[key] = self._executable(name, *args)
+        return self._programs[key](*args)
 
     def lower(self, name, *args, platform: str | None = None):
         """Trace and lower step `name` (or a `jax.jit` program of the same model, e.g. the benchmark
-        harness's scoring) for the mesh's devices (their platform picks the kernels), or for
-        `platform` ('cuda', 'tpu') with no such device here (lowered only: compile it with that
+        harness's scoring, with its own shardings) for the mesh's devices (their platform picks the
+        kernels), or for `platform` ('cuda', 'tpu') with no such device here (lowered only: compile it with that
         platform's compiler); on a multi-device mesh the rules shape every activation."""
         program = self._jitted[name] if isinstance(name, str) else name
         with compiling_for(platform or self.mesh), use_execution(self.execution), recording_kernels() as seen, \
@@ -274,6 +287,7 @@ class Trainer:
         cfg = self.cfg
         params, frozen = self.split(state["params"])  # `params`: what is trained
         reference = self.reference(state["params"], state.get("reference"))
+        batch = self.objective.complete(batch)
         denom = self.objective.denominator(batch)
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
@@ -297,7 +311,8 @@ class Trainer:
 
             def micro_step(carry, xs):
                 micro, i = xs
-                return _accumulate(carry, grad_fn(params, micro, jax.random.fold_in(step_rng, i)), n_micro), None
+                return _accumulate(carry, grad_fn(params, micro, jax.random.fold_in(step_rng, i)), n_micro,
+                                   self.objective.maxima), None
 
             (loss, sums, aux, grads), _ = jax.lax.scan(micro_step, init, (batch, jnp.arange(n_micro)),
                                                        unroll=not self.execution.scan_layers)
@@ -353,7 +368,7 @@ class Trainer:
         return self._run("train", state, batch)
 
     def _eval(self, params, batch, token_bytes, reference):
-        micro = jax.tree.map(lambda x: x[0], batch)
+        micro = jax.tree.map(lambda x: x[0], self.objective.complete(batch))
         reference = self.reference(params, reference)
         prepared = self.objective.prepare(None if reference is None else self.model(reference), micro,
                                           chunk=self.cfg.loss_vocab_chunk)
@@ -402,12 +417,12 @@ def describe_kernels(kernels: dict[str, set[str]]) -> str:
 _MAXIMA = ("max_abs_logit", "max_attention_logit")
 
 
-def _accumulate(carry, result, n_micro):
-    """Add one micro-batch's loss, sums and gradients (the max |logit|s take the max; the losses a
-    model sows are means over the micro-batches, its drops and loads sums)."""
+def _accumulate(carry, result, n_micro, maxima=()):
+    """Add one micro-batch's loss, sums and gradients (the max |logit|s and the objective's `maxima`
+    take the max; the losses a model sows are means over the micro-batches, its drops and loads sums)."""
     (loss, (sums, aux)), grads = result
     c_loss, c_sums, c_aux, c_grads = carry
-    new_sums = {k: (jnp.maximum if k in _MAXIMA else jnp.add)(c_sums[k], sums[k]) for k in c_sums}
+    new_sums = {k: (jnp.maximum if k in _MAXIMA + tuple(maxima) else jnp.add)(c_sums[k], sums[k]) for k in c_sums}
     new_aux = {k: c_aux[k] + (aux[k] if k in (DROPPED, LOAD) else aux[k] / n_micro) for k in c_aux}
     return c_loss + loss, new_sums, new_aux, jax.tree.map(jnp.add, c_grads, grads)
 

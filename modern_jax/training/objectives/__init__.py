@@ -2,6 +2,8 @@
 
     next_token   the default: next-token cross-entropy with z-loss, on packed text or chats
     dpo          a `dpo:` section: preference tuning on pairs (DPO, cDPO, IPO; TRL's metrics)
+    grpo         a `grpo:` section: reinforcement learning from rewards on completions the model
+                 samples (GRPO, Dr. GRPO, DAPO, BNPO, GSPO; TRL's metrics)
 
 A run file names at most one objective's section. Each objective is the module of this
 package named after its section, holding `Config` and `Objective` (`base`); adding one is that

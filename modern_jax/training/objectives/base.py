@@ -9,12 +9,18 @@ the planner call:
               `eval_batches` `[A, B, T]` dicts of inputs, targets, positions, segment_ids,
               weights; `unit`, what the splits' `len` counts; `eval_size` and `eval_unit`: how many
               of what an evaluation of the validation split can score
-    the step  `prepare` (a forward of the frozen reference, outside the policy's gradient),
-              `sums` of one micro-batch (they add up over micro-batches; `max_abs_logit` is a
-              max), `denominator` of the whole batch, `loss` from both
+    batches   `placed`: a data batch on the mesh as the step takes it (GRPO samples its
+              completions there first, from the current weights); `steps_per_batch`: how many
+              steps each serves (a run saves and stops only between batches)
+    the step  `complete`: what each micro-batch needs from the whole step's batch (GRPO's
+              advantages); `prepare` (a forward of the frozen reference, outside the policy's
+              gradient), `sums` of one micro-batch (they add up over micro-batches; those named
+              in `maxima` take the max), `denominator` of the whole batch (the loss's divisor,
+              and any figure of the batch the metrics need), `loss` from both
     figures   `metrics` of a step (`loss` first, then the objective's own names), `eval_values`
               of an evaluation's summed `eval_sums`, and `shown`: what the console and the plot
-              show (`metrics.Shown`)
+              show (`metrics.Shown`); `samples`: rows of the last batch made to write beside
+              the metrics (GRPO's completions)
     needs     `needs_reference`: a frozen model besides the trained one (a LoRA run's base with
               its adapters off, else a copy of the starting weights kept in the state)
 
@@ -47,8 +53,10 @@ class Objective:
 
     unit: ClassVar[str] = "tokens"  # what the splits' sizes count
     eval_unit: ClassVar[str] = "window"  # what an evaluation scores, one at a time
-    needs_reference: ClassVar[bool] = False
+    needs_reference: bool = False
     named: tuple[str, ...] = ()  # its own figures in `metrics`, besides `loss` and `z_loss`
+    maxima: tuple[str, ...] = ()  # sums that take the max over micro-batches, besides `max_abs_logit`
+    steps_per_batch: int = 1
     shown: Shown
 
     def __init__(self, config: Config, train):
@@ -74,7 +82,21 @@ class Objective:
         """How many `eval_unit`s of at most `train.seq_len` tokens an evaluation can score."""
         raise NotImplementedError
 
+    def placed(self, item: dict, *, trainer, params, rows: int | None, step: int | None, key) -> dict:
+        """`item` (a batch of `train_batches` or `eval_batches`: this process's rows of one with
+        `rows` rows, None: one process) as global arrays on `trainer`'s mesh, for `step` (None: an
+        evaluation's) with `params` the current weights and `key` its random key."""
+        return trainer.batches.put(item, rows)
+
+    def samples(self) -> list[dict]:
+        """Rows of the last batch `placed` made, to write beside the metrics (then forgotten)."""
+        return []
+
     # ----- the step --------------------------------------------------------------
+
+    def complete(self, batch: dict) -> dict:
+        """The step's batch `[A, B, T]` with what each micro-batch needs from the whole of it."""
+        return batch
 
     def prepare(self, reference, batch: dict, *, chunk: int):
         """What the frozen `reference` model (None unless `needs_reference`) gives the loss."""
@@ -85,7 +107,8 @@ class Objective:
         raise NotImplementedError
 
     def denominator(self, batch: dict):
-        """What the summed loss is divided by (`batch`: the step's, `[A, B, T]`)."""
+        """What the summed loss is divided by, with any figure of the whole batch the metrics need (a
+        pytree; `batch`: the step's, `[A, B, T]`, `complete`d)."""
         raise NotImplementedError
 
     def loss(self, sums: dict, denominator):

@@ -1,0 +1,294 @@
+"""GRPO: the loss and every logged metric against TRL itself, the per-token figures against a naive
+forward, the rollouts, the run file and the loop (training.objectives.grpo, training.rewards,
+data.prompts, training.loss.token_logps).
+
+The reference values (tests/fixtures/hf_peft/llama/grpo) were made by TRL 1.16.0's own
+`GRPOTrainer` (`_generate_and_score_completions` with the generation replaced by the fixed
+completions, then `_compute_loss`), the policy the PEFT adapter on the tiny Llama, the reference
+its base:
+
+    python scripts/make_hf_fixtures.py grpo-reference
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.nnx import traversals
+
+from modern_jax.config import ModelConfig
+from modern_jax.convert import from_hf
+from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
+from modern_jax.model import Transformer
+from modern_jax.training import TrainConfig, Trainer
+from modern_jax.training.converters import LoRA
+from modern_jax.training.loss import token_logps
+from modern_jax.training.objectives.grpo import GRPO, GRPOConfig
+
+from common import one_device
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_peft" / "llama"
+SETTINGS = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "scale_batch", "scale_none", "mask_truncated",
+            "kl_uncorrected", "unscorable", "on_policy", "on_policy_dapo")
+REWARDS = '''
+def correct(prompts, completions, **kwargs):
+    return [None] * len(completions)
+
+
+def format(prompts, completions, **kwargs):
+    return [None] * len(completions)
+'''
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "fixed.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def trl_rows(batch: dict, rewards_NF, old_logps=None, seq_len: int = 12) -> dict:
+    """Our `[1, B, T]` batch of TRL's rows: the prompt, then the completion (its <eos> included), the
+    completion's targets weighted; each row's rewards and whether it ended carried at every token."""
+    prompt, completion, lengths = batch["prompt_ids"], batch["completion_ids"], batch["completion_lengths"]
+    B, P = prompt.shape
+    C, T = completion.shape[1], seq_len
+    out = {k: np.zeros((B, T), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
+    out.update({k: np.zeros((B, T), np.float32) for k in ("weights", "completion", "old_logps")})
+    eos = int(batch["eos_id"])
+    ended = np.asarray([completion[b, lengths[b] - 1] == eos for b in range(B)], np.float32)
+    for b in range(B):
+        sequence = np.concatenate([prompt[b], completion[b, :lengths[b]]])
+        n = len(sequence)
+        out["inputs"][b, :n - 1], out["targets"][b, :n - 1] = sequence[:-1], sequence[1:]
+        out["positions"][b, :n] = np.arange(n)
+        out["segment_ids"][b, :n] = 1
+        out["completion"][b, P - 1:n - 1] = 1.0
+        if old_logps is not None:
+            out["old_logps"][b, P - 1:n - 1] = old_logps[b, :lengths[b]]
+    out["weights"] = out["completion"].copy()
+    if old_logps is None:
+        del out["old_logps"]
+    row = lambda x: np.broadcast_to(np.asarray(x, np.float32)[:, None], (B, T))  # noqa: E731
+    out.update(ended=row(ended), real=row(np.ones(B)),
+               **{f"reward_{f}": row(rewards_NF[:, f]) for f in range(rewards_NF.shape[1])})
+    return {k: np.ascontiguousarray(v)[None] for k, v in out.items()}
+
+
+def lora_trainer(config: GRPOConfig, seq_len: int = 12):
+    cfg, base = from_hf(FIXTURE / "base")
+    adapter = FIXTURE / "adapter"
+    lora = dataclasses.replace(read_peft_config(adapter), targets=peft_targets(adapter, base, "llama"))
+    tc = TrainConfig(batch_size=8, eval_batch_size=8, seq_len=seq_len, warmup_steps=0, lr=1e-3)
+    trainer = Trainer(cfg, tc, one_device(), converter=LoRA(lora), objective=GRPO(config, tc))
+    state = trainer.init_state(0)
+    params = traversals.flatten_mapping(jax.device_get(state["params"]))
+    params.update(traversals.flatten_mapping(jax.device_get(nnx.to_pure_dict(nnx.state(base, nnx.Param)))))
+    params.update(traversals.flatten_mapping(read_peft(adapter, trainer.model(state["params"]), "llama")))
+    return trainer, dict(state, params=jax.device_put(traversals.unflatten_mapping(params)))
+
+
+def setting(name: str, reward_file) -> tuple[GRPOConfig, dict, dict]:
+    with np.load(FIXTURE / "grpo" / f"{name}.npz") as z:
+        want = dict(z)
+    scalar = lambda k: want[k].item()  # noqa: E731
+    config = GRPOConfig(rewards=(f"{reward_file}:correct", f"{reward_file}:format"),
+                        reward_weights=tuple(want["reward_weights"].tolist()), num_generations=scalar("num_generations"),
+                        max_completion_length=scalar("max_completion_length"), temperature=scalar("temperature"),
+                        beta=scalar("beta"), epsilon=scalar("epsilon"), epsilon_high=scalar("epsilon_high"),
+                        loss_type=str(want["loss_type"]), importance_sampling_level=str(want["importance_sampling_level"]),
+                        num_iterations=scalar("num_iterations"), scale_rewards=str(want["scale_rewards"]),
+                        mask_truncated_completions=bool(want["mask_truncated_completions"]),
+                        use_bias_correction_kl=bool(want["use_bias_correction_kl"]))
+    with np.load(FIXTURE / "grpo" / "batch.npz") as z:
+        batch = trl_rows(dict(z), want["rewards"], z["old_logps"] if bool(want["use_old_logps"]) else None)
+    if config.mask_truncated_completions:  # TRL's mask after masking truncated completions
+        batch["weights"] = batch["weights"] * batch["ended"]
+    return config, batch, want
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_the_loss_and_every_logged_metric_equal_trl_on_a_fixed_batch(name, reward_file):
+    """Loss type, GSPO's sequence ratios, reward scaling, truncated completions, the KL's
+    correction, an unscorable row and the on-policy case: the step's loss and every metric TRL
+    logs (its `num_tokens` running count aside) within 1e-5 of TRL's, and the advantages."""
+    config, batch, want = setting(name, reward_file)
+    trainer, state = lora_trainer(config)
+    placed = trainer.batches.put(batch)
+    advantages = np.asarray(trainer.objective.complete(placed)["advantages"])[0, :, 0]
+    np.testing.assert_allclose(advantages, want["advantages"], rtol=1e-5, atol=1e-6)
+    _, metrics = trainer.train_step(state, placed)
+    metrics = jax.device_get(metrics)
+    np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=1e-5, atol=1e-7)
+    theirs = {k: v for k, v in json.loads(str(want["metrics"])).items() if k != "num_tokens"}
+    assert set(theirs) <= set(trainer.objective.named), sorted(set(theirs) - set(trainer.objective.named))
+    for key, value in theirs.items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_per_token_log_probabilities_and_entropy_equal_trl_and_a_naive_softmax(reward_file):
+    """`token_logps` at the temperature, in vocabulary chunks of 48 (128 rows: three chunks), equals
+    TRL's per-token log-probabilities and entropies and a whole-vocabulary log-softmax."""
+    config, batch, want = setting("grpo", reward_file)
+    trainer, state = lora_trainer(config)
+    model = trainer.model(state["params"])
+    rows = {k: jnp.asarray(v[0]) for k, v in batch.items()}
+    logps, entropy, _ = token_logps(model, rows, chunk=48, temperature=config.temperature, entropy=True)
+    logits = model(rows["inputs"], positions=rows["positions"], segment_ids=rows["segment_ids"]) / config.temperature
+    naive = jax.nn.log_softmax(logits, -1)
+    np.testing.assert_allclose(logps, jnp.take_along_axis(naive, rows["targets"][..., None], -1)[..., 0], atol=2e-5)
+    np.testing.assert_allclose(entropy, -jnp.sum(jnp.exp(naive) * naive, -1), atol=2e-5)
+    lengths = np.load(FIXTURE / "grpo" / "batch.npz")["completion_lengths"]
+    for b, n in enumerate(lengths):  # TRL's, at the completion's targets
+        np.testing.assert_allclose(np.asarray(logps)[b, 4:4 + n], want["per_token_logps"][b, :n], atol=2e-5)
+        np.testing.assert_allclose(np.asarray(entropy)[b, 4:4 + n], want["entropies"][b, :n], atol=2e-5)
+
+
+# ----- the run: rollouts, resume, the first step ----------------------------------------------
+
+ROOT = pathlib.Path(__file__).parent.parent
+CHAT = pathlib.Path(__file__).parent / "fixtures" / "hf_chat"
+
+
+def arithmetic(tmp_path) -> pathlib.Path:
+    """scripts/make_arithmetic.py's sums of 0 to 5, written once into `tmp_path`."""
+    import runpy
+
+    path = tmp_path / "arithmetic.jsonl"
+    if not path.exists():
+        runpy.run_path(str(ROOT / "scripts" / "make_arithmetic.py"))["main"](["--out", str(path), "--largest", "5"])
+    return path
+
+
+def grpo_run(tmp_path, name: str, *overrides):
+    from modern_jax.convert import finetune_run
+    from modern_jax.training.config import load_run_config
+
+    run = load_run_config(ROOT / "configs" / "grpo.yaml", [
+        f"train.output_dir={tmp_path / name}", f"data.path={arithmetic(tmp_path)}",
+        "grpo.rewards=[configs/rewards.py:exact_answer, configs/rewards.py:number_last]", "train.batch_size=16",
+        "grpo.num_generations=4", "grpo.max_completion_length=6", "train.seq_len=32", "train.eval_batch_size=16",
+        "train.eval_every=0", "train.progress=false", "train.plot=false", "train.log_every=1", *overrides])
+    return finetune_run(run, CHAT)
+
+
+def test_a_lora_grpo_run_starts_at_kl_0_compiles_its_rollouts_once_and_resumes_exactly(tmp_path, monkeypatch):
+    """Step 1 of a LoRA run (the adapters' B zero): kl 0 to the base and no ratio clipped. Over 4
+    steps of 2 iterations each batch and a final evaluation, the rollouts compile once for the
+    steps and once for the evaluation; stopped after 2 steps and resumed, the run logs every figure
+    the uninterrupted run logs."""
+    from modern_jax.training import loop
+
+    monkeypatch.chdir(ROOT)
+    made = []
+    monkeypatch.setattr(loop, "trainer_for", lambda *a, **k: made.append(step_trainer(*a, **k)) or made[-1])
+    overrides = ("grpo.beta=0.04", "grpo.num_iterations=2", "train.steps=4", "train.checkpoint_every=2")
+    run, init = grpo_run(tmp_path, "whole", *overrides)
+    whole = loop.train(run, init=init)
+    first = whole.history[0]
+    assert first["kl"] == 0.0 and first["clip_ratio/region_mean"] == 0.0
+    assert whole.history[1]["kl"] > 0  # the adapters moved
+    rollouts = {k: v for k, v in made[0].compilations.items() if k.startswith("grpo_rollout")}
+    assert sum(rollouts.values()) == 2 and made[0].compilations["train"] == 1, made[0].compilations
+    run, init = grpo_run(tmp_path, "parts", *overrides)
+    part = loop.train(run, init=init, stop_after=2)
+    assert part.interrupted and part.step == 2
+    rest = loop.train(dataclasses.replace(run, train=dataclasses.replace(run.train, resume=True)), init=init)
+    resumed = part.history + rest.history
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(whole.history, resumed):
+        for key in ("loss", "reward", "kl", "entropy", "grad_norm", "completions/mean_length"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-6, atol=1e-9, err_msg=f"step {a['step']} {key}")
+    samples = [json.loads(line) for line in (tmp_path / "whole" / "completions.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 3} and {"prompt", "completion", "exact_answer"} <= set(samples[0])
+
+
+def step_trainer(*args, **kwargs):
+    from modern_jax.training.step import trainer_for
+
+    return trainer_for(*args, **kwargs)
+
+
+def test_full_weight_grpo_keeps_a_frozen_reference_and_refuses_what_it_cannot_run(tmp_path, monkeypatch):
+    from modern_jax.training.config import run_config_from_dict
+
+    monkeypatch.chdir(ROOT)
+    base = {"model": {"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
+            "train": {"batch_size": 8, "eval_batch_size": 8, "seq_len": 16},
+            "grpo": {"rewards": ["configs/rewards.py:exact_answer"], "num_generations": 4, "max_completion_length": 4}}
+    run_config_from_dict(base)
+    bad = [({"train": {**base["train"], "batch_size": 6}}, r"batch_size / grad_accum = 6 rows.*multiple of 4"),
+           ({"train": {**base["train"], "seq_len": 4}}, r"seq_len=4 .* exceed grpo.max_completion_length=4"),
+           ({"grpo": {**base["grpo"], "num_iterations": 3}}, r"train.steps=.*multiple of 3"),
+           ({"grpo": {**base["grpo"], "loss_type": "ppo"}}, r"loss_type='ppo' is invalid: expected one of grpo"),
+           ({"grpo": {**base["grpo"], "rewards": []}}, r"rewards=\[\] is invalid"),
+           ({"grpo": {**base["grpo"], "reward_weights": [1, 2]}}, r"reward_weights=\[1, 2\] is invalid: expected 1"),
+           ({"grpo": {**base["grpo"], "num_generations": 1}}, r"num_generations=1 is invalid"),
+           ({"grpo": {**base["grpo"], "epsilonhigh": 0.3}}, r"unknown key grpo.epsilonhigh; did you mean epsilon_high"),
+           ({"dpo": {}}, r"sections dpo, grpo each choose a training objective")]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            run_config_from_dict({**base, **change})
+    run = run_config_from_dict({**base, "grpo": {**base["grpo"], "beta": 0.1}})
+    trainer = step_trainer(run, one_device())
+    assert "reference" in trainer.abstract_state()  # full weights: a frozen copy of the start
+
+
+def test_reward_functions_are_named_and_checked(tmp_path, monkeypatch):
+    from modern_jax.training.rewards import Rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.py").write_text("def short(completions, **kw):\n    return [1.0] * (len(completions) - 1)\n"
+                                   "def strict(prompts, completions):\n    return [0.0] * len(completions)\n"
+                                   "def nan(completions, **kw):\n    return [float('nan')] * len(completions)\n"
+                                   "def good(completions, answer, **kw):\n    return [None, float(answer[1])]\n")
+    for spec, message in (("r.py", "expected 'path/to/file.py:function'"), ("nofile.py:f", "no file 'nofile.py'"),
+                          ("r.py:missing", "has no function 'missing'; its functions: good, nan, short, strict"),
+                          ("no_such_module:f", "cannot import 'no_such_module'")):
+        with pytest.raises(ValueError, match=message):
+            Rewards([spec])
+    call = lambda spec: Rewards([spec]).score(["p", "q"], ["a", "b"], [[1], [2]], {"answer": [3, 4]})  # noqa: E731
+    with pytest.raises(ValueError, match="short returned 1 rewards for 2 completions"):
+        call("r.py:short")
+    with pytest.raises(ValueError, match=r"strict cannot take the arguments .* answer as keywords; end its parameters"):
+        call("r.py:strict")
+    with pytest.raises(ValueError, match="nan returned nan for completion 0: return a finite number"):
+        call("r.py:nan")
+    got = call("r.py:good")
+    assert np.isnan(got[0, 0]) and got[1, 0] == 4.0
+
+
+def test_prompt_batches_repeat_each_prompt_once_per_generation_and_resume(tmp_path):
+    from modern_jax.data.config import DataConfig
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.data.prompts import prompt_iterator, read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": i}) + "\n" for i in range(10)))
+
+    prompts = read_prompts(DataConfig(path=str(path)), ByteTokenizer(), room=8)
+    assert prompts.columns["answer"][:3] == (0, 1, 2) and len(prompts) == 10
+    it = prompt_iterator(prompts, batch_size=8, generations=4, grad_accum=2, seed=1, repeat=2)
+    batches = [next(it) for _ in range(4)]
+    for b in batches:
+        assert b["index"].shape == (2, 4) and (b["index"] == b["index"][:, :1]).all()  # a group per micro-batch
+    np.testing.assert_array_equal(batches[0]["index"], batches[1]["index"])  # repeat: one batch for 2 steps
+    assert not np.array_equal(batches[1]["index"], batches[2]["index"])
+    resumed = prompt_iterator(prompts, batch_size=8, generations=4, grad_accum=2, seed=1, repeat=2, state=it.get_state())
+    again = prompt_iterator(prompts, batch_size=8, generations=4, grad_accum=2, seed=1, repeat=2)
+    for _ in range(4):
+        next(again)
+    np.testing.assert_array_equal(next(resumed)["index"], next(again)["index"])
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(ValueError, match="no field 'prompt'.*rename that field to 'prompt'"):
+        read_prompts(DataConfig(path=str(tmp_path / "bad.jsonl")), ByteTokenizer(), room=8)
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "0123456789"}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1: the prompt is 11 tokens, more than the 8"):
+        read_prompts(DataConfig(path=str(tmp_path / "long.jsonl")), ByteTokenizer(), room=8)
