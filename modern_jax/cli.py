@@ -4,6 +4,7 @@
     modern-jax train --init-from-hf HF_DIR --data chats.jsonl [--config configs/finetune_chat.yaml] [...]
     modern-jax evaluate --checkpoint runs/tiny [--split val | --data FILE] [--max-windows N|all]
     modern-jax generate --checkpoint runs/tiny --prompt "def " [--temperature 0.8 --top-k 50 --top-p 0.95]
+    modern-jax harness --checkpoint runs/chat | --hf HF_DIR --tasks sums_choice [--include-path configs/harness ...]
     modern-jax info --config configs/llama3_8b.yaml [model.n_layers=4 ...] [--context 8192]
     modern-jax info --hf-config path/to/config.json
     modern-jax convert --from-hf HF_DIR --out CKPT  |  --to-hf CKPT --out HF_DIR [--model-type llama]
@@ -13,7 +14,7 @@
 
 Under a cluster launcher (srun, mpirun, a Cloud TPU pod's workers) or with --coordinator /
 --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID),
-train, evaluate, generate and plan join the other processes first (`multihost.distributed`).
+train, evaluate, generate, harness and plan join the other processes first (`multihost.distributed`).
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ def cmd_train(args) -> int:
     for label, value in result.val_shown.items():  # the objective's own figures (bits per byte, DPO's margin)
         print(f"val_{label}: {value:.4f}")
     print(f"val_loss: {result.val_loss:.4f}")
+    for name, value in result.harness.items():  # train.harness_tasks: lm-eval's figures at the last step
+        print(f"harness/{name}: {value:.4f}")
     print(f"tokens_per_s: {result.tokens_per_s:.0f}")
     return 0
 
@@ -411,6 +414,104 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_harness(args) -> int:
+    """lm-eval's tasks on a checkpoint or a Hugging Face model: its table, its result and sample files."""
+    _check_flags(args, _positive("--batch-size"), ("--num-fewshot", lambda n: n >= 0, "an integer >= 0"),
+                 ("--limit", lambda x: 0 < x < math.inf, "a positive count of documents, or a fraction below 1"))
+    if bool(args.checkpoint) == bool(args.hf):
+        raise ValueError("give one of --checkpoint RUN (a run, a step or a converted checkpoint) or --hf DIR "
+                         "(a Hugging Face model directory)")
+    tasks = [t for item in args.tasks for t in item.split(",") if t]
+    if not tasks:
+        raise ValueError("--tasks: give one or more task names (lm-eval's, or those of --include-path)")
+    import jax
+
+    from modern_jax import harness
+    from modern_jax.training import outputs
+
+    main = jax.process_index() == 0
+    note = _note if main else (lambda *_: None)
+    if args.output_path:  # before anything is read: refused early, written by process 0 only
+        outputs.claim(args.output_path, outputs.HARNESS, "--output-path", hint="choose a new directory")
+    harness.quiet_lm_eval()
+    manager = harness.task_manager(args.include_path, tasks=tasks)
+    harness.check_tasks(manager, tasks)
+    harness.load_tasks(manager, tasks)  # a task whose data cannot be read is refused before the model is
+    cfg, params, raw, tokenizer, source = _harness_model(args, note)
+    trainer = _harness_trainer(cfg, raw, args)
+    lm = harness.HarnessLM(harness.Scorer(trainer, params, args.batch_size), tokenizer, seed=args.seed,
+                           name=source)
+    tracker = None
+    if args.output_path and main:
+        from lm_eval.loggers import EvaluationTracker
+
+        tracker = EvaluationTracker(output_path=args.output_path)
+    results = harness.evaluate_tasks(lm, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
+                                     limit=args.limit, log_samples=args.log_samples,
+                                     apply_chat_template=args.apply_chat_template or False,
+                                     gen_kwargs=args.gen_kwargs, seed=args.seed, model_args={"pretrained": source},
+                                     tracker=tracker, manager=manager)
+    if not main or results is None:
+        return 0
+    if tracker is not None:
+        samples = results.pop("samples", None)
+        tracker.save_results_aggregated(results=results, samples=samples)
+        for task in results["configs"] if samples else ():
+            tracker.save_results_samples(task_name=task, samples=samples[task])
+        outputs.mark(args.output_path, outputs.HARNESS, "modern-jax harness")
+        note(f"wrote {args.output_path}")
+    from lm_eval.utils import make_table
+
+    print(f"{source}: limit {args.limit}, num_fewshot {args.num_fewshot}, batch_size {args.batch_size}")
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    return 0
+
+
+def _harness_model(args, note):
+    """`(config, parameters, run config, tokenizer, name)` of --checkpoint or --hf."""
+    if args.hf:
+        from modern_jax.convert.checkpoint import initial_weights
+
+        cfg, init = initial_weights(args.hf, log=note)
+        if init.tokenizer is None:
+            raise ValueError(f"--hf {args.hf} has no tokenizer.json: lm-eval's tasks are text, and the model's "
+                             f"token ids mean nothing to another tokenizer: put its tokenizer files beside it")
+        note(f"converting {init.source}")
+        return cfg, init.params(), {}, init.tokenizer, str(args.hf)
+    from modern_jax.convert.checkpoint import load_model_params
+
+    cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=note)
+    return cfg, params, raw, _checkpoint_tokenizer(run_dir, cfg), str(args.checkpoint)
+
+
+def _harness_trainer(cfg, raw: dict, args):
+    """The scoring Trainer on --mesh, else the run's mesh (its parallel: section), else every device on data."""
+    from modern_jax.data.config import DataConfig
+    from modern_jax.lora import LoRAConfig
+    from modern_jax.sharding import ParallelConfig
+    from modern_jax.sharding.mesh import parse_mesh
+    from modern_jax.training import RunConfig, TrainConfig, trainer_for
+
+    parallel = dict(raw.get("parallel") or {}) if isinstance(raw.get("parallel"), dict) else {}
+    if args.mesh:
+        parallel.update(parse_mesh(args.mesh))
+    parallel = ParallelConfig.from_dict(parallel)
+    seq_len = cfg.max_position_embeddings
+    tc = TrainConfig(seq_len=seq_len, batch_size=args.batch_size, eval_batch_size=args.batch_size, warmup_steps=0)
+    run = RunConfig(cfg.to_dict(), tc, DataConfig(), parallel, lora=LoRAConfig.of_run(raw))
+    try:
+        mesh = parallel.mesh()
+    except ValueError as e:
+        raise ValueError(f"the mesh {'--mesh ' + args.mesh if args.mesh else 'of the run (parallel:)'}: {e}") from None
+    try:
+        return trainer_for(run, mesh, optimizer=False)
+    except ValueError as e:
+        raise ValueError(str(e).replace("train.eval_batch_size", "--batch-size").replace("train.batch_size / grad_accum",
+                                                                                       "--batch-size")) from None
+
+
 def _note(message: str) -> None:
     """Progress for the user on stderr, so stdout keeps only the command's result."""
     print(message, file=sys.stderr, flush=True)
@@ -568,7 +669,7 @@ def _launch_flags(sub: argparse.ArgumentParser) -> None:
                             "join (default 120)")
 
 
-COMPUTING = ("train", "evaluate", "generate", "plan")  # the commands that join a launch
+COMPUTING = ("train", "evaluate", "generate", "harness", "plan")  # the commands that join a launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -625,6 +726,32 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     ge.add_argument("--seed", type=int, default=0)
     ge.set_defaults(func=cmd_generate)
+
+    ha = sub.add_parser("harness", help="lm-eval's benchmarks (multiple choice, generation, perplexity) on a "
+                                        "checkpoint or a Hugging Face model")
+    ha.add_argument("--checkpoint", help="a run directory, a step directory, or a converted checkpoint")
+    ha.add_argument("--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json), "
+                                 "converted as it is read")
+    ha.add_argument("--tasks", nargs="+", required=True, metavar="TASK",
+                    help="lm-eval task names, space- or comma-separated (e.g. hellaswag arc_easy, or sums_choice "
+                         "with --include-path configs/harness)")
+    ha.add_argument("--include-path", help="a directory of task YAML files, added to lm-eval's own")
+    ha.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: the task's, else 0)")
+    ha.add_argument("--limit", type=float, help="documents per task: a count, or a fraction below 1")
+    ha.add_argument("--batch-size", type=int, default=32, help="rows per scoring or decoding batch (default 32; a "
+                                                               "multiple of the mesh's data shards)")
+    ha.add_argument("--log-samples", action="store_true", help="with --output-path: write each document's requests, "
+                                                               "answers and metrics (lm-eval's samples_*.jsonl)")
+    ha.add_argument("--output-path", help="a directory for lm-eval's results_*.json (and samples): new, empty, or one "
+                                          "this command wrote before")
+    ha.add_argument("--apply-chat-template", nargs="?", const=True, default=False, metavar="NAME",
+                    help="render prompts with the tokenizer's chat template")
+    ha.add_argument("--gen-kwargs", help="generation settings over the tasks', e.g. temperature=0.8,do_sample=True,"
+                                         "max_gen_toks=16")
+    ha.add_argument("--seed", type=int, default=0, help="seeds lm-eval's shuffles and few-shot draws, and sampling")
+    ha.add_argument("--mesh", help="device mesh, e.g. data=4,tensor=2 (default: the run's parallel: section, else "
+                                   "every device on data)")
+    ha.set_defaults(func=cmd_harness)
 
     co = sub.add_parser("convert", help="Hugging Face checkpoint <-> modern_jax (Orbax) checkpoint")
     co.add_argument("--from-hf", help="a Hugging Face model directory (config.json + safetensors) or a hub name "

@@ -24,7 +24,7 @@ LAYERS = [
     ("layers",),
     ("model",),
     ("accounting", "generate", "multihost", "data"),  # what the model is measured, sampled, placed and fed with
-    ("training",),
+    ("training", "harness"),  # harness: lm-eval's benchmarks, in a run and by `modern-jax harness`
     ("planner", "convert", "report"),
     ("cli",),
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,11 @@ class TrainConfig:
     sample_temperature: float = 0.8
     sample_top_k: int | None = None
     sample_top_p: float | None = 0.95
+    # lm-eval's benchmarks during training (modern_jax/harness.py): logged as harness/{task}/{metric}
+    harness_tasks: tuple[str, ...] = ()  # lm-eval task names; none: no benchmark
+    harness_every: int = 0  # steps between benchmarks; 0: only at the end
+    harness_limit: float | None = None  # documents per task (a count, or a fraction below 1); null: all
+    harness_include_path: str | None = None  # a directory of task YAML files (e.g. configs/harness)
 
     # checkpoints and robustness
     checkpoint_every: int = 500  # 0: only at the end
@@ -96,6 +102,16 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.no_decay, list):
             object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        if isinstance(self.harness_tasks, str):  # one name, or names separated by commas
+            object.__setattr__(self, "harness_tasks", tuple(t for t in self.harness_tasks.split(",") if t))
+        if isinstance(self.harness_tasks, list):
+            object.__setattr__(self, "harness_tasks", tuple(self.harness_tasks))
+        if not isinstance(self.harness_tasks, tuple) or not all(isinstance(t, str) and t for t in self.harness_tasks):
+            _fail("harness_tasks", self.harness_tasks, "expected a list of lm-eval task names")
+        if self.harness_limit is not None and (isinstance(self.harness_limit, bool) or not isinstance(
+                self.harness_limit, (int, float)) or not 0 < self.harness_limit < math.inf):
+            _fail("harness_limit", self.harness_limit, "expected a positive count of documents, a fraction below 1, "
+                                                      "or null")
         if not isinstance(self.no_decay, tuple):
             _fail("no_decay", self.no_decay, f"expected a list of groups from {', '.join(NO_DECAY_GROUPS)}")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batch_size",
@@ -103,7 +119,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(name, value, "expected a positive integer")
-        for name in ("seed", "warmup_steps", "eval_every", "checkpoint_every", "samples", "sample_tokens"):
+        for name in ("seed", "warmup_steps", "eval_every", "checkpoint_every", "samples", "sample_tokens",
+                     "harness_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 _fail(name, value, "expected a non-negative integer")
@@ -161,6 +178,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["no_decay"] = list(self.no_decay)
+        out["harness_tasks"] = list(self.harness_tasks)
         return out
 
     def replace(self, **changes: Any) -> TrainConfig:

@@ -91,6 +91,7 @@ class TrainResult:
     interrupted: bool = False
     signal: int | None = None  # the signal that stopped it (None: stop_after, or another process's signal)
     samples: list[str] = dataclasses.field(default_factory=list)
+    harness: dict = dataclasses.field(default_factory=dict)  # the final benchmarks (train.harness_tasks): task/metric
 
 
 class _StopSignal:
@@ -329,6 +330,7 @@ class _Session:
     start: int
     saved_step: int | None
     compile_s: float
+    benchmarks: object = None  # train.harness_tasks: lm-eval's tasks on the parameters (`harness.Benchmarks`)
 
     @property
     def out_dir(self) -> pathlib.Path:
@@ -363,6 +365,14 @@ class _Session:
                                       self.run.train.eval_batch_size, advance, self.state.get("reference"))
         if metrics_log is not None:
             metrics_log.write(step, "val", values)
+        return values
+
+    def benchmark(self, metrics_log: MetricsLog | None, step: int, progress: Progress) -> dict:
+        """lm-eval's figures of the tasks of train.harness_tasks (logged at `step` as harness/task/metric)."""
+        with progress.phase(f"benchmarks: {', '.join(self.run.train.harness_tasks)}"):
+            values = self.benchmarks(self.state["params"])
+        if metrics_log is not None:
+            metrics_log.write(step, "harness", values)
         return values
 
     def eval_batches(self, max_windows):
@@ -472,11 +482,17 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         if init is not None:
             state = trainer.with_start(state, _initial_params(trainer, init, log))
 
+    benchmarks = None
+    if tc.harness_tasks:  # the tasks are checked and their data read before any step
+        from modern_jax.harness import Benchmarks
+
+        with progress.phase("reading the benchmark tasks (lm-eval)"):
+            benchmarks = Benchmarks(trainer, tokenizer, tc)
     rows, _ = trainer.batches.local_slices(tc.batch_size // tc.grad_accum)
     iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
     session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
                        jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
-                       iterator.get_state(), {}, start, latest, 0.0)
+                       iterator.get_state(), {}, start, latest, 0.0, benchmarks)
     session.periodic_eval = list(session.eval_batches(tc.eval_windows))
     # what the validation split holds: say so when asked more
     windows, unit = objective.eval_size(val_stream), objective.eval_unit
@@ -610,6 +626,9 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 values = s.evaluate(metrics_log, step, s.periodic_eval, progress)
                 message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.shown.line(values, "val_"))
+            if s.benchmarks is not None and tc.harness_every and step % tc.harness_every == 0 and step < tc.steps:
+                values = s.benchmark(metrics_log, step, progress)
+                message(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
             if stopping:
                 s.save(step, message)
                 s.checkpointer.wait()
@@ -624,6 +643,8 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
             final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows), progress, "final validation")
             result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
             result.val_shown = s.trainer.shown.values(final)
+            if s.benchmarks is not None:
+                result.harness = s.benchmark(metrics_log, step, progress)
             s.save(step, message)
     finally:
         progress.close()

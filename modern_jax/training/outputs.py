@@ -8,6 +8,7 @@ Every command that writes names its kind of directory and claims it first:
 | `train` (`train.output_dir`)  | a new or empty directory, or its own run (resume) | -                  |
 | `convert --from-hf`, `save_checkpoint` | a new or empty directory   | replaces a converted checkpoint  |
 | `convert --to-hf`, `to_hf`    | a new or empty directory            | replaces an export of its own    |
+| `harness --output-path`       | a new or empty directory, or its own results (adds files) | -          |
 
 Anything else (a training run, one of its step directories, another kind of checkpoint,
 files we did not write) is refused with what is there and how to proceed; nothing is
@@ -41,6 +42,7 @@ import yaml
 
 RUN, STEP, CHECKPOINT, HF, OTHER, EMPTY, MISSING = "run", "step", "checkpoint", "hf", "other", "empty", "missing"
 PEFT = "peft"  # a LoRA adapter in PEFT's format
+HARNESS = "harness"  # lm-eval's results and samples, written by `modern-jax harness`
 LISTED = 4  # entries named in a description
 LOCK_FILE = ".modern-jax.lock"  # the live writer of a directory (RunLock)
 MARKER = ".modern-jax"  # in a Hugging Face export we wrote: what wrote it (`--overwrite` replaces only such)
@@ -100,6 +102,10 @@ def describe(path) -> Contents:
         return Contents(CHECKPOINT, "a converted checkpoint (config.yaml and params/)")
     if "adapter_config.json" in entries:
         return Contents(PEFT, "a PEFT adapter (adapter_config.json)", ours=(path / MARKER).is_file())
+    if MARKER in entries or (path / MARKER).is_file():
+        written = _marker_kind(path)
+        if written == HARNESS:
+            return Contents(HARNESS, "benchmark results of modern-jax harness")
     weights = [n for n in names if n.endswith(".safetensors")]
     if "config.json" in entries or weights:
         return Contents(HF, f"a Hugging Face model (config.json and {len(weights)} safetensors files)",
@@ -107,6 +113,13 @@ def describe(path) -> Contents:
     shown = [n + "/" if (path / n).is_dir() else n for n in names[:LISTED]]
     more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
     return Contents(OTHER, f"{len(names)} entries that modern-jax did not write ({', '.join(shown)}{more})", ours=False)
+
+
+def _marker_kind(path: pathlib.Path) -> str | None:
+    try:
+        return json.loads((path / MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def enclosing(path) -> tuple[pathlib.Path, Contents] | None:
@@ -143,7 +156,7 @@ def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "c
         refuse_if_locked(path, what, hint)
     if contents.kind in (MISSING, EMPTY):
         return contents
-    if contents.kind == kind and kind == RUN:  # the trainer resumes its own run
+    if contents.kind == kind and kind in (RUN, HARNESS):  # the trainer resumes its own run; results add up
         return contents
     if contents.kind == kind and overwrite:
         inside = enclosing(path)

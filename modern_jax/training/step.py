@@ -139,20 +139,22 @@ class Trainer:
         self._jitted.setdefault(name, jax.jit(fn))
         return self.lower(name, *args, platform=platform)
 
-    def lower(self, name: str, *args, platform: str | None = None):
-        """Trace and lower step `name` for the mesh's devices (their platform picks the kernels), or
-        for `platform` ('cuda', 'tpu') with no such device here (lowered only: compile it with that
+    def lower(self, name, *args, platform: str | None = None):
+        """Trace and lower step `name` (or a `jax.jit` program of the same model, e.g. the benchmark
+        harness's scoring, with its own shardings) for the mesh's devices (their platform picks the
+        kernels), or for `platform` ('cuda', 'tpu') with no such device here (lowered only: compile it with that
         platform's compiler); on a multi-device mesh the rules shape every activation."""
+        program = self._jitted[name] if isinstance(name, str) else name
         with compiling_for(platform or self.mesh), use_execution(self.execution), recording_kernels() as seen, \
                 contextlib.ExitStack() as stack:
             stack.callback(lambda: [self.kernels.setdefault(k, set()).update(v) for k, v in seen.items()])
             if self.mesh.size > 1:
                 stack.enter_context(logical_rules(self.mesh, self.rules, self.strategies))
             if platform is None:
-                return self._jitted[name].lower(*args)
+                return program.lower(*args)
             if platform == "cuda":  # the Triton lowering asks for a GPU: name one (an H100; the IR is the same)
                 stack.enter_context(lowering_for("sm_90a", self.mesh))
-            return self._jitted[name].trace(*args).lower(lowering_platforms=(platform,))
+            return program.trace(*args).lower(lowering_platforms=(platform,))
 
     def _run(self, name: str, *args):
         executable = self._executables.get(name)

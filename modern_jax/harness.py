@@ -1,0 +1,484 @@
+"""Benchmarks with EleutherAI's lm-evaluation-harness (`lm_eval`): our model as one of its `LM`s.
+
+lm_eval keeps everything that makes a benchmark (its task registry and YAML files, prompts,
+few-shot sampling, metrics, the result and sample files); `HarnessLM` answers its three
+requests with the jit-compiled model on a mesh:
+
+    loglikelihood          (context, continuation) -> (log p(continuation | context), is it the greedy one)
+    loglikelihood_rolling  (document,) -> its log-likelihood over lm_eval's own windows of max_length tokens
+    generate_until         (context, gen_kwargs) -> text up to a stop string, or max_gen_toks tokens (KV cache)
+
+Tokens are made as lm_eval's `hf` backend makes them (a Hugging Face tokenizer with its special
+tokens, the continuation split off the encoded whole, left truncation to the model's
+`max_position_embeddings`), so the figures are those of `lm_eval --model hf` on the same weights.
+
+    lm = HarnessLM(Scorer(trainer, params, batch_size=32), tokenizer)
+    results = evaluate_tasks(lm, ["sums_choice"], include_path="configs/harness", limit=8)
+
+Scoring: each request is one row of `[inputs, targets, weights]` (weights on the continuation);
+rows are sorted by length and padded to a few buckets (powers of two up to max_length), `batch_size`
+rows a batch, each bucket's program compiled once. The rows of a batch split over the mesh's data
+axes, so under a launch of several processes every process builds the same requests, feeds the
+rows its devices hold and receives every score (process 0 alone writes the files).
+
+Letters as in `modern_jax`: B batch, T length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from lm_eval.api.model import TemplateLM
+
+from modern_jax.ops import vocab
+from modern_jax.training.loss import vocab_parts
+
+MIN_BUCKET = 16  # the shortest padded length
+HUB_FIX = ("copy its data to local files and point a copy of its YAML at them (dataset_path: json, "
+           "dataset_kwargs: {data_files: {test: path/to/test.jsonl}}) in a directory given to --include-path")
+
+
+def buckets(max_length: int) -> list[int]:
+    """The padded lengths: powers of two from MIN_BUCKET, and `max_length` itself."""
+    out = [n for n in (MIN_BUCKET << i for i in range(32)) if n < max_length]
+    return out + [max_length]
+
+
+class Scorer:
+    """Log-likelihoods of rows of tokens with one model on one mesh: `[(tokens, n)]` -> for each,
+    the summed log-probability of its last `n` tokens given the ones before, and whether each of
+    them is the model's argmax."""
+
+    def __init__(self, trainer, params, batch_size: int, max_length: int | None = None):
+        from modern_jax.sharding.rules import split_size
+
+        self.trainer, self.batch_size = trainer, batch_size
+        self.max_length = max_length or trainer.model_cfg.max_position_embeddings
+        shards = split_size("activation_batch", trainer.mesh, trainer.rules)
+        if batch_size % shards:
+            raise ValueError(f"--batch-size {batch_size} does not split over the mesh's {shards} data shards "
+                             f"({dict(trainer.mesh.shape)}): give a multiple of {shards}")
+        self.params_sharding = trainer.state_shardings["params"]
+        self.params = None if params is None else jax.device_put(  # None: set later (a training state's)
+            jax.tree.map(np.asarray, params) if jax.process_count() > 1 else params, self.params_sharding)
+        self._program = jax.jit(self._score, in_shardings=(self.params_sharding, trainer.batches.sharding),
+                                out_shardings=trainer.replicated)
+        self._compiled: dict = {}
+        self.batches_run = 0
+
+    @property
+    def graphdef(self):
+        return self.trainer.graphdef
+
+    def _score(self, params, batch):
+        """`(logp [B], greedy [B])` of a batch `[1, B, T]` (the placement's layout)."""
+        model = self.trainer.model(params)
+        inputs_BT, targets_BT, weights_BT = batch["inputs"][0], batch["targets"][0], batch["weights"][0]
+        positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1], dtype=jnp.int32), inputs_BT.shape)
+        h_BTD, _ = model.hidden_states(inputs_BT, positions=positions_BT)
+        parts = functools.partial(vocab_parts, chunk=self.trainer.cfg.loss_vocab_chunk)
+        m_BT, s_BT, z_target_BT, _ = vocab.split_parts(parts, h_BTD, model.head(), targets_BT)
+        logp_BT = z_target_BT - (m_BT + jnp.log(s_BT))
+        scored_BT = weights_BT > 0
+        return (jnp.sum(jnp.where(scored_BT, logp_BT, 0.0), axis=-1),
+                jnp.all(jnp.where(scored_BT, z_target_BT >= m_BT, True), axis=-1))
+
+    def _executable(self, length: int):
+        if length not in self._compiled:
+            abstract = {k: jax.ShapeDtypeStruct((1, self.batch_size, length), jnp.int32,
+                                                sharding=self.trainer.batches.sharding)
+                        for k in ("inputs", "targets", "weights")}
+            lowered = self.trainer.lower(self._program, self.params, abstract)
+            self._compiled[length] = lowered.compile()
+        return self._compiled[length]
+
+    def _decoder(self, width: int, max_new: int, temperature: float, top_k, top_p, eos_id):
+        """The compiled sampler of `batch_size` left-padded prompts of `width` tokens."""
+        from modern_jax.generate import decode
+
+        key = ("generate", width, max_new, temperature, top_k, top_p, eos_id)
+        if key not in self._compiled:
+            def sample(params, prompt_BT, length_B, rng):
+                return decode(self.trainer.model(params), prompt_BT, rng, max_new_tokens=max_new,
+                              temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, length_B=length_B)
+
+            rows = self.trainer.batches.sharding.spec[1]
+            sharding = jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(rows))
+            program = jax.jit(sample, in_shardings=(self.params_sharding, sharding, sharding, self.trainer.replicated),
+                              out_shardings=self.trainer.replicated)
+            abstract = (jax.ShapeDtypeStruct((self.batch_size, width), jnp.int32, sharding=sharding),
+                        jax.ShapeDtypeStruct((self.batch_size,), jnp.int32, sharding=sharding))
+            self._compiled[key] = (self.trainer.lower(program, self.params, *abstract, jax.random.key(0)).compile(),
+                                   sharding)
+        return self._compiled[key]
+
+    def generate(self, prompts: list[list[int]], max_new: int, rng, *, temperature: float, top_k=None, top_p=None,
+                 eos_id=None) -> list[np.ndarray]:
+        """`max_new` tokens after each prompt (after eos, eos again): prompts sorted by length,
+        right-aligned in rows of the bucket widths that fit the positions left, `batch_size` rows
+        a batch, each (width, settings) compiled once; the rows split over the data axes."""
+        from modern_jax.generate import left_padded
+
+        room = self.max_length - max_new
+        widths = [n for n in buckets(self.max_length) if n < room] + [room]
+        out: list = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        groups: dict[int, list[int]] = {}
+        for i in order:
+            groups.setdefault(next(n for n in widths if n >= len(prompts[i])), []).append(i)
+        for width, members in groups.items():
+            executable, sharding = self._decoder(width, max_new, temperature, top_k, top_p, eos_id)
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start:start + self.batch_size]
+                padded = chunk + [chunk[0]] * (self.batch_size - len(chunk))  # a short batch: copies of a row
+                prompt_BT, length_B = left_padded([prompts[i] for i in padded], width)
+                args = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+                        for a in (prompt_BT, length_B)]
+                new_BT = np.asarray(jax.device_get(executable(self.params, *args, jax.random.fold_in(rng, start))))
+                self.batches_run += 1
+                for r, i in enumerate(chunk):
+                    out[i] = new_BT[r]
+        return out
+
+    def __call__(self, rows: list[tuple[list[int], int]], advance=None) -> list[tuple[float, bool]]:
+        """For each `(tokens, n)` (at most max_length + 1 tokens, 1 <= n < len(tokens)): the
+        log-probability of the last n tokens and whether greedy decoding gives them."""
+        lengths = buckets(self.max_length)
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        results: list = [None] * len(rows)
+        groups: dict[int, list[int]] = {}
+        for i in order:
+            n_inputs = len(rows[i][0]) - 1
+            if not 1 <= rows[i][1] <= n_inputs <= self.max_length:
+                raise ValueError(f"a request of {len(rows[i][0])} tokens scoring {rows[i][1]} does not fit "
+                                 f"the model's {self.max_length} positions")
+            groups.setdefault(next(n for n in lengths if n >= n_inputs), []).append(i)
+        sharding = self.trainer.batches.sharding
+        for length, members in groups.items():
+            executable = self._executable(length)
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start:start + self.batch_size]
+                arrays = {k: np.zeros((1, self.batch_size, length), np.int32) for k in ("inputs", "targets", "weights")}
+                for r, i in enumerate(chunk):
+                    tokens, n = rows[i]
+                    T = len(tokens) - 1
+                    arrays["inputs"][0, r, :T] = tokens[:-1]
+                    arrays["targets"][0, r, :T] = tokens[1:]
+                    arrays["weights"][0, r, T - n:T] = 1
+                batch = {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+                         for k, v in arrays.items()}
+                logp, greedy = jax.device_get(executable(self.params, batch))
+                self.batches_run += 1
+                for r, i in enumerate(chunk):
+                    results[i] = (float(logp[r]), bool(greedy[r]))
+                if advance is not None:
+                    advance(len(chunk))
+        return results
+
+
+def _hf_encoder(tokenizer):
+    """The `tokenizers.Tokenizer` of a Hugging Face tokenizer (encoded with its special tokens, as
+    transformers does), else None (our byte and character tokenizers have none to add)."""
+    return getattr(tokenizer, "tok", None)
+
+
+def _special_ids(tokenizer, hf) -> tuple[int | None, int | None]:
+    """`(bos, eos)` as transformers reads them: those a Hugging Face tokenizer_config.json names
+    (none for a token it does not name), else the tokenizer's own."""
+    special = getattr(tokenizer, "special_tokens", None) or {}
+    if hf is None or not special:
+        return tokenizer.bos_id, tokenizer.eos_id
+    named = [special.get(k) for k in ("bos_token", "eos_token")]
+    bos, eos = (None if name is None else hf.token_to_id(name) for name in named)
+    return bos, tokenizer.eos_id if eos is None else eos
+
+
+class HarnessLM(TemplateLM):
+    """lm_eval's `LM` over a `Scorer` and the tokenizer the model was trained with."""
+
+    def __init__(self, scorer: Scorer, tokenizer, *, seed: int = 0, name: str = "modern_jax"):
+        super().__init__()
+        self.scorer, self.tokenizer_ours, self.seed, self.name = scorer, tokenizer, seed, name
+        self.max_length = scorer.max_length
+        self.batch_size = scorer.batch_size
+        self._hf = _hf_encoder(tokenizer)
+        self._bos, self._eos = _special_ids(tokenizer, self._hf)
+        if self._eos is None and self._bos is None:
+            raise ValueError("the tokenizer has neither <bos> nor <eos>: lm-eval scores a continuation of an empty "
+                             "context and a document's first window after one of them")
+
+    # ----- tokens, as lm_eval's hf backend makes them ----------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._bos if self._eos is None else self._eos
+
+    @property
+    def prefix_token_id(self) -> int:  # before an empty context and a document's first window
+        return self._eos if self._bos is None else self._bos
+
+    def _token_text(self, token_id: int) -> str:
+        if self._hf is not None:
+            return self._hf.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer_ours.decode([token_id])
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        if self._hf is None:
+            return [int(t) for t in self.tokenizer_ours.encode(string)]
+        if add_special_tokens is None:  # a string that starts with the prefix token gets no second one
+            prefix = self._token_text(self.prefix_token_id)
+            add_special_tokens = not (prefix and string.startswith(prefix))
+        return list(self._hf.encode(string, add_special_tokens=add_special_tokens).ids)
+
+    def _encode_prompt(self, string: str) -> list[int]:
+        """A generation prompt: special tokens added unless it starts with <bos> (the hf backend's batch encoding)."""
+        if self._hf is None:
+            return self.tok_encode(string)
+        bos = None if self._bos is None else self._token_text(self._bos)
+        return list(self._hf.encode(string, add_special_tokens=not (bos and string.startswith(bos))).ids)
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer_ours.decode(np.asarray(tokens, np.int64))
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.name.replace("/", "__")
+
+    def chat_template(self, chat_template=False) -> str | None:
+        if not chat_template:
+            return None
+        template = getattr(self.tokenizer_ours, "chat_template", None)
+        if template is None:
+            raise ValueError("--apply-chat-template: the checkpoint's tokenizer has no chat template (its "
+                             "tokenizer_config.json or chat_template.jinja)")
+        return template
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        from modern_jax.data.chat import compile_template
+
+        template = self.chat_template(True)
+        special = dict(getattr(self.tokenizer_ours, "special_tokens", None) or {})
+        text = compile_template(template).render(messages=chat_history, add_generation_prompt=add_generation_prompt,
+                                                 tools=None, documents=None, **special)
+        if not add_generation_prompt and chat_history:  # continue the last message: cut after its content
+            content = chat_history[-1]["content"]
+            end = text.rfind(content)
+            if end >= 0:
+                text = text[:end + len(content)]
+        return text
+
+    # ----- the three requests ---------------------------------------------------------
+
+    def _rows(self, requests) -> list[tuple[list[int], int]]:
+        """`(context, continuation)` token pairs as rows: the last max_length + 1 tokens (left truncated)."""
+        rows = []
+        for _, context, continuation in requests:
+            if not continuation:
+                raise ValueError("lm-eval asked for the log-likelihood of an empty continuation")
+            rows.append(((list(context) + list(continuation))[-(self.max_length + 1):], len(continuation)))
+        return rows
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        results = self.scorer(self._rows(requests))
+        for (strings, _, _), answer in zip(requests, results):
+            if strings is not None:
+                self.cache_hook.add_partial("loglikelihood", strings, answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, owners = [], []
+        for n, (string,) in enumerate(req.args for req in requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owners.append(n)
+        totals = [0.0] * len(requests)
+        for n, (logp, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[n] += logp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+        results: list = [None] * len(requests)
+        by_kwargs: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            by_kwargs.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        eos_text = self._token_text(self.eot_token_id)
+        for group, members in enumerate(by_kwargs.values()):
+            kwargs = normalize_gen_kwargs(dict(requests[members[0]].args[1]), 256)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            max_new = int(kwargs.pop("max_gen_toks"))
+            room = self.max_length - max_new
+            if room <= 0:
+                raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in the model's "
+                                 f"{self.max_length} positions: lower it (--gen-kwargs max_gen_toks=N)")
+            sampled = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 1.0)) > 0
+            settings = dict(temperature=float(kwargs.get("temperature", 1.0)) if sampled else 0.0,
+                            top_k=kwargs.get("top_k") if sampled else None,
+                            top_p=kwargs.get("top_p") if sampled else None)
+            prompts = [self._encode_prompt(requests[i].args[0])[-room:] for i in members]
+            rng = jax.random.fold_in(jax.random.key(self.seed), group)
+            for i, tokens in zip(members, self._generate(prompts, max_new, rng, **settings)):
+                text = postprocess_generated_text(self.tok_decode(tokens), until, None)
+                results[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return results
+
+    def _generate(self, prompts: list[list[int]], max_new: int, rng, *, temperature: float, top_k, top_p):
+        """New tokens after each prompt, cut at eos: prompts sorted by length and right-aligned
+        (left padding) in rows of a few widths, `batch_size` rows a batch (`Scorer.generate`)."""
+        from modern_jax.generate import cut_at_eos
+
+        eos = self.eot_token_id
+        out = self.scorer.generate(prompts, max_new, rng, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   eos_id=eos)
+        return [cut_at_eos(tokens, eos) for tokens in out]
+
+    def get_model_info(self) -> dict:
+        params = jax.tree.leaves(self.scorer.params)
+        return {"model_num_parameters": int(sum(math.prod(p.shape) for p in params)),
+                "model_dtype": str(self.scorer.trainer.model_cfg.dtype)}
+
+
+# ----- tasks and results ---------------------------------------------------------------
+
+
+def quiet_lm_eval(level=logging.WARNING) -> None:
+    """lm_eval logs each step at INFO: keep its warnings only."""
+    for name in ("lm_eval", "lm-eval"):
+        logging.getLogger(name).setLevel(level)
+
+
+def task_manager(include_path: str | None = None, flag: str = "--include-path", tasks=()):
+    """lm_eval's TaskManager: of the include path alone when it holds every task of `tasks` (indexing
+    lm_eval's own ~15,000 task files takes seconds), else of both."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not pathlib.Path(include_path).is_dir():
+        raise ValueError(f"{flag} {include_path} is not a directory: give a directory of task YAML files")
+    if include_path is not None and tasks:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if set(tasks) <= set(local.all_tasks):
+            return local
+    return TaskManager(include_path=include_path)
+
+
+def check_tasks(manager, tasks: list[str], flag: str = "--tasks", include: str = "--include-path") -> None:
+    """Every task name known to lm_eval (its own, or a YAML under the include path)."""
+    known = set(manager.all_tasks)
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        import difflib
+
+        close = {t: difflib.get_close_matches(t, known, n=3) for t in unknown}
+        hints = "; ".join(f"{t!r}" + (f" (close: {', '.join(c)})" if c else "") for t, c in close.items())
+        raise ValueError(f"{flag}: no task named {hints}: give lm-eval's task names, or a directory of task YAML "
+                         f"files with {include}")
+
+
+def load_tasks(manager, tasks: list[str]) -> None:
+    """Build each task (its data read now), so that one whose data cannot be read is named with
+    the fix in one line: a task of the hub without network most of all."""
+    quiet_lm_eval(logging.ERROR)  # its notes on the task configs come again when the run loads them
+    try:
+        for name in tasks:
+            try:
+                manager.load([name])
+            except Exception as e:  # datasets raises many kinds: offline, missing file, bad format
+                raise ValueError(_unreadable(manager, name, e)) from None
+    finally:
+        quiet_lm_eval()
+
+
+def _unreadable(manager, name: str, error: Exception) -> str:
+    config = {}
+    entry = manager.task_index.get(name) if hasattr(manager, "task_index") else None
+    yaml_path = getattr(entry, "yaml_path", None) or (entry.get("yaml_path") if isinstance(entry, dict) else None)
+    if yaml_path:
+        try:
+            from lm_eval.tasks._yaml_loader import load_yaml
+
+            config = load_yaml(yaml_path, resolve_func=False) or {}
+        except Exception:  # the message below still names the task
+            config = {}
+    path, files = config.get("dataset_path"), (config.get("dataset_kwargs") or {}).get("data_files")
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if files or path in ("json", "csv", "parquet", "text", "arrow"):
+        return (f"task {name}: its local data could not be read ({type(error).__name__}: {reason}); data_files "
+                f"{files!r} are read relative to the working directory: run from the directory they are relative "
+                f"to, or give absolute paths")
+    return (f"task {name}: its data come from the Hugging Face hub ({path or 'a dataset'}) and could not be read "
+            f"({type(error).__name__}: {reason[:200]}): {HUB_FIX}")
+
+
+def evaluate_tasks(lm: HarnessLM, tasks: list[str], *, include_path: str | None = None,
+                   num_fewshot: int | None = None, limit: float | None = None, log_samples: bool = False,
+                   apply_chat_template: bool | str = False, gen_kwargs: str | None = None, seed: int = 0,
+                   model_args: dict | None = None, tracker=None, bootstrap_iters: int = 100000,
+                   manager=None) -> dict | None:
+    """lm_eval's `simple_evaluate` with our model: its results dict (with `samples` when
+    `log_samples`). `manager`: a TaskManager whose tasks were checked and loaded already."""
+    from lm_eval import simple_evaluate
+
+    quiet_lm_eval()
+    if manager is None:
+        manager = task_manager(include_path, tasks=tasks)
+        check_tasks(manager, tasks)
+        load_tasks(manager, tasks)
+    return simple_evaluate(model=lm, model_args=model_args, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                           log_samples=log_samples, apply_chat_template=apply_chat_template, gen_kwargs=gen_kwargs,
+                           task_manager=manager, random_seed=seed, numpy_random_seed=seed, torch_random_seed=None,
+                           fewshot_random_seed=seed, evaluation_tracker=tracker, bootstrap_iters=bootstrap_iters,
+                           batch_size=lm.batch_size)
+
+
+class Benchmarks:
+    """train.harness_*: lm-eval's tasks on a training state's parameters. The tasks are checked
+    and their data read when made (before the first step); each call scores them with the
+    trainer's mesh and programs (compiled once) and returns `{task/metric: value}`."""
+
+    def __init__(self, trainer, tokenizer, train_cfg):
+        quiet_lm_eval()
+        self.tasks, self.cfg, self.tokenizer = list(train_cfg.harness_tasks), train_cfg, tokenizer
+        self.manager = task_manager(train_cfg.harness_include_path, "train.harness_include_path", self.tasks)
+        check_tasks(self.manager, self.tasks, "train.harness_tasks", "train.harness_include_path")
+        load_tasks(self.manager, self.tasks)
+        self.scorer = Scorer(trainer, None, train_cfg.eval_batch_size)
+
+    def __call__(self, params) -> dict[str, float]:
+        self.scorer.params = params
+        lm = HarnessLM(self.scorer, self.tokenizer, seed=self.cfg.seed)
+        limit = self.cfg.harness_limit
+        results = evaluate_tasks(lm, self.tasks, limit=int(limit) if limit is not None and limit >= 1 else limit,
+                                 seed=self.cfg.seed, manager=self.manager, bootstrap_iters=0)
+        return {k: v for k, v in flat_metrics(results).items() if not k.endswith("/sample_len")}
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """`{task/metric: value}` of a results dict: each task's numbers (lm_eval's `acc,none` read
+    as `acc`; stderrs left out)."""
+    out = {}
+    for task, values in (results.get("results") or {}).items():
+        for key, value in values.items():
+            metric, _, filt = key.partition(",")
+            if key == "alias" or "_stderr" in metric or not isinstance(value, (int, float)):
+                continue
+            name = metric if filt in ("", "none") else f"{metric}_{filt}"
+            out[f"{task}/{name}"] = float(value)
+    return out
+
+
+__all__ = ["Benchmarks", "HarnessLM", "Scorer", "buckets", "evaluate_tasks", "flat_metrics"]

@@ -1,0 +1,225 @@
+"""`modern-jax harness` (modern_jax/harness.py): lm-eval's tasks scored by our model give lm-eval's
+own `hf` backend's figures.
+
+The reference is tests/fixtures/harness/hf_chat.json, made by scripts/make_harness_fixtures.py
+with lm-eval and transformers (PyTorch, CPU) on the tiny chat fixture and the three local tasks of
+configs/harness (multiple choice, generation, rolling log-likelihood): every log-likelihood within
+1e-4, every greedy flag and generated text identical, every metric within 1e-4. With
+MODERN_JAX_HF_PYTHON naming an interpreter that has lm-eval and torch, the same comparison runs
+against a fresh reference. Also: a trained run scores the same as its Hugging Face export, two
+processes of four devices as one process, the in-training figures in metrics.jsonl and
+TensorBoard, and the refusals (an unknown task, a hub task without network, a directory of
+other files).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from modern_jax.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT = "tests/fixtures/hf_chat"
+REFERENCE = ROOT / "tests" / "fixtures" / "harness" / "hf_chat.json"
+SCRIPT = ROOT / "scripts" / "make_harness_fixtures.py"
+TASKS = ("sums_choice", "sums_answer", "sums_text")
+
+
+@pytest.fixture(autouse=True)
+def _at_the_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _value(x):
+    """A response as lm-eval's sample files write it (strings) or as JSON holds it."""
+    if isinstance(x, list):
+        return [_value(v) for v in x]
+    if x in ("True", "False"):
+        return x == "True"
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return x
+    return x
+
+
+def our_samples(out: Path) -> dict[str, dict[int, list]]:
+    samples = {}
+    for task in TASKS:
+        files = glob.glob(str(out / "*" / f"samples_{task}_*.jsonl"))
+        if files:
+            rows = [json.loads(line) for line in Path(sorted(files)[-1]).read_text().splitlines()]
+            samples[task] = {row["doc_id"]: _value(row["resps"]) for row in rows}
+    return samples
+
+
+def our_metrics(out: Path) -> dict[str, float]:
+    from modern_jax.harness import flat_metrics
+
+    results = json.loads(Path(sorted(glob.glob(str(out / "*" / "results_*.json")))[-1]).read_text())
+    return flat_metrics(results)
+
+
+def assert_same_figures(ours: dict, metrics: dict, reference: dict) -> None:
+    """Every response of `reference` (lm-eval's hf backend) equal to ours: log-likelihoods to 1e-4, the
+    greedy flags and the generated texts exactly; then every metric to 1e-4."""
+    compared = {"loglikelihood": 0, "greedy": 0, "text": 0}
+    for task, rows in reference["samples"].items():
+        for row in rows:
+            theirs, mine = _value(row["resps"]), ours[task][row["doc_id"]]
+            assert len(theirs) == len(mine), (task, row["doc_id"])
+            for t, m in zip(theirs, mine):
+                t, m = t[0], m[0]
+                if isinstance(t, str):
+                    assert m == t, (task, row["doc_id"], m, t)
+                    compared["text"] += 1
+                    continue
+                t, m = (t, None) if not isinstance(t, list) else t, (m, None) if not isinstance(m, list) else m
+                np.testing.assert_allclose(m[0], t[0], rtol=1e-4, atol=1e-5, err_msg=f"{task} doc {row['doc_id']}")
+                compared["loglikelihood"] += 1
+                if t[1] is not None:
+                    assert m[1] == t[1], (task, row["doc_id"], "greedy")
+                    compared["greedy"] += 1
+    assert compared["loglikelihood"] >= 20 and compared["greedy"] >= 10 and compared["text"] >= 5, compared
+    assert set(reference["metrics"]) <= set(metrics), set(reference["metrics"]) - set(metrics)
+    for name, value in reference["metrics"].items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-4, err_msg=name)
+
+
+def run_harness(source: list[str], out: Path, settings: dict, *extra: str) -> None:
+    argv = ["harness", *source, "--include-path", settings["include_path"], "--tasks", *settings["tasks"],
+            "--batch-size", "8", "--log-samples", "--output-path", str(out), *extra]
+    if settings.get("limit") is not None:
+        argv += ["--limit", str(settings["limit"])]
+    if settings.get("num_fewshot") is not None:
+        argv += ["--num-fewshot", str(settings["num_fewshot"])]
+    assert main(argv) == 0
+
+
+def test_the_harness_gives_lm_eval_hf_backends_figures(tmp_path, capsys):
+    reference = json.loads(REFERENCE.read_text())
+    run_harness(["--hf", reference["settings"]["model"]], tmp_path / "out", reference["settings"])
+    printed = capsys.readouterr().out
+    assert "|sums_choice|" in printed and "exact_match" in printed  # lm-eval's table
+    assert_same_figures(our_samples(tmp_path / "out"), our_metrics(tmp_path / "out"), reference)
+
+
+def hf_python() -> str | None:
+    return os.environ.get("MODERN_JAX_HF_PYTHON")
+
+
+@pytest.mark.skipif(hf_python() is None, reason="needs MODERN_JAX_HF_PYTHON: an interpreter with lm-eval and torch")
+def test_live_the_harness_gives_lm_eval_hf_backends_figures(tmp_path):
+    """A fresh reference with two few-shot examples (prompts of many lengths), against ours."""
+    fresh = tmp_path / "reference.json"
+    done = subprocess.run([hf_python(), str(SCRIPT), "--out", str(fresh), "--num-fewshot", "2", "--tasks",
+                           "sums_choice", "sums_answer", "--limit", "10"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reference = json.loads(fresh.read_text())
+    run_harness(["--hf", reference["settings"]["model"]], tmp_path / "out", reference["settings"])
+    assert_same_figures(our_samples(tmp_path / "out"), our_metrics(tmp_path / "out"), reference)
+
+
+def test_in_training_figures_equal_the_command_on_the_run_and_on_its_export(tmp_path, capsys):
+    """A fine-tune with train.harness_*: the figures in metrics.jsonl and TensorBoard at the asked step
+    and the last; `harness --checkpoint RUN` gives the last ones, and `--hf` on `convert --to-hf`'s
+    export gives the same numbers as the run, response by response."""
+    run, export = tmp_path / "run", tmp_path / "hf"
+    tasks = "sums_choice,sums_answer,sums_text"
+    assert main(["train", "--init-from-hf", CHAT, "--data", f"{CHAT}/chat.jsonl", "--output-dir", str(run),
+                 "train.steps=4", "train.seq_len=64", "train.batch_size=8", "train.eval_batch_size=8",
+                 "train.lr=3e-3", "train.warmup_steps=1", "train.samples=0", "train.plot=false",
+                 "train.eval_every=0", "train.checkpoint_every=0", "train.harness_every=2",
+                 f"train.harness_tasks={tasks}", "train.harness_limit=6",
+                 "train.harness_include_path=configs/harness"]) == 0
+    printed = capsys.readouterr().out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r for r in records if r["split"] == "harness"}
+    assert sorted(logged) == [2, 4], sorted(logged)
+    assert logged[2]["sums_text/bits_per_byte"] != logged[4]["sums_text/bits_per_byte"]  # the state of each step
+    final = {k: v for k, v in logged[4].items() if k not in ("step", "split")}
+    assert {"sums_choice/acc", "sums_answer/exact_match", "sums_text/bits_per_byte"} <= set(final), final
+    assert f"harness/sums_choice/acc: {final['sums_choice/acc']:.4f}" in printed  # the final summary
+    from test_train import _tensorboard_scalars
+
+    scalars = _tensorboard_scalars(run / "tensorboard")
+    assert scalars["harness/sums_choice/acc"] == pytest.approx({2: logged[2]["sums_choice/acc"], 4: final[
+        "sums_choice/acc"]}), scalars.keys()
+    assert set(scalars["harness/sums_text/bits_per_byte"]) == {2, 4}
+
+    settings = {"include_path": "configs/harness", "tasks": tasks.split(","), "limit": 6}
+    run_harness(["--checkpoint", str(run)], tmp_path / "ours", settings)
+    ours = our_metrics(tmp_path / "ours")
+    for name, value in final.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-4, err_msg=name)
+    assert main(["convert", "--to-hf", str(run), "--out", str(export)]) == 0
+    run_harness(["--hf", str(export)], tmp_path / "export", settings)
+    reference = {"metrics": ours, "samples": {task: [{"doc_id": d, "resps": r} for d, r in rows.items()]
+                                              for task, rows in our_samples(tmp_path / "ours").items()}}
+    assert_same_figures(our_samples(tmp_path / "export"), our_metrics(tmp_path / "export"), reference)
+
+
+def test_two_processes_of_four_devices_give_the_figures_of_one(tmp_path):
+    """`harness` under a launch of 2 processes x 4 host devices: the rows of every batch split over
+    the 8 devices, process 0 alone writes the files and prints the table, and every response and
+    metric is the one process's (lm-eval's hf backend's, which test_the_harness_gives_lm_eval_hf_
+    backends_figures holds one process to)."""
+    from processes import Launch
+
+    reference = json.loads(REFERENCE.read_text())
+    settings, out = reference["settings"], tmp_path / "out"
+    argv = ["harness", "--hf", settings["model"], "--include-path", settings["include_path"], "--tasks",
+            *settings["tasks"], "--limit", str(settings["limit"]), "--batch-size", "8", "--log-samples",
+            "--output-path", str(out)]
+    launch = Launch(argv, n=2, devices=4, logdir=tmp_path)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    assert "process 0 of 2, 8 devices (4 local)" in launch.log(0)
+    assert "|sums_choice|" in launch.log(0) and "|sums_choice|" not in launch.log(1)
+    assert len(glob.glob(str(out / "*" / "results_*.json"))) == 1
+    assert_same_figures(our_samples(out), our_metrics(out), reference)
+
+
+@pytest.mark.quick
+def test_the_padded_lengths_are_few():
+    from modern_jax.harness import buckets
+
+    assert buckets(128) == [16, 32, 64, 128]
+    assert buckets(100) == [16, 32, 64, 100]
+    assert buckets(8) == [8]
+
+
+def test_an_unknown_task_is_refused_with_the_close_names(capsys):
+    assert main(["harness", "--hf", CHAT, "--include-path", "configs/harness", "--tasks", "sums_choise"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no task named 'sums_choise' (close: sums_choice" in err, err
+
+
+@pytest.mark.quick
+def test_a_directory_of_other_files_is_refused_before_anything_is_read(tmp_path, capsys):
+    (tmp_path / "mine.txt").write_text("x")
+    assert main(["harness", "--hf", CHAT, "--include-path", "configs/harness", "--tasks", "sums_choice",
+                 "--output-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--output-path" in err and "did not write" in err and "nothing was written" in err, err
+
+
+@pytest.mark.quick
+def test_a_task_of_the_hub_without_network_is_one_line_naming_it_and_the_local_fix(tmp_path, capsys):
+    (tmp_path / "hub.yaml").write_text("task: hub_sums\ndataset_path: some-org/some-sums\ntest_split: test\n"
+                                       "output_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+                                       "doc_to_choice: '{{choices}}'\ndoc_to_target: label\n")
+    assert main(["harness", "--hf", CHAT, "--include-path", str(tmp_path), "--tasks", "hub_sums"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "task hub_sums: its data come from the Hugging Face hub (some-org/some-sums)" in err, err
+    assert "dataset_path: json" in err and "--include-path" in err, err
