@@ -73,7 +73,7 @@ CASES = [
     _case(["info", "--config", "{tmp}/modle.yaml"], "modle.yaml: unknown section 'modle'; did you mean model?"),
     _case(["info", "--config", TINY, "trian.steps=3"],
           "bad override 'trian.steps=3': unknown section 'trian'; did you mean train? "
-          "(sections: model, execution, train, data, parallel, lora, dpo)"),
+          "(sections: model, execution, train, data, parallel, lora, dpo, grpo)"),
     _case(["info", "--config", TINY, "model.n_layrs=2"], "unknown key model.n_layrs; did you mean n_layers"),
     _case(["plan", "--config", TINY, "--mesh", "data=8", "--batch", "8", "--seq", "16", "modl.n_layers=2"],
           "unknown section 'modl'; did you mean model?"),
