@@ -68,6 +68,9 @@ def main(argv=None) -> None:
     for name in ("prompts", "generations", "new_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    from modern_jax.sharding.devices import no_tpu_runtime_without_chips
+
+    no_tpu_runtime_without_chips()  # libtpu (for compiling to TPU topologies) stays quiet on this CPU host
     import jax
     from flax import nnx
 
