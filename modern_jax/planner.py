@@ -400,8 +400,7 @@ def format_plan(result: dict) -> str:
     for key, label in (("parameters", "parameters"), ("optimizer", "optimizer state"),
                        ("reference", "frozen reference (a copy of the starting weights)"), ("batch", "batch"),
                        ("temporaries", "activations + temporaries (XLA)"), ("peak", "peak (arguments + outputs "
-                                                                                       "- donated + temporaries; or "
-                                                                                       "a program's below)")):
+                                                                                       "- donated + temporaries)")):
         if result.get("compiler_refused") and key == "peak":
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB by the compiler's count, more than the chip's "
                          f"{result['hbm'] / GiB:.2f} GiB (it stopped there; no temporaries reported)")
@@ -409,7 +408,7 @@ def format_plan(result: dict) -> str:
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB ({result[key]} B)")
     for name, program in result.get("programs", {}).items():
         lines.append(f"  {name}: {program['peak'] / GiB:.2f} GiB with the state ({program['temporaries'] / GiB:.2f} GiB "
-                     f"of its own temporaries: a rollout's KV cache and logits)")
+                     f"of its own temporaries: a rollout's KV cache and logits; the peak is the larger)")
     if "hbm" in result:
         verdict = "fits" if result["fits"] else "does NOT fit"
         lines.append(f"{verdict} in {result['hbm'] / GiB:.0f} GiB of device memory")

@@ -95,8 +95,8 @@ def lora_trainer(config: GRPOConfig, seq_len: int = 12):
     return trainer, dict(state, params=jax.device_put(traversals.unflatten_mapping(params)))
 
 
-def setting(name: str, reward_file) -> tuple[GRPOConfig, dict, dict]:
-    with np.load(FIXTURE / "grpo" / f"{name}.npz") as z:
+def setting(name: str, reward_file, directory: pathlib.Path = FIXTURE / "grpo") -> tuple[GRPOConfig, dict, dict]:
+    with np.load(directory / f"{name}.npz") as z:
         want = dict(z)
     scalar = lambda k: want[k].item()  # noqa: E731
     config = GRPOConfig(rewards=(f"{reward_file}:correct", f"{reward_file}:format"),
@@ -107,19 +107,17 @@ def setting(name: str, reward_file) -> tuple[GRPOConfig, dict, dict]:
                         num_iterations=scalar("num_iterations"), scale_rewards=str(want["scale_rewards"]),
                         mask_truncated_completions=bool(want["mask_truncated_completions"]),
                         use_bias_correction_kl=bool(want["use_bias_correction_kl"]))
-    with np.load(FIXTURE / "grpo" / "batch.npz") as z:
+    with np.load(directory / "batch.npz") as z:
         batch = trl_rows(dict(z), want["rewards"], z["old_logps"] if bool(want["use_old_logps"]) else None)
     if config.mask_truncated_completions:  # TRL's mask after masking truncated completions
         batch["weights"] = batch["weights"] * batch["ended"]
     return config, batch, want
 
 
-@pytest.mark.parametrize("name", SETTINGS)
-def test_the_loss_and_every_logged_metric_equal_trl_on_a_fixed_batch(name, reward_file):
-    """Loss type, GSPO's sequence ratios, reward scaling, truncated completions, the KL's
-    correction, an unscorable row and the on-policy case: the step's loss and every metric TRL
-    logs (its `num_tokens` running count aside) within 1e-5 of TRL's, and the advantages."""
-    config, batch, want = setting(name, reward_file)
+def assert_equals_trl(name: str, reward_file, directory: pathlib.Path = FIXTURE / "grpo") -> None:
+    """Our step's loss, advantages and every metric TRL logs (its `num_tokens` running count aside)
+    on setting `name`'s batch, within 1e-5 of TRL's."""
+    config, batch, want = setting(name, reward_file, directory)
     trainer, state = lora_trainer(config)
     placed = trainer.batches.put(batch)
     advantages = np.asarray(trainer.objective.complete(placed)["advantages"])[0, :, 0]
@@ -131,6 +129,29 @@ def test_the_loss_and_every_logged_metric_equal_trl_on_a_fixed_batch(name, rewar
     assert set(theirs) <= set(trainer.objective.named), sorted(set(theirs) - set(trainer.objective.named))
     for key, value in theirs.items():
         np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_the_loss_and_every_logged_metric_equal_trl_on_a_fixed_batch(name, reward_file):
+    """Loss type, GSPO's sequence ratios, reward scaling, truncated completions, the KL's
+    correction, an unscorable row and the on-policy case, against the fixtures of TRL's figures."""
+    assert_equals_trl(name, reward_file)
+
+
+def test_live_the_loss_and_every_metric_equal_trl_run_now(tmp_path, reward_file):
+    """The same against TRL run now, in the reference interpreter (MODERN_JAX_HF_PYTHON, or torch
+    here): scripts/make_hf_fixtures.py grpo-reference makes the batch and TRL's figures afresh."""
+    import subprocess
+
+    from test_convert_live import SCRIPT, hf_python
+
+    if hf_python() is None:
+        pytest.skip("needs torch, transformers, peft and trl (or MODERN_JAX_HF_PYTHON)")
+    done = subprocess.run([hf_python(), str(SCRIPT), "grpo-reference", "--out", str(tmp_path / "grpo")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for name in SETTINGS:
+        assert_equals_trl(name, reward_file, tmp_path / "grpo")
 
 
 def test_per_token_log_probabilities_and_entropy_equal_trl_and_a_naive_softmax(reward_file):
@@ -325,16 +346,18 @@ def test_the_reinforcement_learning_section_runs_as_written(tmp_path, monkeypatc
 
 
 def test_two_processes_of_four_devices_give_the_one_process_run(tmp_path, monkeypatch):
-    """A GRPO run launched as SLURM launches 2 processes of 4 host devices (each process samples,
-    scores and places its own rows of every step's batch; the advantages come from the whole batch
-    on the mesh) logs the figures of the same run in one process of 8 devices: the rollouts of a
-    step are the same tokens, its loss and rewards the same numbers (1e-5)."""
+    """A GRPO run on a mesh of data 2 x fsdp 2 x tensor 2 (rollouts sampled with sharded weights and
+    heads), launched as SLURM launches 2 processes of 4 host devices (each process samples, scores
+    and places its own rows of every step's batch; the advantages come from the whole batch on the
+    mesh), logs the figures of the same run in one process of 8 devices: the rollouts of a step are
+    the same tokens, its loss and rewards the same numbers (1e-5)."""
     from processes import Launch
 
     from modern_jax.training import loop
 
     monkeypatch.chdir(ROOT)
-    overrides = ["train.steps=2", "parallel.data=8", "grpo.num_iterations=1", "train.checkpoint_every=2"]
+    overrides = ["train.steps=2", "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2", "grpo.num_iterations=1",
+                 "train.checkpoint_every=2"]
     run, init = grpo_run(tmp_path, "one", *overrides)
     one = loop.train(run, init=init)
     argv = ["train", "--config", "configs/grpo.yaml", "--init-from-hf", str(CHAT), "--data",
