@@ -78,17 +78,19 @@ class Scorer:
         return self.trainer.graphdef
 
     def _score(self, params, batch):
-        """`(logp [B], greedy [B])` of a batch `[1, B, T]` (the placement's layout)."""
+        """`(logp [B, T], greedy [B, T], last [B, V])` of a batch `[1, B, T]` (the placement's layout):
+        each target's log-probability and whether it is the argmax, and the log-probabilities of every
+        token after the position `weights` marks (each row's last input)."""
         model = self.trainer.model(params)
         inputs_BT, targets_BT, weights_BT = batch["inputs"][0], batch["targets"][0], batch["weights"][0]
         positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1], dtype=jnp.int32), inputs_BT.shape)
         h_BTD, _ = model.hidden_states(inputs_BT, positions=positions_BT)
         parts = functools.partial(vocab_parts, chunk=self.trainer.cfg.loss_vocab_chunk)
-        m_BT, s_BT, z_target_BT, _ = vocab.split_parts(parts, h_BTD, model.head(), targets_BT)
-        logp_BT = z_target_BT - (m_BT + jnp.log(s_BT))
-        scored_BT = weights_BT > 0
-        return (jnp.sum(jnp.where(scored_BT, logp_BT, 0.0), axis=-1),
-                jnp.all(jnp.where(scored_BT, z_target_BT >= m_BT, True), axis=-1))
+        head = model.head()
+        m_BT, s_BT, z_target_BT, _ = vocab.split_parts(parts, h_BTD, head, targets_BT)
+        h_B1D = jnp.einsum("BT,BTD->BD", weights_BT.astype(h_BTD.dtype), h_BTD)[:, None, :]
+        last_BV = jax.nn.log_softmax(head.logits(h_B1D)[:, 0].astype(jnp.float32), axis=-1)
+        return z_target_BT - (m_BT + jnp.log(s_BT)), z_target_BT >= m_BT, last_BV
 
     def _executable(self, length: int):
         if length not in self._compiled:
@@ -149,37 +151,46 @@ class Scorer:
 
     def __call__(self, rows: list[tuple[list[int], int]], advance=None) -> list[tuple[float, bool]]:
         """For each `(tokens, n)` (at most max_length + 1 tokens, 1 <= n < len(tokens)): the
-        log-probability of the last n tokens and whether greedy decoding gives them."""
+        log-probability of the last n tokens and whether greedy decoding gives them. Rows that differ
+        in their last token only (a multiple choice's one-token answers) share one forward pass, as
+        lm-eval's hf backend shares its logits: every position's figures but the last are theirs, and
+        the last position's distribution scores each one's last token."""
         lengths = buckets(self.max_length)
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        shared: dict[tuple, list[int]] = {}  # the inputs (all tokens but the last) -> the rows that have them
+        for i, (tokens, n) in enumerate(rows):
+            if not 1 <= n <= len(tokens) - 1 <= self.max_length:
+                raise ValueError(f"a request of {len(tokens)} tokens scoring {n} does not fit the model's "
+                                 f"{self.max_length} positions")
+            shared.setdefault(tuple(tokens[:-1]), []).append(i)
+        unique = sorted(shared, key=len, reverse=True)
+        groups: dict[int, list[tuple]] = {}
+        for inputs in unique:
+            groups.setdefault(next(n for n in lengths if n >= len(inputs)), []).append(inputs)
         results: list = [None] * len(rows)
-        groups: dict[int, list[int]] = {}
-        for i in order:
-            n_inputs = len(rows[i][0]) - 1
-            if not 1 <= rows[i][1] <= n_inputs <= self.max_length:
-                raise ValueError(f"a request of {len(rows[i][0])} tokens scoring {rows[i][1]} does not fit "
-                                 f"the model's {self.max_length} positions")
-            groups.setdefault(next(n for n in lengths if n >= n_inputs), []).append(i)
         sharding = self.trainer.batches.sharding
         for length, members in groups.items():
             executable = self._executable(length)
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start:start + self.batch_size]
                 arrays = {k: np.zeros((1, self.batch_size, length), np.int32) for k in ("inputs", "targets", "weights")}
-                for r, i in enumerate(chunk):
-                    tokens, n = rows[i]
-                    T = len(tokens) - 1
-                    arrays["inputs"][0, r, :T] = tokens[:-1]
-                    arrays["targets"][0, r, :T] = tokens[1:]
-                    arrays["weights"][0, r, T - n:T] = 1
+                for r, inputs in enumerate(chunk):
+                    T = len(inputs)
+                    arrays["inputs"][0, r, :T] = inputs
+                    arrays["targets"][0, r, :T - 1] = inputs[1:]
+                    arrays["weights"][0, r, T - 1] = 1  # the last input: its distribution scores the last tokens
                 batch = {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
                          for k, v in arrays.items()}
-                logp, greedy = jax.device_get(executable(self.params, batch))
+                logp, greedy, last = jax.device_get(executable(self.params, batch))
                 self.batches_run += 1
-                for r, i in enumerate(chunk):
-                    results[i] = (float(logp[r]), bool(greedy[r]))
-                if advance is not None:
-                    advance(len(chunk))
+                for r, inputs in enumerate(chunk):
+                    T = len(inputs)
+                    for i in shared[inputs]:
+                        tokens, n = rows[i]
+                        final = tokens[-1]
+                        results[i] = (float(np.sum(logp[r, T - n:T - 1], dtype=np.float64) + last[r, final]),
+                                      bool(np.all(greedy[r, T - n:T - 1]) and np.argmax(last[r]) == final))
+                    if advance is not None:
+                        advance(len(shared[inputs]))
         return results
 
 
