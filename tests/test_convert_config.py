@@ -86,7 +86,7 @@ def published(name: str) -> dict:
 
 @pytest.mark.parametrize("name, preset", [
     ("Llama-3.2-1B", "llama3_2_1b"), ("Llama-3.2-3B", "llama3_2_3b"), ("Llama-2-7B", "llama2_7b"),
-    ("Llama-3-8B", "llama3_8b"), ("Mistral-7B-v0.1", "mistral_7b"), ("Qwen2-7B", "qwen2_7b"),
+    ("Llama-3-8B", "llama3_8b"), ("Llama-3.1-405B", "llama3_1_405b"), ("Mistral-7B-v0.1", "mistral_7b"), ("Qwen2-7B", "qwen2_7b"),
     ("Qwen3-0.6B", "qwen3_0_6b"), ("Qwen3-8B", "qwen3_8b"), ("Gemma-2-2B", "gemma2_2b"), ("Gemma-3-1B", "gemma3_1b"),
     ("OLMo-2-1124-7B", "olmo2_7b"), ("GPT-2 (124M)", "gpt2"), ("GPT-J-6B", "gptj_6b"), ("GPT-NeoX-20B", "gpt_neox_20b"),
     ("DeepSeek-V3", "deepseek_v3"), ("Qwen3-30B-A3B", "qwen3_30b_a3b"), ("Qwen3-235B-A22B", "qwen3_235b_a22b"),

@@ -372,3 +372,22 @@ def test_two_processes_of_four_devices_give_the_one_process_run(tmp_path, monkey
     for a, b in zip(one.history, two):
         for key in ("loss", "reward", "reward_std", "entropy", "completions/mean_length", "grad_norm"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=f"step {a['step']} {key}")
+
+
+def test_prompts_read_from_parquet_and_a_saved_dataset_with_their_columns(tmp_path):
+    """The other record sources hand over whole records too: the prompt, and every other column."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.data.config import DataConfig
+    from modern_jax.data.prompts import read_prompts
+
+    rows = {"prompt": ["1 + 1 =", "2 + 2 ="], "answer": [2, 4]}
+    pq.write_table(pa.table(rows), tmp_path / "p.parquet")
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
+    for path in (tmp_path / "p.parquet", tmp_path / "saved"):
+        prompts = read_prompts(DataConfig(path=str(path)), ByteTokenizer(), room=16)
+        assert prompts.prompts == ("1 + 1 =", "2 + 2 =") and prompts.columns == {"answer": (2, 4)}, path
+        assert [len(ids) for ids in prompts.ids] == [8, 8]  # <bos> and 7 bytes
