@@ -21,7 +21,7 @@ rows a batch, each bucket's program compiled once. The rows of a batch split ove
 axes, so under a launch of several processes every process builds the same requests, feeds the
 rows its devices hold and receives every score (process 0 alone writes the files).
 
-Letters as in `modern_jax`: B batch, T length, V vocabulary.
+Letters as in `modern_jax`: B batch, T length, D model, V vocabulary.
 """
 
 from __future__ import annotations
