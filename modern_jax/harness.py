@@ -68,9 +68,6 @@ class Scorer:
         self.params_sharding = trainer.state_shardings["params"]
         self.params = None if params is None else jax.device_put(  # None: set later (a training state's)
             jax.tree.map(np.asarray, params) if jax.process_count() > 1 else params, self.params_sharding)
-        self._program = jax.jit(self._score, in_shardings=(self.params_sharding, trainer.batches.sharding),
-                                out_shardings=trainer.replicated)
-        self._compiled: dict = {}
         self.batches_run = 0
 
     @property
@@ -92,34 +89,12 @@ class Scorer:
         last_BV = jax.nn.log_softmax(head.logits(h_B1D)[:, 0].astype(jnp.float32), axis=-1)
         return z_target_BT - (m_BT + jnp.log(s_BT)), z_target_BT >= m_BT, last_BV
 
-    def _executable(self, length: int):
-        if length not in self._compiled:
-            abstract = {k: jax.ShapeDtypeStruct((1, self.batch_size, length), jnp.int32,
-                                                sharding=self.trainer.batches.sharding)
-                        for k in ("inputs", "targets", "weights")}
-            lowered = self.trainer.lower(self._program, self.params, abstract)
-            self._compiled[length] = lowered.compile()
-        return self._compiled[length]
-
-    def _decoder(self, width: int, max_new: int, temperature: float, top_k, top_p, eos_id):
-        """The compiled sampler of `batch_size` left-padded prompts of `width` tokens."""
+    def _decode(self, params, prompt_BT, length_B, rng, *, max_new: int, temperature: float, top_k, top_p, eos_id):
+        """`max_new` tokens sampled after each left-padded prompt row (`generate.decode`)."""
         from modern_jax.generate import decode
 
-        key = ("generate", width, max_new, temperature, top_k, top_p, eos_id)
-        if key not in self._compiled:
-            def sample(params, prompt_BT, length_B, rng):
-                return decode(self.trainer.model(params), prompt_BT, rng, max_new_tokens=max_new,
-                              temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, length_B=length_B)
-
-            rows = self.trainer.batches.sharding.spec[1]
-            sharding = jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(rows))
-            program = jax.jit(sample, in_shardings=(self.params_sharding, sharding, sharding, self.trainer.replicated),
-                              out_shardings=self.trainer.replicated)
-            abstract = (jax.ShapeDtypeStruct((self.batch_size, width), jnp.int32, sharding=sharding),
-                        jax.ShapeDtypeStruct((self.batch_size,), jnp.int32, sharding=sharding))
-            self._compiled[key] = (self.trainer.lower(program, self.params, *abstract, jax.random.key(0)).compile(),
-                                   sharding)
-        return self._compiled[key]
+        return decode(self.trainer.model(params), prompt_BT, rng, max_new_tokens=max_new, temperature=temperature,
+                      top_k=top_k, top_p=top_p, eos_id=eos_id, length_B=length_B)
 
     def generate(self, prompts: list[list[int]], max_new: int, rng, *, temperature: float, top_k=None, top_p=None,
                  eos_id=None) -> list[np.ndarray]:
@@ -135,15 +110,22 @@ class Scorer:
         groups: dict[int, list[int]] = {}
         for i in order:
             groups.setdefault(next(n for n in widths if n >= len(prompts[i])), []).append(i)
+        settings = dict(max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
+        # a program per settings (closed over) and width (its argument shape), compiled once each
+        name = "harness_decode_" + "_".join(f"{k}={v}" for k, v in settings.items())
+        sample = functools.partial(self._decode, **settings)
+        sharding = jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(
+            self.trainer.batches.sharding.spec[1]))  # rows split as a batch's are
         for width, members in groups.items():
-            executable, sharding = self._decoder(width, max_new, temperature, top_k, top_p, eos_id)
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start:start + self.batch_size]
                 padded = chunk + [chunk[0]] * (self.batch_size - len(chunk))  # a short batch: copies of a row
                 prompt_BT, length_B = left_padded([prompts[i] for i in padded], width)
                 args = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
                         for a in (prompt_BT, length_B)]
-                new_BT = np.asarray(jax.device_get(executable(self.params, *args, jax.random.fold_in(rng, start))))
+                new_BT = np.asarray(jax.device_get(self.trainer.program(
+                    name, sample, self.params, *args, jax.random.fold_in(rng, start),
+                    out_shardings=self.trainer.replicated)))
                 self.batches_run += 1
                 for r, i in enumerate(chunk):
                     out[i] = new_BT[r]
@@ -169,7 +151,6 @@ class Scorer:
         results: list = [None] * len(rows)
         sharding = self.trainer.batches.sharding
         for length, members in groups.items():
-            executable = self._executable(length)
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start:start + self.batch_size]
                 arrays = {k: np.zeros((1, self.batch_size, length), np.int32) for k in ("inputs", "targets", "weights")}
@@ -180,7 +161,9 @@ class Scorer:
                     arrays["weights"][0, r, T - 1] = 1  # the last input: its distribution scores the last tokens
                 batch = {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
                          for k, v in arrays.items()}
-                logp, greedy, last = jax.device_get(executable(self.params, batch))
+                # one program, compiled once per length; every process receives every row's figures
+                logp, greedy, last = jax.device_get(self.trainer.program("harness_score", self._score, self.params,
+                                                                         batch, out_shardings=self.trainer.replicated))
                 self.batches_run += 1
                 for r, inputs in enumerate(chunk):
                     T = len(inputs)

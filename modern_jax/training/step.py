@@ -124,13 +124,15 @@ class Trainer:
             self.compilations[name] = self.compilations.get(name, 0) + 1
         return _EXECUTABLES[key]
 
-    def program(self, name: str, fn, *args):
+    def program(self, name: str, fn, *args, out_shardings=None):
         """`fn(*args)` compiled for the mesh (its rules, strategies and kernels), once per `name` and
-        argument types: an objective's own programs (GRPO's rollouts, one per prompt width)."""
+        argument types: an objective's own programs (GRPO's rollouts, one per prompt width) and the
+        benchmarks' (`harness`); `out_shardings` as `jax.jit` takes them (None: as the compiler lays
+        them out)."""
         leaves = jax.tree.leaves(args)
         key = (name, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         if key not in self._programs:
-            self._jitted.setdefault(name, jax.jit(fn))
+            self._jitted.setdefault(name, jax.jit(fn, out_shardings=out_shardings))
             self._programs[key] = self._executable(name, *args)
         return self._programs[key](*args)
 
@@ -139,12 +141,11 @@ class Trainer:
         self._jitted.setdefault(name, jax.jit(fn))
         return self.lower(name, *args, platform=platform)
 
-    def lower(self, name, *args, platform: str | None = None):
-        """Trace and lower step `name` (or a `jax.jit` program of the same model, e.g. the benchmark
-        harness's scoring, with its own shardings) for the mesh's devices (their platform picks the
+    def lower(self, name: str, *args, platform: str | None = None):
+        """Trace and lower step `name` (or a `program`) for the mesh's devices (their platform picks the
         kernels), or for `platform` ('cuda', 'tpu') with no such device here (lowered only: compile it with that
         platform's compiler); on a multi-device mesh the rules shape every activation."""
-        program = self._jitted[name] if isinstance(name, str) else name
+        program = self._jitted[name]
         with compiling_for(platform or self.mesh), use_execution(self.execution), recording_kernels() as seen, \
                 contextlib.ExitStack() as stack:
             stack.callback(lambda: [self.kernels.setdefault(k, set()).update(v) for k, v in seen.items()])
