@@ -30,6 +30,7 @@ resume from and the step a signal stops at.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -166,7 +167,7 @@ def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int |
     / token, bits per byte and tokens; DPO's loss and TRL's means over the pairs), one host fetch;
     `rows`: the global rows of a batch whose local share each process passes (None: one process);
     `advance`: called once a batch (a progress bar's); `reference`: the state's frozen copy, if any."""
-    count = iter(range(1 << 30))
+    count = itertools.count()
     totals = _sums(lambda batch: trainer.eval_step(params, eval_batch(trainer, params, batch, rows, next(count)),
                                                    token_bytes, reference), batches, advance)
     return trainer.objective.eval_values(totals)

@@ -299,17 +299,18 @@ class GRPO(base.Objective):
 
     def _sample(self, trainer, params, prompt_AR, length_AR, rows, key) -> np.ndarray:
         """`[A, R, max_completion_length]` tokens sampled after this process's prompts (all rows of
-        the step sampled at once, on the mesh), fetched back for this process's rows."""
-        c, mesh = self.config, trainer.mesh
+        the step sampled at once, on the mesh; every process receives them all and keeps its rows)."""
+        mesh = trainer.mesh
         A, R = length_AR.shape
         shape = (A, rows if rows is not None else R)
 
         def put(x):  # rows split as the batch's are
             spec = logical_to_spec((None, "activation_batch") + (None,) * (x.ndim - 2), trainer.rules, mesh)
             return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, shape + x.shape[2:])
+
         out = trainer.program(f"grpo_rollout_{prompt_AR.shape[-1]}", functools.partial(self._rollout, trainer.model),
-                              params, put(prompt_AR), put(length_AR), key)
-        return _local_rows(out, R)
+                              params, put(prompt_AR), put(length_AR), key, out_shardings=trainer.replicated)
+        return np.asarray(out)[:, slice(None) if rows is None else trainer.batches.local_slices(rows)[0]]
 
     def _rollout(self, model_of, params, prompt_ABW, length_AB, key):
         c = self.config
@@ -514,22 +515,6 @@ class GRPO(base.Objective):
         if "kl" in totals:
             out["kl"] = float(totals["kl"]) / tokens
         return out
-
-
-def _local_rows(x, R: int) -> np.ndarray:
-    """This process's rows `[A, R, ...]` of a global array `[A, rows, ...]` split by rows (its devices'
-    shards, each row once)."""
-    if jax.process_count() == 1:
-        return np.asarray(x)
-    pieces = {}
-    for shard in x.addressable_shards:
-        start = shard.index[1].start or 0
-        pieces.setdefault(start, np.asarray(shard.data))
-    block = np.concatenate([pieces[k] for k in sorted(pieces)], axis=1)
-    if block.shape[1] != R:
-        raise ValueError(f"this process holds {block.shape[1]} rows of the rollouts, expected {R}: lay the mesh out so "
-                         f"that each process holds one block of the batch")
-    return block
 
 
 Config, Objective = GRPOConfig, GRPO
