@@ -93,26 +93,42 @@ class TrainBatches:
         return {k: v.reshape(*mine_AB.shape, self.seq_len) for k, v in batch.items()}
 
 
-def train_iterator(stream: TokenStream, *, seq_len: int, batch_size: int, grad_accum: int = 1, seed: int = 0,
-                   rows: slice | None = None, num_threads: int = 1, prefetch: int = 4, state: dict | None = None):
-    """A grain iterator of training batches (this process's `rows`); `state` (from `.get_state()`)
+def grain_iterator(source, state: dict | None = None, options=None):
+    """A grain iterator over a random-access `source` of batches; `state` (from `.get_state()`)
     resumes it exactly."""
-    source = TrainBatches(stream, seq_len, batch_size, grad_accum, seed, rows)
-    dataset = grain.MapDataset.source(source).to_iter_dataset(
-        grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch))
-    iterator = iter(dataset)
+    iterator = iter(grain.MapDataset.source(source).to_iter_dataset(options))
     if state is not None:
         iterator.set_state(state)
     return iterator
 
 
+def epoch_order(n: int, seed: int, first: int, count: int) -> np.ndarray:
+    """Items `first .. first + count` of the run's sequence of `n` items: every item once per
+    epoch, each epoch in its own order (`numpy.random.default_rng([seed, epoch]).permutation`)."""
+    positions = first + np.arange(count)
+    return np.concatenate([np.random.default_rng([seed, e]).permutation(n)[positions[positions // n == e] % n]
+                           for e in np.unique(positions // n)])
+
+
+def spread(items: np.ndarray, most: int | None) -> np.ndarray:
+    """`items`, or `most` of them spread evenly over them."""
+    if most is None or most >= len(items):
+        return items
+    return items[np.linspace(0, len(items) - 1, most).round().astype(np.int64)]
+
+
+def train_iterator(stream: TokenStream, *, seq_len: int, batch_size: int, grad_accum: int = 1, seed: int = 0,
+                   rows: slice | None = None, num_threads: int = 1, prefetch: int = 4, state: dict | None = None):
+    """A grain iterator of training batches (this process's `rows`); `state` (from `.get_state()`)
+    resumes it exactly."""
+    return grain_iterator(TrainBatches(stream, seq_len, batch_size, grad_accum, seed, rows), state,
+                          grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch))
+
+
 def eval_windows(stream: TokenStream, seq_len: int, max_windows: int | None = None) -> np.ndarray:
     """Starts of the non-overlapping windows that cover the stream (every target once), or
     `max_windows` of them spread evenly over it."""
-    starts = np.arange(0, max(len(stream) - 1, 1), seq_len, dtype=np.int64)
-    if max_windows is not None and max_windows < len(starts):
-        starts = starts[np.linspace(0, len(starts) - 1, max_windows).round().astype(np.int64)]
-    return starts
+    return spread(np.arange(0, max(len(stream) - 1, 1), seq_len, dtype=np.int64), max_windows)
 
 
 class Batches:

@@ -61,14 +61,13 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-import grain
 
 import numpy as np
 
 from modern_jax.data import chat, records
 from modern_jax.data.config import RECORD_SOURCES, DataConfig
 from modern_jax.data.corpora import chat_template, split_documents
-from modern_jax.data.pipeline import UNBOUNDED, Batches
+from modern_jax.data.pipeline import UNBOUNDED, Batches, epoch_order, grain_iterator, spread
 from modern_jax.data.tokenizers import Tokenizer
 
 PROMPT, CHOSEN, REJECTED = "prompt", "chosen", "rejected"  # TRL's column names
@@ -187,15 +186,8 @@ class PairBatches:
     def __len__(self) -> int:
         return UNBOUNDED
 
-    def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
-
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        N = len(self.pairs)
-        positions = int(i) * self.n + np.arange(self.n)
-        indices = np.concatenate([self._order(e)[positions[positions // N == e] % N]
-                                  for e in np.unique(positions // N)])
-        batch = batch_of(self.pairs, indices)  # [2n, T]: pairs stay in one micro-batch (A divides n)
+        batch = batch_of(self.pairs, epoch_order(len(self.pairs), self.seed, int(i) * self.n, self.n))  # [2n, T]: pairs stay in one micro-batch (A divides n)
         return {k: v.reshape(*self.shape, -1)[:, self.rows] for k, v in batch.items()}
 
 
@@ -203,20 +195,14 @@ def pair_iterator(pairs: PreferencePairs, *, batch_size: int, grad_accum: int = 
                   rows: slice | None = None, state: dict | None = None):
     """A grain iterator of training batches of pairs (this process's `rows`); `state` (from
     `.get_state()`) resumes it exactly."""
-    dataset = grain.MapDataset.source(PairBatches(pairs, batch_size, grad_accum, seed, rows)).to_iter_dataset()
-    iterator = iter(dataset)
-    if state is not None:
-        iterator.set_state(state)
-    return iterator
+    return grain_iterator(PairBatches(pairs, batch_size, grad_accum, seed, rows), state)
 
 
 def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int | None = None,
                       rows: slice | None = None) -> Batches:
     """Batches `[1, R, T]` of the pairs in order (`max_pairs` of them spread evenly); the last is
     filled up with empty pairs (no completion token: `loss.preference_sums` counts them out)."""
-    chosen = np.arange(len(pairs))
-    if max_pairs is not None and max_pairs < len(chosen):
-        chosen = chosen[np.linspace(0, len(chosen) - 1, max_pairs).round().astype(np.int64)]
+    chosen = spread(np.arange(len(pairs)), max_pairs)
     n = batch_size // 2
     rows = slice(None) if rows is None else rows
 

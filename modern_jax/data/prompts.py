@@ -24,13 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grain
 import numpy as np
 
 from modern_jax.data import records
 from modern_jax.data.config import RECORD_SOURCES, DataConfig
 from modern_jax.data.corpora import chat_template, split_documents
-from modern_jax.data.pipeline import UNBOUNDED, Batches
+from modern_jax.data.pipeline import UNBOUNDED, Batches, epoch_order, grain_iterator, spread
 from modern_jax.data.preference import render_conversation, value_kind
 from modern_jax.data.tokenizers import Tokenizer
 
@@ -131,10 +130,7 @@ class PromptBatches:
         return UNBOUNDED
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        N = len(self.lengths)
-        positions = int(i) // self.repeat * self.n + np.arange(self.n)
-        chosen = np.concatenate([np.random.default_rng([self.seed, e]).permutation(N)[positions[positions // N == e] % N]
-                                 for e in np.unique(positions // N)])
+        chosen = epoch_order(len(self.lengths), self.seed, int(i) // self.repeat * self.n, self.n)
         index = np.repeat(chosen, self.generations).reshape(self.shape)
         return {"index": index[:, self.rows], "width": np.asarray(self.lengths[chosen].max())}
 
@@ -142,20 +138,14 @@ class PromptBatches:
 def prompt_iterator(prompts: Prompts, *, batch_size: int, generations: int, grad_accum: int = 1, seed: int = 0,
                     rows: slice | None = None, repeat: int = 1, state: dict | None = None):
     """A grain iterator of `PromptBatches` (this process's `rows`); `state` resumes it exactly."""
-    source = PromptBatches(prompts, batch_size, generations, grad_accum, seed, rows, repeat)
-    iterator = iter(grain.MapDataset.source(source).to_iter_dataset())
-    if state is not None:
-        iterator.set_state(state)
-    return iterator
+    return grain_iterator(PromptBatches(prompts, batch_size, generations, grad_accum, seed, rows, repeat), state)
 
 
 def prompt_eval_batches(prompts: Prompts, *, batch_size: int, generations: int, max_prompts: int | None = None,
                         rows: slice | None = None) -> Batches:
     """Batches `[1, R]` of the prompts in order (`max_prompts` of them spread evenly), each repeated
     `generations` times; the last batch is filled up with rows that count for nothing (`real` 0)."""
-    chosen = np.arange(len(prompts))
-    if max_prompts is not None and max_prompts < len(chosen):
-        chosen = chosen[np.linspace(0, len(chosen) - 1, max_prompts).round().astype(np.int64)]
+    chosen = spread(np.arange(len(prompts)), max_prompts)
     n, lengths = batch_size // generations, np.asarray([len(ids) for ids in prompts.ids])
     rows = slice(None) if rows is None else rows
 
