@@ -48,10 +48,10 @@ from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.layers.attention import MAX_LOGIT
 from modern_jax.layers.block import Block
 from modern_jax.layers.linear import Proj, param
-from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS, ExpertProj, MoE
+from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS, SCORES, ExpertProj, MoE
 from modern_jax.layers.norms import Norm
 from modern_jax.layers.positions import sinusoidal
-from modern_jax.ops import vocab
+from modern_jax.ops import pipeline, vocab
 from modern_jax.sharding import constrain
 from modern_jax.sharding.sequence import residual
 
@@ -149,14 +149,14 @@ class Stage(nnx.Module):
         sown_names = set()  # filled while tracing: the names some block sowed
 
         def layer(j):
-            def apply(x_BTD, state, cache, rng):
+            def apply(x_BTD, state, cache, rng, pos_BT, seg_BT):
                 block = nnx.merge(graphdefs[j], state)
                 (x_BTD, cache), sown_j = nnx.capture(block, nnx.Intermediate)(x_BTD, pos_BT, seg_BT, cache, rng,
                                                                               diagnostics=diagnostics)
                 reduced = {name: sown_value(sown_j, name) for name in SUMMED + MAXED}
                 sown_names.update(name for name, value in reduced.items() if value is not None)
                 reduced = {name: zero if value is None else value for name, value in reduced.items()}
-                return x_BTD, cache, reduced, sown_value(sown_j, LOAD) if moe[j] else None
+                return x_BTD, cache, reduced, (sown_value(sown_j, LOAD), sown_value(sown_j, SCORES)) if moe[j] else None
 
             if run.remat == "none":  # keeps everything: no checkpoint at all
                 return apply
@@ -164,34 +164,75 @@ class Stage(nnx.Module):
 
         layers = [layer(j) for j in range(period)]
 
-        def unit(carry, xs):
-            x_BTD, reduced = carry
-            states_i, caches_i, i = xs
-            new_caches, loads = [], []
-            for j in range(period):
-                rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
-                x_BTD, cache_j, reduced_j, load_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j)
-                x_BTD = residual(x_BTD)
-                new_caches.append(cache_j)
-                loads.append(load_j)
-                reduced = {name: (jnp.maximum if name in MAXED else jnp.add)(value, reduced_j[name])
-                           for name, value in reduced.items()}
-            return (x_BTD, reduced), (new_caches, loads)
+        def combine(reduced, more):
+            return {name: (jnp.maximum if name in MAXED else jnp.add)(value, more[name])
+                    for name, value in reduced.items()}
 
-        xs = (list(states), list(caches), jnp.arange(self.repeats))
-        carry = (x_BTD, {name: zero for name in SUMMED + MAXED})
-        if run.scan_layers:
-            carry, (new_caches, loads) = jax.lax.scan(unit, carry, xs)
+        def units(x_BTD, pos_BT, seg_BT, states, caches, numbers):
+            """The units numbered `numbers` (their weights `states`, leading axis one a unit) in turn."""
+            def unit(carry, xs):
+                x_BTD, reduced = carry
+                states_i, caches_i, i = xs
+                new_caches, loads = [], []
+                for j in range(period):
+                    rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
+                    x_BTD, cache_j, reduced_j, load_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j, pos_BT,
+                                                                  seg_BT)
+                    x_BTD = residual(x_BTD)
+                    new_caches.append(cache_j)
+                    loads.append(load_j)
+                    reduced = combine(reduced, reduced_j)
+                return (x_BTD, reduced), (new_caches, loads)
+
+            (x_BTD, reduced), (new_caches, loads) = _loop(unit, (x_BTD, zeros), (states, caches, numbers))
+            return x_BTD, reduced, new_caches, loads
+
+        zeros = {name: zero for name in SUMMED + MAXED}
+        if caches[0] is None and pipeline.stages() > 1:  # training and scoring: over the pipeline stages
+            def stage_fn(x_bTD, rows_b, states_P, first):
+                x_bTD, reduced, _, loads = units(x_bTD, *rows_b, states_P, [None] * period,
+                                                 first + jnp.arange(len(jax.tree.leaves(states_P)[0])))
+                return x_bTD, reduced, loads
+
+            x_BTD, reduced, loads = pipeline.run(stage_fn, x_BTD, (pos_BT, seg_BT), list(states), zeros, combine,
+                                                 _loop_count)
+            new_caches = [None] * period
+            reduced = self.whole_batch(reduced, loads, x_BTD.shape[0] * x_BTD.shape[1])
         else:
-            outs = []
-            for i in range(self.repeats):
-                carry, out = unit(carry, jax.tree.map(lambda a: a[i], xs))
-                outs.append(out)
-            new_caches, loads = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        x_BTD, reduced = carry
+            x_BTD, reduced, new_caches, loads = units(x_BTD, pos_BT, seg_BT, list(states), list(caches),
+                                                      jnp.arange(self.repeats))
         if diagnostics:
             sown_names.add(MAX_LOGIT)
+        loads = [None if pair is None else pair[0] for pair in loads]
         return x_BTD, new_caches, {name: reduced[name] for name in sown_names}, loads
+
+    def whole_batch(self, reduced, loads, tokens: int):
+        """The batch's values from the microbatches' (`reduced` added up over them): the router's
+        z-loss, a mean over the tokens, is their mean; so is a per-sequence balance loss; the batch's
+        balance loss `E sum_e f_e P_e` is rebuilt from the summed loads and scores of each layer."""
+        M, cfg = pipeline.microbatches_count(), self.cfg
+        reduced = {**reduced, ROUTER_Z_LOSS: reduced[ROUTER_Z_LOSS] / M}
+        if cfg.moe_aux_per_sequence:
+            return {**reduced, AUX_LOSS: reduced[AUX_LOSS] / M}
+        balance = [cfg.n_experts * jnp.sum(load_NE * scores_NE) / (cfg.experts_per_token * tokens**2)
+                   for load_NE, scores_NE in filter(None, loads)]
+        return {**reduced, AUX_LOSS: sum(balance, jnp.zeros((), jnp.float32))}
+
+
+def _loop(body, carry, xs):
+    """`jax.lax.scan(body, carry, xs)`, or the same unrolled in Python (`execution.scan_layers`)."""
+    if execution.current().scan_layers:
+        return jax.lax.scan(body, carry, xs)
+    outs = []
+    for i in range(len(jax.tree.leaves(xs)[0])):
+        carry, out = body(carry, jax.tree.map(lambda a: a[i], xs))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+
+def _loop_count(body, carry, n: int):
+    """`body(carry, t)` for t in 0 .. n - 1, scanned or unrolled as `_loop`."""
+    return _loop(body, carry, jnp.arange(n))
 
 
 class Transformer(nnx.Module):

@@ -19,7 +19,9 @@ among their experts.
 The layer sows, for the trainer: `moe_aux_loss` (Switch / GShard balance,
 `E sum_e f_e P_e`, f_e the fraction of the M Y assignments routed to e, P_e the mean
 normalised score of e; over the batch or per sequence), `moe_router_z_loss`
-(mean of logsumexp(z)^2), `moe_load` (assignments per expert) and `moe_dropped`.
+(mean of logsumexp(z)^2), `moe_load` (assignments per expert), `moe_dropped`, and `moe_scores`
+(the scores summed over the tokens, from which with `moe_load` the pipeline stages rebuild the
+batch's balance loss out of its microbatches').
 
 Its stages run in named scopes (`router`, `dispatch`, `experts`, `combine`) and their outputs
 carry `checkpoint_name`s a remat policy can save or drop: `router_logits`, `moe_dispatched`
@@ -40,6 +42,7 @@ from modern_jax.layers.linear import Proj, Quantized, init_std, param, weight
 from modern_jax.ops.moe import dispatch
 
 AUX_LOSS, ROUTER_Z_LOSS, LOAD, DROPPED = "moe_aux_loss", "moe_router_z_loss", "moe_load", "moe_dropped"
+SCORES = "moe_scores"  # the normalised scores summed over the tokens, [E]: with LOAD, the balance of a split batch
 
 
 class SelectionBias(nnx.Param):
@@ -168,7 +171,8 @@ class MoE(nnx.Module):
         load_E = jnp.sum(jax.nn.one_hot(experts_MY, cfg.n_experts, dtype=jnp.float32), axis=(0, 1))
         sown = {AUX_LOSS: balance_loss(experts_MY, probs_ME, cfg.n_experts, B if cfg.moe_aux_per_sequence else 1),
                 ROUTER_Z_LOSS: jnp.mean(jnp.square(jax.nn.logsumexp(z_ME, axis=-1))),
-                LOAD: jax.lax.stop_gradient(load_E), DROPPED: dropped.astype(jnp.float32)}
+                LOAD: jax.lax.stop_gradient(load_E), DROPPED: dropped.astype(jnp.float32),
+                SCORES: jnp.sum(probs_ME, axis=0)}
         for name, value in sown.items():  # read by the stages (`nnx.capture`); nothing outside one
             self.sow(nnx.Intermediate, name, value, capture_noop=True)
         return y_BTD

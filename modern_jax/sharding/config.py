@@ -10,6 +10,10 @@
       moe_exchange: all_to_all    # experts split over `expert`: tokens swapped (slots), all-gathered, or ragged
       moe_exchange_factor: null   # the exchange's room per destination; null: room for all, no drops
       tensor: 4
+      stage: 1          # pipeline stages: the layers split over them (outermost: across hosts or slices)
+      microbatches: 1   # a batch's microbatches through the stages (at least stage with interleaved)
+      pipeline_schedule: gpipe    # gpipe | interleaved (stage_repeats stages a device, MaxText's circular)
+      stage_repeats: 1  # interleaved: each device holds this many stages, visited in turn
       rules:            # entries replacing those of `sharding.RULES`
         embed: null     #   e.g. no FSDP of the model dimension
         mlp: [fsdp, tensor]
@@ -43,6 +47,7 @@ CONTEXT_LAYOUTS = ("two_chunk", "striped", "contiguous")
 # implements it (`ops.attention`, `ops.moe`) from the active `sharding.context.strategies()`.
 CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention over a context axis: keys gathered, or a ring
 MOE_EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")  # tokens to the devices of their experts
+PIPELINE_SCHEDULES = ("gpipe", "interleaved")  # the order of the microbatches through the stages (`ops.pipeline`)
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,24 @@ class Strategies:
     context_strategy: str = "all_gather"
     moe_exchange: str = "all_to_all"
     moe_exchange_factor: float | None = None  # exchange room per destination; None: room for all, no drops
+    microbatches: int = 1  # a batch's microbatches through the pipeline stages
+    pipeline_schedule: str = "gpipe"
+    stage_repeats: int = 1  # interleaved: stages a device holds, visited in turn
 
     def __post_init__(self):
-        for name, choices in (("context_strategy", CONTEXT_STRATEGIES), ("moe_exchange", MOE_EXCHANGES)):
+        for name, choices in (("context_strategy", CONTEXT_STRATEGIES), ("moe_exchange", MOE_EXCHANGES),
+                              ("pipeline_schedule", PIPELINE_SCHEDULES)):
             if getattr(self, name) not in choices:
                 _fail(name, getattr(self, name), f"expected one of {', '.join(choices)}")
+        for name in ("microbatches", "stage_repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _fail(name, value, "expected a positive integer")
+        if self.pipeline_schedule == "gpipe" and self.stage_repeats != 1:
+            _fail("stage_repeats", self.stage_repeats, "gpipe runs each stage once: use "
+                                                       "pipeline_schedule=interleaved for several stages a device")
+        if self.pipeline_schedule == "interleaved" and self.stage_repeats < 2:
+            _fail("stage_repeats", self.stage_repeats, "interleaved needs at least 2 stages a device (1 is gpipe)")
         factor = self.moe_exchange_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
             _fail("moe_exchange_factor", factor, "expected a positive factor or null (no drops)")
@@ -66,9 +84,10 @@ class Strategies:
 
 @dataclass(frozen=True)
 class ParallelConfig(Strategies):
-    """Mesh sizes (`data` x `fsdp` x `expert` x `context` x `tensor`), the context layout, rule
-    overrides (logical name -> mesh axes) and the axes' strategies."""
+    """Mesh sizes (`stage` x `data` x `fsdp` x `expert` x `context` x `tensor`), the context layout,
+    rule overrides (logical name -> mesh axes) and the axes' strategies."""
 
+    stage: int = 1
     data: int = -1
     fsdp: int = 1
     expert: int = 1
@@ -78,8 +97,8 @@ class ParallelConfig(Strategies):
     context_layout: str = "two_chunk"
 
     def sizes(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "context": self.context,
-                "tensor": self.tensor}
+        return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp, "expert": self.expert,
+                "context": self.context, "tensor": self.tensor}
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,7 +107,13 @@ class ParallelConfig(Strategies):
             if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
                 _fail(name, size, "expected a positive integer or -1 (fill with the remaining devices)")
         if sum(size == -1 for size in sizes.values()) > 1:
-            _fail("data", self.data, "only one of data, fsdp, expert, context, tensor may be -1")
+            _fail("data", self.data, "only one of stage, data, fsdp, expert, context, tensor may be -1")
+        if self.stage == 1 and self.microbatches > 1:
+            _fail("microbatches", self.microbatches, "microbatches split a batch between pipeline stages and "
+                                                     "need stage > 1 (train.grad_accum accumulates without stages)")
+        if self.pipeline_schedule == "interleaved" and self.stage > 1 and self.microbatches < self.stage:
+            _fail("microbatches", self.microbatches, f"the interleaved schedule sends each microbatch round the "
+                                                     f"{self.stage} stages again: give at least stage={self.stage}")
         if self.context_layout not in CONTEXT_LAYOUTS:
             _fail("context_layout", self.context_layout, f"expected one of {', '.join(CONTEXT_LAYOUTS)}")
         known = dict(RULES)
@@ -127,7 +152,8 @@ class ParallelConfig(Strategies):
         return tuple((name, overrides.get(name, axes)) for name, axes in RULES)
 
     def mesh(self, devices=None):
-        return make_mesh(self.data, self.fsdp, self.tensor, devices=devices, expert=self.expert, context=self.context)
+        return make_mesh(self.data, self.fsdp, self.tensor, devices=devices, expert=self.expert, context=self.context,
+                         stage=self.stage)
 
 
 def layout_order(length: int, context: int, layout: str):

@@ -1,4 +1,4 @@
-"""The device mesh: named axes `data`, `fsdp`, `expert`, `context`, `tensor`, one process or many.
+"""The device mesh: named axes `stage`, `data`, `fsdp`, `expert`, `context`, `tensor`, one process or many.
 
     mesh = make_mesh(data=-1, fsdp=1, tensor=4)   # -1 fills with the remaining devices
     mesh = make_mesh(data=2, expert=4)            # experts split in 4, the batch over all 8
@@ -6,8 +6,10 @@
 `expert` splits a mixture's routed experts (`experts` in the rules table); everywhere else
 it acts as data parallelism (the batch is split over data x fsdp x expert). `context` splits
 every activation's sequence (context parallelism: attention gathers keys and values over it,
-`ops.attention`) and, like `fsdp`, the weights. The axes are laid out in this order, `context`
-and `tensor` innermost (the fastest links: both communicate inside every layer).
+`ops.attention`) and, like `fsdp`, the weights. `stage` splits the layers into pipeline stages
+(`ops.pipeline`): it sends one microbatch's activations a step, the least traffic of all, so it
+is outermost (across hosts or slices). The axes are laid out in this order, `context` and
+`tensor` innermost (the fastest links: both communicate inside every layer).
 
 Many processes (TPU pod slices, multi-node GPU): the commands join them by themselves
 (`multihost.distributed`); in Python call `initialize_distributed()` first, in every process,
@@ -23,14 +25,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "expert", "context", "tensor")
+AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None, *, expert: int = 1,
-              context: int = 1) -> Mesh:
-    """A `(data, fsdp, expert, context, tensor)` mesh over `devices` (default: all); one size may be -1."""
+              context: int = 1, stage: int = 1) -> Mesh:
+    """A `(stage, data, fsdp, expert, context, tensor)` mesh over `devices` (default: all); one size may be -1."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
+    sizes = {"stage": stage, "data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
     for name, size in sizes.items():
         if not isinstance(size, int) or (size < 1 and size != -1):
             raise ValueError(f"mesh {name}={size!r}: expected a positive integer or -1 (fill)")
@@ -61,12 +63,14 @@ def _layout(shape: tuple[int, ...], sizes: dict[str, int], devices: list) -> np.
     from jax.experimental import mesh_utils
 
     slices = sorted({getattr(d, "slice_index", 0) or 0 for d in devices})
-    if len(slices) > 1:  # multi-slice: the slower links between slices carry the data axis
-        if sizes["data"] % len(slices):
-            raise ValueError(f"mesh data={sizes['data']}: the devices span {len(slices)} slices, and data "
-                             f"parallelism crosses them: make data a multiple of {len(slices)}")
-        dcn = (len(slices),) + (1,) * (len(shape) - 1)
-        ici = (shape[0] // len(slices),) + shape[1:]
+    if len(slices) > 1:  # multi-slice: the slower links between slices carry the stages, else the data axis
+        across = "stage" if sizes["stage"] > 1 else "data"
+        if sizes[across] % len(slices):
+            raise ValueError(f"mesh {across}={sizes[across]}: the devices span {len(slices)} slices, and "
+                             f"{'the pipeline stages cross' if across == 'stage' else 'data parallelism crosses'} "
+                             f"them: make {across} a multiple of {len(slices)}")
+        dcn = tuple(len(slices) if a == across else 1 for a in AXES)
+        ici = tuple(size // len(slices) if a == across else size for a, size in zip(AXES, shape))
         return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
     try:
         return mesh_utils.create_device_mesh(shape, devices)

@@ -37,7 +37,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_heads", "tensor"),  # the attention output's query heads, entering o_proj
     ("activation_mlp", "tensor"),  # the FFN's hidden units, entering down_proj
     ("activation_vocab", "tensor"),
-    ("layers", None),
+    ("layers", "stage"),  # a stack's layers over the pipeline stages
     ("vocab", "tensor"),
     ("embed", ("fsdp", "context", "expert")),  # context and expert (data parallel outside the experts) shard as fsdp
     ("q_heads", "tensor"),

@@ -1,0 +1,133 @@
+"""A stack of layers over the `stage` mesh axis: microbatches through pipeline stages.
+
+Letters: S stages (the `stage` axis), R stages a device (`stage_repeats`), P units a stage, N = R S P
+units in the stack, M microbatches of b rows (B = M b), T length, D model width.
+
+The stack's weights `[N, ...]` are split over `stage` along N (the `layers` rule): unit
+`u = (r S + s) P + p` is unit p of stage s in round r, so device s holds stages s, S + s, ...
+With R = 1 (`gpipe`) that is the contiguous block of N / S units the `layers` axis gives device s;
+with R > 1 (`interleaved`, MaxText's circular pipeline) a device holds R blocks of P units, one a
+round, read with a stage-dependent index.
+
+At iteration t every stage works at once (the stage axis is vmapped, `spmd_axis_name="stage"`):
+stage s takes microbatch `m = (t - s) mod M` of round `r = (t - s) div M`, where `0 <= t - s < R M`;
+otherwise it idles (its result is discarded and its sown values masked). Its input is stage s - 1's
+output of iteration t - 1 (one `roll` along `stage`: a collective permute), and stage 0's is the
+microbatch itself in round 0 and its last stage's output (kept in `circ[m]`, M >= S) in later rounds.
+The last stage writes microbatch m's output into `circ[m]`, which after the last round is the
+stack's output. Iterations: R M + S - 1, of which each stage idles S - 1: the bubble
+`(S - 1) / (R M + S - 1)` of the step's layer time.
+
+The backward pass is the loop's, in reverse (autodiff of the scan): what it keeps per iteration
+is what the blocks' remat policy keeps of their inputs, so GPipe's memory (every microbatch's
+layer inputs on its stage) and no more: the buffers move by linear updates and are not saved.
+A microbatch is every M-th row (`b = B / M` rows strided), so each keeps the batch's split over
+the data axes and stays on its devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from modern_jax.sharding.context import active, strategies
+
+
+def stages() -> int:
+    """The size of the active mesh's `stage` axis (1 outside a mesh)."""
+    state = active()
+    return 1 if state is None else state[0].shape.get("stage", 1)
+
+
+def microbatches_count() -> int:
+    """The active `parallel.microbatches`."""
+    return strategies().microbatches
+
+
+def check_depth(units: int, what: str) -> None:
+    """Refuse a stack of `units` the active stages (x stage_repeats) do not split, naming the counts that do."""
+    S, R = stages(), strategies().stage_repeats
+    if units % (S * R):
+        fits = [n for n in range(1, units + 1) if units % n == 0]
+        raise ValueError(f"{what}: {units} units do not split over parallel.stage={S} x stage_repeats={R} = "
+                         f"{S * R} stages: stage x stage_repeats must divide {units} ({', '.join(map(str, fits))})")
+
+
+def _place(x, dim: int):
+    """`x` with dimension `dim` over the `stage` axis, the others left to the compiler."""
+    mesh = active()[0]
+    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec[dim] = "stage"
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def microbatches(x, M: int):
+    """`[B, ...]` -> `[M, B / M, ...]`: microbatch m is rows m, m + M, m + 2M, ..."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1)
+
+
+def unmicrobatch(x):
+    """The inverse of `microbatches`."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def run(stage_fn, x_BTD, per_row, weights, reduced, combine, loop):
+    """The stack over the stages: `(x_BTD, reduced, per_unit)`.
+
+    `stage_fn(x_bTD, per_row_b, weights_P, first) -> (x_bTD, reduced, per_unit)` applies P units,
+    the first being unit `first`, to one microbatch. `per_row` is a pytree of `[B, ...]` arrays
+    (positions, segment ids) split with the activations; `weights` a pytree of `[N, ...]` arrays.
+    `reduced` is a pytree of float32 values that `combine(total, value)` (pytrees) folds over the
+    units and microbatches (starting from the given zeros, which an idle stage adds); `per_unit` a pytree of
+    `[P, ...]` values per unit, added up over the microbatches into `[N, ...]`. `loop(body, carry,
+    n)` runs the iterations (a scan, or unrolled as the execution says)."""
+    S, M, R = stages(), strategies().microbatches, strategies().stage_repeats
+    N = jax.tree.leaves(weights)[0].shape[0]
+    check_depth(N, "the layer stack")
+    B = x_BTD.shape[0]
+    if B % M:
+        raise ValueError(f"a batch of {B} rows does not split into parallel.microbatches={M}: make the batch "
+                         f"(per step, after train.grad_accum) a multiple of {M}")
+    P = N // (S * R)
+    # [N, ...] -> [R, S, P, ...] with S over the stage axis
+    weights = jax.tree.map(lambda w: _place(w.reshape(R, S, P, *w.shape[1:]), 1), weights)
+    x_MbTD = microbatches(x_BTD, M)
+    rows = jax.tree.map(lambda a: microbatches(a, M), per_row)
+    s_S = jnp.arange(S)
+    vmapped = jax.vmap(stage_fn, spmd_axis_name="stage")
+
+    def iteration(carry, t):
+        h_SbTD, circ_MbTD, reduced, per_unit = carry
+        k_S = t - s_S  # the work index of each stage: round k // M, microbatch k % M
+        valid_S = (k_S >= 0) & (k_S < R * M)
+        k_S = jnp.clip(k_S, 0, R * M - 1)
+        m_S, r_S = k_S % M, k_S // M
+        first_in = jnp.where(r_S[0] == 0, x_MbTD[m_S[0]], circ_MbTD[m_S[0]])
+        inputs = _place(jnp.roll(h_SbTD, 1, axis=0).at[0].set(first_in), 0)
+        if R == 1:
+            weights_S = jax.tree.map(lambda w: w[0], weights)
+        else:  # each stage its own round's block
+            weights_S = jax.tree.map(lambda w: jax.vmap(lambda w_s, r: w_s[r], in_axes=(1, 0))(w, r_S), weights)
+        first_S = (r_S * S + s_S) * P
+        out_SbTD, reduced_S, per_unit_S = vmapped(inputs, jax.tree.map(lambda a: a[m_S], rows), weights_S, first_S)
+        out_SbTD = _place(out_SbTD, 0)
+        last = S - 1
+        circ_MbTD = circ_MbTD.at[m_S[last]].set(jnp.where(valid_S[last], out_SbTD[last], circ_MbTD[m_S[last]]))
+
+        def masked(v_S):
+            return jnp.where(valid_S.reshape((S,) + (1,) * (v_S.ndim - 1)), v_S, 0)
+
+        for s in range(S):
+            reduced = combine(reduced, jax.tree.map(lambda v_S: masked(v_S)[s], reduced_S))
+        units_SP = first_S[:, None] + jnp.arange(P)
+        per_unit = jax.tree.map(lambda total, v_S: total.at[units_SP].add(masked(v_S)), per_unit, per_unit_S)
+        return (out_SbTD, circ_MbTD, reduced, per_unit), None
+
+    h = _place(jnp.zeros((S,) + x_MbTD.shape[1:], x_BTD.dtype), 0)
+    per_unit = jax.eval_shape(lambda: vmapped(h, jax.tree.map(lambda a: a[jnp.zeros(S, int)], rows),
+                                              jax.tree.map(lambda w: w[0], weights), s_S)[2])
+    per_unit = jax.tree.map(lambda v: jnp.zeros((N,) + v.shape[2:], v.dtype), per_unit)
+    carry = (h, jnp.zeros_like(x_MbTD), reduced, per_unit)
+    (_, circ_MbTD, reduced, per_unit), _ = loop(iteration, carry, R * M + S - 1)
+    return unmicrobatch(circ_MbTD), reduced, per_unit
