@@ -6,7 +6,7 @@ Letters: B batch, T length, D model, V vocab, L layers.
     for each block: h = Block(h)          (stacked and scanned over depth)
     logits = softcap(head(FinalNorm(h)))
 
-What the layers sow (`nnx.Intermediate`) the stages capture and reduce through the scan, and
+What the layers sow (`nnx.Intermediate`) the stacks capture and reduce through the scan, and
 the model sows the result as its own, for the trainer to capture:
 - summed over layers: a mixture of experts' `moe_aux_loss` (balance; weighted by
   `train.moe_aux_weight`), `moe_router_z_loss` (`train.moe_router_z_weight`), `moe_dropped`;
@@ -89,7 +89,7 @@ def max_attention_logit(sown):
 
 
 def plan_stages(specs: tuple[LayerSpec, ...]) -> list[tuple[tuple[LayerSpec, ...], int]]:
-    """Split the layers into stages `(unit, repeats)` that cover the most layers per scan."""
+    """Split the layers into stacks `(unit, repeats)` that cover the most layers per scan."""
     stages, i = [], 0
     while i < len(specs):
         best_period, best_repeats = 1, 1
@@ -118,8 +118,11 @@ def stacked_block(cfg: ModelConfig, spec: LayerSpec, repeats: int, rngs: nnx.Rng
     return make(rngs)
 
 
-class Stage(nnx.Module):
-    """A unit of `period` blocks repeated `repeats` times, layers `first .. first + period * repeats`."""
+class Stack(nnx.Module):
+    """A unit of `period` blocks repeated `repeats` times, layers `first .. first + period * repeats`.
+
+    Its units run in turn (a scan); when the mesh splits the layers over pipeline stages and there
+    is no cache to fill (training, scoring), `ops.pipeline` runs them, microbatches through stages."""
 
     def __init__(self, cfg: ModelConfig, unit: tuple[LayerSpec, ...], repeats: int, first: int, *, rngs: nnx.Rngs):
         self.cfg, self.unit, self.repeats, self.first = cfg, unit, repeats, first
@@ -136,10 +139,10 @@ class Stage(nnx.Module):
             caches.append(jax.tree.map(lambda a: jnp.repeat(a[None], self.repeats, axis=0), layer))
         return caches
 
-    @jax.named_scope("stage")
+    @jax.named_scope("stack")
     def __call__(self, x_BTD, pos_BT, seg_BT, caches, rng, diagnostics: bool = False):
         """`(x, caches, reduced, loads)`: `reduced` maps each SUMMED / MAXED name some layer sowed to
-        its sum / max over the stage's layers; `loads[j]` is `moe_load` of block j of the unit,
+        its sum / max over the stack's layers; `loads[j]` is `moe_load` of block j of the unit,
         `[repeats, E]`, or None for a dense block."""
         period, run = len(self.unit), execution.current()
         graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
@@ -188,16 +191,15 @@ class Stage(nnx.Module):
             return x_BTD, reduced, new_caches, loads
 
         zeros = {name: zero for name in SUMMED + MAXED}
-        if caches[0] is None and pipeline.stages() > 1:  # training and scoring: over the pipeline stages
+        if caches[0] is None and pipeline.pipelined():  # training and scoring: over the pipeline stages
             def stage_fn(x_bTD, rows_b, states_P, first):
                 x_bTD, reduced, _, loads = units(x_bTD, *rows_b, states_P, [None] * period,
                                                  first + jnp.arange(len(jax.tree.leaves(states_P)[0])))
                 return x_bTD, reduced, loads
 
             x_BTD, reduced, loads = pipeline.run(stage_fn, x_BTD, (pos_BT, seg_BT), list(states), zeros, combine,
-                                                 _loop_count)
+                                                 self.whole_batch, _loop_count)
             new_caches = [None] * period
-            reduced = self.whole_batch(reduced, loads, x_BTD.shape[0] * x_BTD.shape[1])
         else:
             x_BTD, reduced, new_caches, loads = units(x_BTD, pos_BT, seg_BT, list(states), list(caches),
                                                       jnp.arange(self.repeats))
@@ -206,11 +208,12 @@ class Stage(nnx.Module):
         loads = [None if pair is None else pair[0] for pair in loads]
         return x_BTD, new_caches, {name: reduced[name] for name in sown_names}, loads
 
-    def whole_batch(self, reduced, loads, tokens: int):
-        """The batch's values from the microbatches' (`reduced` added up over them): the router's
-        z-loss, a mean over the tokens, is their mean; so is a per-sequence balance loss; the batch's
-        balance loss `E sum_e f_e P_e` is rebuilt from the summed loads and scores of each layer."""
-        M, cfg = pipeline.microbatches_count(), self.cfg
+    def whole_batch(self, reduced, loads, M: int, tokens: int):
+        """The batch's values from its `M` microbatches' (`reduced` added up over them, of `tokens`
+        in all): the router's z-loss, a mean over the tokens, is their mean; so is a per-sequence
+        balance loss; the batch's balance loss `E sum_e f_e P_e` is rebuilt from the summed loads
+        and scores of each layer."""
+        cfg = self.cfg
         reduced = {**reduced, ROUTER_Z_LOSS: reduced[ROUTER_Z_LOSS] / M}
         if cfg.moe_aux_per_sequence:
             return {**reduced, AUX_LOSS: reduced[AUX_LOSS] / M}
@@ -252,7 +255,7 @@ class Transformer(nnx.Module):
         )
         stages, first = [], 0
         for unit, repeats in plan_stages(cfg.layer_specs() if layers is None else layers):
-            stages.append(Stage(cfg, unit, repeats, first, rngs=rngs))
+            stages.append(Stack(cfg, unit, repeats, first, rngs=rngs))
             first += len(unit) * repeats
         self.stages = nnx.List(stages)
         self.norm = Norm(cfg, rngs=rngs) if cfg.has_final_norm else None
@@ -272,15 +275,15 @@ class Transformer(nnx.Module):
                              f"use max_len <= {cfg.max_position_embeddings}")
         dtype = jnp.dtype(dtype or self.cfg.dtype)
         return {"index": jnp.zeros((batch,), jnp.int32),
-                "stages": [stage.init_cache(batch, max_len, dtype) for stage in self.stages]}
+                "stages": [stack.init_cache(batch, max_len, dtype) for stack in self.stages]}
 
     def cache_length(self, cache: dict) -> int | None:
         """The most tokens `cache` holds: the slots of its global layers (and of any ring shorter
         than its window or chunk); None when every layer is a full ring (a `sliding_window` or an
         `attention_chunk_size` one), which wraps."""
         lengths = [layer["pos"].shape[2]  # [repeats, B, S]
-                   for stage, stage_cache in zip(self.stages, cache["stages"])
-                   for spec, layer in zip(stage.unit, stage_cache)
+                   for stack, stage_cache in zip(self.stages, cache["stages"])
+                   for spec, layer in zip(stack.unit, stage_cache)
                    if spec.span is None or layer["pos"].shape[2] < spec.span]
         return min(lengths) if lengths else None
 
@@ -344,8 +347,8 @@ class Transformer(nnx.Module):
         x_BTD = residual(x_BTD)
 
         new_stage_caches, reduced, loads = [], {}, []
-        for s, stage in enumerate(self.stages):
-            x_BTD, stage_cache, reduced_s, loads_s = stage(x_BTD, pos_BT, segment_ids,
+        for s, stack in enumerate(self.stages):
+            x_BTD, stage_cache, reduced_s, loads_s = stack(x_BTD, pos_BT, segment_ids,
                                                            None if cache is None else cache["stages"][s],
                                                            dropout_rng, diagnostics)
             new_stage_caches.append(stage_cache)
@@ -364,10 +367,10 @@ class Transformer(nnx.Module):
         return x_BTD, new_cache
 
     def moe_layers(self) -> list[tuple[int, int, int, int]]:
-        """`(layer, stage, repeat, block)` of every mixture-of-experts layer, in layer order."""
-        found = [(stage.first + i * len(stage.unit) + j, s, i, j)
-                 for s, stage in enumerate(self.stages) for j, block in enumerate(stage.blocks)
-                 if isinstance(block.mlp, MoE) for i in range(stage.repeats)]
+        """`(layer, stack, repeat, block)` of every mixture-of-experts layer, in layer order."""
+        found = [(stack.first + i * len(stack.unit) + j, s, i, j)
+                 for s, stack in enumerate(self.stages) for j, block in enumerate(stack.blocks)
+                 if isinstance(block.mlp, MoE) for i in range(stack.repeats)]
         return sorted(found)
 
     def balance_routers(self, loads_LE, rate: float) -> None:
@@ -417,9 +420,9 @@ PROJECTIONS = (Proj, ExpertProj)  # the weights a block applies by einsum or by 
 
 
 def projections(model: Transformer):
-    """`(name inside its block, module, stage, block index)` of every projection in the blocks."""
-    for s, stage in enumerate(model.stages):
-        for j, block in enumerate(stage.blocks):
+    """`(name inside its block, module, stack, block index)` of every projection in the blocks."""
+    for s, stack in enumerate(model.stages):
+        for j, block in enumerate(stack.blocks):
             for path, module in nnx.iter_graph(block):
                 if isinstance(module, PROJECTIONS):
                     yield ".".join(map(str, path)), module, s, j

@@ -181,7 +181,7 @@ def test_profiles_name_the_stages_blocks_attention_ffn_head_and_loss():
     text = jax.jit(jax.grad(loss)).lower(state).as_text(debug_info=True)
     import re
 
-    for name in ("loss", "stage", "block", "attention", "ffn", "norm", "head"):  # e.g. .../jvp(loss)/stage/...
+    for name in ("loss", "stack", "block", "attention", "ffn", "norm", "head"):  # e.g. .../jvp(loss)/stack/...
         assert re.search(rf"[/(]{name}[/)]", text), name
 
 

@@ -40,9 +40,9 @@ def stages() -> int:
     return 1 if state is None else state[0].shape.get("stage", 1)
 
 
-def microbatches_count() -> int:
-    """The active `parallel.microbatches`."""
-    return strategies().microbatches
+def pipelined() -> bool:
+    """Whether the active mesh splits the layers over stages."""
+    return stages() > 1
 
 
 def check_depth(units: int, what: str) -> None:
@@ -50,7 +50,7 @@ def check_depth(units: int, what: str) -> None:
     S, R = stages(), strategies().stage_repeats
     if units % (S * R):
         fits = [n for n in range(1, units + 1) if units % n == 0]
-        raise ValueError(f"{what}: {units} units do not split over parallel.stage={S} x stage_repeats={R} = "
+        raise ValueError(f"{what}: its {units} units do not split over parallel.stage={S} x stage_repeats={R} = "
                          f"{S * R} stages: stage x stage_repeats must divide {units} ({', '.join(map(str, fits))})")
 
 
@@ -72,7 +72,7 @@ def unmicrobatch(x):
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def run(stage_fn, x_BTD, per_row, weights, reduced, combine, loop):
+def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
     """The stack over the stages: `(x_BTD, reduced, per_unit)`.
 
     `stage_fn(x_bTD, per_row_b, weights_P, first) -> (x_bTD, reduced, per_unit)` applies P units,
@@ -120,7 +120,7 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, loop):
 
         for s in range(S):
             reduced = combine(reduced, jax.tree.map(lambda v_S: masked(v_S)[s], reduced_S))
-        units_SP = first_S[:, None] + jnp.arange(P)
+        units_SP = first_S[:, None] + jnp.arange(P)[None, :]
         per_unit = jax.tree.map(lambda total, v_S: total.at[units_SP].add(masked(v_S)), per_unit, per_unit_S)
         return (out_SbTD, circ_MbTD, reduced, per_unit), None
 
@@ -130,4 +130,4 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, loop):
     per_unit = jax.tree.map(lambda v: jnp.zeros((N,) + v.shape[2:], v.dtype), per_unit)
     carry = (h, jnp.zeros_like(x_MbTD), reduced, per_unit)
     (_, circ_MbTD, reduced, per_unit), _ = loop(iteration, carry, R * M + S - 1)
-    return unmicrobatch(circ_MbTD), reduced, per_unit
+    return unmicrobatch(circ_MbTD), whole(reduced, per_unit, M, B * x_BTD.shape[1]), per_unit

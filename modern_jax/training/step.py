@@ -33,6 +33,7 @@ from modern_jax.execution import use as use_execution
 from modern_jax.kernels.backend import recording_kernels
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
 from modern_jax.model import Transformer, abstract_params, max_attention_logit, sown_value
+from modern_jax.ops import pipeline
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, state_shardings
 from modern_jax.sharding.devices import compiling_for, lowering_for
 from modern_jax.training.config import RunConfig, TrainConfig
@@ -76,6 +77,16 @@ class Trainer:
         self.shown = self.objective.shown  # what the console and the plot show of it
         self.layers = layers  # the blocks built (default: the config's; the planner's counting programs build fewer)
         self.graphdef, abstract = abstract_converted(model_cfg, converter, layers)
+        M = self.strategies.microbatches
+        for name, rows in (("train.batch_size / train.grad_accum", train_cfg.batch_size // train_cfg.grad_accum),
+                           ("train.eval_batch_size", train_cfg.eval_batch_size)):
+            if mesh.shape.get("stage", 1) > 1 and rows % M:
+                raise ValueError(f"{name} = {rows} rows do not split into parallel.microbatches={M}: make it a "
+                                 f"multiple of {M}")
+        with logical_rules(mesh, rules, self.strategies):  # the stacks over the pipeline stages, if any
+            for stack in nnx.merge(self.graphdef, abstract).stages:
+                pipeline.check_depth(stack.repeats, f"the stack of layers {stack.first} .. "
+                                                    f"{stack.first + stack.repeats * len(stack.unit) - 1}")
         # a converted model trains what its converter says (LoRA: the adapters); the rest is frozen,
         # with no gradient and no optimiser state
         self.trained = None if converter is None else {path for path, v in nnx.to_flat_state(abstract)

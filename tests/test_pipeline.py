@@ -1,0 +1,126 @@
+"""Pipeline parallelism on 8 host CPU devices: the layers over the `stage` axis (GPipe and the
+interleaved, circular schedule), mixed with data, fsdp, tensor and expert, against one device;
+the stages' shards, refusals, the CLI's losses and a pipelined checkpoint resumed without stages."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from modern_jax.cli import main
+from modern_jax.config import ModelConfig
+from modern_jax.execution import ExecutionConfig
+from modern_jax.sharding import ParallelConfig, Strategies
+from modern_jax.sharding.mesh import make_mesh
+from modern_jax.training import TrainConfig, Trainer, load_run_config, train
+
+from common import assert_step_matches_one_device, one_device, token_batch
+
+REPO = pathlib.Path(__file__).parent.parent
+DENSE = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=64, qk_norm="head",
+                    max_position_embeddings=32)
+MOE = DENSE.replace(n_layers=4, ffn_type="moe", n_experts=8, experts_per_token=2, expert_d_ff=16,
+                    router_norm_topk=True)
+TC = TrainConfig(batch_size=8, seq_len=16, moe_aux_weight=0.01, moe_router_z_weight=0.01)
+
+CASES = {  # mesh, microbatches, schedule, stages a device, remat
+    "gpipe_stage2_data2_fsdp2": (dict(stage=2, data=2, fsdp=2), 2, "gpipe", 1, "none"),
+    "gpipe_stage4_tensor2_remat": (dict(stage=4, data=1, tensor=2), 4, "gpipe", 1, "full"),
+    "interleaved_stage2x2_data2_tensor2": (dict(stage=2, data=2, tensor=2), 2, "interleaved", 2, "full"),
+    "interleaved_stage4x2_fsdp2_m8": (dict(stage=4, data=1, fsdp=2), 8, "interleaved", 2, "none"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_pipelined_step_equals_one_device(case):
+    """The loss (1e-5) and every gradient leaf of a step with the layers over the stages equal the
+    one-device step's, for each schedule, mixed with the other axes."""
+    sizes, M, schedule, repeats, remat = CASES[case]
+    strategies = Strategies(microbatches=M, pipeline_schedule=schedule, stage_repeats=repeats)
+    assert_step_matches_one_device(DENSE, TC, make_mesh(**sizes), token_batch(1, 8, 16, 64),
+                                   strategies=strategies, execution=ExecutionConfig(remat=remat))
+
+
+def test_a_moe_over_stage_and_expert_equals_one_device_with_its_balance_losses():
+    """The batch's balance loss is rebuilt from the microbatches' loads and scores, the router
+    z-loss is their mean: both, the loads and every gradient equal one device's."""
+    many, one = assert_step_matches_one_device(MOE, TC, make_mesh(stage=2, data=2, expert=2),
+                                               token_batch(1, 8, 16, 64), strategies=Strategies(microbatches=2))
+    for name in ("moe_aux_loss", "moe_router_z_loss"):
+        np.testing.assert_allclose(many[name], one[name], rtol=1e-5)
+    np.testing.assert_array_equal(many["moe_load_max"], one["moe_load_max"])
+
+
+def test_each_stage_holds_its_own_layers():
+    """With stage=4 each device holds 2 of the 8 layers (the `layers` rule), in order."""
+    trainer = Trainer(DENSE, TC, make_mesh(stage=4, data=2), strategies=Strategies(microbatches=2))
+    kernel = trainer.init_state(0)["params"]["stages"][0]["blocks"][0]["self_attn"]["q_proj"]["kernel"]
+    stage = trainer.mesh.axis_names.index("stage")
+    for shard in kernel.addressable_shards:
+        position = next(i for i, d in np.ndenumerate(trainer.mesh.devices) if d == shard.device)[stage]
+        assert shard.data.shape[0] == 2 and shard.index[0] == slice(2 * position, 2 * position + 2)
+
+
+def test_depths_and_settings_that_do_not_split_are_refused():
+    with pytest.raises(ValueError, match=r"the stack of layers 0 .. 5: its 6 units do not split over parallel.stage=4 "
+                                         r"x stage_repeats=1 = 4 stages: stage x stage_repeats must divide 6 "
+                                         r"\(1, 2, 3, 6\)"):
+        Trainer(DENSE.replace(n_layers=6), TC, make_mesh(stage=4, data=2), strategies=Strategies(microbatches=4))
+    interleaved = Strategies(microbatches=4, pipeline_schedule="interleaved", stage_repeats=3)
+    with pytest.raises(ValueError, match=r"the stack of layers 0 .. 7: its 8 units do not split over parallel.stage=2 x stage_repeats=3 = 6 "
+                                         r"stages: stage x stage_repeats must divide 8 \(1, 2, 4, 8\)"):
+        Trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=interleaved)
+    with pytest.raises(ValueError, match=r"train.batch_size / train.grad_accum = 8 rows do not split into "
+                                         r"parallel.microbatches=3: make it a multiple of 3"):
+        Trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=Strategies(microbatches=3))
+    for values, message in [
+        (dict(microbatches=2), r"ParallelConfig.microbatches=2 .*need stage > 1"),
+        (dict(stage=2, pipeline_schedule="1F1B"), r"pipeline_schedule='1F1B' .*expected one of gpipe, interleaved"),
+        (dict(stage=2, stage_repeats=2), r"stage_repeats=2 .*use pipeline_schedule=interleaved"),
+        (dict(stage=2, pipeline_schedule="interleaved", stage_repeats=1), r"interleaved needs at least 2"),
+        (dict(stage=4, microbatches=2, pipeline_schedule="interleaved", stage_repeats=2),
+         r"microbatches=2 .*give at least stage=4"),
+        (dict(stage=0), r"ParallelConfig.stage=0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ParallelConfig.from_dict(values)
+
+
+def cli_overrides(tmp_path) -> list[str]:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(np.random.default_rng(0).choice(["alpha", "beta", "gamma", "\n"], 2000)))
+    small = {"d_model": 32, "n_layers": 4, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64, "max_position_embeddings": 32,
+             "vocab_size": "auto"}
+    settings = {"batch_size": 8, "seq_len": 16, "warmup_steps": 1, "log_every": 1, "eval_every": 0, "eval_windows": 8,
+                "eval_batch_size": 8, "final_eval_windows": 8, "samples": 0, "progress": False, "plot": False,
+                "tensorboard": False, "lr": 1e-2}
+    return ["data.tokenizer=char", f"data.path={corpus}"] + [f"model.{k}={v}" for k, v in small.items()] + \
+        [f"train.{k}={json.dumps(v)}" for k, v in settings.items()]
+
+
+def test_cli_pipelined_run_gives_the_one_device_losses_and_resumes_without_stages(tmp_path, capsys):
+    """4 steps with stage 2 x data 2 x fsdp 2 (interleaved, 2 stages a device) give the one-device
+    losses at every step; stopped after 2, its checkpoint resumes on a mesh without stages and the
+    last 2 losses are the uninterrupted run's."""
+    overrides, config = cli_overrides(tmp_path), str(REPO / "configs/tiny.yaml")
+    one = train(load_run_config(config, overrides + ["train.steps=4", "train.checkpoint_every=0",
+                                                     f"train.output_dir={tmp_path / 'one'}"]),
+                mesh=one_device(), log=lambda *_: None)
+    pipelined = ["--mesh", "stage=2,data=2,fsdp=2", "parallel.microbatches=2", "parallel.pipeline_schedule=interleaved",
+                 "parallel.stage_repeats=2"]
+    assert main(["train", "--config", config, *pipelined, *overrides, "train.steps=4", "train.checkpoint_every=2",
+                 f"train.output_dir={tmp_path / 'pipe'}"]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "pipe/metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r["split"] == "train"]
+    want = [h["loss"] for h in one.history]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+
+    assert main(["train", "--config", config, *pipelined, *overrides, "train.steps=2", "train.checkpoint_every=2",
+                 f"train.output_dir={tmp_path / 'half'}"]) == 0, capsys.readouterr().err
+    assert main(["train", "--config", config, "--mesh", "data=4,fsdp=2", *overrides, "train.steps=4",
+                 "train.checkpoint_every=2", f"train.output_dir={tmp_path / 'half'}"]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "half/metrics.jsonl").read_text().splitlines()]
+    resumed = [r["loss"] for r in rows if r["split"] == "train" and r["step"] > 2]
+    np.testing.assert_allclose(resumed, want[2:], rtol=1e-5)
