@@ -82,7 +82,9 @@ def step_gradients(trainer, state, batch) -> tuple[dict, dict]:
         d = (np.asarray(old, np.float64) - np.asarray(new, np.float64)) / float(metrics["lr"])
         return cfg.eps * d / (1.0 - np.abs(d))
 
-    return jax.tree.map(gradient, before, jax.device_get(new_state["params"])), metrics
+    after = jax.device_get(new_state["params"])
+    model = trainer.model_params  # the model's layout (a run may hold its stacks for an interleaved pipeline)
+    return jax.tree.map(gradient, model(before), model(after)), metrics
 
 
 def train_step_gradients(model_cfg, tc, mesh, batch, rules=None, seed: int = 0, **trainer) -> tuple[dict, dict]:

@@ -124,3 +124,28 @@ def test_cli_pipelined_run_gives_the_one_device_losses_and_resumes_without_stage
     rows = [json.loads(line) for line in (tmp_path / "half/metrics.jsonl").read_text().splitlines()]
     resumed = [r["loss"] for r in rows if r["split"] == "train" and r["step"] > 2]
     np.testing.assert_allclose(resumed, want[2:], rtol=1e-5)
+
+
+def test_a_checkpoint_restores_into_another_stack_layout(tmp_path):
+    """A run without stages saves its stacks as `[N, ...]`; an interleaved run holds them as
+    `[R, N / R, ...]` over the stages: it restores the same parameters and optimizer moments."""
+    from modern_jax.training.checkpoint import Checkpointer
+
+    plain = Trainer(DENSE, TC, make_mesh(data=8))
+    state, _ = plain.train_step(plain.init_state(0), plain.batches.put(token_batch(1, 8, 16, 64)))
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
+    checkpointer.save(state, {"step": 1})
+    checkpointer.close()
+    interleaved = Trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=Strategies(
+        microbatches=2, pipeline_schedule="interleaved", stage_repeats=2))
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
+    restored, _ = checkpointer.restore(interleaved.abstract_state(), 1)
+    checkpointer.close()
+    kernel = restored["params"]["stages"][0]["blocks"][0]["mlp"]["down_proj"]["kernel"]
+    assert kernel.shape == (2, 4, 64, 32) and kernel.sharding.spec[:2] == (None, "stage")
+    got = jax.device_get(interleaved.model_params(restored["params"]))
+    for path, want in jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0]:
+        np.testing.assert_array_equal(dict(jax.tree_util.tree_flatten_with_path(got)[0])[path], want)
+    mu = restored["opt_state"][1][0].mu["stages"][0]["blocks"][0]["mlp"]["down_proj"]["kernel"]
+    want_mu = state["opt_state"][1][0].mu["stages"][0]["blocks"][0]["mlp"]["down_proj"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(mu).reshape(want_mu.shape), np.asarray(want_mu))

@@ -51,6 +51,7 @@ from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
 from modern_jax.lora import LoRAConfig
 from modern_jax.multihost import distributed
+from modern_jax.training.layout import same_stack
 from modern_jax.training.outputs import step_numbers
 
 CONFIG_FILE = "config.yaml"
@@ -262,20 +263,28 @@ def _quiet_orbax_errors() -> None:
             logger.addFilter(_OrbaxErrors())
 
 
-def shape_problem(step_dir, abstract_params, model: ModelConfig | None = None) -> str | None:
-    """Why the parameters saved in `step_dir/params` do not fit `abstract_params` (another model
-    shape), naming the config fields that differ when the step recorded its model; None if they fit."""
+def saved_shapes(item_dir) -> dict[str, tuple] | None:
+    """The shape of each array saved in `item_dir` (an Orbax item), by `_name`; None if unreadable."""
     try:
         with _orbax_log_quiet(), ocp.StandardCheckpointer() as checkpointer:
-            saved = checkpointer.metadata(pathlib.Path(step_dir) / "params")
+            saved = checkpointer.metadata(pathlib.Path(item_dir))
         tree = getattr(getattr(saved, "item_metadata", saved), "tree", None)
     except Exception:  # unreadable metadata: the read itself will name the damaged file
         return None
     if not isinstance(tree, dict):
         return None
+    return {_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(m, "shape")}
+
+
+def shape_problem(step_dir, abstract_params, model: ModelConfig | None = None) -> str | None:
+    """Why the parameters saved in `step_dir/params` do not fit `abstract_params` (another model
+    shape), naming the config fields that differ when the step recorded its model; None if they fit
+    (a layer stack saved in another layout fits: `training.layout`)."""
+    have = saved_shapes(pathlib.Path(step_dir) / "params")
+    if have is None:
+        return None
     want = {_name(p): tuple(s.shape) for p, s in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
-    have = {_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(m, "shape")}
-    if want == have:
+    if want.keys() == have.keys() and all(have[k] == w or same_stack(have[k], w) for k, w in want.items()):
         return None
     meta = _read_json(pathlib.Path(step_dir) / "meta" / "metadata") or {}
     if model is not None and isinstance(meta.get("model"), dict):
@@ -292,9 +301,53 @@ def shape_problem(step_dir, abstract_params, model: ModelConfig | None = None) -
             f"was saved with, or another checkpoint")
 
 
+def as_saved(abstract, item_dir):
+    """`(what to read, fix)`: `abstract` with each layer stack saved in another layout
+    (`training.layout`) read as saved, split over the same mesh axes, and `fix(tree)` reshaping
+    those into `abstract`'s layout and shardings."""
+    have = saved_shapes(item_dir) or {}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    reads, moved = [], []
+    for path, want in flat:
+        saved = have.get(_name(path))
+        if saved is None or not same_stack(saved, tuple(want.shape)):
+            reads.append(want)
+            continue
+        moved.append(len(reads))
+        reads.append(jax.ShapeDtypeStruct(saved, want.dtype, sharding=_stack_sharding(want, saved)))
+
+    def fix(tree):
+        leaves = jax.tree.leaves(tree)
+        for i in moved:
+            want = flat[i][1]
+            leaves[i] = jax.jit(lambda a, shape=want.shape: a.reshape(shape), out_shardings=want.sharding)(leaves[i])
+        return jax.tree.unflatten(treedef, leaves)
+
+    return jax.tree.unflatten(treedef, reads), fix
+
+
+def _stack_sharding(want, saved: tuple):
+    """The sharding of a stack saved as `saved` that splits it as `want` (`[N, ...]` or `[R, N / R,
+    ...]`) is split: its layers over the same mesh axes where they divide, the other dims alike."""
+    sharding = getattr(want, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    shape = tuple(want.shape)
+    rest = len(saved) - 1 if saved[1:] == shape[2:] else (len(shape) - 1 if saved[2:] == shape[1:] else len(saved) - 2)
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    layers = spec[len(shape) - rest - 1]
+    axes = () if layers is None else ((layers,) if isinstance(layers, str) else tuple(layers))
+    size = 1
+    for axis in axes:
+        size *= sharding.mesh.shape[axis]
+    lead = (None,) * (len(saved) - rest - 1) + (layers if saved[len(saved) - rest - 1] % size == 0 else None,)
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead, *spec[len(shape) - rest:]))
+
+
 def _name(path) -> str:
-    """`stages/0/blocks/0/mlp/down_proj/kernel` (a list index and its saved string key read alike)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """`stages/0/blocks/0/mlp/down_proj/kernel` (a list index and its saved string key read alike, an
+    optimizer state's field `opt_state/1/0/mu/...` as saved)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 # ----- the run's checkpoints ---------------------------------------------------------
@@ -367,15 +420,17 @@ class Checkpointer:
                                                                                   model))
             if other is not None:
                 raise ValueError(f"checkpoint step {step} ({step_dir}) {other}")
+            params, fix_params = as_saved(abstract_state["params"], step_dir / "params")
+            rest, fix_rest = as_saved(rest, step_dir / "state")
             out, problem = _orbax_read(lambda: self.manager.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_state["params"]),
+                params=ocp.args.StandardRestore(params),
                 state=ocp.args.StandardRestore(rest),
                 meta=ocp.args.JsonRestore(),
             )), step_dir)
             problems = [p for p in distributed.gather("checkpoint/restore", problem) if p is not None]
             problem = problems[0] if problems else None
             if problem is None:
-                return {"params": out["params"], **out["state"]}, dict(out["meta"])
+                return {"params": fix_params(out["params"]), **fix_rest(out["state"])}, dict(out["meta"])
             if MISMATCH in problem:
                 raise ValueError(f"checkpoint step {step} ({step_dir}) holds a state of another structure than this "
                                  "run's (saved by another version of modern_jax, or with train settings that shape "
@@ -524,11 +579,13 @@ def load_params(path, log=None, **overrides):
         if other is not None:
             raise ValueError(f"checkpoint {what} {other}")
 
+        target, fix = as_saved(target, directory / "params")
+
         def read():
             with ocp.StandardCheckpointer() as checkpointer:
                 return checkpointer.restore(directory / "params", target)
 
         params, problem = _orbax_read(read, directory)
         if problem is None:
-            return cfg, params, raw, config_path.parent
+            return cfg, fix(params), raw, config_path.parent
     raise CheckpointDamaged(f"checkpoint {what} is damaged: {problem}{elsewhere}")

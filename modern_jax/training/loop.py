@@ -682,7 +682,7 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
             prompt = ""
         with execution.use(s.run.execution), Progress(None, enabled=tc.progress and distributed.is_main()) as bar, \
                 bar.phase(f"sampling {tc.samples} x {tc.sample_tokens} tokens"):
-            result.samples = sample_texts(s.trainer.graphdef, s.state["params"], s.tokenizer, prompt, n=tc.samples,
+            result.samples = sample_texts(s.trainer.graphdef, s.trainer.model_params(s.state["params"]), s.tokenizer, prompt, n=tc.samples,
                                           max_new_tokens=tc.sample_tokens, seed=tc.seed, temperature=tc.sample_temperature,
                                           top_k=tc.sample_top_k, top_p=tc.sample_top_p)
         if distributed.is_main():

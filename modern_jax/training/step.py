@@ -36,6 +36,7 @@ from modern_jax.model import Transformer, abstract_params, max_attention_logit, 
 from modern_jax.ops import pipeline
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, state_shardings
 from modern_jax.sharding.devices import compiling_for, lowering_for
+from modern_jax.training import layout
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.converters import LoRA, abstract_converted, converted, converter_of
 from modern_jax.training.objectives import Objective, config_of, objective as objective_of
@@ -77,6 +78,9 @@ class Trainer:
         self.shown = self.objective.shown  # what the console and the plot show of it
         self.layers = layers  # the blocks built (default: the config's; the planner's counting programs build fewer)
         self.graphdef, abstract = abstract_converted(model_cfg, converter, layers)
+        # the stacks as the run holds them: laid out for an interleaved pipeline's rounds (`layout`)
+        self.rounds = self.strategies.stage_repeats if mesh.shape.get("stage", 1) > 1 else 1
+        self.stacked = layout.stacked(abstract)
         M = self.strategies.microbatches
         for name, rows in (("train.batch_size / train.grad_accum", train_cfg.batch_size // train_cfg.grad_accum),
                            ("train.eval_batch_size", train_cfg.eval_batch_size)):
@@ -96,6 +100,7 @@ class Trainer:
             else None
         self.schedule = learning_rate_schedule(train_cfg)
         replicated = NamedSharding(mesh, PartitionSpec())
+        abstract = layout.laid_out(abstract, self.rounds)
         params_sh = nnx.to_pure_dict(state_shardings(abstract, mesh, rules))
         self.state_shardings = {"params": params_sh, "step": replicated, "rng": replicated, "nonfinite": replicated}
         if optimizer:
@@ -180,7 +185,7 @@ class Trainer:
         key = jax.random.wrap_key_data(key_data)
         rngs = nnx.Rngs(key)
         model = converted(Transformer(self.model_cfg, rngs=rngs, layers=self.layers), self.converter, rngs)
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = self.laid_out(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         state = {"params": params, "step": jnp.zeros((), jnp.int32), "rng": key_data,
                  "nonfinite": jnp.zeros((), jnp.int32)}
         if self.tx is not None:
@@ -237,15 +242,14 @@ class Trainer:
 
     def _convert(self, base, key_data):
         model = nnx.merge(abstract_params(self.model_cfg)[0], base)
-        self.converter.convert(model, nnx.Rngs(jax.random.wrap_key_data(key_data)))
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        if self.converter is not None:
+            self.converter.convert(model, nnx.Rngs(jax.random.wrap_key_data(key_data)))
+        return self.laid_out(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     def abstract_base(self) -> dict:
         """ShapeDtypeStructs (with shardings) of the base model's parameters: what a fine-tune
         starts from (the whole model, or a converted model's plain base: LoRA's before its adapters
         and quantization)."""
-        if self.converter is None:
-            return self.abstract_state()["params"]
         _, abstract = abstract_params(self.model_cfg)
         shardings = nnx.to_pure_dict(state_shardings(abstract, self.mesh, self.rules))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -254,7 +258,7 @@ class Trainer:
     def from_base(self, base: dict, seed: int) -> dict:
         """The run's parameters from its base's (placed as `abstract_base`), converted: LoRA adds its
         adapters (B zero: the model starts equal to its base) and quantizes the frozen projections."""
-        if self.converter is None:
+        if self.converter is None and self.rounds == 1:
             return base
         return self._run("convert", base, jax.random.key_data(jax.random.key(seed)))
 
@@ -269,7 +273,16 @@ class Trainer:
                             self.state_shardings)
 
     def model(self, params) -> Transformer:
-        return nnx.merge(self.graphdef, params)
+        """The model of `params` (the run's state's: its stacks in the model's layout again)."""
+        return nnx.merge(self.graphdef, self.model_params(params))
+
+    def model_params(self, params: dict) -> dict:
+        """The run's parameters in the model's layout (`training.layout`)."""
+        return layout.to_model(params, self.stacked, self.rounds)
+
+    def laid_out(self, params: dict) -> dict:
+        """The model's parameters (a pure dict) as the run holds them (`training.layout`)."""
+        return layout.to_layout(params, self.stacked, self.rounds)
 
     def all_finite(self, tree) -> bool:
         return bool(self._jitted["finite"](tree))
@@ -348,7 +361,7 @@ class Trainer:
             if cfg.moe_bias_update_rate:  # auxiliary-loss-free balancing, from this step's loads
                 model = self.model(params)
                 model.balance_routers(aux[LOAD], cfg.moe_bias_update_rate)
-                params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+                params = self.laid_out(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
             return params, opt_state
 
         # a non-finite step changes nothing (and costs no optimiser update)
