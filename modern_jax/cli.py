@@ -539,7 +539,7 @@ def cmd_plan(args) -> int:
 
     _check_flags(args, _positive("--batch"), _positive("--seq"), _positive("--slices"),
                  ("--hbm-gib", lambda g: 0 < g < math.inf, "a positive number of GiB"))
-    sizes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, **parse_mesh(args.mesh)}
+    sizes = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, **parse_mesh(args.mesh)}
     if any(v < 1 for v in sizes.values()):
         raise ValueError("plan needs explicit mesh sizes (no -1)")
     if args.slices > 1 and not args.topology:
@@ -555,7 +555,8 @@ def cmd_plan(args) -> int:
 
     # only the training step is planned: the evaluation batch follows --batch unless it is given
     overrides = ([f"train.eval_batch_size={args.batch}"] + list(args.overrides)
-                 + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"])
+                 + [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}"]
+                 + [f"parallel.{axis}={size}" for axis, size in sizes.items()])  # the run's mesh is the plan's
     run = load_run_config(args.config, overrides)  # config errors here, before any re-execution
     if not isinstance(run.model_dict.get("vocab_size"), int):
         raise ValueError("plan needs a numeric model.vocab_size (override model.vocab_size=N)")
@@ -697,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --init-from-hf: start a LoRA run from this PEFT adapter of that model (its rank, "
                          "alpha and projections set lora:)")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=1,tensor=4 (-1 fills; sets "
-                                   "parallel.data/fsdp/expert/context/tensor)")
+                                   "parallel.stage/data/fsdp/expert/context/tensor)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.n_layers=2")
     tr.set_defaults(func=cmd_train)
 
@@ -771,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(no accelerator needed)")
     pl.add_argument("--config", required=True, help="a YAML config (model:, optional train:)")
     pl.add_argument("--mesh", required=True,
-                    help="e.g. data=1,fsdp=8,tensor=1 (axes: data, fsdp, expert, context, tensor)")
+                    help="e.g. data=1,fsdp=8,tensor=1 (axes: stage, data, fsdp, expert, context, tensor)")
     pl.add_argument("--batch", type=int, required=True, help="sequences per step, all devices together")
     pl.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     pl.add_argument("--topology", help="compile with the TPU compiler for this topology (libtpu), e.g. v5p:2x2x2, "

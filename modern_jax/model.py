@@ -152,7 +152,10 @@ class Stack(nnx.Module):
         sown_names = set()  # filled while tracing: the names some block sowed
 
         def layer(j):
-            def apply(x_BTD, state, cache, rng, pos_BT, seg_BT):
+            def apply(x_BTD, weights, where, cache, rng, pos_BT, seg_BT):
+                # the block's weights, or where they are in a larger stack: picked inside the checkpoint,
+                # which then keeps the stack (held anyway) and the index, not a copy of the weights
+                state = weights if where is None else jax.tree.map(lambda w: w[where], weights)
                 block = nnx.merge(graphdefs[j], state)
                 (x_BTD, cache), sown_j = nnx.capture(block, nnx.Intermediate)(x_BTD, pos_BT, seg_BT, cache, rng,
                                                                               diagnostics=diagnostics)
@@ -171,15 +174,18 @@ class Stack(nnx.Module):
             return {name: (jnp.maximum if name in MAXED else jnp.add)(value, more[name])
                     for name, value in reduced.items()}
 
-        def units(x_BTD, pos_BT, seg_BT, states, caches, numbers):
-            """The units numbered `numbers` (their weights `states`, leading axis one a unit) in turn."""
+        def units(x_BTD, pos_BT, seg_BT, states, caches, numbers, round_=None):
+            """The units numbered `numbers` (their weights `states`, leading axis one a unit) in turn;
+            with `round_`, `states` are an interleaved pipeline stage's `[rounds, units, ...]`, of which
+            round `round_` runs."""
             def unit(carry, xs):
                 x_BTD, reduced = carry
-                states_i, caches_i, i = xs
+                states_i, caches_i, i, p = xs
                 new_caches, loads = [], []
                 for j in range(period):
                     rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
-                    x_BTD, cache_j, reduced_j, load_j = layers[j](x_BTD, states_i[j], caches_i[j], rng_j, pos_BT,
+                    weights, where = (states_i[j], None) if round_ is None else (states[j], (round_, p))
+                    x_BTD, cache_j, reduced_j, load_j = layers[j](x_BTD, weights, where, caches_i[j], rng_j, pos_BT,
                                                                   seg_BT)
                     x_BTD = residual(x_BTD)
                     new_caches.append(cache_j)
@@ -187,14 +193,16 @@ class Stack(nnx.Module):
                     reduced = combine(reduced, reduced_j)
                 return (x_BTD, reduced), (new_caches, loads)
 
-            (x_BTD, reduced), (new_caches, loads) = _loop(unit, (x_BTD, zeros), (states, caches, numbers))
+            xs = ([None] * period if round_ is not None else states, caches, numbers, jnp.arange(len(numbers)))
+            (x_BTD, reduced), (new_caches, loads) = _loop(unit, (x_BTD, zeros), xs)
             return x_BTD, reduced, new_caches, loads
 
         zeros = {name: zero for name in SUMMED + MAXED}
         if caches[0] is None and pipeline.pipelined():  # training and scoring: over the pipeline stages
-            def stage_fn(x_bTD, rows_b, states_P, first):
-                x_bTD, reduced, _, loads = units(x_bTD, *rows_b, states_P, [None] * period,
-                                                 first + jnp.arange(len(jax.tree.leaves(states_P)[0])))
+            def stage_fn(x_bTD, rows_b, states_P, first, round_=None):
+                P = jax.tree.leaves(states_P)[0].shape[0 if round_ is None else 1]
+                x_bTD, reduced, _, loads = units(x_bTD, *rows_b, states_P, [None] * period, first + jnp.arange(P),
+                                                 round_)
                 return x_bTD, reduced, loads
 
             x_BTD, reduced, loads = pipeline.run(stage_fn, x_BTD, (pos_BT, seg_BT), list(states), zeros, combine,

@@ -75,8 +75,9 @@ def unmicrobatch(x):
 def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
     """The stack over the stages: `(x_BTD, reduced, per_unit)`.
 
-    `stage_fn(x_bTD, per_row_b, weights_P, first) -> (x_bTD, reduced, per_unit)` applies P units,
-    the first being unit `first`, to one microbatch. `per_row` is a pytree of `[B, ...]` arrays
+    `stage_fn(x_bTD, per_row_b, weights_P, first[, round]) -> (x_bTD, reduced, per_unit)` applies P
+    units, the first being unit `first`, to one microbatch: with R = 1 `weights_P` are the stage's
+    `[P, ...]`; with R > 1 its `[R, P, ...]`, of which round `round` runs. `per_row` is a pytree of `[B, ...]` arrays
     (positions, segment ids) split with the activations; `weights` a pytree of `[N, ...]` arrays.
     `reduced` is a pytree of float32 values that `combine(total, value)` (pytrees) folds over the
     units and microbatches (starting from the given zeros, which an idle stage adds); `per_unit` a pytree of
@@ -95,7 +96,11 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
     x_MbTD = microbatches(x_BTD, M)
     rows = jax.tree.map(lambda a: microbatches(a, M), per_row)
     s_S = jnp.arange(S)
-    vmapped = jax.vmap(stage_fn, spmd_axis_name="stage")
+    # each stage its weights: with R = 1 its [P, ...] block; with R > 1 its [R, P, ...] blocks and the
+    # round it runs, which the blocks pick inside their checkpoint (a gathered copy would be kept
+    # for the backward pass at every iteration)
+    vmapped = jax.vmap(stage_fn, in_axes=(0, 0, 0 if R == 1 else 1, 0) + (() if R == 1 else (0,)),
+                       spmd_axis_name="stage")
 
     def iteration(carry, t):
         h_SbTD, circ_MbTD, reduced, per_unit = carry
@@ -105,12 +110,12 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
         m_S, r_S = k_S % M, k_S // M
         first_in = jnp.where(r_S[0] == 0, x_MbTD[m_S[0]], circ_MbTD[m_S[0]])
         inputs = _place(jnp.roll(h_SbTD, 1, axis=0).at[0].set(first_in), 0)
-        if R == 1:
-            weights_S = jax.tree.map(lambda w: w[0], weights)
-        else:  # each stage its own round's block
-            weights_S = jax.tree.map(lambda w: jax.vmap(lambda w_s, r: w_s[r], in_axes=(1, 0))(w, r_S), weights)
         first_S = (r_S * S + s_S) * P
-        out_SbTD, reduced_S, per_unit_S = vmapped(inputs, jax.tree.map(lambda a: a[m_S], rows), weights_S, first_S)
+        rows_S = jax.tree.map(lambda a: a[m_S], rows)
+        if R == 1:
+            out_SbTD, reduced_S, per_unit_S = vmapped(inputs, rows_S, jax.tree.map(lambda w: w[0], weights), first_S)
+        else:
+            out_SbTD, reduced_S, per_unit_S = vmapped(inputs, rows_S, weights, first_S, r_S)
         out_SbTD = _place(out_SbTD, 0)
         last = S - 1
         circ_MbTD = circ_MbTD.at[m_S[last]].set(jnp.where(valid_S[last], out_SbTD[last], circ_MbTD[m_S[last]]))
@@ -126,7 +131,8 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
 
     h = _place(jnp.zeros((S,) + x_MbTD.shape[1:], x_BTD.dtype), 0)
     per_unit = jax.eval_shape(lambda: vmapped(h, jax.tree.map(lambda a: a[jnp.zeros(S, int)], rows),
-                                              jax.tree.map(lambda w: w[0], weights), s_S)[2])
+                                              *((jax.tree.map(lambda w: w[0], weights), s_S) if R == 1
+                                                else (weights, s_S, s_S)))[2])
     per_unit = jax.tree.map(lambda v: jnp.zeros((N,) + v.shape[2:], v.dtype), per_unit)
     carry = (h, jnp.zeros_like(x_MbTD), reduced, per_unit)
     (_, circ_MbTD, reduced, per_unit), _ = loop(iteration, carry, R * M + S - 1)
