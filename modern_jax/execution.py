@@ -50,6 +50,15 @@ REMAT_POLICIES = {
     "save_qkv_out": jax.checkpoint_policies.save_only_these_names(
         "query_proj", "key_proj", "value_proj", "attention_out", "attention_lse"
     ),
+    # host offload (MaxText's `offload`): what is kept goes to the host's pinned memory in the forward
+    # pass and comes back for the backward, so the device holds none of it between the two
+    "offload_input": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+        offload_src="device", offload_dst="pinned_host"),
+    "offload_qkv_out": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], offload_src="device", offload_dst="pinned_host",
+        names_which_can_be_offloaded=["layer_input", "query_proj", "key_proj", "value_proj", "attention_out",
+                                      "attention_lse"]),
 }
 
 _fail = functools.partial(fail, "ExecutionConfig")

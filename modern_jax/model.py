@@ -38,6 +38,7 @@ import functools
 import os
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
@@ -157,6 +158,7 @@ class Stack(nnx.Module):
                 # which then keeps the stack (held anyway) and the index, not a copy of the weights
                 state = weights if where is None else jax.tree.map(lambda w: w[where], weights)
                 block = nnx.merge(graphdefs[j], state)
+                x_BTD = checkpoint_name(x_BTD, "layer_input")  # what the offload policies keep on the host
                 (x_BTD, cache), sown_j = nnx.capture(block, nnx.Intermediate)(x_BTD, pos_BT, seg_BT, cache, rng,
                                                                               diagnostics=diagnostics)
                 reduced = {name: sown_value(sown_j, name) for name in SUMMED + MAXED}

@@ -74,7 +74,9 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
                 raise
             return {"peak": _bytes(*oom.group(1, 2)), "hbm": _bytes(*oom.group(3, 4))}
         return {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
-                "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes}
+                "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
+                # what a host-offload remat policy keeps in the host's pinned memory
+                "host_temporaries": getattr(analysis, "host_temp_size_in_bytes", 0) or 0}
 
     memory = _cached(_program_key(lowered, mesh, {"memory": True}), compile_memory) if topology else compile_memory()
     kind = mesh.devices.flat[0].device_kind
@@ -400,11 +402,12 @@ def format_plan(result: dict) -> str:
     for key, label in (("parameters", "parameters"), ("optimizer", "optimizer state"),
                        ("reference", "frozen reference (a copy of the starting weights)"), ("batch", "batch"),
                        ("temporaries", "activations + temporaries (XLA)"), ("peak", "peak (arguments + outputs "
-                                                                                       "- donated + temporaries)")):
+                                                                                       "- donated + temporaries)"),
+                       ("host_temporaries", "host memory (activations offloaded by the remat policy)")):
         if result.get("compiler_refused") and key == "peak":
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB by the compiler's count, more than the chip's "
                          f"{result['hbm'] / GiB:.2f} GiB (it stopped there; no temporaries reported)")
-        elif result.get(key) is not None:
+        elif result.get(key) is not None and (key != "host_temporaries" or result[key]):
             lines.append(f"  {label}: {result[key] / GiB:.2f} GiB ({result[key]} B)")
     for name, program in result.get("programs", {}).items():
         lines.append(f"  {name}: {program['peak'] / GiB:.2f} GiB with the state ({program['temporaries'] / GiB:.2f} GiB "

@@ -149,3 +149,20 @@ def test_a_checkpoint_restores_into_another_stack_layout(tmp_path):
     mu = restored["opt_state"][1][0].mu["stages"][0]["blocks"][0]["mlp"]["down_proj"]["kernel"]
     want_mu = state["opt_state"][1][0].mu["stages"][0]["blocks"][0]["mlp"]["down_proj"]["kernel"]
     np.testing.assert_array_equal(np.asarray(mu).reshape(want_mu.shape), np.asarray(want_mu))
+
+
+def test_one_stage_a_process_over_two_processes_launched_as_slurm_gives_one_process_losses(tmp_path, capsys):
+    """2 processes x 4 devices as `srun` starts them, stage 2 outermost (each process one stage, its
+    activations crossing between them) x data 2 x fsdp 2, interleaved: every step's loss equals one
+    process's on the same mesh (1e-5)."""
+    from processes import Launch, records
+
+    overrides = cli_overrides(tmp_path) + ["train.steps=3", "train.checkpoint_every=0"]
+    run = ["train", "--config", str(REPO / "configs/tiny.yaml"), "--mesh", "stage=2,data=2,fsdp=2",
+           "parallel.microbatches=2", "parallel.pipeline_schedule=interleaved", "parallel.stage_repeats=2", *overrides]
+    assert main([*run, f"train.output_dir={tmp_path / 'one'}"]) == 0, capsys.readouterr().err
+    launch = Launch([*run, f"train.output_dir={tmp_path / 'two'}"], n=2, devices=4, logdir=tmp_path)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    one, two = ([r["loss"] for r in records(tmp_path / name)] for name in ("one", "two"))
+    assert len(two) == 3
+    np.testing.assert_allclose(two, one, rtol=1e-5)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from modern_jax.sharding.context import active, strategies
+from modern_jax.sharding.rules import logical_to_spec
 
 
 def stages() -> int:
@@ -60,6 +61,17 @@ def _place(x, dim: int):
     spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[dim] = "stage"
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def _place_rows(x_XbTD, stage: bool):
+    """Activations `[S or M, b, T, D]` split as the residual stream is between layers (the rows over
+    the data axes, the sequence over context x tensor), their first axis over `stage` or whole:
+    what the backward pass keeps of every stage's input, so split as finely as the layers' own."""
+    mesh, rules = active()
+    spec = logical_to_spec(("activation_batch", "activation_norm_length", "activation_embed"), rules, mesh,
+                           x_XbTD.shape[1:], where="the pipeline's activations")
+    return jax.lax.with_sharding_constraint(x_XbTD, NamedSharding(mesh, PartitionSpec(
+        "stage" if stage else None, *spec)))
 
 
 def microbatches(x, M: int):
@@ -93,7 +105,7 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
     P = N // (S * R)
     # [N, ...] -> [R, S, P, ...] with S over the stage axis
     weights = jax.tree.map(lambda w: _place(w.reshape(R, S, P, *w.shape[1:]), 1), weights)
-    x_MbTD = microbatches(x_BTD, M)
+    x_MbTD = _place_rows(microbatches(x_BTD, M), stage=False)
     rows = jax.tree.map(lambda a: microbatches(a, M), per_row)
     s_S = jnp.arange(S)
     # each stage its weights: with R = 1 its [P, ...] block; with R > 1 its [R, P, ...] blocks and the
@@ -109,16 +121,17 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
         k_S = jnp.clip(k_S, 0, R * M - 1)
         m_S, r_S = k_S % M, k_S // M
         first_in = jnp.where(r_S[0] == 0, x_MbTD[m_S[0]], circ_MbTD[m_S[0]])
-        inputs = _place(jnp.roll(h_SbTD, 1, axis=0).at[0].set(first_in), 0)
+        inputs = _place_rows(jnp.roll(h_SbTD, 1, axis=0).at[0].set(first_in), stage=True)
         first_S = (r_S * S + s_S) * P
         rows_S = jax.tree.map(lambda a: a[m_S], rows)
         if R == 1:
             out_SbTD, reduced_S, per_unit_S = vmapped(inputs, rows_S, jax.tree.map(lambda w: w[0], weights), first_S)
         else:
             out_SbTD, reduced_S, per_unit_S = vmapped(inputs, rows_S, weights, first_S, r_S)
-        out_SbTD = _place(out_SbTD, 0)
+        out_SbTD = _place_rows(out_SbTD, stage=True)
         last = S - 1
-        circ_MbTD = circ_MbTD.at[m_S[last]].set(jnp.where(valid_S[last], out_SbTD[last], circ_MbTD[m_S[last]]))
+        circ_MbTD = _place_rows(circ_MbTD.at[m_S[last]].set(
+            jnp.where(valid_S[last], out_SbTD[last], circ_MbTD[m_S[last]])), stage=False)
 
         def masked(v_S):
             return jnp.where(valid_S.reshape((S,) + (1,) * (v_S.ndim - 1)), v_S, 0)
@@ -129,11 +142,11 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
         per_unit = jax.tree.map(lambda total, v_S: total.at[units_SP].add(masked(v_S)), per_unit, per_unit_S)
         return (out_SbTD, circ_MbTD, reduced, per_unit), None
 
-    h = _place(jnp.zeros((S,) + x_MbTD.shape[1:], x_BTD.dtype), 0)
+    h = _place_rows(jnp.zeros((S,) + x_MbTD.shape[1:], x_BTD.dtype), stage=True)
     per_unit = jax.eval_shape(lambda: vmapped(h, jax.tree.map(lambda a: a[jnp.zeros(S, int)], rows),
                                               *((jax.tree.map(lambda w: w[0], weights), s_S) if R == 1
                                                 else (weights, s_S, s_S)))[2])
     per_unit = jax.tree.map(lambda v: jnp.zeros((N,) + v.shape[2:], v.dtype), per_unit)
-    carry = (h, jnp.zeros_like(x_MbTD), reduced, per_unit)
+    carry = (h, _place_rows(jnp.zeros_like(x_MbTD), stage=False), reduced, per_unit)
     (_, circ_MbTD, reduced, per_unit), _ = loop(iteration, carry, R * M + S - 1)
     return unmicrobatch(circ_MbTD), whole(reduced, per_unit, M, B * x_BTD.shape[1]), per_unit
