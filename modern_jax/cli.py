@@ -573,6 +573,7 @@ def cmd_plan(args) -> int:
     from modern_jax.planner import format_plan, format_search, plan, search
 
     if args.search:
+        searched["microbatches"] = searched["microbatches"] or [run.parallel.microbatches]
         result = search(run, args.topology, slices=args.slices, **searched, chunks=_chunks(args.search_chunk, run),
                         log=_note)
         print(format_search(result))
@@ -607,7 +608,9 @@ def _search_options(args, sizes: dict) -> dict:
     if unknown:
         raise ValueError(f"--search-remat {args.search_remat!r}: {', '.join(map(repr, unknown))} is not a remat "
                          f"policy; expected some of {', '.join(REMAT_POLICIES)}")
-    return {"meshes": meshes, "remats": remats, "accums": _numbers(args.search_accum, "--search-accum")}
+    microbatches = _numbers(args.search_microbatches, "--search-microbatches") if args.search_microbatches else None
+    return {"meshes": meshes, "remats": remats, "accums": _numbers(args.search_accum, "--search-accum"),
+            "microbatches": microbatches}
 
 
 def _names(text: str, flag: str) -> list[str]:
@@ -785,6 +788,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--search", action="store_true",
                     help="--topology: compile the combinations of the --search-* choices and rank those that fit by "
                          "estimated tokens/s per chip")
+    pl.add_argument("--search-microbatches", metavar="M,M",
+                    help="--search: pipeline microbatches, parallel.microbatches, for meshes with stages (default: "
+                         "the run's)")
     pl.add_argument("--search-remat", default="full,save_qkv_out,dots", metavar="P,P",
                     help="--search: remat policies (default full,save_qkv_out,dots)")
     pl.add_argument("--search-accum", default="1,2", metavar="A,A",

@@ -293,6 +293,8 @@ def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
 
     if layers is not None:
         return cost(layers)
+    if mesh.shape.get("stage", 1) > 1:
+        return pipelined_cost(run, mesh, kernel_costs=kernel_costs)
     base, variants = counting_layers(run.model)
     counted = cost(base)
     total = dict(counted)
@@ -300,6 +302,57 @@ def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
         one_more = cost(variant)
         for k in COST_KEYS:
             total[k] += more * (one_more[k] - counted[k])
+    return total
+
+
+# A pipelined step (`ops.pipeline`) is the stages' loop of R M + S - 1 iterations, each running P
+# units on every stage at once, inside the step's other work. Its counting programs keep the
+# schedule and the microbatches (M, of the same rows) and vary the units a stage runs a round (p)
+# and the rounds (r): with `p` in {1, 2} (just P when it is 1) and `r` in {1, 2} for GPipe, {2, 3}
+# for the interleaved schedule, the cost is bilinear in (p, r) (iterations r M + S - 1 of c0 + c1 p
+# each, and the parameters' own work, r p of them), evaluated at (P, R). An iteration's cost is the
+# slope in r over M; the bubble is S - 1 iterations of it: (S - 1) / (R M + S - 1) of the loop.
+
+def pipelined_cost(run, mesh, *, kernel_costs: bool = True) -> dict:
+    """`step_cost` of a pipelined run, with `iteration` (one iteration's cost) and `bubble_seconds`
+    when the rounds vary (for GPipe, M >= S)."""
+    import dataclasses
+
+    from modern_jax.model import plan_stages
+    from modern_jax.training.step import trainer_for
+
+    S, M, R = mesh.shape["stage"], run.parallel.microbatches, run.parallel.stage_repeats
+    stacks = plan_stages(run.model.layer_specs())
+    if len(stacks) != 1:
+        raise CostModelFault(f"a pipelined step's estimate counts models of one layer stack; this one has "
+                             f"{len(stacks)} (layers of different kinds)")
+    unit, repeats = stacks[0]
+    P = repeats // (S * R)
+    execution = run.execution.replace(scan_layers=False)
+
+    def cost(p: int, r: int) -> dict:
+        parallel = dataclasses.replace(run.parallel, stage_repeats=r,
+                                       pipeline_schedule="interleaved" if r > 1 else "gpipe")
+        trainer = trainer_for(dataclasses.replace(run, parallel=parallel), mesh, execution=execution,
+                              layers=unit * (S * r * p))
+        return counting_cost(trainer, kernel_costs=kernel_costs)
+
+    ps = [1] if P == 1 else [1, 2]
+    rs = ([1, 2] if M >= S else [1]) if R == 1 else [2, 3]
+    at = {(p, r): cost(p, r) for p in ps for r in rs}
+
+    def line(values: dict, x: int) -> float:  # a linear function of the keys 1, 2 (or one key), at x
+        (x0, y0), *rest = sorted(values.items())
+        return y0 if not rest else y0 + (x - x0) * (rest[0][1] - y0)
+
+    total, slope = {}, {}
+    for k in COST_KEYS:
+        total[k] = line({p: line({r: at[p, r][k] for r in rs}, R) for p in ps}, P)
+        if len(rs) == 2:
+            slope[k] = line({p: at[p, rs[1]][k] - at[p, rs[0]][k] for p in ps}, P)
+    if slope:
+        total["iteration"] = {k: v / M for k, v in slope.items()}
+        total["bubble_seconds"] = (S - 1) * total["iteration"]["optimal_seconds"]
     return total
 
 
@@ -326,12 +379,19 @@ def estimate_speed(run, mesh, *, opaque_kernels_too: bool = True) -> dict:
            "compiler_flops": with_costs["flops"] * mesh.size, "bytes_per_chip": with_costs["bytes accessed"]}
     if io_only is not None:
         out["seconds_io_kernels"] = io_only["optimal_seconds"]
+    if "bubble_seconds" in with_costs:
+        S, M, R = mesh.shape["stage"], run.parallel.microbatches, run.parallel.stage_repeats
+        loop = (R * M + S - 1) * with_costs["iteration"]["optimal_seconds"]
+        out.update(bubble_seconds=with_costs["bubble_seconds"], bubble_of_loop=with_costs["bubble_seconds"] / loop,
+                   bubble_formula=(S - 1) / (R * M + S - 1), pipeline_loop_seconds=loop)
     return out
 
 
-def search(run, topology: str, *, slices: int = 1, remats, accums, meshes, chunks, log=lambda message: None) -> dict:
-    """Plan every combination of remat policy, micro-batches (`train.grad_accum`), mesh and loss
-    vocabulary chunk on TPU `topology`, and rank those that fit by estimated tokens/s per chip.
+def search(run, topology: str, *, slices: int = 1, remats, accums, meshes, chunks, microbatches=(1,),
+           log=lambda message: None) -> dict:
+    """Plan every combination of remat policy, micro-batches (`train.grad_accum`), mesh (with pipeline
+    stages, each of the pipeline's `microbatches` counts) and loss vocabulary chunk on TPU `topology`,
+    and rank those that fit by estimated tokens/s per chip.
     Every compile is cached (`_cached`): a repeated search, or one that shares combinations with
     an earlier one, compiles only what is new. `{"rows": ranked rows, "seconds": the search's time}`."""
     import dataclasses
@@ -341,13 +401,17 @@ def search(run, topology: str, *, slices: int = 1, remats, accums, meshes, chunk
     start = time.perf_counter()
     meshes = [dict(m) for m in dict.fromkeys(tuple(sorted(m.items())) for m in meshes)]
     rows = []
-    combos = list(itertools.product(meshes, remats, accums, chunks))
-    for i, (mesh_sizes, remat, accum, chunk) in enumerate(combos, 1):
+    combos = [(mesh, remat, accum, chunk, m) for mesh, remat, accum, chunk in
+              itertools.product(meshes, remats, accums, chunks)
+              for m in (microbatches if mesh.get("stage", 1) > 1 else (1,))]
+    for i, (mesh_sizes, remat, accum, chunk, m) in enumerate(combos, 1):
         row = {"mesh": ",".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1 device",
-               "remat": remat, "grad_accum": accum, "loss_vocab_chunk": chunk}
-        log(f"[{i}/{len(combos)}] {row['mesh']}, remat {remat}, {accum} micro-batch(es), loss chunk {chunk}")
+               "remat": remat, "grad_accum": accum, "loss_vocab_chunk": chunk, "microbatches": m}
+        log(f"[{i}/{len(combos)}] {row['mesh']}, remat {remat}, {accum} micro-batch(es), loss chunk {chunk}"
+            + (f", {m} pipeline microbatches" if mesh_sizes.get("stage", 1) > 1 else ""))
         try:
-            candidate = dataclasses.replace(run, execution=run.execution.replace(remat=remat),
+            parallel = dataclasses.replace(run.parallel, **mesh_sizes, microbatches=m)
+            candidate = dataclasses.replace(run, execution=run.execution.replace(remat=remat), parallel=parallel,
                                             train=dataclasses.replace(run.train, grad_accum=accum,
                                                                       loss_vocab_chunk=chunk))
             result = plan(candidate, mesh_sizes, topology=topology, slices=slices, speed=True, opaque_kernels_too=False)
@@ -367,8 +431,8 @@ def search(run, topology: str, *, slices: int = 1, remats, accums, meshes, chunk
 
 def format_search(result: dict) -> str:
     """The ranked table: those that fit first, fastest first."""
-    lines = ["| rank | mesh | remat | micro-batches | loss chunk | peak GiB | step s | tokens/s/chip | MFU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| rank | mesh | remat | micro-batches | pipeline microbatches | loss chunk | peak GiB | step s | "
+             "tokens/s/chip | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(result["rows"], 1):
         if "tokens_per_s_per_chip" in r:
             speed = f"{r['seconds']:.4f} | {r['tokens_per_s_per_chip']:,.0f} | {100 * r['mfu']:.1f}%"
@@ -376,7 +440,7 @@ def format_search(result: dict) -> str:
             speed = "does not fit | | " if "note" not in r else f"{r['note']} | | "
         peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else ""
         lines.append(f"| {i if r['fits'] else '-'} | {r['mesh']} | {r['remat']} | {r['grad_accum']} | "
-                     f"{r['loss_vocab_chunk']} | {peak} | {speed} |")
+                     f"{r.get('microbatches', 1)} | {r['loss_vocab_chunk']} | {peak} | {speed} |")
     fit = sum(r["fits"] for r in result["rows"])
     lines.append(f"{len(result['rows'])} configurations on {result['topology']}, {fit} fit; searched in "
                  f"{result['seconds']:.0f} s (compiles cached: a repeat is quick)")
@@ -427,6 +491,12 @@ def format_speed(speed: dict) -> list[str]:
     head = f"estimated step time: {speed['seconds']:.5g} s"
     if "seconds_io_kernels" in speed:
         head += f" ({speed['seconds_io_kernels']:.5g} s without the Pallas kernels)"
-    return [head + " (the TPU compiler's roofline, loops counted; no overlap of communication beyond its model)",
-            f"estimated tokens/s per chip: {speed['tokens_per_s_per_chip']:,.0f}",
-            f"estimated MFU: {100 * speed['mfu']:.1f}% (6N + causal attention = {speed['model_flops']:.4g} FLOPs a step)"]
+    lines = [head + " (the TPU compiler's roofline, loops counted; no overlap of communication beyond its model)",
+             f"estimated tokens/s per chip: {speed['tokens_per_s_per_chip']:,.0f}",
+             f"estimated MFU: {100 * speed['mfu']:.1f}% (6N + causal attention = {speed['model_flops']:.4g} FLOPs a step)"]
+    if "bubble_seconds" in speed:
+        lines.append(f"pipeline bubble: {speed['bubble_seconds']:.5g} s, {100 * speed['bubble_of_loop']:.2f}% of the "
+                     f"stages' loop ({speed['pipeline_loop_seconds']:.5g} s; (S - 1) / (M R + S - 1) = "
+                     f"{100 * speed['bubble_formula']:.2f}%), {100 * speed['bubble_seconds'] / speed['seconds']:.2f}% "
+                     f"of the step")
+    return lines

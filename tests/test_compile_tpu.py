@@ -72,19 +72,22 @@ def test_a_mesh_that_splits_physical_axes_is_built_and_says_so():
     devices = topology_devices("v5p:4x4x4")  # 64 chips; 8 is not a product of the 4 x 4 x 4 axes
     with pytest.warns(UserWarning, match="splits the topology's physical axes"):
         mesh = make_mesh(fsdp=8, tensor=8, devices=devices)
-    assert mesh.devices.shape == (1, 8, 1, 1, 8) and len({d.id for d in mesh.devices.flat}) == 64
+    assert mesh.devices.shape == (1, 1, 8, 1, 1, 8) and len({d.id for d in mesh.devices.flat}) == 64
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # 16 x 4 matches whole axes: no warning
         make_mesh(fsdp=16, tensor=4, devices=devices)
 
 
-def test_multi_slice_meshes_put_the_slices_on_the_data_axis():
+def test_multi_slice_meshes_put_the_slices_on_the_stage_axis_or_else_the_data_axis():
     devices = topology_devices("v5p:2x2x2", slices=2)
     mesh = make_mesh(data=2, fsdp=8, devices=devices)
-    assert [d.slice_index for d in mesh.devices[:, 0, 0, 0, 0]] == [0, 1]
-    assert all(len({d.slice_index for d in mesh.devices[i].flat}) == 1 for i in range(2))
+    assert [d.slice_index for d in mesh.devices[0, :, 0, 0, 0, 0]] == [0, 1]
+    assert all(len({d.slice_index for d in mesh.devices[0, i].flat}) == 1 for i in range(2))
     with pytest.raises(ValueError, match="make data a multiple of 2"):
         make_mesh(fsdp=16, devices=devices)
+    mesh = make_mesh(stage=2, data=2, fsdp=4, devices=devices)  # the stages over the slower links
+    assert [d.slice_index for d in mesh.devices[:, 0, 0, 0, 0, 0]] == [0, 1]
+    assert all(len({d.slice_index for d in mesh.devices[i].flat}) == 1 for i in range(2))
 
 
 @pytest.mark.parametrize("name", ["v5e:2x2", "v6e:2x2"])

@@ -460,10 +460,10 @@ def test_cli_train_evaluate_generate(tmp_path, capsys, monkeypatch):
     (["train", "--config", "/no/such.yaml"], "config file '/no/such.yaml' does not exist"),
     (["evaluate", "--checkpoint", "/no/such/dir"], "is not a directory"),
     (["train", "--mesh", "data=3"],
-     "mesh data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 needs 3 devices but 8 are available"),
+     "mesh stage=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 needs 3 devices but 8 are available"),
     (["train", "--mesh", "tensor=two"], "SIZE must be an integer"),
     (["train", "parallel.tensor=0"], "ParallelConfig.tensor=0 is invalid"),
-    (["train", "parallel.data=-1", "parallel.fsdp=-1"], "only one of data, fsdp, expert, context, tensor may be -1"),
+    (["train", "parallel.data=-1", "parallel.fsdp=-1"], "only one of stage, data, fsdp, expert, context, tensor may be -1"),
     (["train", "parallel.rules.embedd=null"], "ParallelConfig.rules.embedd=None is invalid: not a logical axis; did "
                                               "you mean embed"),
     (["train", "parallel.rules.mlp=tensr"], "ParallelConfig.rules.mlp='tensr' is invalid: expected null, a mesh axis"),
@@ -488,9 +488,10 @@ def test_cli_train_on_a_yaml_mesh_with_rule_overrides_matches_one_device(tmp_pat
     config.write_text(yaml.safe_dump(raw))
     assert main(["train", "--config", str(config), "--mesh", "data=2,fsdp=2,tensor=2"]) == 0, capsys.readouterr().err
     saved = yaml.safe_load((tmp_path / "mesh/config.yaml").read_text())["parallel"]
-    assert saved == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2, "context_layout": "two_chunk",
-                     "context_strategy": "all_gather", "moe_exchange": "all_to_all", "moe_exchange_factor": None,
-                     "rules": {"mlp": None}}
+    assert saved == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2,
+                     "context_layout": "two_chunk", "context_strategy": "all_gather", "moe_exchange": "all_to_all",
+                     "moe_exchange_factor": None, "microbatches": 1, "pipeline_schedule": "gpipe",
+                     "stage_repeats": 1, "rules": {"mlp": None}}
     logged = [json.loads(line) for line in (tmp_path / "mesh/metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in logged if r.get("split") == "train"]
     np.testing.assert_allclose(losses, [h["loss"] for h in single.history], rtol=2e-5)

@@ -48,7 +48,8 @@ def pipelined() -> bool:
 
 def check_depth(units: int, what: str) -> None:
     """Refuse a stack of `units` the active stages (x stage_repeats) do not split, naming the counts that do."""
-    S, R = stages(), strategies().stage_repeats
+    S = stages()
+    R = strategies().stage_repeats if S > 1 else 1
     if units % (S * R):
         fits = [n for n in range(1, units + 1) if units % n == 0]
         raise ValueError(f"{what}: its {units} units do not split over parallel.stage={S} x stage_repeats={R} = "
