@@ -64,15 +64,16 @@ def _place(x, dim: int):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
-def _place_rows(x_XbTD, stage: bool):
-    """Activations `[S or M, b, T, D]` split as the residual stream is between layers (the rows over
-    the data axes, the sequence over context x tensor), their first axis over `stage` or whole:
-    what the backward pass keeps of every stage's input, so split as finely as the layers' own."""
+def _place_rows(x_XbTD, stage: bool | None):
+    """Activations `[S or M, b, T, D]` (or one microbatch's `[b, T, D]`, `stage=None`) split as the
+    residual stream is between layers (the rows over the data axes, the sequence over context x
+    tensor), a first axis over `stage` or whole: what the backward pass keeps of every stage's
+    input, so split as finely as the layers' own (the compiler, left to itself, may gather them)."""
     mesh, rules = active()
+    lead = () if stage is None else ("stage" if stage else None,)
     spec = logical_to_spec(("activation_batch", "activation_norm_length", "activation_embed"), rules, mesh,
-                           x_XbTD.shape[1:], where="the pipeline's activations")
-    return jax.lax.with_sharding_constraint(x_XbTD, NamedSharding(mesh, PartitionSpec(
-        "stage" if stage else None, *spec)))
+                           x_XbTD.shape[len(lead):], where="the pipeline's activations")
+    return jax.lax.with_sharding_constraint(x_XbTD, NamedSharding(mesh, PartitionSpec(*lead, *spec)))
 
 
 def microbatches(x, M: int):
@@ -121,7 +122,8 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
         valid_S = (k_S >= 0) & (k_S < R * M)
         k_S = jnp.clip(k_S, 0, R * M - 1)
         m_S, r_S = k_S % M, k_S // M
-        first_in = jnp.where(r_S[0] == 0, x_MbTD[m_S[0]], circ_MbTD[m_S[0]])
+        first_in = _place_rows(jnp.where(r_S[0] == 0, _place_rows(x_MbTD[m_S[0]], None),
+                                         _place_rows(circ_MbTD[m_S[0]], None)), None)
         inputs = _place_rows(jnp.roll(h_SbTD, 1, axis=0).at[0].set(first_in), stage=True)
         first_S = (r_S * S + s_S) * P
         rows_S = jax.tree.map(lambda a: a[m_S], rows)
@@ -131,8 +133,9 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
             out_SbTD, reduced_S, per_unit_S = vmapped(inputs, rows_S, weights, first_S, r_S)
         out_SbTD = _place_rows(out_SbTD, stage=True)
         last = S - 1
-        circ_MbTD = _place_rows(circ_MbTD.at[m_S[last]].set(
-            jnp.where(valid_S[last], out_SbTD[last], circ_MbTD[m_S[last]])), stage=False)
+        kept = _place_rows(jnp.where(valid_S[last], _place_rows(out_SbTD[last], None),
+                                     _place_rows(circ_MbTD[m_S[last]], None)), None)
+        circ_MbTD = _place_rows(circ_MbTD.at[m_S[last]].set(kept), stage=False)
 
         def masked(v_S):
             return jnp.where(valid_S.reshape((S,) + (1,) * (v_S.ndim - 1)), v_S, 0)
