@@ -166,3 +166,32 @@ def test_one_stage_a_process_over_two_processes_launched_as_slurm_gives_one_proc
     one, two = ([r["loss"] for r in records(tmp_path / name)] for name in ("one", "two"))
     assert len(two) == 3
     np.testing.assert_allclose(two, one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["offload_input", "offload_qkv_out"])
+def test_host_offload_gives_plain_remats_loss_and_gradients(policy):
+    """The offload policies keep the layer input (and q, k, v, the attention output) in host memory
+    between the passes: the loss equals full remat's (1e-6), and every gradient (1e-5 in norm)."""
+    from common import assert_leaves_match, train_step_gradients
+
+    want, plain = train_step_gradients(DENSE, TC, one_device(), token_batch(1, 8, 16, 64),
+                                       execution=ExecutionConfig(remat="full"))
+    got, offloaded = train_step_gradients(DENSE, TC, one_device(), token_batch(1, 8, 16, 64),
+                                          execution=ExecutionConfig(remat=policy))
+    np.testing.assert_allclose(offloaded["loss"], plain["loss"], rtol=1e-6)
+    assert_leaves_match(got, want, rtol=1e-5)  # in norm: saving q, k, v rounds apart from recomputing them
+
+
+def test_cli_moe_over_stage_and_expert_gives_the_one_device_losses_for_10_steps(tmp_path, capsys):
+    """A mixture of experts with its layers over 2 stages and its experts over 2 devices (x data 2):
+    the first 10 losses equal one device's (1e-5), the balance loss joining every gradient."""
+    overrides = cli_overrides(tmp_path) + ["model.expert_d_ff=16", "model.n_experts=4", "train.steps=10",
+                                           "train.checkpoint_every=0", "train.moe_aux_weight=0.01"]
+    config = str(REPO / "configs/moe_tiny.yaml")
+    one = train(load_run_config(config, overrides + [f"train.output_dir={tmp_path / 'one'}"]), mesh=one_device(),
+                log=lambda *_: None)
+    assert main(["train", "--config", config, "--mesh", "stage=2,data=2,expert=2", "parallel.microbatches=2",
+                 *overrides, f"train.output_dir={tmp_path / 'pipe'}"]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "pipe/metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([r["loss"] for r in rows if r["split"] == "train"], [h["loss"] for h in one.history],
+                               rtol=1e-5)
