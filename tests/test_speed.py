@@ -133,10 +133,10 @@ def test_plan_search_ranks_what_fits_by_estimated_speed_and_reuses_its_compiles(
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "rank" not in line]
     assert len(rows) == 4 and re.search(r"4 configurations on v5e:2x2, 2 fit; searched in \d+ s", out)
     ranked = [r for r in rows if r[0].strip() != "-"]
-    speeds = [float(r[7].replace(",", "")) for r in ranked]
+    speeds = [float(r[8].replace(",", "")) for r in ranked]
     assert [int(r[0]) for r in ranked] == [1, 2] and speeds == sorted(speeds, reverse=True)
     refused = [r for r in rows if r[0].strip() == "-"]
-    assert {r[1].strip() for r in refused} == {"tensor=4"} and "d_ff=390 is not divisible" in refused[0][6]
+    assert {r[1].strip() for r in refused} == {"tensor=4"} and "d_ff=390 is not divisible" in refused[0][7]
     assert {r[2].strip() for r in ranked} == {"full", "none"}
     assert [r[2].strip() for r in ranked] == ["none", "full"]  # remat none recomputes nothing: faster
 
@@ -216,3 +216,25 @@ def test_planners_writing_the_cache_at_once_keep_every_entry(tmp_path, monkeypat
     assert [p.wait(timeout=120) for p in processes] == [0] * 4
     table = json.loads((tmp_path / "plan_costs.json").read_text())
     assert table == {f"{i}-{j}": {"v": 100 * i + j} for i in range(4) for j in range(30)}
+
+
+def test_plan_search_tries_each_pipeline_microbatch_count_on_meshes_with_stages(capsys, monkeypatch):
+    """`--search-microbatches` multiplies the meshes with stages only; each candidate run's parallel
+    section is its mesh and microbatches (what the Trainer's pipeline reads)."""
+    seen = []
+
+    def plan(candidate, mesh_sizes, **kwargs):
+        seen.append((dict(mesh_sizes), candidate.parallel.stage, candidate.parallel.fsdp, candidate.parallel.microbatches))
+        return {"fits": True, "peak": 1 << 30, "speed": {"seconds": 1.0, "tokens_per_s_per_chip": 100.0 * len(seen),
+                                                          "mfu": 0.5}}
+
+    monkeypatch.setattr(planner, "plan", plan)
+    args = ["plan", "--config", "configs/tiny.yaml", "--topology", "v5e:2x2", "--mesh", "fsdp=4", "--batch", "8",
+            "--seq", "64", "--search", "--search-remat", "full", "--search-accum", "1", "--search-chunk", "whole",
+            "--search-mesh", "fsdp=4;stage=2,fsdp=2", "--search-microbatches", "2,4"]
+    assert main(args) == 0
+    assert [(s[1], s[2], s[3]) for s in seen] == [(1, 4, 1), (2, 2, 2), (2, 2, 4)]
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "rank" not in line]
+    assert [(r[1].strip(), r[4].strip()) for r in rows] == [("fsdp=2,stage=2", "4"), ("fsdp=2,stage=2", "2"),
+                                                            ("fsdp=4", "1")]
