@@ -132,10 +132,10 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
 # `optimal_seconds`, its roofline time of the step) counts a while loop's body once, whatever its
 # trip count: the scanned layers, the loss's vocabulary chunks, the micro-batches and the
 # compiler's own collective-matmul loops. The estimate therefore compiles counting programs with
-# no loop at all (layers, chunks and micro-batches unrolled, windowed einsums off): every stage's
-# unit twice (C), and for each stage that repeats more, its unit once more (C_s), extrapolated:
+# no loop at all (layers, chunks and micro-batches unrolled, windowed einsums off): every stack's
+# unit twice (C), and for each stack that repeats more, its unit once more (C_s), extrapolated:
 #
-#     cost = C + sum over stages s of (repeats_s - 2) (C_s - C)
+#     cost = C + sum over stacks s of (repeats_s - 2) (C_s - C)
 #
 # exact when a unit's cost does not depend on its neighbours (two units, not one, so the first and
 # last layers' edges stay out of the step: within 0.01% of a whole unrolled program in the tests).
@@ -181,9 +181,9 @@ def loops_that_count(hlo_text: str) -> list[str]:
 
 
 def counting_layers(cfg, start: int = 2) -> tuple[tuple, list[tuple[int, tuple]]]:
-    """`(base, [(more, layers), ...])`: the layers of the counting program with every stage's unit
-    `start` times (or as often as it repeats, if fewer), and for each stage that repeats more, the
-    same with that unit once more, and how many more units the stage has than the base."""
+    """`(base, [(more, layers), ...])`: the layers of the counting program with every stack's unit
+    `start` times (or as often as it repeats, if fewer), and for each stack that repeats more, the
+    same with that unit once more, and how many more units the stack has than the base."""
     from modern_jax.model import plan_stages
 
     stages = plan_stages(cfg.layer_specs())
@@ -283,7 +283,7 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
 
 def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
     """The compiler's cost of one training step of `run` on `mesh`, its loops counted: the counting
-    programs' costs extrapolated to every stage's repeats (or, with `layers`, that program alone)."""
+    programs' costs extrapolated to every stack's repeats (or, with `layers`, that program alone)."""
     from modern_jax.training.step import trainer_for
 
     execution = run.execution.replace(scan_layers=False)
