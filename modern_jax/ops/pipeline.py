@@ -3,11 +3,12 @@
 Letters: S stages (the `stage` axis), R stages a device (`stage_repeats`), P units a stage, N = R S P
 units in the stack, M microbatches of b rows (B = M b), T length, D model width.
 
-The stack's weights `[N, ...]` are split over `stage` along N (the `layers` rule): unit
+The stack's weights `[N, ...]` are split over `stage` (the `layers` rule): unit
 `u = (r S + s) P + p` is unit p of stage s in round r, so device s holds stages s, S + s, ...
 With R = 1 (`gpipe`) that is the contiguous block of N / S units the `layers` axis gives device s;
 with R > 1 (`interleaved`, MaxText's circular pipeline) a device holds R blocks of P units, one a
-round, read with a stage-dependent index.
+round (the run holds the stack as `[R, N / R, ...]` for that: `training.layout`), and each block
+picks its round's weights inside its remat checkpoint.
 
 At iteration t every stage works at once (the stage axis is vmapped, `spmd_axis_name="stage"`):
 stage s takes microbatch `m = (t - s) mod M` of round `r = (t - s) div M`, where `0 <= t - s < R M`;
@@ -20,7 +21,8 @@ stack's output. Iterations: R M + S - 1, of which each stage idles S - 1: the bu
 
 The backward pass is the loop's, in reverse (autodiff of the scan): what it keeps per iteration
 is what the blocks' remat policy keeps of their inputs, so GPipe's memory (every microbatch's
-layer inputs on its stage) and no more: the buffers move by linear updates and are not saved.
+layer inputs on its stage) and no more: the buffers move by linear updates and are not saved, and
+every activation the loop holds is split as the residual stream between layers.
 A microbatch is every M-th row (`b = B / M` rows strided), so each keeps the batch's split over
 the data axes and stays on its devices.
 """
