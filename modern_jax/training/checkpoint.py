@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -51,7 +52,7 @@ from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
 from modern_jax.lora import LoRAConfig
 from modern_jax.multihost import distributed
-from modern_jax.training.layout import same_stack
+from modern_jax.training.layout import leading, same_stack
 from modern_jax.training.outputs import step_numbers
 
 CONFIG_FILE = "config.yaml"
@@ -333,15 +334,13 @@ def _stack_sharding(want, saved: tuple):
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
     shape = tuple(want.shape)
-    rest = len(saved) - 1 if saved[1:] == shape[2:] else (len(shape) - 1 if saved[2:] == shape[1:] else len(saved) - 2)
+    k_saved, k_want = leading(saved, shape)
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    layers = spec[len(shape) - rest - 1]
+    layers = spec[k_want - 1]  # the split of the last leading dimension, the layers'
     axes = () if layers is None else ((layers,) if isinstance(layers, str) else tuple(layers))
-    size = 1
-    for axis in axes:
-        size *= sharding.mesh.shape[axis]
-    lead = (None,) * (len(saved) - rest - 1) + (layers if saved[len(saved) - rest - 1] % size == 0 else None,)
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead, *spec[len(shape) - rest:]))
+    size = math.prod(sharding.mesh.shape[axis] for axis in axes)
+    lead = (None,) * (k_saved - 1) + (layers if saved[k_saved - 1] % size == 0 else None,)
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*lead, *spec[k_want:]))
 
 
 def _name(path) -> str:

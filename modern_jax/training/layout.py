@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from flax import nnx
 from flax.nnx import traversals
 
@@ -32,7 +33,6 @@ def laid_out(abstract, rounds: int):
     its `layers` axis second."""
     if rounds == 1:
         return abstract
-    import jax
 
     def one(v):
         axes = v.get_metadata().get("out_sharding")
@@ -63,9 +63,22 @@ def to_model(params: dict, paths: set[tuple], rounds: int) -> dict:
     return _map(params, paths, lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]))
 
 
+def leading(saved: tuple, want: tuple) -> tuple[int, int] | None:
+    """How many leading layer dimensions an array saved as `saved` and one of shape `want` have,
+    `(saved's, want's)`, when they are the same stack in two layouts (`[N, ...]`, `[R, N / R, ...]`)
+    and the one is the other reshaped; None otherwise (the same shape included)."""
+    if saved == want or math.prod(saved) != math.prod(want):
+        return None
+    if saved[1:] == want[2:]:
+        return 1, 2
+    if saved[2:] == want[1:]:
+        return 2, 1
+    if len(saved) == len(want) and saved[2:] == want[2:]:
+        return 2, 2
+    return None
+
+
 def same_stack(saved: tuple, want: tuple) -> bool:
     """Whether an array saved as `saved` is, reshaped, one of shape `want`: the same stack in another
-    layout (`[N, ...]`, `[R, N / R, ...]`)."""
-    if saved == want or math.prod(saved) != math.prod(want):
-        return False
-    return saved[1:] == want[2:] or saved[2:] == want[1:] or (len(saved) == len(want) and saved[2:] == want[2:])
+    layout."""
+    return leading(saved, want) is not None

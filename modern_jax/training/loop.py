@@ -682,9 +682,10 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
             prompt = ""
         with execution.use(s.run.execution), Progress(None, enabled=tc.progress and distributed.is_main()) as bar, \
                 bar.phase(f"sampling {tc.samples} x {tc.sample_tokens} tokens"):
-            result.samples = sample_texts(s.trainer.graphdef, s.trainer.model_params(s.state["params"]), s.tokenizer, prompt, n=tc.samples,
-                                          max_new_tokens=tc.sample_tokens, seed=tc.seed, temperature=tc.sample_temperature,
-                                          top_k=tc.sample_top_k, top_p=tc.sample_top_p)
+            result.samples = sample_texts(s.trainer.graphdef, s.trainer.model_params(s.state["params"]), s.tokenizer,
+                                          prompt, n=tc.samples, max_new_tokens=tc.sample_tokens, seed=tc.seed,
+                                          temperature=tc.sample_temperature, top_k=tc.sample_top_k,
+                                          top_p=tc.sample_top_p)
         if distributed.is_main():
             (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
     if tc.plot and distributed.is_main():

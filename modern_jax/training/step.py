@@ -79,12 +79,13 @@ class Trainer:
         self.layers = layers  # the blocks built (default: the config's; the planner's counting programs build fewer)
         self.graphdef, abstract = abstract_converted(model_cfg, converter, layers)
         # the stacks as the run holds them: laid out for an interleaved pipeline's rounds (`layout`)
-        self.rounds = self.strategies.stage_repeats if mesh.shape.get("stage", 1) > 1 else 1
+        staged = mesh.shape.get("stage", 1) > 1
+        self.rounds = self.strategies.stage_repeats if staged else 1
         self.stacked = layout.stacked(abstract)
         M = self.strategies.microbatches
         for name, rows in (("train.batch_size / train.grad_accum", train_cfg.batch_size // train_cfg.grad_accum),
                            ("train.eval_batch_size", train_cfg.eval_batch_size)):
-            if mesh.shape.get("stage", 1) > 1 and rows % M:
+            if staged and rows % M:
                 raise ValueError(f"{name} = {rows} rows do not split into parallel.microbatches={M}: make it a "
                                  f"multiple of {M}")
         with logical_rules(mesh, rules, self.strategies):  # the stacks over the pipeline stages, if any
