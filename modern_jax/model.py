@@ -140,17 +140,18 @@ class Stack(nnx.Module):
             caches.append(jax.tree.map(lambda a: jnp.repeat(a[None], self.repeats, axis=0), layer))
         return caches
 
-    @jax.named_scope("stack")
-    def __call__(self, x_BTD, pos_BT, seg_BT, caches, rng, diagnostics: bool = False):
-        """`(x, caches, reduced, loads)`: `reduced` maps each SUMMED / MAXED name some layer sowed to
-        its sum / max over the stack's layers; `loads[j]` is `moe_load` of block j of the unit,
-        `[repeats, E]`, or None for a dense block."""
+    def parts(self, rng, diagnostics: bool = False):
+        """`(units, combine, zeros, sown)`: `units(x_BTD, pos_BT, seg_BT, states, caches, numbers[,
+        round_])` runs the units numbered `numbers` (their weights `states`, one pytree a block of the
+        unit, leading axis one a unit; with `round_`, an interleaved pipeline stage's `[rounds, units,
+        ...]`, of which round `round_` runs) in turn: `(x, reduced, caches, loads)`; `combine` folds
+        `reduced` values (sums, and maxes for MAXED), `zeros` starts them; `sown`, filled while tracing,
+        names what some block sowed."""
         period, run = len(self.unit), execution.current()
-        graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
-        caches = [None] * period if caches is None else caches
+        graphdefs = [nnx.split(block)[0] for block in self.blocks]
         zero = jnp.zeros((), jnp.float32)  # the identity of both the sum and the max (of |logits|)
         moe = [isinstance(block.mlp, MoE) for block in self.blocks]
-        sown_names = set()  # filled while tracing: the names some block sowed
+        sown_names = set()
 
         def layer(j):
             def apply(x_BTD, weights, where, cache, rng, pos_BT, seg_BT):
@@ -176,10 +177,9 @@ class Stack(nnx.Module):
             return {name: (jnp.maximum if name in MAXED else jnp.add)(value, more[name])
                     for name, value in reduced.items()}
 
+        zeros = {name: zero for name in SUMMED + MAXED}
+
         def units(x_BTD, pos_BT, seg_BT, states, caches, numbers, round_=None):
-            """The units numbered `numbers` (their weights `states`, leading axis one a unit) in turn;
-            with `round_`, `states` are an interleaved pipeline stage's `[rounds, units, ...]`, of which
-            round `round_` runs."""
             def unit(carry, xs):
                 x_BTD, reduced = carry
                 states_i, caches_i, i, p = xs
@@ -199,19 +199,37 @@ class Stack(nnx.Module):
             (x_BTD, reduced), (new_caches, loads) = _loop(unit, (x_BTD, zeros), xs)
             return x_BTD, reduced, new_caches, loads
 
-        zeros = {name: zero for name in SUMMED + MAXED}
-        if caches[0] is None and pipeline.pipelined():  # training and scoring: over the pipeline stages
-            def stage_fn(x_bTD, rows_b, states_P, first, round_=None):
-                P = jax.tree.leaves(states_P)[0].shape[0 if round_ is None else 1]
-                x_bTD, reduced, _, loads = units(x_bTD, *rows_b, states_P, [None] * period, first + jnp.arange(P),
-                                                 round_)
-                return x_bTD, reduced, loads
+        return units, combine, zeros, sown_names
 
-            x_BTD, reduced, loads = pipeline.run(stage_fn, x_BTD, (pos_BT, seg_BT), list(states), zeros, combine,
-                                                 self.whole_batch, _loop_count)
+    def stage_function(self, units):
+        """`stage_fn(x_bTD, rows_b, states_P, first[, round_]) -> (x_bTD, reduced, loads)`, what
+        `ops.pipeline` runs: P units of `parts`' `units` (the first numbered `first`) on one
+        microbatch, `rows_b` its positions and segment ids."""
+        period = len(self.unit)
+
+        def stage_fn(x_bTD, rows_b, states_P, first, round_=None):
+            P = jax.tree.leaves(states_P)[0].shape[0 if round_ is None else 1]
+            x_bTD, reduced, _, loads = units(x_bTD, *rows_b, states_P, [None] * period, first + jnp.arange(P),
+                                             round_)
+            return x_bTD, reduced, loads
+
+        return stage_fn
+
+    @jax.named_scope("stack")
+    def __call__(self, x_BTD, pos_BT, seg_BT, caches, rng, diagnostics: bool = False):
+        """`(x, caches, reduced, loads)`: `reduced` maps each SUMMED / MAXED name some layer sowed to
+        its sum / max over the stack's layers; `loads[j]` is `moe_load` of block j of the unit,
+        `[repeats, E]`, or None for a dense block."""
+        period = len(self.unit)
+        states = [nnx.split(block)[1] for block in self.blocks]
+        caches = [None] * period if caches is None else caches
+        units, combine, zeros, sown_names = self.parts(rng, diagnostics)
+        if caches[0] is None and pipeline.pipelined():  # training and scoring: over the pipeline stages
+            x_BTD, reduced, loads = pipeline.run(self.stage_function(units), x_BTD, (pos_BT, seg_BT), states, zeros,
+                                                 combine, self.whole_batch, loop_count)
             new_caches = [None] * period
         else:
-            x_BTD, reduced, new_caches, loads = units(x_BTD, pos_BT, seg_BT, list(states), list(caches),
+            x_BTD, reduced, new_caches, loads = units(x_BTD, pos_BT, seg_BT, states, list(caches),
                                                       jnp.arange(self.repeats))
         if diagnostics:
             sown_names.add(MAX_LOGIT)
@@ -243,7 +261,7 @@ def _loop(body, carry, xs):
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
 
-def _loop_count(body, carry, n: int):
+def loop_count(body, carry, n: int):
     """`body(carry, t)` for t in 0 .. n - 1, scanned or unrolled as `_loop`."""
     return _loop(body, carry, jnp.arange(n))
 
@@ -323,6 +341,18 @@ class Transformer(nnx.Module):
         `diagnostics` (static): also sow `max_attention_logit`, the max |q.k| * scale over every
         layer's visible pairs, measured by the attention kernels during this same pass.
         """
+        x_BTD, pos_BT = self.enter(tokens_BT, positions=positions, segment_ids=segment_ids, cache=cache)
+        x_BTD, new_stage_caches, reduced, loads = self.through(x_BTD, pos_BT, segment_ids, cache, dropout_rng,
+                                                               diagnostics)
+        for name, value in reduced.items():
+            self.sow(nnx.Intermediate, name, value, capture_noop=True)  # read only when captured
+        if self.moe_layers():
+            self.sow(nnx.Intermediate, LOAD, self.layer_loads(loads), capture_noop=True)
+        new_cache = None if cache is None else {"index": pos_BT[:, -1] + 1, "stages": new_stage_caches}
+        return self.finish(x_BTD), new_cache
+
+    def enter(self, tokens_BT, *, positions=None, segment_ids=None, cache=None):
+        """`(x_BTD, pos_BT)`: the tokens embedded (the first stack's input) and their positions."""
         cfg = self.cfg
         tokens_BT = _check_tokens(tokens_BT, cfg.vocab_size)
         B, T = tokens_BT.shape
@@ -354,27 +384,30 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + self.embed_positions[...].astype(cfg.dtype)[jnp.maximum(pos_BT, 0)]
         elif cfg.position_embedding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
-        x_BTD = residual(x_BTD)
+        return residual(x_BTD), pos_BT
 
+    def through(self, x_BTD, pos_BT, segment_ids, cache, dropout_rng, diagnostics: bool, stacks=None):
+        """The stacks numbered `stacks` (default all) in turn: `(x_BTD, their caches, reduced, loads)`,
+        `reduced` each sown SUMMED / MAXED name's sum / max over their layers, `loads[s]` stack s's."""
         new_stage_caches, reduced, loads = [], {}, []
-        for s, stack in enumerate(self.stages):
-            x_BTD, stage_cache, reduced_s, loads_s = stack(x_BTD, pos_BT, segment_ids,
-                                                           None if cache is None else cache["stages"][s],
-                                                           dropout_rng, diagnostics)
+        for s in range(len(self.stages)) if stacks is None else stacks:
+            x_BTD, stage_cache, reduced_s, loads_s = self.stages[s](x_BTD, pos_BT, segment_ids,
+                                                                    None if cache is None else cache["stages"][s],
+                                                                    dropout_rng, diagnostics)
             new_stage_caches.append(stage_cache)
             loads.append(loads_s)
             for name, value in reduced_s.items():
                 reduced[name] = value if name not in reduced else (
                     jnp.maximum if name in MAXED else jnp.add)(reduced[name], value)
-        for name, value in reduced.items():
-            self.sow(nnx.Intermediate, name, value, capture_noop=True)  # read only when captured
-        if self.moe_layers():
-            self.sow(nnx.Intermediate, LOAD, jnp.stack([loads[s][j][i] for _, s, i, j in self.moe_layers()]),
-                     capture_noop=True)
-        if self.norm is not None:
-            x_BTD = self.norm(x_BTD)
-        new_cache = None if cache is None else {"index": pos_BT[:, -1] + 1, "stages": new_stage_caches}
-        return x_BTD, new_cache
+        return x_BTD, new_stage_caches, reduced, loads
+
+    def finish(self, x_BTD):
+        """The last stack's output through the final norm: the hidden states the head reads."""
+        return x_BTD if self.norm is None else self.norm(x_BTD)
+
+    def layer_loads(self, loads):
+        """`moe_load` `[MoE layers, E]` in layer order, from `through`'s loads of every stack."""
+        return jnp.stack([loads[s][j][i] for _, s, i, j in self.moe_layers()])
 
     def moe_layers(self) -> list[tuple[int, int, int, int]]:
         """`(layer, stack, repeat, block)` of every mixture-of-experts layer, in layer order."""
@@ -410,6 +443,24 @@ class Transformer(nnx.Module):
                                               dropout_rng=dropout_rng)
         logits_BTV = self.logits(x_BTD)
         return logits_BTV if cache is None else (logits_BTV, new_cache)
+
+
+class Resumed:
+    """`model` with its stacks already run, to `x_BTD` (the last stack's output, by a pipeline schedule
+    that holds the loss inside its loop): what an objective reads of a model, `hidden_states` (the
+    final norm of `x_BTD`, the tokens' own) and `head`."""
+
+    def __init__(self, model: Transformer, x_BTD):
+        self.model, self.x_BTD = model, x_BTD
+
+    def hidden_states(self, tokens_BT, **_):
+        if tuple(tokens_BT.shape) != tuple(self.x_BTD.shape[:2]):
+            raise ValueError(f"the tokens {tuple(tokens_BT.shape)} are not those of the stacks' output "
+                             f"{tuple(self.x_BTD.shape[:2])}")
+        return self.model.finish(self.x_BTD), None
+
+    def head(self) -> vocab.Head:
+        return self.model.head()
 
 
 _CHECKS = os.environ.get("MODERN_JAX_CHECKS", "") == "1"

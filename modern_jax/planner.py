@@ -312,10 +312,13 @@ def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
 # for the interleaved schedule, the cost is bilinear in (p, r) (iterations r M + S - 1 of c0 + c1 p
 # each, and the parameters' own work, r p of them), evaluated at (P, R). An iteration's cost is the
 # slope in r over M; the bubble is S - 1 iterations of it: (S - 1) / (R M + S - 1) of the loop.
+# 1F1B runs one round (M + S - 1 forward and as many backward slots a stage): its programs vary p
+# and the microbatches, M and 2 M of the same rows (the batch doubled); an iteration is the slope
+# in the microbatches.
 
 def pipelined_cost(run, mesh, *, kernel_costs: bool = True) -> dict:
     """`step_cost` of a pipelined run, with `iteration` (one iteration's cost) and `bubble_seconds`
-    when the rounds vary (for GPipe, M >= S)."""
+    when the rounds (or, for 1F1B, the microbatches) vary (for GPipe, M >= S)."""
     import dataclasses
 
     from modern_jax.model import plan_stages
@@ -329,29 +332,33 @@ def pipelined_cost(run, mesh, *, kernel_costs: bool = True) -> dict:
     unit, repeats = stacks[0]
     P = repeats // (S * R)
     execution = run.execution.replace(scan_layers=False)
+    one_f_one_b = run.parallel.pipeline_schedule == "1f1b"
 
-    def cost(p: int, r: int) -> dict:
-        parallel = dataclasses.replace(run.parallel, stage_repeats=r,
-                                       pipeline_schedule="interleaved" if r > 1 else "gpipe")
-        trainer = trainer_for(dataclasses.replace(run, parallel=parallel), mesh, execution=execution,
-                              layers=unit * (S * r * p))
+    def cost(p: int, x: int) -> dict:  # x: the rounds (the microbatches for 1F1B)
+        if one_f_one_b:
+            counted = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, microbatches=x),
+                                          train=dataclasses.replace(run.train, batch_size=run.train.batch_size * x // M))
+        else:
+            counted = dataclasses.replace(run, parallel=dataclasses.replace(
+                run.parallel, stage_repeats=x, pipeline_schedule="interleaved" if x > 1 else "gpipe"))
+        trainer = trainer_for(counted, mesh, execution=execution, layers=unit * (S * (1 if one_f_one_b else x) * p))
         return counting_cost(trainer, kernel_costs=kernel_costs)
 
     ps = [1] if P == 1 else [1, 2]
-    rs = ([1, 2] if M >= S else [1]) if R == 1 else [2, 3]
-    at = {(p, r): cost(p, r) for p in ps for r in rs}
+    xs = [M, 2 * M] if one_f_one_b else ([1, 2] if M >= S else [1]) if R == 1 else [2, 3]
+    at = {(p, x): cost(p, x) for p in ps for x in xs}
 
     def line(values: dict, x: int) -> float:  # a linear function of the keys 1, 2 (or one key), at x
         (x0, y0), *rest = sorted(values.items())
-        return y0 if not rest else y0 + (x - x0) * (rest[0][1] - y0)
+        return y0 if not rest else y0 + (x - x0) * (rest[0][1] - y0) / (rest[0][0] - x0)
 
     total, slope = {}, {}
     for k in COST_KEYS:
-        total[k] = line({p: line({r: at[p, r][k] for r in rs}, R) for p in ps}, P)
-        if len(rs) == 2:
-            slope[k] = line({p: at[p, rs[1]][k] - at[p, rs[0]][k] for p in ps}, P)
+        total[k] = line({p: line({x: at[p, x][k] for x in xs}, M if one_f_one_b else R) for p in ps}, P)
+        if len(xs) == 2:
+            slope[k] = line({p: (at[p, xs[1]][k] - at[p, xs[0]][k]) / (xs[1] - xs[0]) for p in ps}, P)
     if slope:
-        total["iteration"] = {k: v / M for k, v in slope.items()}
+        total["iteration"] = slope if one_f_one_b else {k: v / M for k, v in slope.items()}
         total["bubble_seconds"] = (S - 1) * total["iteration"]["optimal_seconds"]
     return total
 

@@ -1,6 +1,7 @@
-"""Pipeline parallelism on 8 host CPU devices: the layers over the `stage` axis (GPipe and the
-interleaved, circular schedule), mixed with data, fsdp, tensor and expert, against one device;
-the stages' shards, refusals, the CLI's losses and a pipelined checkpoint resumed without stages."""
+"""Pipeline parallelism on 8 host CPU devices: the layers over the `stage` axis (GPipe, 1F1B and the
+interleaved, circular schedule), mixed with data, fsdp, tensor and expert, with DPO, LoRA and
+gradient accumulation, against one device; the stages' shards, refusals, the CLI's losses and a
+pipelined checkpoint resumed without stages."""
 
 import json
 import pathlib
@@ -30,6 +31,8 @@ CASES = {  # mesh, microbatches, schedule, stages a device, remat
     "gpipe_stage4_tensor2_remat": (dict(stage=4, data=1, tensor=2), 4, "gpipe", 1, "full"),
     "interleaved_stage2x2_data2_tensor2": (dict(stage=2, data=2, tensor=2), 2, "interleaved", 2, "full"),
     "interleaved_stage4x2_fsdp2_m8": (dict(stage=4, data=1, fsdp=2), 8, "interleaved", 2, "none"),
+    "1f1b_stage2_data2_fsdp2_m4": (dict(stage=2, data=2, fsdp=2), 4, "1f1b", 1, "none"),
+    "1f1b_stage4_tensor2_m8_remat": (dict(stage=4, data=1, tensor=2), 8, "1f1b", 1, "full"),
 }
 
 
@@ -43,14 +46,55 @@ def test_a_pipelined_step_equals_one_device(case):
                                    strategies=strategies, execution=ExecutionConfig(remat=remat))
 
 
-def test_a_moe_over_stage_and_expert_equals_one_device_with_its_balance_losses():
-    """The batch's balance loss is rebuilt from the microbatches' loads and scores, the router
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_moe_over_stage_and_expert_equals_one_device_with_its_balance_losses(schedule):
+    """GPipe: the batch's balance loss is rebuilt from the microbatches' loads and scores; 1F1B
+    (whose loss runs per microbatch): the per-sequence balance loss is their mean; the router
     z-loss is their mean: both, the loads and every gradient equal one device's."""
-    many, one = assert_step_matches_one_device(MOE, TC, make_mesh(stage=2, data=2, expert=2),
-                                               token_batch(1, 8, 16, 64), strategies=Strategies(microbatches=2))
+    model = MOE.replace(moe_aux_per_sequence=schedule == "1f1b")
+    many, one = assert_step_matches_one_device(model, TC, make_mesh(stage=2, data=2, expert=2),
+                                               token_batch(1, 8, 16, 64),
+                                               strategies=Strategies(microbatches=2, pipeline_schedule=schedule))
     for name in ("moe_aux_loss", "moe_router_z_loss"):
         np.testing.assert_allclose(many[name], one[name], rtol=1e-5)
     np.testing.assert_array_equal(many["moe_load_max"], one["moe_load_max"])
+
+
+def test_lora_dpo_with_gradient_accumulation_under_1f1b_equals_one_device():
+    """1F1B runs each microbatch's loss inside the stages' loop: DPO's pairs stay whole in their
+    microbatch, LoRA's frozen base rides along undifferentiated, and 2 accumulated micro-batches
+    of 4 pairs over stage 2 x fsdp 2 x tensor 2 give one device's loss, rewards and adapter
+    gradients."""
+    from flax.nnx import traversals
+
+    from common import assert_leaves_match, probe, step_gradients
+    from modern_jax.lora import LoRAConfig
+    from modern_jax.training.converters import LoRA
+    from modern_jax.training.objectives.dpo import DPO, DPOConfig
+    from test_dpo import random_pairs
+
+    tc = probe(TrainConfig(batch_size=16, seq_len=8, steps=2, warmup_steps=0, grad_accum=2))
+    batch = {k: v.reshape(2, 8, *v.shape[2:]) for k, v in random_pairs(8, 8, 64).items()}
+    results = {}
+    for name, mesh, strategies in (("one", one_device(), Strategies()),
+                                   ("many", make_mesh(stage=2, fsdp=2, tensor=2),
+                                    Strategies(microbatches=2, pipeline_schedule="1f1b"))):
+        trainer = Trainer(DENSE.replace(n_layers=4), tc, mesh, strategies=strategies,
+                          converter=LoRA(LoRAConfig(rank=4)), objective=DPO(DPOConfig(beta=0.5), tc))
+        state = trainer.init_state(0)
+        params = traversals.flatten_mapping(jax.device_get(state["params"]))
+        for i, k in enumerate(sorted(k for k in params if k[-1] == "lora_b")):  # B moved: not the reference
+            params[k] = 0.1 * np.random.default_rng(i).standard_normal(params[k].shape).astype(np.float32)
+        state["params"] = jax.tree.map(lambda x, like: jax.device_put(x, like.sharding),
+                                       traversals.unflatten_mapping(params), state["params"])
+        results[name] = step_gradients(trainer, state, batch)
+    (got, many), (want, one) = results["many"], results["one"]
+    for key in ("loss", "rewards/margins", "rewards/accuracies"):
+        np.testing.assert_allclose(many[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    adapters = lambda g: {"/".join(map(str, k)): v for k, v in traversals.flatten_mapping(g).items()  # noqa: E731
+                          if k[-1] in ("lora_a", "lora_b")}
+    assert len(adapters(want)) == 14  # A and B of the 7 projections, stacked over the 4 layers
+    assert_leaves_match(adapters(got), adapters(want), rtol=1e-4)
 
 
 def test_each_stage_holds_its_own_layers():
@@ -75,10 +119,24 @@ def test_depths_and_settings_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match=r"train.batch_size / train.grad_accum = 8 rows do not split into "
                                          r"parallel.microbatches=3: make it a multiple of 3"):
         Trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=Strategies(microbatches=3))
+    one_f_one_b = Strategies(microbatches=2, pipeline_schedule="1f1b")
+    with pytest.raises(ValueError, match=r"the batch's balance loss \(train.moe_aux_weight=0.01\) needs every "
+                                         r"microbatch's expert counts first: set model.moe_aux_per_sequence=true"):
+        Trainer(MOE, TC, make_mesh(stage=2, data=4), strategies=one_f_one_b)
+    from modern_jax.training.objectives.dpo import DPO, DPOConfig
+
+    dpo = TrainConfig(batch_size=4, seq_len=16)
+    with pytest.raises(ValueError, match=r"train.batch_size / train.grad_accum = 4 rows do not split into "
+                                         r"parallel.microbatches=4: make it a multiple of 4 microbatches x 2"):
+        Trainer(DENSE, dpo, make_mesh(stage=2, data=4), objective=DPO(DPOConfig(), dpo),
+                strategies=Strategies(microbatches=4, pipeline_schedule="1f1b"))
     for values, message in [
         (dict(microbatches=2), r"ParallelConfig.microbatches=2 .*need stage > 1"),
-        (dict(stage=2, pipeline_schedule="1F1B"), r"pipeline_schedule='1F1B' .*expected one of gpipe, interleaved"),
-        (dict(stage=2, stage_repeats=2), r"stage_repeats=2 .*use pipeline_schedule=interleaved"),
+        (dict(stage=2, pipeline_schedule="1F1B"), r"pipeline_schedule='1F1B' .*expected one of gpipe, 1f1b, "
+                                                  r"interleaved"),
+        (dict(stage=2, stage_repeats=2), r"stage_repeats=2 .*gpipe runs each stage once: use "
+                                         r"pipeline_schedule=interleaved"),
+        (dict(stage=2, pipeline_schedule="1f1b", stage_repeats=2), r"1f1b runs each stage once"),
         (dict(stage=2, pipeline_schedule="interleaved", stage_repeats=1), r"interleaved needs at least 2"),
         (dict(stage=4, microbatches=2, pipeline_schedule="interleaved", stage_repeats=2),
          r"microbatches=2 .*give at least stage=4"),
@@ -124,6 +182,24 @@ def test_cli_pipelined_run_gives_the_one_device_losses_and_resumes_without_stage
     rows = [json.loads(line) for line in (tmp_path / "half/metrics.jsonl").read_text().splitlines()]
     resumed = [r["loss"] for r in rows if r["split"] == "train" and r["step"] > 2]
     np.testing.assert_allclose(resumed, want[2:], rtol=1e-5)
+
+
+def test_cli_1f1b_run_gives_the_one_device_losses(tmp_path, capsys):
+    """4 steps under 1F1B with stage 2 x fsdp 2 x tensor 2, 4 microbatches: the one-device losses
+    at every step (1e-5), and the final evaluation's (the forward-only passes run as GPipe)."""
+    overrides, config = cli_overrides(tmp_path) + ["train.steps=4", "train.checkpoint_every=0", "model.vocab_pad_to=2"], \
+        str(REPO / "configs/tiny.yaml")
+    one = train(load_run_config(config, overrides + [f"train.output_dir={tmp_path / 'one'}"]),
+                mesh=one_device(), log=lambda *_: None)
+    assert main(["train", "--config", config, "--mesh", "stage=2,fsdp=2,tensor=2", "parallel.microbatches=4",
+                 "parallel.pipeline_schedule=1f1b", *overrides, f"train.output_dir={tmp_path / 'pipe'}"]) == 0, \
+        capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "pipe/metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([r["loss"] for r in rows if r["split"] == "train"], [h["loss"] for h in one.history],
+                               rtol=1e-5)
+    final = [r for r in rows if r["split"] != "train"]
+    assert final, rows[-1]
+    np.testing.assert_allclose(final[-1]["loss"], one.val_loss, rtol=1e-5)
 
 
 def test_a_checkpoint_restores_into_another_stack_layout(tmp_path):

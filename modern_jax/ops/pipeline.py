@@ -66,26 +66,38 @@ def _place(x, dim: int):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
-def _place_rows(x_XbTD, stage: bool | None):
+def _place_rows(x_XbTD, stage: bool | None, whole: int = 0):
     """Activations `[S or M, b, T, D]` (or one microbatch's `[b, T, D]`, `stage=None`) split as the
     residual stream is between layers (the rows over the data axes, the sequence over context x
-    tensor), a first axis over `stage` or whole: what the backward pass keeps of every stage's
-    input, so split as finely as the layers' own (the compiler, left to itself, may gather them)."""
+    tensor), a first axis over `stage` or whole, then `whole` more axes whole (1F1B's stash): what
+    the backward pass keeps of every stage's input, so split as finely as the layers' own (the
+    compiler, left to itself, may gather them)."""
     mesh, rules = active()
-    lead = () if stage is None else ("stage" if stage else None,)
+    lead = (() if stage is None else ("stage" if stage else None,)) + (None,) * whole
     spec = logical_to_spec(("activation_batch", "activation_norm_length", "activation_embed"), rules, mesh,
                            x_XbTD.shape[len(lead):], where="the pipeline's activations")
     return jax.lax.with_sharding_constraint(x_XbTD, NamedSharding(mesh, PartitionSpec(*lead, *spec)))
 
 
-def microbatches(x, M: int):
-    """`[B, ...]` -> `[M, B / M, ...]`: microbatch m is rows m, m + M, m + 2M, ..."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1)
+def microbatches(x, M: int, group: int = 1):
+    """`[B, ...]` -> `[M, B / M, ...]`: microbatch m is rows m, m + M, m + 2M, ..., or with `group`
+    g, the groups of g rows numbered so (rows that belong together, as a preference pair's)."""
+    x = x.reshape(x.shape[0] // (M * group), M, group, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(M, -1, *x.shape[3:])
 
 
-def unmicrobatch(x):
+def unmicrobatch(x, group: int = 1):
     """The inverse of `microbatches`."""
-    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+    M = x.shape[0]
+    x = jnp.swapaxes(x.reshape(M, -1, group, *x.shape[2:]), 0, 1)
+    return x.reshape(-1, *x.shape[3:])
+
+
+def _check_rows(B: int, M: int, group: int) -> None:
+    if B % (M * group):
+        whole = f"{M}" if group == 1 else f"{M} x {group} (the objective's rows that go together)"
+        raise ValueError(f"a batch of {B} rows does not split into parallel.microbatches={M}: make the batch "
+                         f"(per step, after train.grad_accum) a multiple of {whole}")
 
 
 def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
@@ -103,9 +115,7 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
     N = jax.tree.leaves(weights)[0].shape[0]
     check_depth(N, "the layer stack")
     B = x_BTD.shape[0]
-    if B % M:
-        raise ValueError(f"a batch of {B} rows does not split into parallel.microbatches={M}: make the batch "
-                         f"(per step, after train.grad_accum) a multiple of {M}")
+    _check_rows(B, M, 1)
     P = N // (S * R)
     # [N, ...] -> [R, S, P, ...] with S over the stage axis
     weights = jax.tree.map(lambda w: _place(w.reshape(R, S, P, *w.shape[1:]), 1), weights)
@@ -156,3 +166,114 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
     carry = (h, _place_rows(jnp.zeros_like(x_MbTD), stage=False), reduced, per_unit)
     (_, circ_MbTD, reduced, per_unit), _ = loop(iteration, carry, R * M + S - 1)
     return unmicrobatch(circ_MbTD), whole(reduced, per_unit, M, B * x_BTD.shape[1]), per_unit
+
+
+def one_f_one_b(stage_fn, post_fn, x_BTD, per_row, weights, fixed, post_params, post_rows, reduced, reduced_cot,
+                combine, post_combine, loop, group: int = 1):
+    """The stack and the loss after it under the 1F1B schedule, with their gradients: `(loss, sums,
+    reduced, per_unit, dx_BTD, dweights, dpost)`.
+
+    Each microbatch goes forward through the stages, through `post_fn` (the head and the loss) as soon
+    as the last stage has it, and back through the stages from there, so a stage alternates one
+    forward and one backward once the first microbatch has come back (one forward and one backward
+    of every stage at each iteration of the steady phase), and holds at most `2 S - 1` microbatches
+    in flight, not all M as GPipe does.
+
+    At iteration t, stage s runs microbatch `t - s` forward and microbatch `t - (2 S - 2) + s`
+    backward (each where it exists); the last stage runs microbatch `t - S + 1` forward, through
+    `post_fn`, and back in the same iteration. The loop has three phases: S - 1 iterations of
+    forwards only, M of both, S - 1 of backwards only: every stage idles S - 1 forward and S - 1
+    backward slots, the bubble `(S - 1) / (M + S - 1)` as GPipe's. A stage keeps each microbatch's
+    input from its forward until its backward (`stash`, a slot per iteration, `K = min(M, 2 S - 1)`
+    slots) and its backward recomputes its forward from there (`jax.vjp` of the stage), its blocks'
+    remat policy applying inside.
+
+    `stage_fn(x_bTD, per_row_b, weights_P, fixed_P, first) -> (x_bTD, reduced, per_unit)` is `run`'s,
+    its weights split into `weights` (differentiated) and `fixed` (not: a frozen base), pytrees of
+    `[N, ...]`. `post_fn(post_params, y_bTD, post_rows_b) -> (loss, sums)`: the loss of one
+    microbatch (they add up to the batch's) from the stack's output, differentiated in `post_params`
+    and `y`; `post_rows` a pytree of `[B, ...]` arrays; `post_combine(total, sums)` folds the sums.
+    `reduced_cot`: the loss's derivative in each `reduced` value of a microbatch (its weight in the
+    loss). `group`: rows that go into one microbatch together (`microbatches`)."""
+    S, M = stages(), strategies().microbatches
+    N = jax.tree.leaves((weights, fixed))[0].shape[0]
+    check_depth(N, "the layer stack")
+    B = x_BTD.shape[0]
+    _check_rows(B, M, group)
+    P, K = N // S, min(M, 2 * S - 1)
+    split = lambda w: _place(w.reshape(S, P, *w.shape[1:]), 0)  # noqa: E731
+    w_S, f_S = jax.tree.map(split, weights), jax.tree.map(split, fixed)
+    x_MbTD = _place_rows(microbatches(x_BTD, M, group), stage=False)
+    rows = jax.tree.map(lambda a: microbatches(a, M, group), per_row)
+    post_rows = jax.tree.map(lambda a: microbatches(a, M, group), post_rows)
+    s_S = jnp.arange(S)
+    first_S = s_S * P
+    forward = jax.vmap(stage_fn, spmd_axis_name="stage")
+
+    def back_one(x_bTD, rows_b, w_P, f_P, first, g_bTD, cot):
+        _, vjp = jax.vjp(lambda x, w: stage_fn(x, rows_b, w, f_P, first)[:2], x_bTD, w_P)
+        return vjp((g_bTD, cot))
+
+    backward = jax.vmap(back_one, spmd_axis_name="stage")
+    pick = jax.vmap(lambda stash_K, i: jax.lax.dynamic_index_in_dim(stash_K, i, 0, keepdims=False),
+                    spmd_axis_name="stage")
+
+    def mask(valid_S, v_S):
+        return jnp.where(valid_S.reshape((S,) + (1,) * (v_S.ndim - 1)), v_S, jnp.zeros((), v_S.dtype))
+
+    def work(m_S):  # each stage's microbatch (clipped) and whether it exists
+        return jnp.clip(m_S, 0, M - 1), (m_S >= 0) & (m_S < M)
+
+    def tick(carry, t, fwd: bool, bwd: bool):
+        h_SbTD, g_SbTD, stash, dx_MbTD, dw, dpost, loss, sums, red, per_unit = carry
+        dy_bTD = jnp.zeros(h_SbTD.shape[1:], h_SbTD.dtype)
+        if fwd:
+            m_S, valid_S = work(t - s_S)
+            first_in = _place_rows(x_MbTD[m_S[0]], None)
+            inputs = _place_rows(jnp.roll(h_SbTD, 1, axis=0).at[0].set(first_in), stage=True)
+            slot = t % K
+            kept = jax.lax.dynamic_index_in_dim(stash, slot, 1, keepdims=False)
+            kept = _place_rows(jnp.where(valid_S[:, None, None, None], inputs, kept), stage=True)
+            stash = _place_rows(jax.lax.dynamic_update_index_in_dim(stash, kept, slot, 1), stage=True, whole=1)
+            h_SbTD, red_S, unit_S = forward(inputs, jax.tree.map(lambda a: a[m_S], rows), w_S, f_S, first_S)
+            h_SbTD = _place_rows(h_SbTD, stage=True)
+            for s in range(S):
+                red = combine(red, jax.tree.map(lambda v_S: mask(valid_S, v_S)[s], red_S))
+            units_SP = first_S[:, None] + jnp.arange(P)[None, :]
+            per_unit = jax.tree.map(lambda total, v_S: total.at[units_SP].add(mask(valid_S, v_S)), per_unit, unit_S)
+            if bwd:  # the steady phase: the last stage's microbatch through the loss
+                m = t - (S - 1)
+                y_bTD = _place_rows(h_SbTD[S - 1], None)
+                rows_m = jax.tree.map(lambda a: a[m], post_rows)
+                loss_m, vjp, sums_m = jax.vjp(lambda p, y: post_fn(p, y, rows_m), post_params, y_bTD, has_aux=True)
+                dp, dy_bTD = vjp(jnp.ones((), loss_m.dtype))
+                loss, sums = loss + loss_m, post_combine(sums, sums_m)
+                dpost = jax.tree.map(jnp.add, dpost, dp)
+        if bwd:
+            m_S, valid_S = work(t - (2 * S - 2) + s_S)  # forward at iteration t - 2 (S - 1 - s)
+            x_in = _place_rows(pick(stash, (t - 2 * (S - 1 - s_S)) % K), stage=True)
+            g_in = mask(valid_S, _place_rows(jnp.roll(g_SbTD, -1, axis=0).at[S - 1].set(dy_bTD), stage=True))
+            cot = jax.tree.map(lambda c: jnp.where(valid_S, c, 0.0).astype(jnp.float32), reduced_cot)
+            dx_SbTD, dw_S = backward(x_in, jax.tree.map(lambda a: a[m_S], rows), w_S, f_S, first_S, g_in, cot)
+            g_SbTD = _place_rows(dx_SbTD, stage=True)
+            done = _place_rows(jnp.where(valid_S[0], _place_rows(g_SbTD[0], None),
+                                         _place_rows(dx_MbTD[m_S[0]], None)), None)
+            dx_MbTD = _place_rows(dx_MbTD.at[m_S[0]].set(done), stage=False)
+            dw = jax.tree.map(jnp.add, dw, dw_S)
+        return (h_SbTD, g_SbTD, stash, dx_MbTD, dw, dpost, loss, sums, red, per_unit), None
+
+    h = _place_rows(jnp.zeros((S,) + x_MbTD.shape[1:], x_BTD.dtype), stage=True)
+    rows_0 = jax.tree.map(lambda a: a[jnp.zeros(S, int)], rows)
+    per_unit = jax.eval_shape(lambda: forward(h, rows_0, w_S, f_S, first_S)[2])
+    per_unit = jax.tree.map(lambda v: jnp.zeros((N,) + v.shape[2:], v.dtype), per_unit)
+    sums = jax.eval_shape(lambda: post_fn(post_params, h[0], jax.tree.map(lambda a: a[0], post_rows))[1])
+    sums = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), sums)
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+    carry = (h, h, _place_rows(jnp.zeros((S, K) + x_MbTD.shape[1:], x_BTD.dtype), stage=True, whole=1),
+             _place_rows(jnp.zeros_like(x_MbTD), stage=False), zeros(w_S), zeros(post_params),
+             jnp.zeros((), jnp.float32), sums, reduced, per_unit)
+    for start, n, fwd, bwd in ((0, S - 1, True, False), (S - 1, M, True, True), (M + S - 1, S - 1, False, True)):
+        carry, _ = loop(lambda c, i, start=start, fwd=fwd, bwd=bwd: tick(c, start + i, fwd, bwd), carry, n)
+    _, _, _, dx_MbTD, dw_S, dpost, loss, sums, red, per_unit = carry
+    dw = jax.tree.map(lambda d: d.reshape(N, *d.shape[2:]), dw_S)
+    return loss, sums, red, per_unit, unmicrobatch(dx_MbTD, group), dw, dpost

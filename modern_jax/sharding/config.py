@@ -12,7 +12,7 @@
       tensor: 4
       stage: 1          # pipeline stages: the layers split over them (outermost: across hosts or slices)
       microbatches: 1   # a batch's microbatches through the stages (at least stage with interleaved)
-      pipeline_schedule: gpipe    # gpipe | interleaved (stage_repeats stages a device, MaxText's circular)
+      pipeline_schedule: gpipe    # gpipe | 1f1b | interleaved (stage_repeats stages a device, MaxText's circular)
       stage_repeats: 1  # interleaved: each device holds this many stages, visited in turn
       rules:            # entries replacing those of `sharding.RULES`
         embed: null     #   e.g. no FSDP of the model dimension
@@ -47,7 +47,7 @@ CONTEXT_LAYOUTS = ("two_chunk", "striped", "contiguous")
 # implements it (`ops.attention`, `ops.moe`) from the active `sharding.context.strategies()`.
 CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention over a context axis: keys gathered, or a ring
 MOE_EXCHANGES = ("all_to_all", "all_gather", "ragged_all_to_all")  # tokens to the devices of their experts
-PIPELINE_SCHEDULES = ("gpipe", "interleaved")  # the order of the microbatches through the stages (`ops.pipeline`)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the order of the microbatches through the stages (`ops.pipeline`)
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ class Strategies:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(name, value, "expected a positive integer")
-        if self.pipeline_schedule == "gpipe" and self.stage_repeats != 1:
-            _fail("stage_repeats", self.stage_repeats, "gpipe runs each stage once: use "
-                                                       "pipeline_schedule=interleaved for several stages a device")
+        if self.pipeline_schedule != "interleaved" and self.stage_repeats != 1:
+            _fail("stage_repeats", self.stage_repeats, f"{self.pipeline_schedule} runs each stage once: use "
+                                                       f"pipeline_schedule=interleaved for several stages a device")
         if self.pipeline_schedule == "interleaved" and self.stage_repeats < 2:
             _fail("stage_repeats", self.stage_repeats, "interleaved needs at least 2 stages a device (1 is gpipe)")
         factor = self.moe_exchange_factor

@@ -37,6 +37,7 @@ from modern_jax.ops import pipeline
 from modern_jax.sharding import RULES, Strategies, check_mesh, logical_rules, state_shardings
 from modern_jax.sharding.devices import compiling_for, lowering_for
 from modern_jax.training import layout
+from modern_jax.training import staged as staged_grads
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.converters import LoRA, abstract_converted, converted, converter_of
 from modern_jax.training.objectives import Objective, config_of, objective as objective_of
@@ -83,11 +84,17 @@ class Trainer:
         self.rounds = self.strategies.stage_repeats if staged else 1
         self.stacked = layout.stacked(abstract)
         M = self.strategies.microbatches
-        for name, rows in (("train.batch_size / train.grad_accum", train_cfg.batch_size // train_cfg.grad_accum),
-                           ("train.eval_batch_size", train_cfg.eval_batch_size)):
-            if staged and rows % M:
+        # 1F1B: the loss inside the stages' loop (`training.staged`); the others: autodiff of the model's
+        self.one_f_one_b = staged and self.strategies.pipeline_schedule == "1f1b"
+        together = self.objective.rows_together if self.one_f_one_b else 1
+        for name, rows, group in (("train.batch_size / train.grad_accum", train_cfg.batch_size // train_cfg.grad_accum,
+                                   together), ("train.eval_batch_size", train_cfg.eval_batch_size, 1)):
+            if staged and rows % (M * group):
+                whole = f"{M}" if group == 1 else f"{M} microbatches x {group} (rows one loss term reads together)"
                 raise ValueError(f"{name} = {rows} rows do not split into parallel.microbatches={M}: make it a "
-                                 f"multiple of {M}")
+                                 f"multiple of {whole}")
+        if self.one_f_one_b:
+            staged_grads.check(nnx.merge(self.graphdef, abstract), model_cfg, train_cfg)
         with logical_rules(mesh, rules, self.strategies):  # the stacks over the pipeline stages, if any
             for stack in nnx.merge(self.graphdef, abstract).stages:
                 pipeline.check_depth(stack.repeats, f"the stack of layers {stack.first} .. "
@@ -329,7 +336,11 @@ class Trainer:
                 loss = loss + cfg.moe_router_z_weight * aux[ROUTER_Z_LOSS]
             return loss, (sums, aux)
 
-        grad_fn = jax.value_and_grad(objective, has_aux=True)
+        if self.one_f_one_b:
+            def grad_fn(params, micro, rng):
+                return staged_grads.value_and_grad(self, params, frozen, micro, rng, reference, denom)
+        else:
+            grad_fn = jax.value_and_grad(objective, has_aux=True)
         n_micro = batch["inputs"].shape[0]
         batch_0 = jax.tree.map(lambda x: x[0], batch)
         if n_micro == 1:

@@ -21,6 +21,8 @@ the planner call:
               of an evaluation's summed `eval_sums`, and `shown`: what the console and the plot
               show (`metrics.Shown`); `samples`: rows of the last batch made to write beside
               the metrics (GRPO's completions)
+    rows      `rows_together`: how many consecutive rows of a batch one term of the loss reads
+              (a preference pair's two), which a pipeline's microbatches keep together
     needs     `needs_reference`: a frozen model besides the trained one (a LoRA run's base with
               its adapters off, else a copy of the starting weights kept in the state)
 
@@ -58,6 +60,7 @@ class Objective:
     named: tuple[str, ...] = ()  # its own figures in `metrics`, besides `loss` and `z_loss`
     maxima: tuple[str, ...] = ()  # sums that take the max over micro-batches, besides `max_abs_logit`
     steps_per_batch: int = 1
+    rows_together: int = 1  # consecutive rows of a batch that one loss term reads (a DPO pair), kept together
     shown: Shown
 
     def __init__(self, config: Config, train):

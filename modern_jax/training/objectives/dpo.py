@@ -113,6 +113,7 @@ class DPO(base.Objective):
     unit, eval_unit = "pairs", "pair"
     needs_reference = True
     named = METRICS
+    rows_together = 2  # a pair's chosen and rejected
 
     def __init__(self, config: DPOConfig, train):
         super().__init__(config, train)
