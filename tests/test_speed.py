@@ -46,18 +46,18 @@ def test_the_counted_step_equals_the_whole_program_unrolled():
 
 
 def test_a_pipelined_step_counted_equals_its_whole_program_unrolled():
-    """An interleaved pipeline of 2 stages x 4 rounds x 2 layers, 2 microbatches: the counting
-    programs (1-2 layers a stage a round, 2-3 rounds, extrapolated) give the cost of its whole step
-    unrolled (9 iterations of 2 layers on each stage)."""
-    run = small_run("model.n_layers=16", "train.seq_len=256", "execution.remat=full", "parallel.stage=2",
+    """An interleaved pipeline of 2 stages x 4 rounds x 1 layer, 2 microbatches: the counting
+    programs (2 and 3 rounds, extrapolated) give the cost of its whole step unrolled (9 iterations
+    of a layer on each stage)."""
+    run = small_run("model.n_layers=8", "train.seq_len=256", "execution.remat=full", "parallel.stage=2",
                     "parallel.fsdp=2", "parallel.data=1", "parallel.microbatches=2",
                     "parallel.pipeline_schedule=interleaved", "parallel.stage_repeats=4")
     mesh = make_mesh(stage=2, fsdp=2, devices=topology_devices("v5p:2x2x1"))
     counted = planner.step_cost(run, mesh)
     whole = planner.step_cost(run, mesh, layers=run.model.layer_specs())
     # the flops are linear in the rounds; this small model's time is its bytes, of which each round
-    # adds a few % less than the one before (2.3% over the extrapolation here)
-    assert counted["optimal_seconds"] == pytest.approx(whole["optimal_seconds"], rel=0.03)
+    # adds a little less than the one before (0.8% over the extrapolation here)
+    assert counted["optimal_seconds"] == pytest.approx(whole["optimal_seconds"], rel=0.02)
     assert counted["flops"] == pytest.approx(whole["flops"], rel=0.005)
     # an iteration: a round's cost over its M microbatches (the weights' own work, linear in the
     # rounds, included); the bubble is S - 1 of them

@@ -100,6 +100,26 @@ def _check_rows(B: int, M: int, group: int) -> None:
                          f"(per step, after train.grad_accum) a multiple of {whole}")
 
 
+def _mask(valid_S, v_S):
+    """`v_S` where the stage worked, zero where it idled."""
+    return jnp.where(valid_S.reshape((-1,) + (1,) * (v_S.ndim - 1)), v_S, jnp.zeros((), v_S.dtype))
+
+
+def _fold(reduced, per_unit, reduced_S, per_unit_S, valid_S, first_S, P: int, combine):
+    """The stages' sown values of one iteration added to the totals: `reduced` folded by `combine`,
+    `per_unit` (`[N, ...]`) at each stage's P units from `first_S`; an idle stage adds nothing."""
+    for s in range(valid_S.shape[0]):
+        reduced = combine(reduced, jax.tree.map(lambda v_S: _mask(valid_S, v_S)[s], reduced_S))
+    units_SP = first_S[:, None] + jnp.arange(P)[None, :]
+    per_unit = jax.tree.map(lambda total, v_S: total.at[units_SP].add(_mask(valid_S, v_S)), per_unit, per_unit_S)
+    return reduced, per_unit
+
+
+def _unit_totals(shapes, N: int):
+    """Zeros `[N, ...]` for each `[S, P, ...]` per-unit value of the vmapped stages (`shapes`)."""
+    return jax.tree.map(lambda v: jnp.zeros((N,) + v.shape[2:], v.dtype), shapes)
+
+
 def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
     """The stack over the stages: `(x_BTD, reduced, per_unit)`.
 
@@ -148,21 +168,13 @@ def run(stage_fn, x_BTD, per_row, weights, reduced, combine, whole, loop):
         kept = _place_rows(jnp.where(valid_S[last], _place_rows(out_SbTD[last], None),
                                      _place_rows(circ_MbTD[m_S[last]], None)), None)
         circ_MbTD = _place_rows(circ_MbTD.at[m_S[last]].set(kept), stage=False)
-
-        def masked(v_S):
-            return jnp.where(valid_S.reshape((S,) + (1,) * (v_S.ndim - 1)), v_S, 0)
-
-        for s in range(S):
-            reduced = combine(reduced, jax.tree.map(lambda v_S: masked(v_S)[s], reduced_S))
-        units_SP = first_S[:, None] + jnp.arange(P)[None, :]
-        per_unit = jax.tree.map(lambda total, v_S: total.at[units_SP].add(masked(v_S)), per_unit, per_unit_S)
+        reduced, per_unit = _fold(reduced, per_unit, reduced_S, per_unit_S, valid_S, first_S, P, combine)
         return (out_SbTD, circ_MbTD, reduced, per_unit), None
 
     h = _place_rows(jnp.zeros((S,) + x_MbTD.shape[1:], x_BTD.dtype), stage=True)
-    per_unit = jax.eval_shape(lambda: vmapped(h, jax.tree.map(lambda a: a[jnp.zeros(S, int)], rows),
-                                              *((jax.tree.map(lambda w: w[0], weights), s_S) if R == 1
-                                                else (weights, s_S, s_S)))[2])
-    per_unit = jax.tree.map(lambda v: jnp.zeros((N,) + v.shape[2:], v.dtype), per_unit)
+    per_unit = _unit_totals(jax.eval_shape(lambda: vmapped(h, jax.tree.map(lambda a: a[jnp.zeros(S, int)], rows),
+                                                           *((jax.tree.map(lambda w: w[0], weights), s_S) if R == 1
+                                                             else (weights, s_S, s_S)))[2]), N)
     carry = (h, _place_rows(jnp.zeros_like(x_MbTD), stage=False), reduced, per_unit)
     (_, circ_MbTD, reduced, per_unit), _ = loop(iteration, carry, R * M + S - 1)
     return unmicrobatch(circ_MbTD), whole(reduced, per_unit, M, B * x_BTD.shape[1]), per_unit
@@ -218,9 +230,6 @@ def one_f_one_b(stage_fn, post_fn, x_BTD, per_row, weights, fixed, post_params, 
     pick = jax.vmap(lambda stash_K, i: jax.lax.dynamic_index_in_dim(stash_K, i, 0, keepdims=False),
                     spmd_axis_name="stage")
 
-    def mask(valid_S, v_S):
-        return jnp.where(valid_S.reshape((S,) + (1,) * (v_S.ndim - 1)), v_S, jnp.zeros((), v_S.dtype))
-
     def work(m_S):  # each stage's microbatch (clipped) and whether it exists
         return jnp.clip(m_S, 0, M - 1), (m_S >= 0) & (m_S < M)
 
@@ -237,10 +246,7 @@ def one_f_one_b(stage_fn, post_fn, x_BTD, per_row, weights, fixed, post_params, 
             stash = _place_rows(jax.lax.dynamic_update_index_in_dim(stash, kept, slot, 1), stage=True, whole=1)
             h_SbTD, red_S, unit_S = forward(inputs, jax.tree.map(lambda a: a[m_S], rows), w_S, f_S, first_S)
             h_SbTD = _place_rows(h_SbTD, stage=True)
-            for s in range(S):
-                red = combine(red, jax.tree.map(lambda v_S: mask(valid_S, v_S)[s], red_S))
-            units_SP = first_S[:, None] + jnp.arange(P)[None, :]
-            per_unit = jax.tree.map(lambda total, v_S: total.at[units_SP].add(mask(valid_S, v_S)), per_unit, unit_S)
+            red, per_unit = _fold(red, per_unit, red_S, unit_S, valid_S, first_S, P, combine)
             if bwd:  # the steady phase: the last stage's microbatch through the loss
                 m = t - (S - 1)
                 y_bTD = _place_rows(h_SbTD[S - 1], None)
@@ -252,7 +258,7 @@ def one_f_one_b(stage_fn, post_fn, x_BTD, per_row, weights, fixed, post_params, 
         if bwd:
             m_S, valid_S = work(t - (2 * S - 2) + s_S)  # forward at iteration t - 2 (S - 1 - s)
             x_in = _place_rows(pick(stash, (t - 2 * (S - 1 - s_S)) % K), stage=True)
-            g_in = mask(valid_S, _place_rows(jnp.roll(g_SbTD, -1, axis=0).at[S - 1].set(dy_bTD), stage=True))
+            g_in = _mask(valid_S, _place_rows(jnp.roll(g_SbTD, -1, axis=0).at[S - 1].set(dy_bTD), stage=True))
             cot = jax.tree.map(lambda c: jnp.where(valid_S, c, 0.0).astype(jnp.float32), reduced_cot)
             dx_SbTD, dw_S = backward(x_in, jax.tree.map(lambda a: a[m_S], rows), w_S, f_S, first_S, g_in, cot)
             g_SbTD = _place_rows(dx_SbTD, stage=True)
@@ -264,8 +270,7 @@ def one_f_one_b(stage_fn, post_fn, x_BTD, per_row, weights, fixed, post_params, 
 
     h = _place_rows(jnp.zeros((S,) + x_MbTD.shape[1:], x_BTD.dtype), stage=True)
     rows_0 = jax.tree.map(lambda a: a[jnp.zeros(S, int)], rows)
-    per_unit = jax.eval_shape(lambda: forward(h, rows_0, w_S, f_S, first_S)[2])
-    per_unit = jax.tree.map(lambda v: jnp.zeros((N,) + v.shape[2:], v.dtype), per_unit)
+    per_unit = _unit_totals(jax.eval_shape(lambda: forward(h, rows_0, w_S, f_S, first_S)[2]), N)
     sums = jax.eval_shape(lambda: post_fn(post_params, h[0], jax.tree.map(lambda a: a[0], post_rows))[1])
     sums = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), sums)
     zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
