@@ -82,17 +82,24 @@ def trl_rows(batch: dict, rewards_NF, old_logps=None, seq_len: int = 12) -> dict
     return {k: np.ascontiguousarray(v)[None] for k, v in out.items()}
 
 
-def lora_trainer(config: GRPOConfig, seq_len: int = 12):
+def lora_trainer(config: GRPOConfig, seq_len: int = 12, mesh=None, strategies=None, probed: bool = False):
+    """The fixture's base and PEFT adapter as a LoRA GRPO Trainer's state (on one device, or `mesh`
+    with `strategies`; `probed`: its train config `common.probe`'d)."""
+    from common import probe
+
     cfg, base = from_hf(FIXTURE / "base")
     adapter = FIXTURE / "adapter"
     lora = dataclasses.replace(read_peft_config(adapter), targets=peft_targets(adapter, base, "llama"))
     tc = TrainConfig(batch_size=8, eval_batch_size=8, seq_len=seq_len, warmup_steps=0, lr=1e-3)
-    trainer = Trainer(cfg, tc, one_device(), converter=LoRA(lora), objective=GRPO(config, tc))
+    trainer = Trainer(cfg, probe(tc) if probed else tc, mesh or one_device(), converter=LoRA(lora),
+                      objective=GRPO(config, tc), strategies=strategies)
     state = trainer.init_state(0)
     params = traversals.flatten_mapping(jax.device_get(state["params"]))
     params.update(traversals.flatten_mapping(jax.device_get(nnx.to_pure_dict(nnx.state(base, nnx.Param)))))
     params.update(traversals.flatten_mapping(read_peft(adapter, trainer.model(state["params"]), "llama")))
-    return trainer, dict(state, params=jax.device_put(traversals.unflatten_mapping(params)))
+    params = traversals.unflatten_mapping(params)
+    return trainer, dict(state, params=jax.tree.map(lambda x, like: jax.device_put(np.asarray(x), like.sharding),
+                                                    params, state["params"]))
 
 
 def setting(name: str, reward_file, directory: pathlib.Path = FIXTURE / "grpo") -> tuple[GRPOConfig, dict, dict]:
@@ -129,6 +136,28 @@ def assert_equals_trl(name: str, reward_file, directory: pathlib.Path = FIXTURE 
     assert set(theirs) <= set(trainer.objective.named), sorted(set(theirs) - set(trainer.objective.named))
     for key, value in theirs.items():
         np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_grpo_step_under_1f1b_pipelining_equals_one_device(reward_file):
+    """GRPO's loss of each microbatch inside the stages' loop (1F1B over stage 2 x data 2 x fsdp 2,
+    2 microbatches) on TRL's batch: one device's loss and every adapter gradient (1e-4 in norm)."""
+    from common import assert_leaves_match, probe, step_gradients
+    from modern_jax.sharding import Strategies
+    from modern_jax.sharding.mesh import make_mesh
+
+    config, batch, _ = setting("grpo", reward_file)
+    results = {}
+    for name, mesh, strategies in (("one", one_device(), Strategies()),
+                                   ("staged", make_mesh(stage=2, data=2, fsdp=2),
+                                    Strategies(microbatches=2, pipeline_schedule="1f1b"))):
+        trainer, state = lora_trainer(config, mesh=mesh, strategies=strategies, probed=True)
+        results[name] = step_gradients(trainer, state, batch)
+    (got, staged), (want, one) = results["staged"], results["one"]
+    np.testing.assert_allclose(staged["loss"], one["loss"], rtol=1e-5)
+    adapters = lambda g: {"/".join(map(str, k)): v for k, v in traversals.flatten_mapping(g).items()  # noqa: E731
+                          if k[-1] in ("lora_a", "lora_b")}
+    assert len(adapters(want)) == 14
+    assert_leaves_match(adapters(got), adapters(want), rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", SETTINGS)
