@@ -312,9 +312,10 @@ def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
 # for the interleaved schedule, the cost is bilinear in (p, r) (iterations r M + S - 1 of c0 + c1 p
 # each, and the parameters' own work, r p of them), evaluated at (P, R). An iteration's cost is the
 # slope in r over M; the bubble is S - 1 iterations of it: (S - 1) / (R M + S - 1) of the loop.
-# 1F1B runs one round (M + S - 1 forward and as many backward slots a stage): its programs vary p
-# and the microbatches, M and 2 M of the same rows (the batch doubled); an iteration is the slope
-# in the microbatches.
+# 1F1B runs one round (M + S - 1 forward and as many backward slots a stage), its cost linear in M:
+# its programs vary p and the microbatches of the run's size, m and 2 m with m = min(M, S) (small
+# programs: M + 2 S - 2 iterations unrolled would be many), extrapolated to M; an iteration is the
+# slope in the microbatches.
 
 def pipelined_cost(run, mesh, *, kernel_costs: bool = True) -> dict:
     """`step_cost` of a pipelined run, with `iteration` (one iteration's cost) and `bubble_seconds`
@@ -333,11 +334,14 @@ def pipelined_cost(run, mesh, *, kernel_costs: bool = True) -> dict:
     P = repeats // (S * R)
     execution = run.execution.replace(scan_layers=False)
     one_f_one_b = run.parallel.pipeline_schedule == "1f1b"
+    A = run.train.grad_accum
+    b = run.train.batch_size // A // M  # a microbatch's rows
 
     def cost(p: int, x: int) -> dict:  # x: the rounds (the microbatches for 1F1B)
-        if one_f_one_b:
+        if one_f_one_b:  # x microbatches of the run's rows
+            rows = x * b * A
             counted = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, microbatches=x),
-                                          train=dataclasses.replace(run.train, batch_size=run.train.batch_size * x // M))
+                                          train=dataclasses.replace(run.train, batch_size=rows, eval_batch_size=rows))
         else:
             counted = dataclasses.replace(run, parallel=dataclasses.replace(
                 run.parallel, stage_repeats=x, pipeline_schedule="interleaved" if x > 1 else "gpipe"))
@@ -345,10 +349,17 @@ def pipelined_cost(run, mesh, *, kernel_costs: bool = True) -> dict:
         return counting_cost(trainer, kernel_costs=kernel_costs)
 
     ps = [1] if P == 1 else [1, 2]
-    xs = [M, 2 * M] if one_f_one_b else ([1, 2] if M >= S else [1]) if R == 1 else [2, 3]
+    if one_f_one_b:  # the fewest microbatches (from min(M, S)) whose rows still split over the data shards
+        from modern_jax.sharding.rules import split_size
+
+        shards = split_size("activation_batch", mesh, run.parallel.rules_table())
+        m = next(m for m in range(min(M, S), M + 1) if (m * b) % shards == 0)
+        xs = [m, 2 * m]
+    else:
+        xs = ([1, 2] if M >= S else [1]) if R == 1 else [2, 3]
     at = {(p, x): cost(p, x) for p in ps for x in xs}
 
-    def line(values: dict, x: int) -> float:  # a linear function of the keys 1, 2 (or one key), at x
+    def line(values: dict, x: int) -> float:  # the line through two keys' values (or one key's), at x
         (x0, y0), *rest = sorted(values.items())
         return y0 if not rest else y0 + (x - x0) * (rest[0][1] - y0) / (rest[0][0] - x0)
 
