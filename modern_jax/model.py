@@ -79,6 +79,13 @@ def sown_value(sown, name: str):
     return values[0] if len(values) == 1 else values
 
 
+def fold_sown(total: dict, more: dict) -> dict:
+    """`total` with `more` folded in, name by name: a SUMMED value added, a MAXED one maxed, a name
+    `total` lacks taken as it is."""
+    return {**total, **{name: value if name not in total else (jnp.maximum if name in MAXED else jnp.add)(
+        total[name], value) for name, value in more.items()}}
+
+
 def aux_loss(sown):
     """The sum of the `moe_aux_loss` values in captured intermediates (`nnx.capture`), or None if none."""
     return sown_value(sown, AUX_LOSS)
@@ -141,12 +148,11 @@ class Stack(nnx.Module):
         return caches
 
     def parts(self, rng, diagnostics: bool = False):
-        """`(units, combine, zeros, sown)`: `units(x_BTD, pos_BT, seg_BT, states, caches, numbers[,
+        """`(units, zeros, sown)`: `units(x_BTD, pos_BT, seg_BT, states, caches, numbers[,
         round_])` runs the units numbered `numbers` (their weights `states`, one pytree a block of the
         unit, leading axis one a unit; with `round_`, an interleaved pipeline stage's `[rounds, units,
-        ...]`, of which round `round_` runs) in turn: `(x, reduced, caches, loads)`; `combine` folds
-        `reduced` values (sums, and maxes for MAXED), `zeros` starts them; `sown`, filled while tracing,
-        names what some block sowed."""
+        ...]`, of which round `round_` runs) in turn: `(x, reduced, caches, loads)`, `reduced` folded
+        by `fold_sown` from `zeros`; `sown`, filled while tracing, names what some block sowed."""
         period, run = len(self.unit), execution.current()
         graphdefs = [nnx.split(block)[0] for block in self.blocks]
         zero = jnp.zeros((), jnp.float32)  # the identity of both the sum and the max (of |logits|)
@@ -173,10 +179,6 @@ class Stack(nnx.Module):
 
         layers = [layer(j) for j in range(period)]
 
-        def combine(reduced, more):
-            return {name: (jnp.maximum if name in MAXED else jnp.add)(value, more[name])
-                    for name, value in reduced.items()}
-
         zeros = {name: zero for name in SUMMED + MAXED}
 
         def units(x_BTD, pos_BT, seg_BT, states, caches, numbers, round_=None):
@@ -192,14 +194,14 @@ class Stack(nnx.Module):
                     x_BTD = residual(x_BTD)
                     new_caches.append(cache_j)
                     loads.append(load_j)
-                    reduced = combine(reduced, reduced_j)
+                    reduced = fold_sown(reduced, reduced_j)
                 return (x_BTD, reduced), (new_caches, loads)
 
             xs = ([None] * period if round_ is not None else states, caches, numbers, jnp.arange(len(numbers)))
             (x_BTD, reduced), (new_caches, loads) = _loop(unit, (x_BTD, zeros), xs)
             return x_BTD, reduced, new_caches, loads
 
-        return units, combine, zeros, sown_names
+        return units, zeros, sown_names
 
     def stage_function(self, units):
         """`stage_fn(x_bTD, rows_b, states_P, first[, round_]) -> (x_bTD, reduced, loads)`, what
@@ -223,10 +225,10 @@ class Stack(nnx.Module):
         period = len(self.unit)
         states = [nnx.split(block)[1] for block in self.blocks]
         caches = [None] * period if caches is None else caches
-        units, combine, zeros, sown_names = self.parts(rng, diagnostics)
+        units, zeros, sown_names = self.parts(rng, diagnostics)
         if caches[0] is None and pipeline.pipelined():  # training and scoring: over the pipeline stages
             x_BTD, reduced, loads = pipeline.run(self.stage_function(units), x_BTD, (pos_BT, seg_BT), states, zeros,
-                                                 combine, self.whole_batch, loop_count)
+                                                 fold_sown, self.whole_batch, loop_count)
             new_caches = [None] * period
         else:
             x_BTD, reduced, new_caches, loads = units(x_BTD, pos_BT, seg_BT, states, list(caches),
@@ -396,9 +398,7 @@ class Transformer(nnx.Module):
                                                                     dropout_rng, diagnostics)
             new_stage_caches.append(stage_cache)
             loads.append(loads_s)
-            for name, value in reduced_s.items():
-                reduced[name] = value if name not in reduced else (
-                    jnp.maximum if name in MAXED else jnp.add)(reduced[name], value)
+            reduced = fold_sown(reduced, reduced_s)
         return x_BTD, new_stage_caches, reduced, loads
 
     def finish(self, x_BTD):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, MoE, ROUTER_Z_LOSS
 from modern_jax.layers.attention import MAX_LOGIT
-from modern_jax.model import MAXED, Resumed, loop_count
+from modern_jax.model import Resumed, fold_sown, loop_count
 from modern_jax.ops import pipeline
 from modern_jax.sharding.context import strategies
 
@@ -71,6 +71,9 @@ def value_and_grad(trainer, params: dict, frozen: dict, micro: dict, rng, refere
     M = strategies().microbatches
     weight = {AUX_LOSS: cfg.moe_aux_weight, ROUTER_Z_LOSS: cfg.moe_router_z_weight if trainer.moe else 0.0}
 
+    def weighted(reduced):  # what sown values add to the loss
+        return sum((weight.get(name, 0.0) * value for name, value in reduced.items()), jnp.zeros((), jnp.float32))
+
     def model_of(outer, early, last):
         return trainer.model(trainer.join(_whole(outer, early, last, k), frozen))
 
@@ -79,14 +82,13 @@ def value_and_grad(trainer, params: dict, frozen: dict, micro: dict, rng, refere
         x_BTD, pos_BT = m.enter(micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"])
         x_BTD, _, reduced, loads = m.through(x_BTD, pos_BT, micro["segment_ids"], None, dropout_rng, diagnostics,
                                              range(k))
-        added = sum((weight.get(name, 0.0) * value for name, value in reduced.items()), jnp.zeros((), jnp.float32))
-        return (x_BTD, added), (pos_BT, reduced, loads)
+        return (x_BTD, weighted(reduced)), (pos_BT, reduced, loads)
 
     (x_BTD, added), before_vjp, (pos_BT, reduced_before, loads_before) = jax.vjp(before, outer, early,
                                                                                   has_aux=True)
 
     stack = model.stages[k]
-    units, combine, zeros, sown = stack.parts(dropout_rng, diagnostics)
+    units, zeros, _ = stack.parts(dropout_rng, diagnostics)
     stage_fn = stack.stage_function(units)
 
     def stage(x_bTD, rows_b, w_P, f_P, first):
@@ -108,17 +110,15 @@ def value_and_grad(trainer, params: dict, frozen: dict, micro: dict, rng, refere
     cot = {name: weight.get(name, 0.0) / M for name in zeros}
     loss, sums, reduced, per_unit, dx_BTD, d_last, d_outer = pipeline.one_f_one_b(
         stage, after, x_BTD, (pos_BT, micro["segment_ids"]), last, last_frozen, outer, (micro, prepared), zeros,
-        cot, combine, combine_sums, loop_count, group=objective.rows_together)
+        cot, fold_sown, combine_sums, loop_count, group=objective.rows_together)
     d_outer_before, d_early = before_vjp((dx_BTD, jnp.ones((), jnp.float32)))
     grads = _whole(jax.tree.map(jnp.add, d_outer_before, d_outer), d_early, d_last, k)
 
     # the batch's values of what the layers sowed, as the model's own forward pass gives them
     B, T = micro["inputs"].shape
     reduced = stack.whole_batch(reduced, per_unit, M, B * T)
-    loss = loss + added + sum((weight.get(name, 0.0) * value for name, value in reduced.items()),
-                              jnp.zeros((), jnp.float32))
-    for name, value in reduced_before.items():
-        reduced[name] = (jnp.maximum if name in MAXED else jnp.add)(reduced[name], value)
+    loss = loss + added + weighted(reduced)
+    reduced = fold_sown(reduced, reduced_before)
     zero = jnp.zeros((), jnp.float32)
     aux = {AUX_LOSS: reduced[AUX_LOSS]}
     if trainer.moe:

@@ -93,10 +93,11 @@ class Trainer:
                 whole = f"{M}" if group == 1 else f"{M} microbatches x {group} (rows one loss term reads together)"
                 raise ValueError(f"{name} = {rows} rows do not split into parallel.microbatches={M}: make it a "
                                  f"multiple of {whole}")
+        model = nnx.merge(self.graphdef, abstract)
         if self.one_f_one_b:
-            staged_grads.check(nnx.merge(self.graphdef, abstract), model_cfg, train_cfg)
+            staged_grads.check(model, model_cfg, train_cfg)
         with logical_rules(mesh, rules, self.strategies):  # the stacks over the pipeline stages, if any
-            for stack in nnx.merge(self.graphdef, abstract).stages:
+            for stack in model.stages:
                 pipeline.check_depth(stack.repeats, f"the stack of layers {stack.first} .. "
                                                     f"{stack.first + stack.repeats * len(stack.unit) - 1}")
         # a converted model trains what its converter says (LoRA: the adapters); the rest is frozen,
