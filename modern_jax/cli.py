@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -424,21 +425,22 @@ def cmd_harness(args) -> int:
     tasks = [t for item in args.tasks for t in item.split(",") if t]
     if not tasks:
         raise ValueError("--tasks: give one or more task names (lm-eval's, or those of --include-path)")
-    import jax
+    with _long_lived():
+        import jax
 
-    from modern_jax import harness
-    from modern_jax.training import outputs
+        from modern_jax import harness
+        from modern_jax.training import outputs
 
-    main = jax.process_index() == 0
-    note = _note if main else (lambda *_: None)
-    if args.output_path:  # before anything is read: refused early, written by process 0 only
-        outputs.claim(args.output_path, outputs.HARNESS, "--output-path", hint="choose a new directory")
-    harness.quiet_lm_eval()
-    manager = harness.task_manager(args.include_path, tasks=tasks)
-    harness.check_tasks(manager, tasks)
-    harness.load_tasks(manager, tasks)  # a task whose data cannot be read is refused before the model is
-    cfg, params, raw, tokenizer, source = _harness_model(args, note)
-    trainer = _harness_trainer(cfg, raw, args)
+        main = jax.process_index() == 0
+        note = _note if main else (lambda *_: None)
+        if args.output_path:  # before anything is read: refused early, written by process 0 only
+            outputs.claim(args.output_path, outputs.HARNESS, "--output-path", hint="choose a new directory")
+        harness.quiet_lm_eval()
+        manager = harness.task_manager(args.include_path, tasks=tasks)
+        harness.check_tasks(manager, tasks)
+        harness.load_tasks(manager, tasks)  # a task whose data cannot be read is refused before the model is
+        cfg, params, raw, tokenizer, source = _harness_model(args, note)
+        trainer = _harness_trainer(cfg, raw, args)
     lm = harness.HarnessLM(harness.Scorer(trainer, params, args.batch_size), tokenizer, seed=args.seed,
                            name=source)
     tracker = None
@@ -510,6 +512,20 @@ def _harness_trainer(cfg, raw: dict, args):
     except ValueError as e:
         raise ValueError(str(e).replace("train.eval_batch_size", "--batch-size").replace("train.batch_size / grad_accum",
                                                                                        "--batch-size")) from None
+
+
+@contextlib.contextmanager
+def _long_lived():
+    """What a command makes inside (its imports, the model, the tasks) lives as long as the process:
+    the cycle collector is off while it is made and leaves it alone afterwards (`gc.freeze`), so
+    that its full collections walk only what the command makes later (walking the ~1M objects of
+    lm-eval, jax and the model took 1.5 s of an 8 s `harness` run)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def _note(message: str) -> None:
