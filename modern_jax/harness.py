@@ -51,6 +51,21 @@ def buckets(max_length: int) -> list[int]:
     return out + [max_length]
 
 
+def fewer_programs(groups: dict[int, list], rows_per_batch: int) -> dict[int, list]:
+    """`{length: members}` with a short length's members moved up to the next longer length in use
+    wherever the padding that adds is at most one batch of the longer length (a program compiled
+    for them costs more than a batch run): lengths in use, longest first, each one's own members
+    before those moved up into it."""
+    lengths, out, moving = sorted(groups), {}, []
+    for short, long in zip(lengths, lengths[1:] + [None]):
+        members = groups[short] + moving
+        if long is not None and len(members) * (long - short) <= rows_per_batch * long:
+            moving = members
+        else:
+            out[short], moving = members, []
+    return dict(sorted(out.items(), reverse=True))
+
+
 class Scorer:
     """Log-likelihoods of rows of tokens with one model on one mesh: `[(tokens, n)]` -> for each,
     the summed log-probability of its last `n` tokens given the ones before, and whether each of
@@ -110,6 +125,7 @@ class Scorer:
         groups: dict[int, list[int]] = {}
         for i in order:
             groups.setdefault(next(n for n in widths if n >= len(prompts[i])), []).append(i)
+        groups = fewer_programs(groups, self.batch_size)
         settings = dict(max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
         # a program per settings (closed over) and width (its argument shape), compiled once each
         name = "harness_decode_" + "_".join(f"{k}={v}" for k, v in settings.items())
@@ -148,6 +164,7 @@ class Scorer:
         groups: dict[int, list[tuple]] = {}
         for inputs in unique:
             groups.setdefault(next(n for n in lengths if n >= len(inputs)), []).append(inputs)
+        groups = fewer_programs(groups, self.batch_size)
         results: list = [None] * len(rows)
         sharding = self.trainer.batches.sharding
         for length, members in groups.items():

@@ -198,6 +198,26 @@ def test_the_padded_lengths_are_few():
     assert buckets(8) == [8]
 
 
+@pytest.mark.quick
+def test_a_few_rows_move_up_to_a_longer_program_where_they_pad_less_than_a_batch():
+    from modern_jax.harness import fewer_programs
+
+    def rows(**counts):
+        return {int(n[1:]): [f"{n}.{i}" for i in range(k)] for n, k in counts.items()}
+
+    # lm-eval's windows of 8 documents: 1, 2 and 1 short ones join the 10 whole ones (one program, not four)
+    merged = fewer_programs(rows(L16=1, L32=2, L64=1, L128=10), rows_per_batch=16)
+    assert list(merged) == [128] and merged[128][:10] == rows(L128=10)[128] and len(merged[128]) == 14
+    # a hundred rows of each length would pad by more than a batch: each keeps its program
+    assert fewer_programs(rows(L32=100, L64=100), 16) == rows(L64=100, L32=100)
+    # the bound itself: 32 rows x 32 more tokens = one batch of 16 x 64 moves; one row more stays
+    assert list(fewer_programs(rows(L32=32, L64=5), 16)) == [64]
+    assert list(fewer_programs(rows(L32=33, L64=5), 16)) == [64, 32]
+    # rows moved up count again at the next length: 20 + 13 rows at 64 would pad 33 x 64 > 16 x 128
+    assert list(fewer_programs(rows(L32=20, L64=12, L128=3), 16)) == [128]
+    assert list(fewer_programs(rows(L32=20, L64=13, L128=3), 16)) == [128, 64]
+
+
 def test_an_unknown_task_is_refused_with_the_close_names(capsys):
     assert main(["harness", "--hf", CHAT, "--include-path", "configs/harness", "--tasks", "sums_choise"]) == 2
     err = capsys.readouterr().err.strip()
