@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -187,6 +188,42 @@ def test_two_processes_of_four_devices_give_the_figures_of_one(tmp_path):
     assert "|sums_choice|" in launch.log(0) and "|sums_choice|" not in launch.log(1)
     assert len(glob.glob(str(out / "*" / "results_*.json"))) == 1
     assert_same_figures(our_samples(out), our_metrics(out), reference)
+
+
+COUNT_CACHE_HITS = """
+import sys, jax.monitoring
+from modern_jax.cli import main
+hits = []
+jax.monitoring.register_event_listener(lambda event, **_: hits.append(1) if event.endswith("/cache_hits") else None)
+status = main(sys.argv[1:])
+print("cache hits", len(hits))
+sys.exit(status)
+"""
+
+
+def test_a_second_run_reads_the_programs_the_first_kept(tmp_path):
+    """The CLI keeps its compiled programs in ~/.cache/modern_jax/xla (or MODERN_JAX_COMPILE_CACHE): the
+    first run writes them, the same command again reads every one of them back and prints the same
+    figures; `off` keeps none."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "MODERN_JAX_COMPILE_CACHE")}
+    argv = [sys.executable, "-c", COUNT_CACHE_HITS, "harness", "--hf", CHAT, "--include-path", "configs/harness",
+            "--tasks", "sums_answer", "--limit", "4", "--batch-size", "8"]
+
+    def run(home: Path, **more) -> tuple[str, int]:
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**env, "HOME": str(home), **more})
+        assert done.returncode == 0, done.stderr[-3000:]
+        table, hits = done.stdout.rsplit("cache hits ", 1)
+        return table, int(hits)
+
+    first, hits = run(tmp_path / "home")
+    cache = tmp_path / "home" / ".cache" / "modern_jax" / "xla"
+    kept = sorted(p.name for p in cache.glob("*-cache"))
+    assert hits == 0 and any("decode" in name for name in kept), kept
+    again, hits = run(tmp_path / "other", MODERN_JAX_COMPILE_CACHE=str(cache))
+    assert again == first and "|sums_answer|" in again
+    assert hits == len(kept) and sorted(p.name for p in cache.glob("*-cache")) == kept
+    _, hits = run(tmp_path / "third", MODERN_JAX_COMPILE_CACHE="off")
+    assert hits == 0 and not (tmp_path / "third" / ".cache" / "modern_jax").exists() and not (ROOT / "off").exists()
 
 
 @pytest.mark.quick
