@@ -15,17 +15,21 @@ tokens, the continuation split off the encoded whole, left truncation to the mod
     lm = HarnessLM(Scorer(trainer, params, batch_size=32), tokenizer)
     results = evaluate_tasks(lm, ["sums_choice"], include_path="configs/harness", limit=8)
 
-Scoring: each request is one row of `[inputs, targets, weights]` (weights on the continuation);
-rows are sorted by length and padded to a few buckets (powers of two up to max_length), `batch_size`
-rows a batch, each bucket's program compiled once. The rows of a batch split over the mesh's data
-axes, so under a launch of several processes every process builds the same requests, feeds the
-rows its devices hold and receives every score (process 0 alone writes the files).
+Scoring: each request's input (its tokens but the last) is a segment of a packed row (positions
+from 0, attention within the segment), longest first, rows of twice the longest input's bucket
+(powers of two up to max_length) filled to ~95%, `batch_size` rows a batch: one program a row
+length. Generation: prompts sorted by length, left-padded to a few
+widths, a program each (a width's few prompts join a longer width: `fewer_programs`). The rows of a
+batch split over the mesh's data axes, so under a launch of several processes every process builds
+the same requests, feeds the rows its devices hold and receives every score (process 0 alone
+writes the files).
 
 Letters as in `modern_jax`: B batch, T length, D model, V vocabulary.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import logging
@@ -41,6 +45,7 @@ from modern_jax.ops import vocab
 from modern_jax.training.loss import vocab_parts
 
 MIN_BUCKET = 16  # the shortest padded length
+MARKS = 16  # the most segments of a packed row scored by their last position's distribution
 HUB_FIX = ("copy its data to local files and point a copy of its YAML at them (dataset_path: json, "
            "dataset_kwargs: {data_files: {test: path/to/test.jsonl}}) in a directory given to --include-path")
 
@@ -90,19 +95,23 @@ class Scorer:
         return self.trainer.graphdef
 
     def _score(self, params, batch):
-        """`(logp [B, T], greedy [B, T], last [B, V])` of a batch `[1, B, T]` (the placement's layout):
-        each target's log-probability and whether it is the argmax, and the log-probabilities of every
-        token after the position `weights` marks (each row's last input)."""
+        """`(logp [B, T], greedy [B, T], logp [B, k, C], greedy [B, k, C])` of a batch of packed rows
+        `[1, B, ...]` (the placement's layout): each target's log-probability and whether it is the
+        argmax; then, at each marked position (the last input of an input that several final tokens
+        share), those of each candidate final token."""
         model = self.trainer.model(params)
-        inputs_BT, targets_BT, weights_BT = batch["inputs"][0], batch["targets"][0], batch["weights"][0]
-        positions_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1], dtype=jnp.int32), inputs_BT.shape)
-        h_BTD, _ = model.hidden_states(inputs_BT, positions=positions_BT)
+        inputs_BT, targets_BT = batch["inputs"][0], batch["targets"][0]
+        h_BTD, _ = model.hidden_states(inputs_BT, positions=batch["positions"][0], segment_ids=batch["segment_ids"][0])
         parts = functools.partial(vocab_parts, chunk=self.trainer.cfg.loss_vocab_chunk)
         head = model.head()
         m_BT, s_BT, z_target_BT, _ = vocab.split_parts(parts, h_BTD, head, targets_BT)
-        h_B1D = jnp.einsum("BT,BTD->BD", weights_BT.astype(h_BTD.dtype), h_BTD)[:, None, :]
-        last_BV = jax.nn.log_softmax(head.logits(h_B1D)[:, 0].astype(jnp.float32), axis=-1)
-        return z_target_BT - (m_BT + jnp.log(s_BT)), z_target_BT >= m_BT, last_BV
+        marks_Bk, candidates_BkC = batch["marks"][0], batch["candidates"][0]
+        B, k, C = candidates_BkC.shape
+        h_BkD = jnp.take_along_axis(h_BTD, marks_Bk[:, :, None], axis=1)
+        h_BXD = jnp.repeat(h_BkD, C, axis=1)  # X = k * C: each marked position once per candidate
+        m_BX, s_BX, z_BX, _ = vocab.split_parts(parts, h_BXD, head, candidates_BkC.reshape(B, k * C))
+        return (z_target_BT - (m_BT + jnp.log(s_BT)), z_target_BT >= m_BT,
+                (z_BX - (m_BX + jnp.log(s_BX))).reshape(B, k, C), (z_BX >= m_BX).reshape(B, k, C))
 
     def _decode(self, params, prompt_BT, length_B, rng, *, max_new: int, temperature: float, top_k, top_p, eos_id):
         """`max_new` tokens sampled after each left-padded prompt row (`generate.decode`)."""
@@ -147,51 +156,140 @@ class Scorer:
                     out[i] = new_BT[r]
         return out
 
+    def row_length(self, longest: int) -> int:
+        """The length of the packed rows for inputs of at most `longest` tokens: twice its bucket
+        (room to pack), at most max_length."""
+        return min(self.max_length, 2 * next(n for n in buckets(self.max_length) if n >= longest))
+
     def __call__(self, rows: list[tuple[list[int], int]], advance=None) -> list[tuple[float, bool]]:
         """For each `(tokens, n)` (at most max_length + 1 tokens, 1 <= n < len(tokens)): the
-        log-probability of the last n tokens and whether greedy decoding gives them. Rows that differ
-        in their last token only (a multiple choice's one-token answers) share one forward pass, as
-        lm-eval's hf backend shares its logits: every position's figures but the last are theirs, and
-        the last position's distribution scores each one's last token."""
-        lengths = buckets(self.max_length)
+        log-probability of the last n tokens and whether greedy decoding gives them.
+
+        The inputs (all tokens but the last) are packed, each its own segment with positions from 0,
+        into rows of `row_length` tokens, `batch_size` rows a batch: one program a row length. Rows
+        whose inputs are the same (a multiple choice's one-token answers) share one segment, as
+        lm-eval's hf backend shares its logits: its last position is marked, and the distribution
+        there scores each one's last token (at most `MARKS` marked segments a row, `C` candidates
+        each: the most of any input, at least 4, a power of two)."""
         shared: dict[tuple, list[int]] = {}  # the inputs (all tokens but the last) -> the rows that have them
         for i, (tokens, n) in enumerate(rows):
             if not 1 <= n <= len(tokens) - 1 <= self.max_length:
                 raise ValueError(f"a request of {len(tokens)} tokens scoring {n} does not fit the model's "
                                  f"{self.max_length} positions")
             shared.setdefault(tuple(tokens[:-1]), []).append(i)
+        if not shared:
+            return []
         unique = sorted(shared, key=len, reverse=True)
-        groups: dict[int, list[tuple]] = {}
-        for inputs in unique:
-            groups.setdefault(next(n for n in lengths if n >= len(inputs)), []).append(inputs)
-        groups = fewer_programs(groups, self.batch_size)
+        finals = [sorted({rows[i][0][-1] for i in shared[inputs]}) for inputs in unique]
+        C = max(4, 1 << (max(len(f) for f in finals) - 1).bit_length())
+        L = self.row_length(len(unique[0]))
+        packed = pack([len(x) for x in unique], [len(f) > 1 for f in finals], L, MARKS)
         results: list = [None] * len(rows)
-        sharding = self.trainer.batches.sharding
-        for length, members in groups.items():
-            for start in range(0, len(members), self.batch_size):
-                chunk = members[start:start + self.batch_size]
-                arrays = {k: np.zeros((1, self.batch_size, length), np.int32) for k in ("inputs", "targets", "weights")}
-                for r, inputs in enumerate(chunk):
-                    T = len(inputs)
-                    arrays["inputs"][0, r, :T] = inputs
-                    arrays["targets"][0, r, :T - 1] = inputs[1:]
-                    arrays["weights"][0, r, T - 1] = 1  # the last input: its distribution scores the last tokens
-                batch = {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
-                         for k, v in arrays.items()}
-                # one program, compiled once per length; every process receives every row's figures
-                logp, greedy, last = jax.device_get(self.trainer.program("harness_score", self._score, self.params,
-                                                                         batch, out_shardings=self.trainer.replicated))
-                self.batches_run += 1
-                for r, inputs in enumerate(chunk):
-                    T = len(inputs)
-                    for i in shared[inputs]:
-                        tokens, n = rows[i]
-                        final = tokens[-1]
-                        results[i] = (float(np.sum(logp[r, T - n:T - 1], dtype=np.float64) + last[r, final]),
-                                      bool(np.all(greedy[r, T - n:T - 1]) and np.argmax(last[r]) == final))
-                    if advance is not None:
-                        advance(len(shared[inputs]))
+        for start in range(0, len(packed), self.batch_size):
+            chunk = packed[start:start + self.batch_size]
+            arrays = {k: np.zeros((1, self.batch_size, L), np.int32)
+                      for k in ("inputs", "targets", "positions", "segment_ids")}
+            arrays["marks"] = np.zeros((1, self.batch_size, MARKS), np.int32)
+            arrays["candidates"] = np.zeros((1, self.batch_size, MARKS, C), np.int32)
+            placed = []  # (unique index, row, offset, mark or None)
+            for r, members in enumerate(chunk):
+                offset, marks = 0, 0
+                for segment, u in enumerate(members, start=1):
+                    inputs, T = unique[u], len(unique[u])
+                    span = slice(offset, offset + T)
+                    arrays["inputs"][0, r, span] = inputs
+                    arrays["targets"][0, r, offset:offset + T - 1] = inputs[1:]
+                    arrays["positions"][0, r, span] = np.arange(T)
+                    arrays["segment_ids"][0, r, span] = segment
+                    mark = None
+                    if len(finals[u]) > 1:  # scored by the distribution at its last position
+                        mark, marks = marks, marks + 1
+                        arrays["marks"][0, r, mark] = offset + T - 1
+                        arrays["candidates"][0, r, mark, :len(finals[u])] = finals[u]
+                    else:  # its one final token is the last position's target
+                        arrays["targets"][0, r, offset + T - 1] = finals[u][0]
+                    placed.append((u, r, offset, mark))
+                    offset += T
+            specs = self.trainer.batches.sharding.spec
+            batch = {k: jax.make_array_from_callback(v.shape, self.trainer.batches.sharding if v.ndim == 3 else
+                                                     jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(*specs[:2])),
+                                                     lambda index, v=v: v[index])
+                     for k, v in arrays.items()}
+            # one program, compiled once per row length and candidates; every process receives every row's figures
+            logp, greedy, cand_logp, cand_greedy = jax.device_get(self.trainer.program(
+                "harness_score", self._score, self.params, batch, out_shardings=self.trainer.replicated))
+            self.batches_run += 1
+            for u, r, offset, mark in placed:
+                end = offset + len(unique[u])  # the position after the input's last
+                for i in shared[unique[u]]:
+                    tokens, n = rows[i]
+                    if mark is None:  # the n targets from the input's n-th last position to its last
+                        results[i] = (float(np.sum(logp[r, end - n:end], dtype=np.float64)),
+                                      bool(np.all(greedy[r, end - n:end])))
+                    else:
+                        c = finals[u].index(tokens[-1])
+                        results[i] = (float(np.sum(logp[r, end - n:end - 1], dtype=np.float64) + cand_logp[r, mark, c]),
+                                      bool(np.all(greedy[r, end - n:end - 1]) and cand_greedy[r, mark, c]))
+                if advance is not None:
+                    advance(len(shared[unique[u]]))
         return results
+
+
+def pack(lengths: list[int], marked: list[bool], room: int, marks: int) -> list[list[int]]:
+    """Items of `lengths` (longest first) in rows of `room`: each row starts with the longest item
+    left and is filled with the longest that still fit (of equal ones, the first given), at most
+    `marks` `marked` ones a row."""
+    left = {True: _Lengths(), False: _Lengths()}
+    for i, (n, m) in enumerate(zip(lengths, marked)):
+        if not 1 <= n <= room:
+            raise ValueError(f"an input of {n} tokens does not fit a row of {room}")
+        left[bool(m)].add(n, i)
+    rows = []
+    while left[True] or left[False]:
+        row, space, used = [], room, 0
+        while True:
+            kinds = [m for m in (False, True) if not (m and used == marks) and left[m].longest(space)]
+            if not kinds:
+                break
+            kind = max(kinds, key=lambda m: left[m].next(space))  # the longest; of those, the first given
+            n, i = left[kind].take(space)
+            row.append(i)
+            space, used = space - n, used + kind
+        rows.append(sorted(row))
+    return rows
+
+
+class _Lengths:
+    """Items by length: the longest that fits a space, in O(log n)."""
+
+    def __init__(self):
+        self.items: dict[int, list[int]] = {}
+        self.sizes: list[int] = []  # the lengths held, ascending
+
+    def __bool__(self) -> bool:
+        return bool(self.sizes)
+
+    def add(self, n: int, i: int) -> None:
+        if n not in self.items:
+            bisect.insort(self.sizes, n)
+        self.items.setdefault(n, []).insert(0, i)
+
+    def longest(self, space: int) -> int:
+        j = bisect.bisect_right(self.sizes, space) - 1
+        return 0 if j < 0 else self.sizes[j]
+
+    def next(self, space: int) -> tuple[int, int]:
+        """`(length, -index)` of the item `take` would give."""
+        n = self.longest(space)
+        return n, -self.items[n][-1]
+
+    def take(self, space: int) -> tuple[int, int]:
+        n = self.longest(space)
+        i = self.items[n].pop()
+        if not self.items[n]:
+            del self.items[n]
+            self.sizes.remove(n)
+        return n, i
 
 
 def _hf_encoder(tokenizer):

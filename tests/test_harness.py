@@ -235,6 +235,42 @@ def test_the_padded_lengths_are_few():
     assert buckets(8) == [8]
 
 
+def naive_pack(lengths, marked, room, marks):
+    """The reference: longest item left starts a row; then, over and over, the longest item left that
+    fits the space (among the marked ones only while the row has fewer than `marks` of them)."""
+    left, rows = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), []
+    while left:
+        row = [left.pop(0)]
+        space = room - lengths[row[0]]
+        while True:
+            used = sum(marked[i] for i in row)
+            fits = [i for i in left if lengths[i] <= space and not (marked[i] and used == marks)]
+            if not fits:
+                break
+            row.append(fits[0])
+            left.remove(fits[0])
+            space -= lengths[fits[0]]
+        rows.append(sorted(row))
+    return rows
+
+
+@pytest.mark.quick
+def test_inputs_pack_into_rows_longest_first_as_a_naive_packer_does():
+    from modern_jax.harness import pack
+
+    rng = np.random.default_rng(0)
+    for room, marks in ((128, 16), (64, 2), (16, 1)):
+        lengths = sorted(rng.integers(1, room + 1, size=300).tolist(), reverse=True)
+        marked = rng.random(300) < 0.5
+        rows = pack(lengths, marked.tolist(), room, marks)
+        assert sorted(i for row in rows for i in row) == list(range(300))  # each once
+        assert all(sum(lengths[i] for i in row) <= room and marked[row].sum() <= marks for row in rows)
+        assert rows == naive_pack(lengths, marked.tolist(), room, marks)
+        assert sum(lengths) / (len(rows) * room) > 0.85  # rows full: short inputs fill the long ones' rows
+    with pytest.raises(ValueError, match="an input of 129 tokens does not fit a row of 128"):
+        pack([129], [False], 128, 16)
+
+
 @pytest.mark.quick
 def test_a_few_rows_move_up_to_a_longer_program_where_they_pad_less_than_a_batch():
     from modern_jax.harness import fewer_programs
