@@ -56,6 +56,13 @@ def buckets(max_length: int) -> list[int]:
     return out + [max_length]
 
 
+def even_rows(n: int, batch_size: int, shards: int) -> int:
+    """Rows a batch for `n` rows in as few batches of at most `batch_size` as that takes, as even as
+    a multiple of `shards` rows allows (the last batch's empty rows are run too)."""
+    batches = -(-n // batch_size)
+    return -(-n // (batches * shards)) * shards
+
+
 def fewer_programs(groups: dict[int, list], rows_per_batch: int) -> dict[int, list]:
     """`{length: members}` with a short length's members moved up to the next longer length in use
     wherever the padding that adds is at most one batch of the longer length (a program compiled
@@ -81,7 +88,7 @@ class Scorer:
 
         self.trainer, self.batch_size = trainer, batch_size
         self.max_length = max_length or trainer.model_cfg.max_position_embeddings
-        shards = split_size("activation_batch", trainer.mesh, trainer.rules)
+        self.shards = shards = split_size("activation_batch", trainer.mesh, trainer.rules)
         if batch_size % shards:
             raise ValueError(f"--batch-size {batch_size} does not split over the mesh's {shards} data shards "
                              f"({dict(trainer.mesh.shape)}): give a multiple of {shards}")
@@ -123,8 +130,10 @@ class Scorer:
     def generate(self, prompts: list[list[int]], max_new: int, rng, *, temperature: float, top_k=None, top_p=None,
                  eos_id=None) -> list[np.ndarray]:
         """`max_new` tokens after each prompt (after eos, eos again): prompts sorted by length,
-        right-aligned in rows of the bucket widths that fit the positions left, `batch_size` rows
-        a batch, each (width, settings) compiled once; the rows split over the data axes."""
+        right-aligned in rows of the bucket widths that fit the positions left, at most `batch_size`
+        rows a batch (as few batches as that takes, as even as the data axes allow: 81 prompts are
+        6 batches of 14, not 5 of 16 and one of 1 run as 16), each (width, rows, settings) compiled
+        once; the rows split over the data axes."""
         from modern_jax.generate import left_padded
 
         room = self.max_length - max_new
@@ -141,16 +150,19 @@ class Scorer:
         sample = functools.partial(self._decode, **settings)
         sharding = jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(
             self.trainer.batches.sharding.spec[1]))  # rows split as a batch's are
+        n_batch = 0
         for width, members in groups.items():
-            for start in range(0, len(members), self.batch_size):
-                chunk = members[start:start + self.batch_size]
-                padded = chunk + [chunk[0]] * (self.batch_size - len(chunk))  # a short batch: copies of a row
+            rows = even_rows(len(members), self.batch_size, self.shards)
+            for start in range(0, len(members), rows):
+                chunk = members[start:start + rows]
+                padded = chunk + [chunk[0]] * (rows - len(chunk))  # a short batch: copies of a row
                 prompt_BT, length_B = left_padded([prompts[i] for i in padded], width)
                 args = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
                         for a in (prompt_BT, length_B)]
                 new_BT = np.asarray(jax.device_get(self.trainer.program(
-                    name, sample, self.params, *args, jax.random.fold_in(rng, start),
+                    name, sample, self.params, *args, jax.random.fold_in(rng, n_batch),
                     out_shardings=self.trainer.replicated)))
+                n_batch += 1
                 self.batches_run += 1
                 for r, i in enumerate(chunk):
                     out[i] = new_BT[r]

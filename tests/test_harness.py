@@ -272,6 +272,18 @@ def test_inputs_pack_into_rows_longest_first_as_a_naive_packer_does():
 
 
 @pytest.mark.quick
+def test_prompts_split_into_as_few_and_as_even_batches_as_the_data_axes_allow():
+    from modern_jax.harness import even_rows
+
+    for n, batch, shards in ((81, 16, 1), (80, 16, 1), (81, 16, 8), (27, 16, 1), (1, 16, 1), (17, 16, 4), (300, 32, 2)):
+        rows = even_rows(n, batch, shards)
+        batches = -(-n // rows)
+        assert rows <= batch and rows % shards == 0 and batches == -(-n // batch), (n, batch, shards)
+        assert rows - shards < -(-n // batches), (n, batch, shards)  # no smaller multiple of the shards does
+    assert [even_rows(81, 16, 1), even_rows(81, 16, 8), even_rows(17, 16, 4)] == [14, 16, 12]
+
+
+@pytest.mark.quick
 def test_a_few_rows_move_up_to_a_longer_program_where_they_pad_less_than_a_batch():
     from modern_jax.harness import fewer_programs
 
