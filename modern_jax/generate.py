@@ -75,8 +75,8 @@ def decode(model, prompt_BT, rng, *, max_new_tokens: int, temperature: float, to
     sample = partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
     cache = model.init_cache(B, T + max_new_tokens)
     positions = None if length_B is None else (jnp.arange(T, dtype=jnp.int32)[None] - (T - length_B)[:, None])
-    logits_BTV, cache = model(prompt_BT, positions=positions, cache=cache)
-    first_B = sample(logits_BTV[:, -1], jax.random.fold_in(rng, 0))
+    h_BTD, cache = model.hidden_states(prompt_BT, positions=positions, cache=cache)
+    first_B = sample(model.logits(h_BTD[:, -1:])[:, 0], jax.random.fold_in(rng, 0))  # the last position's only
     done_B = jnp.zeros((B,), bool) if eos_id is None else first_B == eos_id
 
     def step(carry, i):
