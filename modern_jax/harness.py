@@ -16,13 +16,12 @@ tokens, the continuation split off the encoded whole, left truncation to the mod
     results = evaluate_tasks(lm, ["sums_choice"], include_path="configs/harness", limit=8)
 
 Scoring: each request's input (its tokens but the last) is a segment of a packed row (positions
-from 0, attention within the segment), longest first, rows of twice the longest input's bucket
+from 0, attention within the segment), longest first, in rows of twice the longest input's bucket
 (powers of two up to max_length) filled to ~95%, `batch_size` rows a batch: one program a row
-length. Generation: prompts sorted by length, left-padded to a few
-widths, a program each (a width's few prompts join a longer width: `fewer_programs`). The rows of a
-batch split over the mesh's data axes, so under a launch of several processes every process builds
-the same requests, feeds the rows its devices hold and receives every score (process 0 alone
-writes the files).
+length. Generation: prompts sorted by length, left-padded to a few widths, a program each (a
+width's few prompts join a longer width: `fewer_programs`). The rows of a batch split over the
+mesh's data axes, so under a launch of several processes every process builds the same requests,
+feeds the rows its devices hold and receives every score (process 0 alone writes the files).
 
 Letters as in `modern_jax`: B batch, T length, D model, V vocabulary.
 """
@@ -198,53 +197,61 @@ class Scorer:
         packed = pack([len(x) for x in unique], [len(f) > 1 for f in finals], L, MARKS)
         results: list = [None] * len(rows)
         for start in range(0, len(packed), self.batch_size):
-            chunk = packed[start:start + self.batch_size]
-            arrays = {k: np.zeros((1, self.batch_size, L), np.int32)
-                      for k in ("inputs", "targets", "positions", "segment_ids")}
-            arrays["marks"] = np.zeros((1, self.batch_size, MARKS), np.int32)
-            arrays["candidates"] = np.zeros((1, self.batch_size, MARKS, C), np.int32)
-            placed = []  # (unique index, row, offset, mark or None)
-            for r, members in enumerate(chunk):
-                offset, marks = 0, 0
-                for segment, u in enumerate(members, start=1):
-                    inputs, T = unique[u], len(unique[u])
-                    span = slice(offset, offset + T)
-                    arrays["inputs"][0, r, span] = inputs
-                    arrays["targets"][0, r, offset:offset + T - 1] = inputs[1:]
-                    arrays["positions"][0, r, span] = np.arange(T)
-                    arrays["segment_ids"][0, r, span] = segment
-                    mark = None
-                    if len(finals[u]) > 1:  # scored by the distribution at its last position
-                        mark, marks = marks, marks + 1
-                        arrays["marks"][0, r, mark] = offset + T - 1
-                        arrays["candidates"][0, r, mark, :len(finals[u])] = finals[u]
-                    else:  # its one final token is the last position's target
-                        arrays["targets"][0, r, offset + T - 1] = finals[u][0]
-                    placed.append((u, r, offset, mark))
-                    offset += T
-            specs = self.trainer.batches.sharding.spec
-            batch = {k: jax.make_array_from_callback(v.shape, self.trainer.batches.sharding if v.ndim == 3 else
-                                                     jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(*specs[:2])),
-                                                     lambda index, v=v: v[index])
-                     for k, v in arrays.items()}
+            arrays, placed = self._packed_batch(packed[start:start + self.batch_size], unique, finals, L, C)
             # one program, compiled once per row length and candidates; every process receives every row's figures
             logp, greedy, cand_logp, cand_greedy = jax.device_get(self.trainer.program(
-                "harness_score", self._score, self.params, batch, out_shardings=self.trainer.replicated))
+                "harness_score", self._score, self.params, self._on_mesh(arrays),
+                out_shardings=self.trainer.replicated))
             self.batches_run += 1
             for u, r, offset, mark in placed:
                 end = offset + len(unique[u])  # the position after the input's last
                 for i in shared[unique[u]]:
                     tokens, n = rows[i]
-                    if mark is None:  # the n targets from the input's n-th last position to its last
+                    if mark is None:  # its n targets: the input's last n - 1 tokens and its final one
                         results[i] = (float(np.sum(logp[r, end - n:end], dtype=np.float64)),
                                       bool(np.all(greedy[r, end - n:end])))
-                    else:
+                    else:  # n - 1 targets, then the final token among the candidates
                         c = finals[u].index(tokens[-1])
                         results[i] = (float(np.sum(logp[r, end - n:end - 1], dtype=np.float64) + cand_logp[r, mark, c]),
                                       bool(np.all(greedy[r, end - n:end - 1]) and cand_greedy[r, mark, c]))
                 if advance is not None:
                     advance(len(shared[unique[u]]))
         return results
+
+    def _packed_batch(self, chunk: list[list[int]], unique: list[tuple], finals: list[list[int]], L: int, C: int):
+        """`(arrays [1, batch_size, ...], placed)`: the rows `chunk` (each a list of indices into
+        `unique`) laid out, and where each input went, `(index, row, offset, mark or None)`."""
+        B = self.batch_size
+        arrays = {k: np.zeros((1, B, L), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
+        arrays["marks"] = np.zeros((1, B, MARKS), np.int32)
+        arrays["candidates"] = np.zeros((1, B, MARKS, C), np.int32)
+        placed = []
+        for r, members in enumerate(chunk):
+            offset, marks = 0, 0
+            for segment, u in enumerate(members, start=1):
+                inputs, T = unique[u], len(unique[u])
+                span = slice(offset, offset + T)
+                arrays["inputs"][0, r, span] = inputs
+                arrays["targets"][0, r, offset:offset + T - 1] = inputs[1:]
+                arrays["positions"][0, r, span] = np.arange(T)
+                arrays["segment_ids"][0, r, span] = segment
+                mark = None
+                if len(finals[u]) > 1:  # scored by the distribution at its last position
+                    mark, marks = marks, marks + 1
+                    arrays["marks"][0, r, mark] = offset + T - 1
+                    arrays["candidates"][0, r, mark, :len(finals[u])] = finals[u]
+                else:  # its one final token is the last position's target
+                    arrays["targets"][0, r, offset + T - 1] = finals[u][0]
+                placed.append((u, r, offset, mark))
+                offset += T
+        return arrays, placed
+
+    def _on_mesh(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """`[1, B, ...]` host arrays placed as a batch is (this process's rows from its own copy)."""
+        rows = self.trainer.batches.sharding
+        marks = jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(*rows.spec[:2]))
+        return {k: jax.make_array_from_callback(v.shape, rows if v.ndim == 3 else marks, lambda index, v=v: v[index])
+                for k, v in arrays.items()}
 
 
 def pack(lengths: list[int], marked: list[bool], room: int, marks: int) -> list[list[int]]:
