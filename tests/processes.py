@@ -38,7 +38,8 @@ def slurm_env(i: int, n: int, devices: int, job: int, quick: bool = True) -> dic
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "OMPI_"))}
     flags = f"--xla_force_host_platform_device_count={devices}" + (f" {QUICK_FLAG}" if quick else "")
     env.update(SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS=str(n), SLURM_PROCID=str(i),
-               SLURM_LOCALID=str(i), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=flags)
+               SLURM_LOCALID=str(i), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=flags,
+               MODERN_JAX_COMPILE_CACHE="off")  # jax's own cache went with JAX_*: none, not the user's
     return env
 
 
