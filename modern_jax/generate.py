@@ -3,10 +3,11 @@
     tokens = generate(graphdef, params, prompt_BT, max_new_tokens=100, rng=jax.random.key(0),
                       temperature=0.8, top_k=50, top_p=0.95, eos_id=tok.eos_id)
 
-The prompt is prefilled in one call, then one token per step inside a `lax.scan`, all in
-one jit. After a sequence emits `eos_id` it keeps emitting it (callers cut there). Prompts of
-different lengths share a batch right-aligned (`left_padded`, then `decode(..., length_B=)`,
-traceable inside any jit): the pads get negative positions, which no query sees.
+The prompt is prefilled in one call, then one token per step inside a loop, all in one jit.
+After a sequence emits `eos_id` it keeps emitting it (callers cut there), and the loop stops
+once every sequence has. Prompts of different lengths share a batch right-aligned
+(`left_padded`, then `decode(..., length_B=)`, traceable inside any jit): the pads get negative
+positions, which no query sees.
 
 A model with learned positions has no row past `max_position_embeddings`: `generate`
 refuses a prompt plus `max_new_tokens` longer than that, and `sample_texts` stops there
@@ -88,8 +89,22 @@ def decode(model, prompt_BT, rng, *, max_new_tokens: int, temperature: float, to
             done_B = done_B | (next_B == eos_id)
         return (next_B, done_B, cache), next_B
 
-    _, rest_TB = jax.lax.scan(step, (first_B, done_B, cache), jnp.arange(1, max_new_tokens))
-    return jnp.concatenate([first_B[:, None], rest_TB.T], axis=1)
+    if eos_id is None:
+        _, rest_TB = jax.lax.scan(step, (first_B, done_B, cache), jnp.arange(1, max_new_tokens))
+        return jnp.concatenate([first_B[:, None], rest_TB.T], axis=1)
+
+    # with eos: the steps stop once every row has emitted it (the tokens left are eos, as they would be)
+    def more(carry):
+        i, _, done_B, _, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done_B)
+
+    def write(carry):
+        i, token_B, done_B, cache, out_BN = carry
+        (token_B, done_B, cache), next_B = step((token_B, done_B, cache), i)
+        return i + 1, token_B, done_B, cache, jax.lax.dynamic_update_slice_in_dim(out_BN, next_B[:, None], i, axis=1)
+
+    out_BN = jnp.full((B, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first_B)
+    return jax.lax.while_loop(more, write, (jnp.int32(1), first_B, done_B, cache, out_BN))[-1]
 
 
 def left_padded(prompts, width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -86,6 +86,29 @@ def test_eos_ends_a_sample(tiny):
     assert len(texts) == 2 and all(t.startswith("ab") for t in texts)
 
 
+def test_with_eos_the_steps_stop_once_every_row_has_emitted_it(tiny):
+    """decode with eos gives, row by row, the tokens decoding without eos gives up to its first eos,
+    then eos: when some row never emits it (every step runs) and when every row emits it at once
+    (the loop ends at the first step)."""
+    from modern_jax.generate import decode
+
+    model = tiny[0]
+    run = jax.jit(lambda p, eos: decode(model, p, jax.random.key(0), max_new_tokens=8, temperature=0.0, top_k=None,
+                                        top_p=None, eos_id=eos), static_argnums=1)
+    prompts = jnp.asarray([[257, 5, 6], [257, 40, 41], [257, 70, 71]], jnp.int32)
+    free = np.asarray(run(prompts, None))
+    eos = int(free[0, 2])  # row 0 emits it at its third step
+    assert eos not in free[1:, :3].ravel().tolist()  # the others go on
+    for eos, rows in ((eos, prompts), (int(free[1, 0]), jnp.tile(prompts[1:2], (3, 1)))):
+        expected = np.asarray(run(rows, None)).copy()
+        for row in expected:
+            hits = np.flatnonzero(row == eos)
+            if len(hits):
+                row[hits[0]:] = eos
+        np.testing.assert_array_equal(np.asarray(run(rows, eos)), expected)
+    assert (np.asarray(run(jnp.tile(prompts[1:2], (3, 1)), int(free[1, 0])))[:, 1:] == int(free[1, 0])).all()
+
+
 @pytest.mark.parametrize("kind", ["rope_gqa", "learned_positions", "window_ring", "llama4_chunks_temperature"])
 def test_left_padded_rows_sample_what_each_prompt_samples_alone(kind):
     """Prompts of 2 to 7 tokens right-aligned in one batch (`left_padded` + `decode`): each row's
