@@ -699,13 +699,27 @@ def _compile_cache() -> None:
     the same command again (a resumed run, the benchmarks of another checkpoint of the same model)
     reads them instead of compiling: in MODERN_JAX_COMPILE_CACHE (`off`: none), by default
     ~/.cache/modern_jax/xla, least recently used entries removed past 4 GiB. A directory given to jax
-    itself (JAX_COMPILATION_CACHE_DIR) is left as it is. (The planner keeps its own cache.)"""
+    itself (JAX_COMPILATION_CACHE_DIR) is left as it is. (The planner keeps its own cache.) A named
+    directory that cannot be made is refused; the default, noted and done without."""
     where = os.environ.get(COMPILE_CACHE_ENV, "").strip()
     if where == "off" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
+    path = os.path.expanduser(where or COMPILE_CACHE)
+    try:
+        os.makedirs(path, exist_ok=True)
+        reason = None if os.access(path, os.W_OK) else "not writable"
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+    if reason is not None:
+        if where:
+            raise ValueError(f"{COMPILE_CACHE_ENV}={where}: compiled programs cannot be kept there ({reason}): "
+                             f"give a writable directory, or off")
+        _note(f"note: compiling without a cache: {path} cannot be made ({reason}); set {COMPILE_CACHE_ENV} to "
+              f"a writable directory, or off")
+        return
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(where or COMPILE_CACHE))
+    jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # a program worth reading back
     jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 

@@ -226,6 +226,22 @@ def test_a_second_run_reads_the_programs_the_first_kept(tmp_path):
     assert hits == 0 and not (tmp_path / "third" / ".cache" / "modern_jax").exists() and not (ROOT / "off").exists()
 
 
+def test_a_compilation_cache_that_cannot_be_made_is_refused_when_named_and_done_without_by_default(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)  # the suite's own (jax's config stays as it is)
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("MODERN_JAX_COMPILE_CACHE", str(tmp_path / "a_file"))
+    assert main(["harness", "--hf", CHAT, "--include-path", "configs/harness", "--tasks", "sums_choice"]) == 2
+    assert (f"error: MODERN_JAX_COMPILE_CACHE={tmp_path / 'a_file'}: compiled programs cannot be kept there "
+            "(File exists): give a writable directory, or off") in capsys.readouterr().err
+    from modern_jax import cli
+
+    monkeypatch.delenv("MODERN_JAX_COMPILE_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "a_file"))
+    cli._compile_cache()
+    assert "note: compiling without a cache: " in capsys.readouterr().err
+
+
 @pytest.mark.quick
 def test_the_padded_lengths_are_few():
     from modern_jax.harness import buckets
