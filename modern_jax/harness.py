@@ -42,6 +42,7 @@ from lm_eval.api.model import TemplateLM
 
 from modern_jax.ops import vocab
 from modern_jax.training.loss import vocab_parts
+from modern_jax.training.placement import from_whole, rows_sharding
 
 MIN_BUCKET = 16  # the shortest padded length
 MARKS = 16  # the most segments of a packed row scored by their last position's distribution
@@ -110,14 +111,17 @@ class Scorer:
         h_BTD, _ = model.hidden_states(inputs_BT, positions=batch["positions"][0], segment_ids=batch["segment_ids"][0])
         parts = functools.partial(vocab_parts, chunk=self.trainer.cfg.loss_vocab_chunk)
         head = model.head()
-        m_BT, s_BT, z_target_BT, _ = vocab.split_parts(parts, h_BTD, head, targets_BT)
+
+        def scored(h_BXD, targets_BX):  # each target's log-probability, and whether it is the argmax
+            m_BX, s_BX, z_target_BX, _ = vocab.split_parts(parts, h_BXD, head, targets_BX)
+            return z_target_BX - (m_BX + jnp.log(s_BX)), z_target_BX >= m_BX
+
         marks_Bk, candidates_BkC = batch["marks"][0], batch["candidates"][0]
         B, k, C = candidates_BkC.shape
         h_BkD = jnp.take_along_axis(h_BTD, marks_Bk[:, :, None], axis=1)
-        h_BXD = jnp.repeat(h_BkD, C, axis=1)  # X = k * C: each marked position once per candidate
-        m_BX, s_BX, z_BX, _ = vocab.split_parts(parts, h_BXD, head, candidates_BkC.reshape(B, k * C))
-        return (z_target_BT - (m_BT + jnp.log(s_BT)), z_target_BT >= m_BT,
-                (z_BX - (m_BX + jnp.log(s_BX))).reshape(B, k, C), (z_BX >= m_BX).reshape(B, k, C))
+        logp_BX, greedy_BX = scored(jnp.repeat(h_BkD, C, axis=1),  # X = k * C: each mark once per candidate
+                                    candidates_BkC.reshape(B, k * C))
+        return (*scored(h_BTD, targets_BT), logp_BX.reshape(B, k, C), greedy_BX.reshape(B, k, C))
 
     def _decode(self, params, prompt_BT, length_B, rng, *, max_new: int, temperature: float, top_k, top_p, eos_id):
         """`max_new` tokens sampled after each left-padded prompt row (`generate.decode`)."""
@@ -147,8 +151,7 @@ class Scorer:
         # a program per settings (closed over) and width (its argument shape), compiled once each
         name = "harness_decode_" + "_".join(f"{k}={v}" for k, v in settings.items())
         sample = functools.partial(self._decode, **settings)
-        sharding = jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(
-            self.trainer.batches.sharding.spec[1]))  # rows split as a batch's are
+        rows_BT = rows_sharding(self.trainer.mesh, self.trainer.rules, 2, rows_axis=0)  # split as a batch's rows
         n_batch = 0
         for width, members in groups.items():
             rows = even_rows(len(members), self.batch_size, self.shards)
@@ -156,8 +159,7 @@ class Scorer:
                 chunk = members[start:start + rows]
                 padded = chunk + [chunk[0]] * (rows - len(chunk))  # a short batch: copies of a row
                 prompt_BT, length_B = left_padded([prompts[i] for i in padded], width)
-                args = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
-                        for a in (prompt_BT, length_B)]
+                args = [from_whole(prompt_BT, rows_BT), from_whole(length_B, rows_BT)]
                 new_BT = np.asarray(jax.device_get(self.trainer.program(
                     name, sample, self.params, *args, jax.random.fold_in(rng, n_batch),
                     out_shardings=self.trainer.replicated)))
@@ -248,9 +250,8 @@ class Scorer:
 
     def _on_mesh(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """`[1, B, ...]` host arrays placed as a batch is (this process's rows from its own copy)."""
-        rows = self.trainer.batches.sharding
-        marks = jax.sharding.NamedSharding(self.trainer.mesh, jax.sharding.PartitionSpec(*rows.spec[:2]))
-        return {k: jax.make_array_from_callback(v.shape, rows if v.ndim == 3 else marks, lambda index, v=v: v[index])
+        return {k: from_whole(v, self.trainer.batches.sharding if v.ndim == 3 else
+                              rows_sharding(self.trainer.mesh, self.trainer.rules, v.ndim))
                 for k, v in arrays.items()}
 
 

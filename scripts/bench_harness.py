@@ -25,8 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from modern_jax.cli import COMPILE_CACHE_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
-COMPILE_CACHE_ENV = "MODERN_JAX_COMPILE_CACHE"
 
 
 def timed(command: list[str], env: dict) -> float:

@@ -56,6 +56,7 @@ from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE,
                                            check_base)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
+from modern_jax.training.placement import from_whole
 from modern_jax.training import objectives
 from modern_jax.training.converters import abstract_converted
 from modern_jax.training.step import Trainer, describe_kernels, trainer_for
@@ -560,19 +561,14 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
         raise ValueError(f"{init.source} does not fit the run's model: " + "; ".join(wrong[:4] or sorted(
             set(got) - set(want))[:4]))
     log(f"initialised from {init.source}")
-    params = trainer.from_base(jax.tree.map(lambda x, s: _place(np.asarray(x, s.dtype), s.sharding), params, abstract),
-                               trainer.cfg.seed)
+    params = trainer.from_base(jax.tree.map(lambda x, s: from_whole(np.asarray(x, s.dtype), s.sharding), params,
+                                            abstract), trainer.cfg.seed)
     if init.adapters is None:
         return params
     trained, frozen = trainer.split(params)
     adapters = init.adapters()
-    return trainer.join(jax.tree.map(lambda x, a: _place(np.asarray(x, a.dtype), a.sharding), adapters, trained),
+    return trainer.join(jax.tree.map(lambda x, a: from_whole(np.asarray(x, a.dtype), a.sharding), adapters, trained),
                         frozen)
-
-
-def _place(x: np.ndarray, sharding) -> jax.Array:
-    """A host array every process holds whole, as the global array of `sharding`."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:

@@ -27,6 +27,19 @@ def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec((None, "activation_batch", "activation_length"), rules, mesh))
 
 
+def rows_sharding(mesh: Mesh, rules, ndim: int, rows_axis: int = 1) -> NamedSharding:
+    """An array of `ndim` axes whose axis `rows_axis` holds a batch's rows: the rows split as a
+    batch's are (`activation_batch`), the other axes whole."""
+    names = [None] * ndim
+    names[rows_axis] = "activation_batch"
+    return NamedSharding(mesh, logical_to_spec(tuple(names), rules, mesh))
+
+
+def from_whole(x: np.ndarray, sharding) -> jax.Array:
+    """A host array every process holds whole, as the global array of `sharding`."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 class BatchPlacement:
     """The batches of one train config on one mesh: checked to split, described, laid out and placed."""
 

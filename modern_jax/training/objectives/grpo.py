@@ -36,15 +36,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from modern_jax.configfile import fail
 from modern_jax.data.corpora import build_tokenizer
 from modern_jax.data.prompts import prompt_eval_batches, prompt_iterator, read_prompts, split_prompts
 from modern_jax.generate import cut_at_eos, decode, left_padded
-from modern_jax.sharding import logical_to_spec
 from modern_jax.training.loss import token_logps
 from modern_jax.training.metrics import Shown
+from modern_jax.training.placement import rows_sharding
 from modern_jax.training.objectives import base
 from modern_jax.training.rewards import Rewards
 
@@ -305,8 +304,8 @@ class GRPO(base.Objective):
         shape = (A, rows if rows is not None else R)
 
         def put(x):  # rows split as the batch's are
-            spec = logical_to_spec((None, "activation_batch") + (None,) * (x.ndim - 2), trainer.rules, mesh)
-            return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, shape + x.shape[2:])
+            return jax.make_array_from_process_local_data(rows_sharding(mesh, trainer.rules, x.ndim), x,
+                                                          shape + x.shape[2:])
 
         out = trainer.program(f"grpo_rollout_{prompt_AR.shape[-1]}", functools.partial(self._rollout, trainer.model),
                               params, put(prompt_AR), put(length_AR), key, out_shardings=trainer.replicated)
@@ -376,10 +375,9 @@ class GRPO(base.Objective):
         """The rollouts of a step's whole batch at the longest prompts (`seq_len - max_completion_length`)."""
         mesh, tc = trainer.mesh, self.train
         A, W = tc.grad_accum, tc.seq_len - self.config.max_completion_length
-        spec = lambda n: NamedSharding(mesh, logical_to_spec((None, "activation_batch") + (None,) * n,  # noqa: E731
-                                                             trainer.rules, mesh))
-        prompts = jax.ShapeDtypeStruct((A, tc.batch_size // A, W), jnp.int32, sharding=spec(1))
-        lengths = jax.ShapeDtypeStruct((A, tc.batch_size // A), jnp.int32, sharding=spec(0))
+        rows = lambda n: rows_sharding(mesh, trainer.rules, n)  # noqa: E731
+        prompts = jax.ShapeDtypeStruct((A, tc.batch_size // A, W), jnp.int32, sharding=rows(3))
+        lengths = jax.ShapeDtypeStruct((A, tc.batch_size // A), jnp.int32, sharding=rows(2))
         return {f"grpo_rollout_{W}": (functools.partial(self._rollout, trainer.model),
                                       (params, prompts, lengths, jax.random.key(0)))}
 
