@@ -334,10 +334,10 @@ def cmd_evaluate(args) -> int:
         tc = TrainConfig(seq_len=seq_len, eval_batch_size=batch_size, warmup_steps=0)
         # one device; in a launch of several processes every device, each process feeding its rows
         trainer = _scoring_trainer(cfg, raw, tc)
-        token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
+        token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.programs.replicated)
 
         def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
-            return trainer.eval_executable(params, trainer.batches.abstract((batch_size, seq_len)), token_bytes)
+            return trainer.compile_eval(params, trainer.batches.abstract((batch_size, seq_len)), token_bytes)
 
         def fits(batch_size: int) -> None:
             check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
@@ -396,7 +396,7 @@ def cmd_generate(args) -> int:
         tokenizer.encode(args.prompt)
     except ValueError as e:
         raise ValueError(f"--prompt cannot be encoded: {e}") from None
-    graphdef = _scoring_trainer(cfg, raw, TrainConfig(warmup_steps=0)).graphdef
+    graphdef = _scoring_trainer(cfg, raw, TrainConfig(warmup_steps=0)).states.graphdef
     temperature = 0.0 if args.greedy else args.temperature
     try:
         with _warnings_as_notes(), Progress(None, enabled=jax.process_index() == 0) as progress, \
@@ -441,7 +441,7 @@ def cmd_harness(args) -> int:
         harness.load_tasks(manager, tasks)  # a task whose data cannot be read is refused before the model is
         cfg, params, raw, tokenizer, source = _harness_model(args, note)
         trainer = _harness_trainer(cfg, raw, args)
-    lm = harness.HarnessLM(harness.Scorer(trainer, params, args.batch_size), tokenizer, seed=args.seed,
+    lm = harness.HarnessLM(harness.Scorer(trainer.states, params, args.batch_size, chunk=trainer.train_cfg.loss_vocab_chunk), tokenizer, seed=args.seed,
                            name=source)
     tracker = None
     if args.output_path and main:

@@ -262,201 +262,9 @@ class ModelConfig:
     param_dtype: str = _setting("float32")
 
     def __post_init__(self):
-        self._check_values()
-        self._check_widths()
-        self._check_positions()
-        self._check_attention()
-        self._check_scales()
-        self._check_mla()
-        self._check_moe()
-
-    def _check_values(self) -> None:
-        """Sizes are positive integers, choices among their names, every field of its type."""
-        for name in ("vocab_size", "vocab_pad_to", "d_model", "n_layers", "n_heads", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                _fail(name, value, "expected a positive integer")
-        for name, choices in (
-            ("norm_type", NORM_TYPES),
-            ("norm_placement", PLACEMENTS),
-            ("ffn_type", FFN_TYPES),
-            ("router_score", ROUTER_SCORES),
-            ("activation", ACTIVATIONS),
-            ("position_embedding", POSITIONS),
-            ("rope_layout", ROPE_LAYOUTS),
-            ("attention_type", ATTENTION_TYPES),
-            ("qk_norm", QK_NORMS),
-            ("init", INITS),
-            ("dtype", DTYPES),
-            ("param_dtype", DTYPES),
-        ):
-            _check_choice(name, getattr(self, name), choices)
-        if not isinstance(self.rope_scaling, RopeScaling):
-            _fail("rope_scaling", self.rope_scaling, "expected a RopeScaling (a mapping in YAML)")
-        _check_types(self, "")
-
-    def _check_widths(self) -> None:
-        """Heads divide, widths and eps are positive, and the norm and FFN switches fit together."""
-        n_kv = self.num_kv_heads
-        if n_kv <= 0 or self.n_heads % n_kv:
-            _fail("n_kv_heads", self.n_kv_heads, f"must be a positive divisor of n_heads={self.n_heads}")
-        if self.head_dim is None and self.attention_type == "mha" and self.d_model % self.n_heads:
-            _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model} unless head_dim is set")
-        if self.head_dim is not None and self.head_dim <= 0:
-            _fail("head_dim", self.head_dim, "expected a positive integer")
-        if self.d_ff is not None and self.d_ff <= 0:
-            _fail("d_ff", self.d_ff, "expected a positive integer or null (width rule)")
-        if self.ffn_multiple_of <= 0:
-            _fail("ffn_multiple_of", self.ffn_multiple_of, "expected a positive integer")
-        if self.norm_eps <= 0:
-            _fail("norm_eps", self.norm_eps, "expected a positive float")
-        if self.norm_bias and self.norm_type != "layernorm":
-            _fail("norm_bias", self.norm_bias, f"only layernorm has a bias, norm_type={self.norm_type!r}")
-        if self.ffn_type == "mlp" and self.activation in ("identity", "sigmoid"):
-            _fail("activation", self.activation, "a plain mlp needs relu, gelu, gelu_tanh or silu")
-        if self.fused_gate_up and self.ffn_type != "gated":
-            _fail("fused_gate_up", True, "only a gated FFN has gate and up projections")
-        if not self.parallel_shared_norm and self.norm_placement != "parallel":
-            _fail("parallel_shared_norm", False, "only applies to norm_placement='parallel'")
-
-    def _check_positions(self) -> None:
-        """RoPE: its fraction, base, pattern and scaling; sinusoidal positions need an even width."""
-        if not 0.0 < self.rope_fraction <= 1.0:
-            _fail("rope_fraction", self.rope_fraction, "expected a fraction in (0, 1]")
-        if self.rope_theta <= 0:
-            _fail("rope_theta", self.rope_theta, "expected a positive base")
-        uses_rope = self.position_embedding == "rope"
-        if uses_rope and self.attention_type == "mha" and self.rotary_dim % 2:
-            _fail(
-                "head_dim" if self.rope_fraction == 1.0 else "rope_fraction",
-                self.head_dim if self.rope_fraction == 1.0 else self.rope_fraction,
-                f"RoPE rotates pairs: the rotary dimension {self.rotary_dim} must be even",
-            )
-        if not uses_rope and self.rope_scaling.type != "none":
-            _fail("rope_scaling", self.rope_scaling.type, "rope_scaling needs position_embedding='rope'")
-        self._check_pattern("rope_pattern", "RN")
-        if "N" in self.rope_pattern and not uses_rope:
-            _fail("rope_pattern", self.rope_pattern, "NoPE layers ('N') need position_embedding='rope'")
-        if self.rope_local_theta is not None and "L" not in self.attention_pattern:
-            _fail("rope_local_theta", self.rope_local_theta, "applies to local layers; attention_pattern has no 'L'")
-        if self.position_embedding == "sinusoidal" and self.d_model % 2:
-            _fail("d_model", self.d_model, "sinusoidal positions need an even d_model")
-
-    def _check_attention(self) -> None:
-        """Layer patterns with their window or chunk, l2 qk-norm and temperature tuning."""
-        self._check_pattern("attention_pattern", "GLC")
-        if "L" in self.attention_pattern:
-            if self.sliding_window is None or self.sliding_window <= 0:
-                _fail("sliding_window", self.sliding_window, "local layers ('L') need a positive window")
-        elif self.sliding_window is not None:
-            _fail("sliding_window", self.sliding_window, "set attention_pattern to 'L' (all local) or a mix like 'LG'")
-        if "C" in self.attention_pattern:
-            if self.attention_chunk_size is None or self.attention_chunk_size <= 0:
-                _fail("attention_chunk_size", self.attention_chunk_size,
-                      "chunked layers ('C') need a positive chunk size")
-        elif self.attention_chunk_size is not None:
-            _fail("attention_chunk_size", self.attention_chunk_size,
-                  "set attention_pattern to 'C' (all chunked) or a mix like 'CCCG'")
-        if self.qk_norm == "l2" and (self.position_embedding != "rope" or "R" not in self.rope_pattern):
-            _fail("qk_norm", self.qk_norm, "'l2' normalises the RoPE layers (Llama 4) and this model has none: "
-                  "set position_embedding='rope' with an 'R' in rope_pattern, or use 'head'")
-        if self.attn_temperature_floor is not None:
-            if self.attn_temperature_floor <= 0:
-                _fail("attn_temperature_floor", self.attn_temperature_floor,
-                      "expected a positive number of positions, or null (no temperature tuning)")
-            if self.position_embedding != "none" and "N" not in self.rope_pattern:
-                _fail("attn_temperature_floor", self.attn_temperature_floor,
-                      "tunes the layers without positions, and this model has none: add an 'N' to rope_pattern "
-                      "(Llama 4: 'RRRN') or use position_embedding='none'")
-        if not (math.isfinite(self.attn_temperature_scale) and self.attn_temperature_scale > 0):
-            _fail("attn_temperature_scale", self.attn_temperature_scale, "expected a positive float")
-        if self.attn_temperature_floor is None and self.attn_temperature_scale != 0.1:
-            _fail("attn_temperature_scale", self.attn_temperature_scale,
-                  "only applies with attn_temperature_floor set (temperature tuning is off)")
-
-    def _check_scales(self) -> None:
-        """Soft-caps, scales, dropout rates and the init std are in range."""
-        for name in ("attn_softcap", "final_softcap", "attn_scale"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                _fail(name, value, "expected a positive float or null")
-        for name in ("attn_dropout", "resid_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                _fail(name, getattr(self, name), "expected a rate in [0, 1)")
-        if self.init_std <= 0:
-            _fail("init_std", self.init_std, "expected a positive standard deviation")
-
-    def _check_mla(self) -> None:
-        """MLA's latent sizes and what it excludes; latent sizes need MLA."""
-        if self.attention_type == "mla":
-            if self.mla_kv_rank <= 0:
-                _fail("mla_kv_rank", self.mla_kv_rank, "MLA needs a positive latent size d_c")
-            if self.mla_q_rank < 0:
-                _fail("mla_q_rank", self.mla_q_rank, "expected 0 (full-rank q) or a positive rank")
-            for name in ("mla_rope_dim", "mla_nope_dim", "mla_v_dim"):
-                if getattr(self, name) <= 0:
-                    _fail(name, getattr(self, name), "expected a positive integer")
-            if self.mla_rope_dim % 2:
-                _fail("mla_rope_dim", self.mla_rope_dim, "RoPE rotates pairs: must be even")
-            if self.position_embedding != "rope":
-                _fail("position_embedding", self.position_embedding, "MLA's decoupled key needs 'rope'")
-            if self.n_kv_heads not in (None, self.n_heads):
-                _fail("n_kv_heads", self.n_kv_heads, "MLA shares one latent across heads; leave n_kv_heads unset")
-            if self.qk_norm != "none":
-                _fail("qk_norm", self.qk_norm, "MLA normalises its latents instead; use 'none'")
-        elif self.mla_kv_rank or self.mla_q_rank:
-            _fail("mla_kv_rank" if self.mla_kv_rank else "mla_q_rank", self.mla_kv_rank or self.mla_q_rank,
-                  "set attention_type='mla' to use a latent")
-
-    def _check_moe(self) -> None:
-        if self.ffn_type != "moe":
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            for name in MOE_FIELDS:
-                if getattr(self, name) != defaults[name]:
-                    _fail(name, getattr(self, name), "applies to a mixture of experts: set ffn_type='moe'")
-            return
-        if self.activation in ("identity",):
-            _fail("activation", self.activation, "experts are gated FFNs: use silu, gelu, gelu_tanh, relu or sigmoid")
-        if self.fused_gate_up:
-            _fail("fused_gate_up", True, "a mixture of experts keeps gate and up apart; set fused_gate_up=false")
-        if self.n_experts < 2:
-            _fail("n_experts", self.n_experts, "a mixture of experts needs at least 2 routed experts")
-        if not 1 <= self.experts_per_token <= self.n_experts:
-            _fail("experts_per_token", self.experts_per_token, f"expected 1 .. n_experts={self.n_experts}")
-        for name in ("expert_d_ff", "shared_expert_d_ff"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                _fail(name, getattr(self, name), "expected a positive width or null")
-        if self.n_shared_experts < 0:
-            _fail("n_shared_experts", self.n_shared_experts, "expected 0 or more shared experts")
-        self._check_pattern("moe_pattern", "DE")
-        if not 0 <= self.moe_first_dense <= self.n_layers:
-            _fail("moe_first_dense", self.moe_first_dense, f"expected 0 .. n_layers={self.n_layers}")
-        if not any(spec.moe for spec in self.layer_specs()):
-            _fail("moe_pattern", self.moe_pattern, f"with moe_first_dense={self.moe_first_dense} no layer has experts")
-        if self.router_groups < 1 or self.n_experts % self.router_groups:
-            _fail("router_groups", self.router_groups, f"must divide n_experts={self.n_experts}")
-        if not 1 <= self.router_topk_groups <= self.router_groups:
-            _fail("router_topk_groups", self.router_topk_groups, f"expected 1 .. router_groups={self.router_groups}")
-        per_group = self.n_experts // self.router_groups
-        if self.router_groups > 1 and per_group < 2:
-            _fail("router_groups", self.router_groups, "each group is scored by its top 2: needs 2 experts or more")
-        if self.router_groups > 1 and self.router_topk_groups * per_group < self.experts_per_token:
-            _fail("router_topk_groups", self.router_topk_groups,
-                  f"the kept groups hold {self.router_topk_groups * per_group} experts, fewer than "
-                  f"experts_per_token={self.experts_per_token}")
-        if self.router_on_input and self.experts_per_token != 1:
-            _fail("router_on_input", True, "scaling the input works for one expert per token (experts_per_token=1)")
-        if not self.router_scale > 0:
-            _fail("router_scale", self.router_scale, "expected a positive scale")
-        if self.expert_swiglu_limit is not None and not self.expert_swiglu_limit > 0:
-            _fail("expert_swiglu_limit", self.expert_swiglu_limit, "expected a positive limit or null")
-
-    def _check_pattern(self, name: str, letters: str) -> None:
-        pattern = getattr(self, name)
-        if not isinstance(pattern, str) or not pattern or set(pattern) - set(letters):
-            _fail(name, pattern, f"expected a non-empty string of {', '.join(letters)}")
-        if len(pattern) > self.n_layers:
-            _fail(name, pattern, f"is longer than n_layers={self.n_layers}")
+        for check in (_check_values, _check_widths, _check_positions, _check_attention, _check_scales, _check_mla,
+                      _check_moe):
+            check(self)
 
     # ----- derived sizes -------------------------------------------------------
 
@@ -561,6 +369,198 @@ MOE_FIELDS = ("n_experts", "experts_per_token", "expert_d_ff", "n_shared_experts
               "router_selection_bias", "router_groups", "router_topk_groups", "router_on_input", "moe_aux_per_sequence",
               "expert_bias", "expert_swiglu_limit", "expert_swiglu_alpha")
 NETWORK_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("network", True))
+
+
+# ----- the checks of a ModelConfig at construction (each names the field and the fix) -----
+
+
+def _check_values(cfg: ModelConfig) -> None:
+    """Sizes are positive integers, choices among their names, every field of its type."""
+    for name in ("vocab_size", "vocab_pad_to", "d_model", "n_layers", "n_heads", "max_position_embeddings"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            _fail(name, value, "expected a positive integer")
+    for name, choices in (
+        ("norm_type", NORM_TYPES),
+        ("norm_placement", PLACEMENTS),
+        ("ffn_type", FFN_TYPES),
+        ("router_score", ROUTER_SCORES),
+        ("activation", ACTIVATIONS),
+        ("position_embedding", POSITIONS),
+        ("rope_layout", ROPE_LAYOUTS),
+        ("attention_type", ATTENTION_TYPES),
+        ("qk_norm", QK_NORMS),
+        ("init", INITS),
+        ("dtype", DTYPES),
+        ("param_dtype", DTYPES),
+    ):
+        _check_choice(name, getattr(cfg, name), choices)
+    if not isinstance(cfg.rope_scaling, RopeScaling):
+        _fail("rope_scaling", cfg.rope_scaling, "expected a RopeScaling (a mapping in YAML)")
+    _check_types(cfg, "")
+
+def _check_widths(cfg: ModelConfig) -> None:
+    """Heads divide, widths and eps are positive, and the norm and FFN switches fit together."""
+    n_kv = cfg.num_kv_heads
+    if n_kv <= 0 or cfg.n_heads % n_kv:
+        _fail("n_kv_heads", cfg.n_kv_heads, f"must be a positive divisor of n_heads={cfg.n_heads}")
+    if cfg.head_dim is None and cfg.attention_type == "mha" and cfg.d_model % cfg.n_heads:
+        _fail("n_heads", cfg.n_heads, f"must divide d_model={cfg.d_model} unless head_dim is set")
+    if cfg.head_dim is not None and cfg.head_dim <= 0:
+        _fail("head_dim", cfg.head_dim, "expected a positive integer")
+    if cfg.d_ff is not None and cfg.d_ff <= 0:
+        _fail("d_ff", cfg.d_ff, "expected a positive integer or null (width rule)")
+    if cfg.ffn_multiple_of <= 0:
+        _fail("ffn_multiple_of", cfg.ffn_multiple_of, "expected a positive integer")
+    if cfg.norm_eps <= 0:
+        _fail("norm_eps", cfg.norm_eps, "expected a positive float")
+    if cfg.norm_bias and cfg.norm_type != "layernorm":
+        _fail("norm_bias", cfg.norm_bias, f"only layernorm has a bias, norm_type={cfg.norm_type!r}")
+    if cfg.ffn_type == "mlp" and cfg.activation in ("identity", "sigmoid"):
+        _fail("activation", cfg.activation, "a plain mlp needs relu, gelu, gelu_tanh or silu")
+    if cfg.fused_gate_up and cfg.ffn_type != "gated":
+        _fail("fused_gate_up", True, "only a gated FFN has gate and up projections")
+    if not cfg.parallel_shared_norm and cfg.norm_placement != "parallel":
+        _fail("parallel_shared_norm", False, "only applies to norm_placement='parallel'")
+
+def _check_positions(cfg: ModelConfig) -> None:
+    """RoPE: its fraction, base, pattern and scaling; sinusoidal positions need an even width."""
+    if not 0.0 < cfg.rope_fraction <= 1.0:
+        _fail("rope_fraction", cfg.rope_fraction, "expected a fraction in (0, 1]")
+    if cfg.rope_theta <= 0:
+        _fail("rope_theta", cfg.rope_theta, "expected a positive base")
+    uses_rope = cfg.position_embedding == "rope"
+    if uses_rope and cfg.attention_type == "mha" and cfg.rotary_dim % 2:
+        _fail(
+            "head_dim" if cfg.rope_fraction == 1.0 else "rope_fraction",
+            cfg.head_dim if cfg.rope_fraction == 1.0 else cfg.rope_fraction,
+            f"RoPE rotates pairs: the rotary dimension {cfg.rotary_dim} must be even",
+        )
+    if not uses_rope and cfg.rope_scaling.type != "none":
+        _fail("rope_scaling", cfg.rope_scaling.type, "rope_scaling needs position_embedding='rope'")
+    _check_pattern(cfg, "rope_pattern", "RN")
+    if "N" in cfg.rope_pattern and not uses_rope:
+        _fail("rope_pattern", cfg.rope_pattern, "NoPE layers ('N') need position_embedding='rope'")
+    if cfg.rope_local_theta is not None and "L" not in cfg.attention_pattern:
+        _fail("rope_local_theta", cfg.rope_local_theta, "applies to local layers; attention_pattern has no 'L'")
+    if cfg.position_embedding == "sinusoidal" and cfg.d_model % 2:
+        _fail("d_model", cfg.d_model, "sinusoidal positions need an even d_model")
+
+def _check_attention(cfg: ModelConfig) -> None:
+    """Layer patterns with their window or chunk, l2 qk-norm and temperature tuning."""
+    _check_pattern(cfg, "attention_pattern", "GLC")
+    if "L" in cfg.attention_pattern:
+        if cfg.sliding_window is None or cfg.sliding_window <= 0:
+            _fail("sliding_window", cfg.sliding_window, "local layers ('L') need a positive window")
+    elif cfg.sliding_window is not None:
+        _fail("sliding_window", cfg.sliding_window, "set attention_pattern to 'L' (all local) or a mix like 'LG'")
+    if "C" in cfg.attention_pattern:
+        if cfg.attention_chunk_size is None or cfg.attention_chunk_size <= 0:
+            _fail("attention_chunk_size", cfg.attention_chunk_size,
+                  "chunked layers ('C') need a positive chunk size")
+    elif cfg.attention_chunk_size is not None:
+        _fail("attention_chunk_size", cfg.attention_chunk_size,
+              "set attention_pattern to 'C' (all chunked) or a mix like 'CCCG'")
+    if cfg.qk_norm == "l2" and (cfg.position_embedding != "rope" or "R" not in cfg.rope_pattern):
+        _fail("qk_norm", cfg.qk_norm, "'l2' normalises the RoPE layers (Llama 4) and this model has none: "
+              "set position_embedding='rope' with an 'R' in rope_pattern, or use 'head'")
+    if cfg.attn_temperature_floor is not None:
+        if cfg.attn_temperature_floor <= 0:
+            _fail("attn_temperature_floor", cfg.attn_temperature_floor,
+                  "expected a positive number of positions, or null (no temperature tuning)")
+        if cfg.position_embedding != "none" and "N" not in cfg.rope_pattern:
+            _fail("attn_temperature_floor", cfg.attn_temperature_floor,
+                  "tunes the layers without positions, and this model has none: add an 'N' to rope_pattern "
+                  "(Llama 4: 'RRRN') or use position_embedding='none'")
+    if not (math.isfinite(cfg.attn_temperature_scale) and cfg.attn_temperature_scale > 0):
+        _fail("attn_temperature_scale", cfg.attn_temperature_scale, "expected a positive float")
+    if cfg.attn_temperature_floor is None and cfg.attn_temperature_scale != 0.1:
+        _fail("attn_temperature_scale", cfg.attn_temperature_scale,
+              "only applies with attn_temperature_floor set (temperature tuning is off)")
+
+def _check_scales(cfg: ModelConfig) -> None:
+    """Soft-caps, scales, dropout rates and the init std are in range."""
+    for name in ("attn_softcap", "final_softcap", "attn_scale"):
+        value = getattr(cfg, name)
+        if value is not None and not value > 0:
+            _fail(name, value, "expected a positive float or null")
+    for name in ("attn_dropout", "resid_dropout"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            _fail(name, getattr(cfg, name), "expected a rate in [0, 1)")
+    if cfg.init_std <= 0:
+        _fail("init_std", cfg.init_std, "expected a positive standard deviation")
+
+def _check_mla(cfg: ModelConfig) -> None:
+    """MLA's latent sizes and what it excludes; latent sizes need MLA."""
+    if cfg.attention_type == "mla":
+        if cfg.mla_kv_rank <= 0:
+            _fail("mla_kv_rank", cfg.mla_kv_rank, "MLA needs a positive latent size d_c")
+        if cfg.mla_q_rank < 0:
+            _fail("mla_q_rank", cfg.mla_q_rank, "expected 0 (full-rank q) or a positive rank")
+        for name in ("mla_rope_dim", "mla_nope_dim", "mla_v_dim"):
+            if getattr(cfg, name) <= 0:
+                _fail(name, getattr(cfg, name), "expected a positive integer")
+        if cfg.mla_rope_dim % 2:
+            _fail("mla_rope_dim", cfg.mla_rope_dim, "RoPE rotates pairs: must be even")
+        if cfg.position_embedding != "rope":
+            _fail("position_embedding", cfg.position_embedding, "MLA's decoupled key needs 'rope'")
+        if cfg.n_kv_heads not in (None, cfg.n_heads):
+            _fail("n_kv_heads", cfg.n_kv_heads, "MLA shares one latent across heads; leave n_kv_heads unset")
+        if cfg.qk_norm != "none":
+            _fail("qk_norm", cfg.qk_norm, "MLA normalises its latents instead; use 'none'")
+    elif cfg.mla_kv_rank or cfg.mla_q_rank:
+        _fail("mla_kv_rank" if cfg.mla_kv_rank else "mla_q_rank", cfg.mla_kv_rank or cfg.mla_q_rank,
+              "set attention_type='mla' to use a latent")
+
+def _check_moe(cfg: ModelConfig) -> None:
+    if cfg.ffn_type != "moe":
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        for name in MOE_FIELDS:
+            if getattr(cfg, name) != defaults[name]:
+                _fail(name, getattr(cfg, name), "applies to a mixture of experts: set ffn_type='moe'")
+        return
+    if cfg.activation in ("identity",):
+        _fail("activation", cfg.activation, "experts are gated FFNs: use silu, gelu, gelu_tanh, relu or sigmoid")
+    if cfg.fused_gate_up:
+        _fail("fused_gate_up", True, "a mixture of experts keeps gate and up apart; set fused_gate_up=false")
+    if cfg.n_experts < 2:
+        _fail("n_experts", cfg.n_experts, "a mixture of experts needs at least 2 routed experts")
+    if not 1 <= cfg.experts_per_token <= cfg.n_experts:
+        _fail("experts_per_token", cfg.experts_per_token, f"expected 1 .. n_experts={cfg.n_experts}")
+    for name in ("expert_d_ff", "shared_expert_d_ff"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            _fail(name, getattr(cfg, name), "expected a positive width or null")
+    if cfg.n_shared_experts < 0:
+        _fail("n_shared_experts", cfg.n_shared_experts, "expected 0 or more shared experts")
+    _check_pattern(cfg, "moe_pattern", "DE")
+    if not 0 <= cfg.moe_first_dense <= cfg.n_layers:
+        _fail("moe_first_dense", cfg.moe_first_dense, f"expected 0 .. n_layers={cfg.n_layers}")
+    if not any(spec.moe for spec in cfg.layer_specs()):
+        _fail("moe_pattern", cfg.moe_pattern, f"with moe_first_dense={cfg.moe_first_dense} no layer has experts")
+    if cfg.router_groups < 1 or cfg.n_experts % cfg.router_groups:
+        _fail("router_groups", cfg.router_groups, f"must divide n_experts={cfg.n_experts}")
+    if not 1 <= cfg.router_topk_groups <= cfg.router_groups:
+        _fail("router_topk_groups", cfg.router_topk_groups, f"expected 1 .. router_groups={cfg.router_groups}")
+    per_group = cfg.n_experts // cfg.router_groups
+    if cfg.router_groups > 1 and per_group < 2:
+        _fail("router_groups", cfg.router_groups, "each group is scored by its top 2: needs 2 experts or more")
+    if cfg.router_groups > 1 and cfg.router_topk_groups * per_group < cfg.experts_per_token:
+        _fail("router_topk_groups", cfg.router_topk_groups,
+              f"the kept groups hold {cfg.router_topk_groups * per_group} experts, fewer than "
+              f"experts_per_token={cfg.experts_per_token}")
+    if cfg.router_on_input and cfg.experts_per_token != 1:
+        _fail("router_on_input", True, "scaling the input works for one expert per token (experts_per_token=1)")
+    if not cfg.router_scale > 0:
+        _fail("router_scale", cfg.router_scale, "expected a positive scale")
+    if cfg.expert_swiglu_limit is not None and not cfg.expert_swiglu_limit > 0:
+        _fail("expert_swiglu_limit", cfg.expert_swiglu_limit, "expected a positive limit or null")
+
+def _check_pattern(cfg: ModelConfig, name: str, letters: str) -> None:
+    pattern = getattr(cfg, name)
+    if not isinstance(pattern, str) or not pattern or set(pattern) - set(letters):
+        _fail(name, pattern, f"expected a non-empty string of {', '.join(letters)}")
+    if len(pattern) > cfg.n_layers:
+        _fail(name, pattern, f"is longer than n_layers={cfg.n_layers}")
 
 
 def split_moved(model: dict, where: str = "") -> tuple[dict, dict[str, dict]]:

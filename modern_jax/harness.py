@@ -12,7 +12,7 @@ Tokens are made as lm_eval's `hf` backend makes them (a Hugging Face tokenizer w
 tokens, the continuation split off the encoded whole, left truncation to the model's
 `max_position_embeddings`), so the figures are those of `lm_eval --model hf` on the same weights.
 
-    lm = HarnessLM(Scorer(trainer, params, batch_size=32), tokenizer)
+    lm = HarnessLM(Scorer(trainer.states, params, batch_size=32, chunk=trainer.train_cfg.loss_vocab_chunk), tokenizer)
     results = evaluate_tasks(lm, ["sums_choice"], include_path="configs/harness", limit=8)
 
 Scoring: each request's input (its tokens but the last) is a segment of a packed row (positions
@@ -42,7 +42,7 @@ from lm_eval.api.model import TemplateLM
 
 from modern_jax.ops import vocab
 from modern_jax.training.loss import vocab_parts
-from modern_jax.training.placement import from_whole, rows_sharding
+from modern_jax.training.placement import batch_sharding, from_whole
 
 MIN_BUCKET = 16  # the shortest padded length
 MARKS = 16  # the most segments of a packed row scored by their last position's distribution
@@ -83,33 +83,31 @@ class Scorer:
     the summed log-probability of its last `n` tokens given the ones before, and whether each of
     them is the model's argmax."""
 
-    def __init__(self, trainer, params, batch_size: int, max_length: int | None = None):
-        from modern_jax.sharding.rules import split_size
-
-        self.trainer, self.batch_size = trainer, batch_size
-        self.max_length = max_length or trainer.model_cfg.max_position_embeddings
-        self.shards = shards = split_size("activation_batch", trainer.mesh, trainer.rules)
+    def __init__(self, states, params, batch_size: int, max_length: int | None = None, *, chunk: int):
+        self.states, self.programs, self.batch_size, self.chunk = states, states.programs, batch_size, chunk
+        self.max_length = max_length or states.model_cfg.max_position_embeddings
+        self.shards = shards = self.programs.data_shards
         if batch_size % shards:
             raise ValueError(f"--batch-size {batch_size} does not split over the mesh's {shards} data shards "
-                             f"({dict(trainer.mesh.shape)}): give a multiple of {shards}")
-        self.params_sharding = trainer.state_shardings["params"]
+                             f"({dict(self.programs.mesh.shape)}): give a multiple of {shards}")
+        self.params_sharding = states.shardings["params"]
         self.params = None if params is None else jax.device_put(  # None: set later (a training state's)
             jax.tree.map(np.asarray, params) if jax.process_count() > 1 else params, self.params_sharding)
         self.batches_run = 0
 
     @property
     def graphdef(self):
-        return self.trainer.graphdef
+        return self.states.graphdef
 
     def _score(self, params, batch):
         """`(logp [B, T], greedy [B, T], logp [B, k, C], greedy [B, k, C])` of a batch of packed rows
         `[1, B, ...]` (the placement's layout): each target's log-probability and whether it is the
         argmax; then, at each marked position (the last input of an input that several final tokens
         share), those of each candidate final token."""
-        model = self.trainer.model(params)
+        model = self.states.model(params)
         inputs_BT, targets_BT = batch["inputs"][0], batch["targets"][0]
         h_BTD, _ = model.hidden_states(inputs_BT, positions=batch["positions"][0], segment_ids=batch["segment_ids"][0])
-        parts = functools.partial(vocab_parts, chunk=self.trainer.cfg.loss_vocab_chunk)
+        parts = functools.partial(vocab_parts, chunk=self.chunk)
         head = model.head()
 
         def scored(h_BXD, targets_BX):  # each target's log-probability, and whether it is the argmax
@@ -127,7 +125,7 @@ class Scorer:
         """`max_new` tokens sampled after each left-padded prompt row (`generate.decode`)."""
         from modern_jax.generate import decode
 
-        return decode(self.trainer.model(params), prompt_BT, rng, max_new_tokens=max_new, temperature=temperature,
+        return decode(self.states.model(params), prompt_BT, rng, max_new_tokens=max_new, temperature=temperature,
                       top_k=top_k, top_p=top_p, eos_id=eos_id, length_B=length_B)
 
     def generate(self, prompts: list[list[int]], max_new: int, rng, *, temperature: float, top_k=None, top_p=None,
@@ -151,7 +149,7 @@ class Scorer:
         # a program per settings (closed over) and width (its argument shape), compiled once each
         name = "harness_decode_" + "_".join(f"{k}={v}" for k, v in settings.items())
         sample = functools.partial(self._decode, **settings)
-        rows_BT = rows_sharding(self.trainer.mesh, self.trainer.rules, 2, rows_axis=0)  # split as a batch's rows
+        rows_BT = self.programs.rows(2, rows_axis=0)  # split as a batch's rows
         n_batch = 0
         for width, members in groups.items():
             rows = even_rows(len(members), self.batch_size, self.shards)
@@ -160,9 +158,9 @@ class Scorer:
                 padded = chunk + [chunk[0]] * (rows - len(chunk))  # a short batch: copies of a row
                 prompt_BT, length_B = left_padded([prompts[i] for i in padded], width)
                 args = [from_whole(prompt_BT, rows_BT), from_whole(length_B, rows_BT)]
-                new_BT = np.asarray(jax.device_get(self.trainer.program(
+                new_BT = np.asarray(jax.device_get(self.programs.program(
                     name, sample, self.params, *args, jax.random.fold_in(rng, n_batch),
-                    out_shardings=self.trainer.replicated)))
+                    out_shardings=self.programs.replicated)))
                 n_batch += 1
                 self.batches_run += 1
                 for r, i in enumerate(chunk):
@@ -201,9 +199,9 @@ class Scorer:
         for start in range(0, len(packed), self.batch_size):
             arrays, placed = self._packed_batch(packed[start:start + self.batch_size], unique, finals, L, C)
             # one program, compiled once per row length and candidates; every process receives every row's figures
-            logp, greedy, cand_logp, cand_greedy = jax.device_get(self.trainer.program(
+            logp, greedy, cand_logp, cand_greedy = jax.device_get(self.programs.program(
                 "harness_score", self._score, self.params, self._on_mesh(arrays),
-                out_shardings=self.trainer.replicated))
+                out_shardings=self.programs.replicated))
             self.batches_run += 1
             for u, r, offset, mark in placed:
                 end = offset + len(unique[u])  # the position after the input's last
@@ -250,8 +248,8 @@ class Scorer:
 
     def _on_mesh(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """`[1, B, ...]` host arrays placed as a batch is (this process's rows from its own copy)."""
-        return {k: from_whole(v, self.trainer.batches.sharding if v.ndim == 3 else
-                              rows_sharding(self.trainer.mesh, self.trainer.rules, v.ndim))
+        return {k: from_whole(v, batch_sharding(self.programs.mesh, self.programs.rules) if v.ndim == 3 else
+                              self.programs.rows(v.ndim))
                 for k, v in arrays.items()}
 
 
@@ -479,7 +477,7 @@ class HarnessLM(TemplateLM):
     def get_model_info(self) -> dict:
         params = jax.tree.leaves(self.scorer.params)
         return {"model_num_parameters": int(sum(math.prod(p.shape) for p in params)),
-                "model_dtype": str(self.scorer.trainer.model_cfg.dtype)}
+                "model_dtype": str(self.scorer.states.model_cfg.dtype)}
 
 
 # ----- tasks and results ---------------------------------------------------------------
@@ -577,15 +575,15 @@ def evaluate_tasks(lm: HarnessLM, tasks: list[str], *, include_path: str | None 
 class Benchmarks:
     """train.harness_*: lm-eval's tasks on a training state's parameters. The tasks are checked
     and their data read when made (before the first step); each call scores them with the
-    trainer's mesh and programs (compiled once) and returns `{task/metric: value}`."""
+    run's programs (compiled once) and returns `{task/metric: value}`."""
 
-    def __init__(self, trainer, tokenizer, train_cfg):
+    def __init__(self, states, tokenizer, train_cfg):
         quiet_lm_eval()
         self.tasks, self.cfg, self.tokenizer = list(train_cfg.harness_tasks), train_cfg, tokenizer
         self.manager = task_manager(train_cfg.harness_include_path, "train.harness_include_path", self.tasks)
         check_tasks(self.manager, self.tasks, "train.harness_tasks", "train.harness_include_path")
         load_tasks(self.manager, self.tasks)
-        self.scorer = Scorer(trainer, None, train_cfg.eval_batch_size)
+        self.scorer = Scorer(states, None, train_cfg.eval_batch_size, chunk=train_cfg.loss_vocab_chunk)
 
     def __call__(self, params) -> dict[str, float]:
         self.scorer.params = params

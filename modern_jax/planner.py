@@ -48,7 +48,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     from modern_jax.kernels.backend import recording_kernels
     from modern_jax.sharding.mesh import make_mesh
     from modern_jax.sharding.devices import chip, topology_devices
-    from modern_jax.training.step import trainer_for
+    from modern_jax.training.trainer import trainer_for
 
     if topology is not None:
         devices = topology_devices(topology, slices)
@@ -60,10 +60,10 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     if topology is None and execution.attention_impl == "default":  # host devices stand in for accelerators:
         execution = execution.replace(attention_impl="chunked")  # O(T) attention, as the flash kernels are
     trainer = trainer_for(run, mesh, execution=execution)
-    state = trainer.abstract_state()
+    state = trainer.states.abstract()
     batch = trainer.batches.abstract(fields=trainer.objective.fields())
     with recording_kernels() as kernels:
-        lowered = trainer.lower("train", state, batch)
+        lowered = trainer.programs.lower("train", state, batch)
 
     def compile_memory(lowered=lowered) -> dict:
         try:
@@ -106,7 +106,7 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     resident = shard_bytes(state) - shard_bytes(state["params"])
     for name, (fn, args) in trainer.objective.programs(trainer, state["params"]).items():
         with recording_kernels():
-            program = trainer.lower_program(name, fn, *args)
+            program = trainer.programs.lower_program(name, fn, *args)
         counted = _cached(_program_key(program, mesh, {"memory": True}), lambda: compile_memory(program)) if topology \
             else compile_memory(program)
         if "temporaries" not in counted:
@@ -256,7 +256,7 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
     from modern_jax.sharding.devices import chip
 
     with declaring_costs(kernel_costs):
-        lowered = trainer.lower("train", trainer.abstract_state(),
+        lowered = trainer.programs.lower("train", trainer.states.abstract(),
                                 trainer.batches.abstract(fields=trainer.objective.fields()))
 
     def compile_():
@@ -284,7 +284,7 @@ def counting_cost(trainer, *, kernel_costs: bool = True) -> dict:
 def step_cost(run, mesh, *, kernel_costs: bool = True, layers=None) -> dict:
     """The compiler's cost of one training step of `run` on `mesh`, its loops counted: the counting
     programs' costs extrapolated to every stack's repeats (or, with `layers`, that program alone)."""
-    from modern_jax.training.step import trainer_for
+    from modern_jax.training.trainer import trainer_for
 
     execution = run.execution.replace(scan_layers=False)
 
@@ -323,7 +323,7 @@ def pipelined_cost(run, mesh, *, kernel_costs: bool = True) -> dict:
     import dataclasses
 
     from modern_jax.model import plan_stages
-    from modern_jax.training.step import trainer_for
+    from modern_jax.training.trainer import trainer_for
 
     S, M, R = mesh.shape["stage"], run.parallel.microbatches, run.parallel.stage_repeats
     stacks = plan_stages(run.model.layer_specs())

@@ -31,7 +31,8 @@ from modern_jax.execution import ExecutionConfig
 from modern_jax.accounting import flops_per_token, param_counts  # noqa: E402
 from modern_jax.config import model_config_from_file  # noqa: E402
 from modern_jax.sharding.mesh import make_mesh  # noqa: E402
-from modern_jax.training import TrainConfig, Trainer, load_run_config  # noqa: E402
+from modern_jax.data.config import DataConfig  # noqa: E402
+from modern_jax.training import RunConfig, TrainConfig, load_run_config, trainer_for  # noqa: E402
 
 
 def matmul_peak(dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -59,8 +60,9 @@ def synthetic_batch(cfg, batch: int, seq: int, seed: int = 0) -> dict:
 def bench(name: str, cfg, batch: int, seq: int, steps: int, peak: float, time_steps: bool = True,
           run: ExecutionConfig = ExecutionConfig()) -> dict:
     tc = TrainConfig(batch_size=batch, seq_len=seq, steps=1000, warmup_steps=10)
-    trainer = Trainer(cfg, tc, make_mesh(data=-1, devices=jax.devices()[:1]), execution=run)
-    state = trainer.init_state(0)
+    run_cfg = RunConfig(cfg.to_dict(), tc, DataConfig(), execution=run)
+    trainer = trainer_for(run_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
+    state = trainer.states.init(0)
     data = trainer.batches.put(synthetic_batch(cfg, batch, seq))
     compile_s = trainer.compile(state, data)
     row = {"name": name, "params": param_counts(cfg)["total"], "layers": cfg.n_layers, "scan": run.scan_layers,

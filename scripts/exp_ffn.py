@@ -33,7 +33,9 @@ from modern_jax.data.pipeline import TrainBatches
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
-from modern_jax.training.step import Trainer
+from modern_jax.data.config import DataConfig
+from modern_jax.training.config import RunConfig
+from modern_jax.training.trainer import trainer_for
 
 D = 128
 GATED_WIDTH = round(8 * D / 3)  # 341
@@ -53,10 +55,11 @@ def windows(steps: int) -> list[tuple[int, int]]:
 
 def train_losses(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int) -> np.ndarray:
     """The training loss of every step of one run."""
-    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]),
-                      execution=ExecutionConfig(scan_layers=False, remat="dots_no_batch"))
+    run_cfg = RunConfig(model_cfg.to_dict(), train_cfg, DataConfig(),
+                        execution=ExecutionConfig(scan_layers=False, remat="dots_no_batch"))
+    trainer = trainer_for(run_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
     source = TrainBatches(stream, train_cfg.seq_len, train_cfg.batch_size, seed=seed)
-    state = trainer.init_state(seed)
+    state = trainer.states.init(seed)
     losses = []
     for i in range(train_cfg.steps):
         state, metrics = trainer.train_step(state, trainer.batches.put(source[i]))

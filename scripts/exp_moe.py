@@ -35,7 +35,9 @@ from modern_jax.data.pipeline import TrainBatches
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
-from modern_jax.training.step import Trainer
+from modern_jax.data.config import DataConfig
+from modern_jax.training.config import RunConfig
+from modern_jax.training.trainer import trainer_for
 
 D, WIDTH, E, K = 128, 340, 8, 2
 MOE = dict(ffn_type="moe", n_experts=E, experts_per_token=K, expert_d_ff=WIDTH // K, router_score="sigmoid",
@@ -55,9 +57,10 @@ def windows(steps: int) -> list[tuple[int, int]]:
 
 def run(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Per step: the training loss, and the max load over the mean (mean over MoE layers; nan if dense)."""
-    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
+    run_cfg = RunConfig(model_cfg.to_dict(), train_cfg, DataConfig())
+    trainer = trainer_for(run_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
     source = TrainBatches(stream, train_cfg.seq_len, train_cfg.batch_size, seed=seed)
-    state = trainer.init_state(seed)
+    state = trainer.states.init(seed)
     losses, loads = [], []
     for i in range(train_cfg.steps):
         state, metrics = trainer.train_step(state, trainer.batches.put(source[i]))

@@ -40,7 +40,9 @@ from modern_jax.data.pipeline import TrainBatches
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig
-from modern_jax.training.step import Trainer
+from modern_jax.data.config import DataConfig
+from modern_jax.training.config import RunConfig
+from modern_jax.training.trainer import trainer_for
 
 LEARNING_RATES = [10 ** (-4 + k / 2) for k in range(7)]  # 1e-4 ... 1e-1
 VARIANTS = {"no QK-norm": "none", "QK-norm": "head"}
@@ -48,10 +50,10 @@ VARIANTS = {"no QK-norm": "none", "QK-norm": "head"}
 
 def run(model_cfg: ModelConfig, train_cfg: TrainConfig, stream, seed: int = 0) -> dict:
     """Train one run; its losses, final loss and the max |attention| / |output| logits."""
-    trainer = Trainer(model_cfg, train_cfg, make_mesh(data=-1, devices=jax.devices()[:1]),
-                      execution=ExecutionConfig(remat="dots_no_batch"))
+    run_cfg = RunConfig(model_cfg.to_dict(), train_cfg, DataConfig(), execution=ExecutionConfig(remat="dots_no_batch"))
+    trainer = trainer_for(run_cfg, make_mesh(data=-1, devices=jax.devices()[:1]))
     source = TrainBatches(stream, train_cfg.seq_len, train_cfg.batch_size, seed=seed)
-    state = trainer.init_state(seed)
+    state = trainer.states.init(seed)
     metrics = []
     for i in range(train_cfg.steps):
         state, step_metrics = trainer.train_step(state, trainer.batches.put(source[i]))

@@ -28,13 +28,31 @@ DEFAULT_LEVEL = {"xla_backend_optimization_level": 3}  # XLA's own default, for 
 def default_compiles():
     """The trainer's steps compiled at XLA's default optimisation level while inside, not at the
     suite's level 0."""
-    from modern_jax.training import step
+    from modern_jax.training import programs
 
-    before, step.COMPILER_OPTIONS = step.COMPILER_OPTIONS, DEFAULT_LEVEL
+    before, programs.COMPILER_OPTIONS = programs.COMPILER_OPTIONS, DEFAULT_LEVEL
     try:
         yield
     finally:
-        step.COMPILER_OPTIONS = before
+        programs.COMPILER_OPTIONS = before
+
+
+def make_trainer(model_cfg, train_cfg, mesh, rules=None, *, strategies=None, context_layout: str = "two_chunk",
+                 execution=None, lora=None, objective=None, optimizer: bool = True):
+    """A Trainer of these parts through `trainer_for` (the one way to build one): the run config
+    they make on `mesh` (`rules`: a whole rules table; `strategies`: a `sharding.Strategies`;
+    `lora`: a LoRAConfig; `objective`: an objective already made, else next-token)."""
+    from modern_jax.data.config import DataConfig
+    from modern_jax.execution import ExecutionConfig
+    from modern_jax.sharding import ParallelConfig, Strategies
+    from modern_jax.training import RunConfig, trainer_for
+
+    strategies = strategies or Strategies()
+    fields = {f.name: getattr(strategies, f.name) for f in dataclasses.fields(Strategies)}
+    parallel = ParallelConfig(stage=mesh.shape.get("stage", 1), rules=tuple(rules or ()),
+                              context_layout=context_layout, **fields)
+    run = RunConfig(model_cfg.to_dict(), train_cfg, DataConfig(), parallel, execution or ExecutionConfig(), lora=lora)
+    return trainer_for(run, mesh, objective=objective, optimizer=optimizer)
 
 
 PROBE = dict(lr=1e3, eps=1.0, weight_decay=0.0, clip_norm=None, warmup_steps=0, schedule="constant")
@@ -71,7 +89,7 @@ def probe(tc):
 def step_gradients(trainer, state, batch) -> tuple[dict, dict]:
     """`(gradient, metrics)` of one training step from `state` on `batch` (host arrays), read
     back from the update; the trainer's config must be `probe(...)`'d."""
-    cfg = trainer.cfg
+    cfg = trainer.train_cfg
     assert (cfg.eps, cfg.weight_decay, cfg.clip_norm) == (1.0, 0.0, None), "make the train config with probe()"
     before = jax.device_get(state["params"])
     new_state, metrics = trainer.train_step(state, trainer.batches.put(batch))
@@ -83,17 +101,15 @@ def step_gradients(trainer, state, batch) -> tuple[dict, dict]:
         return cfg.eps * d / (1.0 - np.abs(d))
 
     after = jax.device_get(new_state["params"])
-    model = trainer.model_params  # the model's layout (a run may hold its stacks for an interleaved pipeline)
+    model = trainer.states.model_params  # the model's layout (a run may hold its stacks for an interleaved pipeline)
     return jax.tree.map(gradient, model(before), model(after)), metrics
 
 
 def train_step_gradients(model_cfg, tc, mesh, batch, rules=None, seed: int = 0, **trainer) -> tuple[dict, dict]:
     """`step_gradients` of a fresh Trainer on `mesh` (initialised from `seed`); `trainer`: its
     `execution=` and `strategies=`."""
-    from modern_jax.training import Trainer
-
-    trainer = Trainer(model_cfg, probe(tc), mesh, **({} if rules is None else {"rules": rules}), **trainer)
-    return step_gradients(trainer, trainer.init_state(seed), batch)
+    trainer = make_trainer(model_cfg, probe(tc), mesh, rules, **trainer)
+    return step_gradients(trainer, trainer.states.init(seed), batch)
 
 
 def assert_step_matches_one_device(model_cfg, tc, mesh, batch, *, rules=None, rtol: float = 1e-4,

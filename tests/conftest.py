@@ -76,8 +76,8 @@ def _fresh_compilations():
     """Each test file starts without the previous files' compiled programs: the suite's memory
     stays that of one file, not of all of them."""
     yield
-    from modern_jax.training import step
+    from modern_jax.training import programs
 
-    step._EXECUTABLES.clear()
+    programs._EXECUTABLES.clear()
     jax.clear_caches()
     gc.collect()

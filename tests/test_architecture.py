@@ -367,3 +367,86 @@ def test_the_model_knows_nothing_of_fine_tuning():
         found += [f"{rel}:{line}: {token}" for line, token in _names_in(path)
                   if re.fullmatch(r"(?i)(lora\w*|\w*adapter\w*|adapt)", token)]
     assert not found, "\n".join(found)
+
+
+# STYLE.md 17: one job a part, one screen a function
+MAX_METHODS, MAX_ARGUMENTS, MAX_LINES = 20, 8, 80
+
+
+def size_problems(rel: str, source: str) -> list[str]:
+    """What is too big in one module: a class of over `MAX_METHODS` methods, a constructor of over
+    `MAX_ARGUMENTS` arguments (self aside), a function of over `MAX_LINES` lines (def to last line;
+    a kernel's aside: `kernels/`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if len(methods) > MAX_METHODS:
+                found.append(f"{rel}: class {node.name} has {len(methods)} methods (at most {MAX_METHODS})")
+            init = next((n for n in methods if n.name == "__init__"), None)
+            if init is not None:
+                a = init.args
+                count = len(a.posonlyargs) + len(a.args) - 1 + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+                if count > MAX_ARGUMENTS:
+                    found.append(f"{rel}: {node.name}.__init__ takes {count} arguments (at most {MAX_ARGUMENTS})")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not rel.startswith("kernels/"):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_LINES:
+                found.append(f"{rel}:{node.lineno}: {node.name} is {lines} lines (at most {MAX_LINES})")
+    return found
+
+
+@pytest.mark.quick
+def test_no_class_function_or_constructor_is_too_big():
+    """No class over 20 methods or 8 constructor arguments, no function over 80 lines outside the kernels."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += size_problems(path.relative_to(PACKAGE).as_posix(), path.read_text())
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.quick
+def test_the_size_check_counts_methods_arguments_and_lines():
+    body = "\n".join(f"    def m{i}(self):\n        pass" for i in range(21))
+    long = "def f():\n" + "    x = 1\n" * 80
+    source = f"class Wide:\n{body}\n\n\nclass Many:\n    def __init__(self, a, b, c, d, e, f, g, *, h, i):\n" \
+             f"        pass\n\n\n{long}"
+    assert size_problems("training/x.py", source) == [
+        "training/x.py: class Wide has 21 methods (at most 20)",
+        "training/x.py: Many.__init__ takes 9 arguments (at most 8)",
+        "training/x.py:51: f is 81 lines (at most 80)"]
+    assert size_problems("kernels/x.py", long) == []
+    assert size_problems("training/x.py", long.replace("    x = 1\n", "", 1)) == []
+
+
+@pytest.mark.quick
+def test_converters_and_trainers_are_built_in_one_place():
+    """Only `training/converters.py` reads a run's `lora:` section (`run.lora`): the Trainer, the
+    loop and the checkpoints ask the converter (`converter_of(run)`); a Trainer is built by
+    `trainer_for` alone, in the package, the scripts and the tests (whose one helper,
+    `common.make_trainer`, calls it)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        text = path.read_text()
+        if rel != "training/converters.py":
+            found += [f"modern_jax/{rel}:{i}: reads run.lora" for i, line in enumerate(text.splitlines(), 1)
+                      if re.search(r"\brun\.lora\b", line)]
+    for path in sorted([*PACKAGE.rglob("*.py"), *TESTS.glob("*.py"), *(TESTS.parent / "scripts").glob("*.py")]):
+        rel = path.relative_to(TESTS.parent).as_posix()
+        if rel == "modern_jax/training/trainer.py":
+            continue
+        found += [f"{rel}:{line}: builds a Trainer by hand" for line, token, nxt in _calls(path)
+                  if token == "Trainer" and nxt == "("]
+    assert not found, "\n".join(found)
+
+
+def _calls(path: pathlib.Path):
+    """`(line, name, next token)` of every name token of a module (strings and comments left out)."""
+    import tokenize
+
+    with path.open("rb") as f:
+        tokens = [t for t in tokenize.tokenize(f.readline) if t.type in (tokenize.NAME, tokenize.OP)]
+    for token, nxt in zip(tokens, tokens[1:]):
+        if token.type == tokenize.NAME:
+            yield token.start[0], token.string, nxt.string

@@ -15,7 +15,7 @@ from modern_jax.sharding import devices
 from modern_jax.kernels import AttentionSpec, Visibility, add_norm, attention, gpu_compile, pallas_interpret
 from modern_jax.kernels.flash_gpu import GpuBlocks, flash_attention_gpu
 from modern_jax.training.config import TrainConfig
-from modern_jax.training.step import Trainer
+from common import make_trainer
 
 from common import one_device
 
@@ -79,9 +79,9 @@ def test_norm_compiles_for_sm90a():
 def test_training_step_compiles_for_sm90a():
     """Lowered for cuda from the CPU mesh: the dispatch picks the Triton kernels, and each compiles."""
     cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512)  # kernels: default
-    trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=256), one_device())
+    trainer = make_trainer(cfg, TrainConfig(batch_size=4, seq_len=256), one_device())
     with pallas_interpret(False):
-        lowered = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract(), platform="cuda")
+        lowered = trainer.programs.lower("train", trainer.states.abstract(), trainer.batches.abstract(), platform="cuda")
     calls = gpu_compile.triton_kernels(lowered)
     # the layers are scanned, so each call site lowers once: attention, and three norms (before
     # attention, before the MLP, the final one), each forward and backward

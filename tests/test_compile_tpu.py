@@ -28,7 +28,7 @@ from modern_jax.sharding.devices import CHIPS, chip, topology_devices
 from modern_jax.planner import plan
 from modern_jax.sharding import Strategies
 from modern_jax.training.config import RunConfig, TrainConfig
-from modern_jax.training.step import Trainer
+from common import make_trainer
 
 GiB = 1024**3
 TINY = dict(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512, head_dim=128,
@@ -162,11 +162,11 @@ def test_moe_step_compiles_for_tpu_with_megablox_and_the_ragged_exchange():
     """The dropless exchange XLA:CPU lacks: forward and backward compile for TPU chips."""
     moe = dict(TINY, ffn_type="moe", n_experts=4, experts_per_token=2, expert_d_ff=256)
     devices = topology_devices("v5e:2x2")
-    trainer = Trainer(ModelConfig.from_dict(moe), TrainConfig(batch_size=4, seq_len=128),
+    trainer = make_trainer(ModelConfig.from_dict(moe), TrainConfig(batch_size=4, seq_len=128),
                       make_mesh(data=2, expert=2, devices=devices), execution=ExecutionConfig(attention_impl="reference"),
                       strategies=Strategies(moe_exchange="ragged_all_to_all"))
     with recording_kernels() as seen:
-        lowered = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract())
+        lowered = trainer.programs.lower("train", trainer.states.abstract(), trainer.batches.abstract())
     assert seen["moe_grouped"] == {"megablox"} and seen["attention"] == {"reference"}
     # the scanned layer: rows, expert ids and outputs forward; the rows' and outputs' transposes backward
     assert lowered.as_text().count("ragged_all_to_all") == 3 + 2

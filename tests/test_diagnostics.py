@@ -19,10 +19,10 @@ from modern_jax import execution
 from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
+from modern_jax.training import TrainConfig, run_config_from_dict, train
 from modern_jax.model import abstract_params
 
-from common import one_device
+from common import make_trainer, one_device
 
 
 def packed_batch(A, B, T, V, seed=0):
@@ -91,8 +91,8 @@ def test_train_step_reports_the_max_attention_logit_of_its_own_forward(name, mon
     cfg = ModelConfig(vocab_size=48, d_model=32, d_ff=64, max_position_embeddings=32, init_std=0.3, **overrides)
     tc = TrainConfig(batch_size=4, seq_len=16, grad_accum=accum, warmup_steps=0)
     batch = packed_batch(accum, 4 // accum, 16, 48)
-    trainer = Trainer(cfg, tc, one_device(), execution=run)
-    state = trainer.init_state(0)
+    trainer = make_trainer(cfg, tc, one_device(), execution=run)
+    state = trainer.states.init(0)
     params = jax.device_get(state["params"])  # the step donates the state
     _, metrics = trainer.train_step(state, trainer.batches.put(batch))
     want, calls = reference_max_logit(cfg, params, batch, monkeypatch)
@@ -101,9 +101,9 @@ def test_train_step_reports_the_max_attention_logit_of_its_own_forward(name, mon
         assert want > cfg.attn_softcap  # so the max is of the logits before the soft-cap (after it, all < cap)
     np.testing.assert_allclose(float(metrics["max_attention_logit"]), want, rtol=1e-4)
 
-    trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=16, grad_accum=accum, warmup_steps=0,
+    trainer = make_trainer(cfg, TrainConfig(batch_size=4, seq_len=16, grad_accum=accum, warmup_steps=0,
                                        diagnostics=False), one_device(), execution=run)
-    _, quiet = trainer.train_step(trainer.init_state(0), trainer.batches.put(batch))
+    _, quiet = trainer.train_step(trainer.states.init(0), trainer.batches.put(batch))
     assert "max_attention_logit" not in quiet
     np.testing.assert_allclose(float(quiet["loss"]), float(metrics["loss"]), rtol=1e-6)
 
@@ -117,8 +117,8 @@ def test_max_attention_logit_on_a_mesh_equals_one_device():
     batch = packed_batch(1, 8, 16, 48, seed=1)
     values = []
     for mesh in (one_device(), make_mesh(2, 2, 2)):
-        trainer = Trainer(cfg, tc, mesh, execution=ExecutionConfig(attention_impl="chunked"))
-        _, metrics = trainer.train_step(trainer.init_state(0), trainer.batches.put(batch))
+        trainer = make_trainer(cfg, tc, mesh, execution=ExecutionConfig(attention_impl="chunked"))
+        _, metrics = trainer.train_step(trainer.states.init(0), trainer.batches.put(batch))
         values.append(float(metrics["max_attention_logit"]))
     np.testing.assert_allclose(values[1], values[0], rtol=1e-5)
 
@@ -147,12 +147,12 @@ def test_the_loop_logs_the_max_over_its_interval(tmp_path):
 def train_step_temp_bytes(diagnostics: bool, T: int = 4096) -> int:
     """XLA's temporary bytes of the compiled train step (compiled from abstract arrays, not run)."""
     cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_position_embeddings=T)
-    trainer = Trainer(cfg, TrainConfig(batch_size=1, seq_len=T, warmup_steps=0, diagnostics=diagnostics),
+    trainer = make_trainer(cfg, TrainConfig(batch_size=1, seq_len=T, warmup_steps=0, diagnostics=diagnostics),
                       one_device(), execution=ExecutionConfig(attention_impl="chunked"))
     batch = {name: jax.ShapeDtypeStruct((1, 1, T), dtype, sharding=trainer.batches.sharding)
              for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("positions", jnp.int32),
                                  ("segment_ids", jnp.int32), ("weights", jnp.float32))}
-    compiled = trainer.lower("train", trainer.abstract_state(), batch).compile()
+    compiled = trainer.programs.lower("train", trainer.states.abstract(), batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -29,12 +29,12 @@ from modern_jax.config import ModelConfig
 from modern_jax.convert import from_hf
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
 from modern_jax.lora import LoRAConfig
-from modern_jax.training import TrainConfig, Trainer
+from modern_jax.training import TrainConfig
 from modern_jax.training.config import run_config_from_dict
-from modern_jax.training.converters import LoRA, converter_of
+
 from modern_jax.training.objectives.dpo import DPO, DPOConfig
 
-from common import one_device
+from common import make_trainer, one_device
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_peft" / "llama"
 TINY = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=128,
@@ -79,10 +79,10 @@ def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, 
     rows = batch["inputs"].shape[1]
     tc = TrainConfig(batch_size=rows, eval_batch_size=rows, seq_len=batch["inputs"].shape[2], warmup_steps=0)
     dpo = DPOConfig(beta=float(want["beta"]), loss_type=loss_type, label_smoothing=smoothing)
-    trainer = Trainer(cfg, tc, one_device(), converter=LoRA(lora), objective=DPO(dpo, tc))
-    params = traversals.flatten_mapping(jax.device_get(trainer.init_state(0)["params"]))
+    trainer = make_trainer(cfg, tc, one_device(), lora=lora, objective=DPO(dpo, tc))
+    params = traversals.flatten_mapping(jax.device_get(trainer.states.init(0)["params"]))
     params.update(traversals.flatten_mapping(jax.device_get(nnx.to_pure_dict(nnx.state(base, nnx.Param)))))
-    params.update(traversals.flatten_mapping(read_peft(adapter, trainer.model(trainer.init_state(0)["params"]),
+    params.update(traversals.flatten_mapping(read_peft(adapter, trainer.states.model(trainer.states.init(0)["params"]),
                                                        "llama")))
     params = traversals.unflatten_mapping(params)
     sums = jax.device_get(trainer.eval_step(params, trainer.batches.put(batch), None))
@@ -94,8 +94,8 @@ def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, 
 
 
 def step_metrics(cfg, tc, lora, dpo, batch, seed: int = 0):
-    trainer = Trainer(cfg, tc, one_device(), converter=converter_of(lora), objective=DPO(dpo, tc))
-    state = trainer.init_state(seed)
+    trainer = make_trainer(cfg, tc, one_device(), lora=lora, objective=DPO(dpo, tc))
+    state = trainer.states.init(seed)
     before = jax.device_get(state)
     state, metrics = trainer.train_step(state, trainer.batches.put(batch))
     return trainer, before, jax.device_get(state), jax.device_get(metrics)
@@ -155,8 +155,8 @@ def test_lora_dpo_on_a_mesh_equals_one_device():
     batch = random_pairs(4, 8, 64)
     results = {}
     for name, mesh in (("one", one_device()), ("many", make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4]))):
-        trainer = Trainer(TINY, tc, mesh, converter=LoRA(LoRAConfig(rank=4)), objective=DPO(DPOConfig(beta=0.5), tc))
-        state = trainer.init_state(0)
+        trainer = make_trainer(TINY, tc, mesh, lora=LoRAConfig(rank=4), objective=DPO(DPOConfig(beta=0.5), tc))
+        state = trainer.states.init(0)
         params = traversals.flatten_mapping(jax.device_get(state["params"]))
         for i, k in enumerate(sorted(k for k in params if k[-1] == "lora_b")):
             params[k] = 0.1 * np.random.default_rng(i).standard_normal(params[k].shape).astype(np.float32)

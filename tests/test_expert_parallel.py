@@ -18,10 +18,10 @@ from modern_jax.layers.moe import MoE
 from modern_jax.model import Transformer
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.sharding import Strategies, check_mesh, logical_rules, state_shardings
-from modern_jax.training import TrainConfig, Trainer, load_run_config, train
+from modern_jax.training import TrainConfig, load_run_config, train
 from modern_jax.training.checkpoint import Checkpointer
 
-from common import assert_step_matches_one_device, one_device, token_batch
+from common import assert_step_matches_one_device, make_trainer, one_device, token_batch
 
 REPO = pathlib.Path(__file__).parent.parent
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, ffn_type="moe",
@@ -166,19 +166,19 @@ def test_the_ragged_exchange_is_refused_on_cpu():
 
 def test_a_checkpoint_saved_on_expert4_restores_on_expert2_and_one_device(tmp_path):
     tc = TrainConfig(batch_size=8, seq_len=16, warmup_steps=0, lr=1e-2)
-    trainer = Trainer(CFG, tc, make_mesh(data=2, expert=4))
-    state, _ = trainer.train_step(trainer.init_state(0), trainer.batches.put(batch()))
+    trainer = make_trainer(CFG, tc, make_mesh(data=2, expert=4))
+    state, _ = trainer.train_step(trainer.states.init(0), trainer.batches.put(batch()))
     checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
     checkpointer.save(state, {"step": 1})
     checkpointer.close()
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (8, 12)), jnp.int32)
     logits = []
     for sizes in (dict(data=2, expert=4), dict(data=4, expert=2), dict(devices=jax.devices()[:1])):
-        other = Trainer(CFG, tc, make_mesh(**sizes))
+        other = make_trainer(CFG, tc, make_mesh(**sizes))
         checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
-        restored, _ = checkpointer.restore(other.abstract_state(), 1)
+        restored, _ = checkpointer.restore(other.states.abstract(), 1)
         checkpointer.close()
-        model = other.model(restored["params"])
+        model = other.states.model(restored["params"])
         with logical_rules(other.mesh):
             logits.append(np.asarray(jax.jit(lambda m, t: m(t))(model, tokens)))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-6, rtol=1e-6)

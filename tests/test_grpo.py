@@ -27,12 +27,11 @@ from modern_jax.config import ModelConfig
 from modern_jax.convert import from_hf
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
 from modern_jax.model import Transformer
-from modern_jax.training import TrainConfig, Trainer
-from modern_jax.training.converters import LoRA
+from modern_jax.training import TrainConfig
 from modern_jax.training.loss import token_logps
 from modern_jax.training.objectives.grpo import GRPO, GRPOConfig
 
-from common import one_device
+from common import make_trainer, one_device
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_peft" / "llama"
 SETTINGS = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "scale_batch", "scale_none", "mask_truncated",
@@ -91,12 +90,12 @@ def lora_trainer(config: GRPOConfig, seq_len: int = 12, mesh=None, strategies=No
     adapter = FIXTURE / "adapter"
     lora = dataclasses.replace(read_peft_config(adapter), targets=peft_targets(adapter, base, "llama"))
     tc = TrainConfig(batch_size=8, eval_batch_size=8, seq_len=seq_len, warmup_steps=0, lr=1e-3)
-    trainer = Trainer(cfg, probe(tc) if probed else tc, mesh or one_device(), converter=LoRA(lora),
+    trainer = make_trainer(cfg, probe(tc) if probed else tc, mesh or one_device(), lora=lora,
                       objective=GRPO(config, tc), strategies=strategies)
-    state = trainer.init_state(0)
+    state = trainer.states.init(0)
     params = traversals.flatten_mapping(jax.device_get(state["params"]))
     params.update(traversals.flatten_mapping(jax.device_get(nnx.to_pure_dict(nnx.state(base, nnx.Param)))))
-    params.update(traversals.flatten_mapping(read_peft(adapter, trainer.model(state["params"]), "llama")))
+    params.update(traversals.flatten_mapping(read_peft(adapter, trainer.states.model(state["params"]), "llama")))
     params = traversals.unflatten_mapping(params)
     return trainer, dict(state, params=jax.tree.map(lambda x, like: jax.device_put(np.asarray(x), like.sharding),
                                                     params, state["params"]))
@@ -133,7 +132,7 @@ def assert_equals_trl(name: str, reward_file, directory: pathlib.Path = FIXTURE 
     metrics = jax.device_get(metrics)
     np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=1e-5, atol=1e-7)
     theirs = {k: v for k, v in json.loads(str(want["metrics"])).items() if k != "num_tokens"}
-    assert set(theirs) <= set(trainer.objective.named), sorted(set(theirs) - set(trainer.objective.named))
+    assert set(theirs) <= set(trainer.objective.metric_names), sorted(set(theirs) - set(trainer.objective.metric_names))
     for key, value in theirs.items():
         np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
 
@@ -188,7 +187,7 @@ def test_per_token_log_probabilities_and_entropy_equal_trl_and_a_naive_softmax(r
     TRL's per-token log-probabilities and entropies and a whole-vocabulary log-softmax."""
     config, batch, want = setting("grpo", reward_file)
     trainer, state = lora_trainer(config)
-    model = trainer.model(state["params"])
+    model = trainer.states.model(state["params"])
     rows = {k: jnp.asarray(v[0]) for k, v in batch.items()}
     logps, entropy, _ = token_logps(model, rows, chunk=48, temperature=config.temperature, entropy=True)
     logits = model(rows["inputs"], positions=rows["positions"], segment_ids=rows["segment_ids"]) / config.temperature
@@ -245,8 +244,8 @@ def test_a_lora_grpo_run_starts_at_kl_0_compiles_its_rollouts_once_and_resumes_e
     first = whole.history[0]
     assert first["kl"] == 0.0 and first["clip_ratio/region_mean"] == 0.0
     assert whole.history[1]["kl"] > 0  # the adapters moved
-    rollouts = {k: v for k, v in made[0].compilations.items() if k.startswith("grpo_rollout")}
-    assert sum(rollouts.values()) == 2 and made[0].compilations["train"] == 1, made[0].compilations
+    rollouts = {k: v for k, v in made[0].programs.compilations.items() if k.startswith("grpo_rollout")}
+    assert sum(rollouts.values()) == 2 and made[0].programs.compilations["train"] == 1, made[0].programs.compilations
     run, init = grpo_run(tmp_path, "parts", *overrides)
     part = loop.train(run, init=init, stop_after=2)
     assert part.interrupted and part.step == 2
@@ -261,7 +260,7 @@ def test_a_lora_grpo_run_starts_at_kl_0_compiles_its_rollouts_once_and_resumes_e
 
 
 def step_trainer(*args, **kwargs):
-    from modern_jax.training.step import trainer_for
+    from modern_jax.training.trainer import trainer_for
 
     return trainer_for(*args, **kwargs)
 
@@ -288,7 +287,7 @@ def test_full_weight_grpo_keeps_a_frozen_reference_and_refuses_what_it_cannot_ru
             run_config_from_dict({**base, **change})
     run = run_config_from_dict({**base, "grpo": {**base["grpo"], "beta": 0.1}})
     trainer = step_trainer(run, one_device())
-    assert "reference" in trainer.abstract_state()  # full weights: a frozen copy of the start
+    assert "reference" in trainer.states.abstract()  # full weights: a frozen copy of the start
 
 
 def test_reward_functions_are_named_and_checked(tmp_path, monkeypatch):

@@ -26,10 +26,10 @@ from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config, w
 from modern_jax.lora import LoRAConfig
 from modern_jax.model import Transformer, abstract_params
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.training import TrainConfig, Trainer
+from modern_jax.training import TrainConfig
 from modern_jax.training.converters import LoRA
 
-from common import assert_leaves_match, lora_model, one_device, probe, step_gradients, token_batch
+from common import assert_leaves_match, lora_model, make_trainer, one_device, probe, step_gradients, token_batch
 
 REPO = pathlib.Path(__file__).parent.parent
 PEFT = REPO / "tests" / "fixtures" / "hf_peft"
@@ -99,8 +99,8 @@ def test_adapters_start_at_the_base_and_act_as_w_plus_scaled_ba(cfg):
 def test_a_lora_step_moves_only_the_adapters_and_keeps_no_optimiser_state_for_the_base():
     lora = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
     tc = TrainConfig(batch_size=2, seq_len=8, steps=2, warmup_steps=0, lr=1e-2, weight_decay=0.0)
-    trainer = Trainer(TINY, tc, one_device(), converter=LoRA(lora))
-    state = trainer.init_state(0)
+    trainer = make_trainer(TINY, tc, one_device(), lora=lora)
+    state = trainer.states.init(0)
     adapters = {k: v for k, v in flat(state["params"]).items() if "adapter" in k}
     assert {k[-3] for k in adapters} == {"q_proj", "v_proj"} and len(adapters) == 4
     n_adapter = sum(v.size for v in adapters.values())
@@ -121,8 +121,8 @@ def test_lora_on_a_mesh_equals_one_device():
     batch = token_batch(1, 4, 8, 64)
     grads = {}
     for name, mesh in (("one", one_device()), ("many", make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4]))):
-        trainer = Trainer(TINY, tc, mesh, converter=LoRA(lora))
-        state = trainer.init_state(0)
+        trainer = make_trainer(TINY, tc, mesh, lora=lora)
+        state = trainer.states.init(0)
         params = flat(state["params"])
         for i, k in enumerate(sorted(k for k in params if k[-1] == "lora_b")):
             params[k] = 0.1 * np.random.default_rng(i).standard_normal(params[k].shape).astype(np.float32)
@@ -186,8 +186,8 @@ def test_a_quantized_base_stays_near_the_float_base_and_trains_its_adapters(kind
                       {"codes": np.uint8, "absmax_q": np.int8, "absmax_scale": np.float32,
                        "absmax_mean": np.float32})
     tc = TrainConfig(batch_size=2, seq_len=8, steps=3, warmup_steps=0, lr=1e-2)
-    trainer = Trainer(cfg, tc, one_device(), converter=LoRA(LoRAConfig(quantize=kind)))
-    state, batch = trainer.init_state(0), trainer.batches.put(token_batch(1, 2, 8, 64))
+    trainer = make_trainer(cfg, tc, one_device(), lora=LoRAConfig(quantize=kind))
+    state, batch = trainer.states.init(0), trainer.batches.put(token_batch(1, 2, 8, 64))
     losses = []
     for _ in range(3):
         state, metrics = trainer.train_step(state, batch)

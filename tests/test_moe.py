@@ -25,10 +25,10 @@ from modern_jax.kernels.grouped import grouped_matmul
 from modern_jax.layers.moe import MoE, balance_loss, route
 from modern_jax.model import Transformer
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
+from modern_jax.training import TrainConfig, run_config_from_dict, train
 from modern_jax.training.checkpoint import load_params
 
-from common import assert_step_matches_one_device, token_batch
+from common import assert_step_matches_one_device, make_trainer, token_batch
 
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -293,11 +293,11 @@ def test_auxiliary_loss_free_balancing_moves_only_the_selection_bias():
     rate = 0.01
     states = {}
     for name, r in (("frozen", 0.0), ("balanced", rate)):
-        trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=16, warmup_steps=0, weight_decay=0.5,
+        trainer = make_trainer(cfg, TrainConfig(batch_size=4, seq_len=16, warmup_steps=0, weight_decay=0.5,
                                            moe_bias_update_rate=r), mesh)
-        state = trainer.init_state(0)
+        state = trainer.states.init(0)
         before = jax.device_get(state["params"])
-        model = trainer.model(before)
+        model = trainer.states.model(before)
         _, sown = nnx.capture(lambda m: m(jnp.asarray(batch["inputs"][0])), nnx.Intermediate)(model)
         loads = np.asarray([v.get_value()[0] for p, v in nnx.to_flat_state(sown) if "moe_load" in map(str, p)][0])
         after, metrics = trainer.train_step(state, trainer.batches.put(batch))

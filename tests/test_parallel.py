@@ -15,7 +15,7 @@ from modern_jax.model import Transformer
 from modern_jax.sharding import create_sharded, make_mesh, parse_mesh
 from modern_jax.sharding import check_mesh, logical_rules, state_shardings
 
-from common import assert_leaves_match, assert_step_matches_one_device, default_compiles, token_batch
+from common import assert_leaves_match, assert_step_matches_one_device, default_compiles, make_trainer, token_batch
 
 CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=128, qk_norm="head",
                   attention_sinks=True, sliding_window=6, attention_pattern="LG")
@@ -268,12 +268,12 @@ def test_fsdp_gathers_each_layer_inside_the_scan():
     """FSDP over 8 devices with scanned layers: every layer weight is all-gathered inside the
     forward and backward scan bodies, one layer at a time; outside them nothing with the stacked
     `layers` dimension is gathered (the whole model is never resident on one device)."""
-    from modern_jax.training import TrainConfig, Trainer
+    from modern_jax.training import TrainConfig
 
     cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, n_heads=4, d_ff=192)  # scanned (the default)
-    trainer = Trainer(cfg, TrainConfig(batch_size=8, seq_len=16, steps=10, warmup_steps=1), make_mesh(fsdp=8))
+    trainer = make_trainer(cfg, TrainConfig(batch_size=8, seq_len=16, steps=10, warmup_steps=1), make_mesh(fsdp=8))
     batch = trainer.batches.put(token_batch(1, 8, 16, 128))
-    hlo = trainer.lower("train", trainer.abstract_state(), batch).compile().as_text()
+    hlo = trainer.programs.lower("train", trainer.states.abstract(), batch).compile().as_text()
     computation, gathers = None, []
     for line in hlo.splitlines():
         if line.startswith(("%", "ENTRY")):

@@ -15,9 +15,9 @@ from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.sharding import ParallelConfig, Strategies
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.training import TrainConfig, Trainer, load_run_config, train
+from modern_jax.training import TrainConfig, load_run_config, train
 
-from common import assert_step_matches_one_device, one_device, token_batch
+from common import assert_step_matches_one_device, make_trainer, one_device, token_batch
 
 REPO = pathlib.Path(__file__).parent.parent
 DENSE = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=64, qk_norm="head",
@@ -68,7 +68,6 @@ def test_lora_dpo_with_gradient_accumulation_under_1f1b_equals_one_device():
 
     from common import assert_leaves_match, probe, step_gradients
     from modern_jax.lora import LoRAConfig
-    from modern_jax.training.converters import LoRA
     from modern_jax.training.objectives.dpo import DPO, DPOConfig
     from test_dpo import random_pairs
 
@@ -78,9 +77,9 @@ def test_lora_dpo_with_gradient_accumulation_under_1f1b_equals_one_device():
     for name, mesh, strategies in (("one", one_device(), Strategies()),
                                    ("many", make_mesh(stage=2, fsdp=2, tensor=2),
                                     Strategies(microbatches=2, pipeline_schedule="1f1b"))):
-        trainer = Trainer(DENSE.replace(n_layers=2), tc, mesh, strategies=strategies,
-                          converter=LoRA(LoRAConfig(rank=4)), objective=DPO(DPOConfig(beta=0.5), tc))
-        state = trainer.init_state(0)
+        trainer = make_trainer(DENSE.replace(n_layers=2), tc, mesh, strategies=strategies,
+                          lora=LoRAConfig(rank=4), objective=DPO(DPOConfig(beta=0.5), tc))
+        state = trainer.states.init(0)
         params = traversals.flatten_mapping(jax.device_get(state["params"]))
         for i, k in enumerate(sorted(k for k in params if k[-1] == "lora_b")):  # B moved: not the reference
             params[k] = 0.1 * np.random.default_rng(i).standard_normal(params[k].shape).astype(np.float32)
@@ -98,8 +97,8 @@ def test_lora_dpo_with_gradient_accumulation_under_1f1b_equals_one_device():
 
 def test_each_stage_holds_its_own_layers():
     """With stage=4 each device holds 2 of the 8 layers (the `layers` rule), in order."""
-    trainer = Trainer(DENSE, TC, make_mesh(stage=4, data=2), strategies=Strategies(microbatches=2))
-    kernel = trainer.init_state(0)["params"]["stages"][0]["blocks"][0]["self_attn"]["q_proj"]["kernel"]
+    trainer = make_trainer(DENSE, TC, make_mesh(stage=4, data=2), strategies=Strategies(microbatches=2))
+    kernel = trainer.states.init(0)["params"]["stages"][0]["blocks"][0]["self_attn"]["q_proj"]["kernel"]
     stage = trainer.mesh.axis_names.index("stage")
     for shard in kernel.addressable_shards:
         position = next(i for i, d in np.ndenumerate(trainer.mesh.devices) if d == shard.device)[stage]
@@ -110,24 +109,24 @@ def test_depths_and_settings_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match=r"the stack of layers 0 .. 5: its 6 units do not split over parallel.stage=4 "
                                          r"x stage_repeats=1 = 4 stages: stage x stage_repeats must divide 6 "
                                          r"\(1, 2, 3, 6\)"):
-        Trainer(DENSE.replace(n_layers=6), TC, make_mesh(stage=4, data=2), strategies=Strategies(microbatches=4))
+        make_trainer(DENSE.replace(n_layers=6), TC, make_mesh(stage=4, data=2), strategies=Strategies(microbatches=4))
     interleaved = Strategies(microbatches=4, pipeline_schedule="interleaved", stage_repeats=3)
     with pytest.raises(ValueError, match=r"the stack of layers 0 .. 7: its 8 units do not split over parallel.stage=2 x stage_repeats=3 = 6 "
                                          r"stages: stage x stage_repeats must divide 8 \(1, 2, 4, 8\)"):
-        Trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=interleaved)
+        make_trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=interleaved)
     with pytest.raises(ValueError, match=r"train.batch_size / train.grad_accum = 8 rows do not split into "
                                          r"parallel.microbatches=3: make it a multiple of 3"):
-        Trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=Strategies(microbatches=3))
+        make_trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=Strategies(microbatches=3))
     one_f_one_b = Strategies(microbatches=2, pipeline_schedule="1f1b")
     with pytest.raises(ValueError, match=r"the batch's balance loss \(train.moe_aux_weight=0.01\) needs every "
                                          r"microbatch's expert counts first: set model.moe_aux_per_sequence=true"):
-        Trainer(MOE, TC, make_mesh(stage=2, data=4), strategies=one_f_one_b)
+        make_trainer(MOE, TC, make_mesh(stage=2, data=4), strategies=one_f_one_b)
     from modern_jax.training.objectives.dpo import DPO, DPOConfig
 
     dpo = TrainConfig(batch_size=4, seq_len=16)
     with pytest.raises(ValueError, match=r"train.batch_size / train.grad_accum = 4 rows do not split into "
                                          r"parallel.microbatches=4: make it a multiple of 4 microbatches x 2"):
-        Trainer(DENSE, dpo, make_mesh(stage=2, data=4), objective=DPO(DPOConfig(), dpo),
+        make_trainer(DENSE, dpo, make_mesh(stage=2, data=4), objective=DPO(DPOConfig(), dpo),
                 strategies=Strategies(microbatches=4, pipeline_schedule="1f1b"))
     for values, message in [
         (dict(microbatches=2), r"ParallelConfig.microbatches=2 .*need stage > 1"),
@@ -198,19 +197,19 @@ def test_a_checkpoint_restores_into_another_stack_layout(tmp_path):
     `[R, N / R, ...]` over the stages: it restores the same parameters and optimizer moments."""
     from modern_jax.training.checkpoint import Checkpointer
 
-    plain = Trainer(DENSE, TC, make_mesh(data=8))
-    state, _ = plain.train_step(plain.init_state(0), plain.batches.put(token_batch(1, 8, 16, 64)))
+    plain = make_trainer(DENSE, TC, make_mesh(data=8))
+    state, _ = plain.train_step(plain.states.init(0), plain.batches.put(token_batch(1, 8, 16, 64)))
     checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
     checkpointer.save(state, {"step": 1})
     checkpointer.close()
-    interleaved = Trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=Strategies(
+    interleaved = make_trainer(DENSE, TC, make_mesh(stage=2, data=4), strategies=Strategies(
         microbatches=2, pipeline_schedule="interleaved", stage_repeats=2))
     checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1, async_save=False)
-    restored, _ = checkpointer.restore(interleaved.abstract_state(), 1)
+    restored, _ = checkpointer.restore(interleaved.states.abstract(), 1)
     checkpointer.close()
     kernel = restored["params"]["stages"][0]["blocks"][0]["mlp"]["down_proj"]["kernel"]
     assert kernel.shape == (2, 4, 64, 32) and kernel.sharding.spec[:2] == (None, "stage")
-    got = jax.device_get(interleaved.model_params(restored["params"]))
+    got = jax.device_get(interleaved.states.model_params(restored["params"]))
     for path, want in jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0]:
         np.testing.assert_array_equal(dict(jax.tree_util.tree_flatten_with_path(got)[0])[path], want)
     mu = restored["opt_state"][1][0].mu["stages"][0]["blocks"][0]["mlp"]["down_proj"]["kernel"]

@@ -25,13 +25,13 @@ import yaml
 from modern_jax.cli import main
 from modern_jax.config import ModelConfig
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.training import TrainConfig, Trainer, run_config_from_dict, train
+from modern_jax.training import TrainConfig, run_config_from_dict, train
 from modern_jax.training.checkpoint import CheckpointDamaged, load_params
 from modern_jax.training.optimizer import learning_rate_schedule
 
-import modern_jax.training.step as step_module
+import modern_jax.training.programs as programs_module
 
-from common import QUICK_FLAG
+from common import QUICK_FLAG, make_trainer
 
 REPO = pathlib.Path(__file__).parent.parent
 HF_LLAMA = REPO / "tests" / "fixtures" / "hf" / "llama"
@@ -312,10 +312,10 @@ def _batch(rng, V, weight=1.0):
 def test_a_skipped_step_logs_no_learning_rate_and_consumes_its_schedule_step():
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     tc = TrainConfig(steps=4, batch_size=4, seq_len=8, warmup_steps=1, lr=1e-2, min_lr_ratio=0.1)
-    trainer = Trainer(cfg, tc, one_device())
+    trainer = make_trainer(cfg, tc, one_device())
     schedule = learning_rate_schedule(tc)
     rng = np.random.default_rng(0)
-    state = trainer.init_state(0)
+    state = trainer.states.init(0)
     logged = []
     for weight in (1.0, np.nan, 1.0, 1.0):  # step 2 is non-finite and skipped
         state, metrics = trainer.train_step(state, trainer.batches.put(_batch(rng, 32, weight)))
@@ -334,8 +334,8 @@ def test_the_update_is_adamw_at_the_scheduled_rate():
 
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     tc = TrainConfig(steps=10, batch_size=4, seq_len=8, warmup_steps=2, lr=1e-2, clip_norm=None, weight_decay=0.1)
-    trainer = Trainer(cfg, tc, one_device())
-    state = trainer.init_state(0)
+    trainer = make_trainer(cfg, tc, one_device())
+    state = trainer.states.init(0)
     batch = _batch(np.random.default_rng(1), 32)
     micro = jax.tree.map(lambda x: x[0], batch)
 
@@ -364,25 +364,25 @@ def test_batch_sharding_follows_the_rules_table():
     mesh = make_mesh(data=2, fsdp=4, tensor=1)
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     tc = TrainConfig(batch_size=8, seq_len=8, warmup_steps=0)
-    default = Trainer(cfg, tc, mesh)
+    default = make_trainer(cfg, tc, mesh)
     # expert and context: size 1 here (the sequence is split over context)
     assert tuple(default.batches.sharding.spec) == (None, ("data", "fsdp", "expert"), "context")
     from modern_jax.sharding import RULES
 
     rules = tuple((k, "data" if k == "activation_batch" else v) for k, v in RULES)
-    only_data = Trainer(cfg, tc, mesh, rules=rules)
+    only_data = make_trainer(cfg, tc, mesh, rules=rules)
     assert tuple(only_data.batches.sharding.spec) == (None, "data", "context")
 
 
 def test_compiled_steps_are_shared_exactly_when_the_program_is_the_same(monkeypatch):
-    monkeypatch.setattr(step_module, "_EXECUTABLES", {})
+    monkeypatch.setattr(programs_module, "_EXECUTABLES", {})
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     batch = _batch(np.random.default_rng(0), 32)
 
     def executable(**changes):
         tc = TrainConfig(batch_size=4, seq_len=8, warmup_steps=0, **changes)
-        trainer = Trainer(cfg, tc, one_device())
-        state = trainer.init_state(0)
+        trainer = make_trainer(cfg, tc, one_device())
+        state = trainer.states.init(0)
         trainer.compile(state, trainer.batches.put(batch))
         return trainer._executables["train"]
 

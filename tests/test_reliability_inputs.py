@@ -36,8 +36,10 @@ from modern_jax import execution
 from modern_jax.generate import _generate
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.sharding.devices import check_topology
-from modern_jax.training import TrainConfig, Trainer
+from modern_jax.training import TrainConfig
 from modern_jax.model import abstract_params
+
+from common import make_trainer
 
 REPO = pathlib.Path(__file__).parent.parent
 HF_CHAT = REPO / "tests" / "fixtures" / "hf_chat"
@@ -151,7 +153,7 @@ def test_a_model_the_fsdp_and_context_axes_do_not_divide_names_both():
     with pytest.raises(ValueError, match=re.escape("model.d_model=18 is not divisible by the mesh's fsdp=2 x "
                                                    "context=2 = 4: choose a mesh whose fsdp x context size divides "
                                                    "18")):
-        Trainer(cfg, TrainConfig(seq_len=16, warmup_steps=0), make_mesh(data=2, fsdp=2, context=2))
+        make_trainer(cfg, TrainConfig(seq_len=16, warmup_steps=0), make_mesh(data=2, fsdp=2, context=2))
 
 
 # ----- data files: not UTF-8, unreadable, damaged, local files read as source: hf -----------------
@@ -382,13 +384,13 @@ def test_evaluate_refuses_a_batch_larger_than_the_memory_and_says_what_fits(rope
     fits = int(match.group(2))
     # the reference: XLA's own count of the evaluation step at those batch sizes
     cfg = ModelConfig.from_dict(TINY)
-    trainer = Trainer(cfg, TrainConfig(seq_len=64, warmup_steps=0), make_mesh(data=-1, devices=jax.devices()[:1]))
+    trainer = make_trainer(cfg, TrainConfig(seq_len=64, warmup_steps=0), make_mesh(data=-1, devices=jax.devices()[:1]))
     graphdef, abstract = abstract_params(cfg)
     params = nnx.to_pure_dict(abstract)
     resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
     def need(rows):
-        return needs(trainer.lower("eval", params, trainer.batches.abstract((rows, 64)),
+        return needs(trainer.programs.lower("eval", params, trainer.batches.abstract((rows, 64)),
                                    jax.ShapeDtypeStruct((260,), jnp.int32), None).compile(), resident)
 
     assert abs(float(match.group(1)) - need(128) / 2**20) < 0.01

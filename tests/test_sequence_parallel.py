@@ -128,7 +128,7 @@ def test_sequence_parallelism_reduce_scatters_block_outputs():
     block-sized [B, T, D] all-reduce is left; turned off in the rules, they are all-reduced whole."""
     from modern_jax.sharding.devices import topology_devices
     from modern_jax.training.config import TrainConfig
-    from modern_jax.training.step import Trainer
+    from common import make_trainer
 
     cfg = ModelConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=512, head_dim=128,
                       dtype="bfloat16")  # the TPU's kernels: the execution defaults
@@ -136,8 +136,8 @@ def test_sequence_parallelism_reduce_scatters_block_outputs():
     tc = TrainConfig(batch_size=4, seq_len=512)
 
     def compiled(rules):
-        trainer = Trainer(cfg, tc, mesh, rules)
-        return collectives(trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract()).compile()
+        trainer = make_trainer(cfg, tc, mesh, rules)
+        return collectives(trainer.programs.lower("train", trainer.states.abstract(), trainer.batches.abstract()).compile()
                            .as_text(), 2, 512, 256, 4)
 
     on = compiled(RULES)

@@ -15,7 +15,7 @@ from modern_jax.cli import main
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.sharding.devices import topology_devices
 from modern_jax.training.config import load_run_config
-from modern_jax.training.step import Trainer
+from modern_jax.training import trainer_for
 
 SMALL = ["model.vocab_size=1024", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=512",
          "model.head_dim=128", "model.max_position_embeddings=512", "model.dtype=bfloat16", "train.batch_size=8",
@@ -40,8 +40,8 @@ def test_the_counted_step_equals_the_whole_program_unrolled():
     whole = planner.step_cost(run, mesh, layers=run.model.layer_specs())
     assert counted["optimal_seconds"] == pytest.approx(whole["optimal_seconds"], rel=0.02)
     assert counted["flops"] == pytest.approx(whole["flops"], rel=0.005)
-    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
-    scanned = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract()).compile().cost_analysis()
+    trainer = trainer_for(run, mesh)
+    scanned = trainer.programs.lower("train", trainer.states.abstract(), trainer.batches.abstract()).compile().cost_analysis()
     assert scanned["flops"] < 0.5 * whole["flops"]  # the layers, chunks and micro-batches counted once
 
 
@@ -102,7 +102,7 @@ def test_a_loop_of_a_few_bytes_stays_in_the_counting_program_and_a_larger_one_st
 
     def trainer(scan):
         run = small_run(*moe, f"execution.scan_layers={str(scan).lower()}")
-        return Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
+        return trainer_for(run, mesh)
 
     seen, real = [], planner.loops_that_count
     monkeypatch.setattr(planner, "loops_that_count", lambda text: seen.append(text) or real(text))
@@ -155,8 +155,8 @@ def test_saving_the_attention_output_keeps_the_kernel_forward_from_running_again
     under it the forward kernel runs once a layer, under full remat twice (again in the backward)."""
     run = small_run("model.n_layers=2", "train.seq_len=256", f"execution.remat={remat}", "execution.scan_layers=false")
     mesh = make_mesh(fsdp=4, devices=topology_devices("v5e:2x2"))
-    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
-    text = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract()).as_text()
+    trainer = trainer_for(run, mesh)
+    text = trainer.programs.lower("train", trainer.states.abstract(), trainer.batches.abstract()).as_text()
     assert text.count("flash_attention_tpu_fwd") == 2 * forwards
     assert text.count("flash_attention_tpu_dq") == text.count("flash_attention_tpu_dkdv") == 2
 
@@ -189,8 +189,8 @@ def test_sliced_prefetches_are_off_where_the_v6e_cost_model_counts_them_below_ze
     run = small_run("model.d_model=1024", "model.d_ff=8192", "model.n_heads=8", "model.n_layers=1",
                     "train.batch_size=4", "train.seq_len=256", "execution.scan_layers=false")
     mesh = make_mesh(fsdp=4, devices=topology_devices("v6e:2x2"))
-    trainer = Trainer(run.model, run.train, mesh, rules=run.parallel.rules_table(), execution=run.execution)
-    lowered = trainer.lower("train", trainer.abstract_state(), trainer.batches.abstract())
+    trainer = trainer_for(run, mesh)
+    lowered = trainer.programs.lower("train", trainer.states.abstract(), trainer.batches.abstract())
     sliced = lowered.compile({k: v for k, v in planner.COUNTING_OPTIONS.items() if "sliced" not in k})
     assert sliced.as_text().count("ConcatBitcast") > 0 and sliced.cost_analysis()["optimal_seconds"] < 0
     counted = planner.counting_cost(trainer, kernel_costs=False)

@@ -25,13 +25,13 @@ from modern_jax.config import ModelConfig
 from modern_jax.execution import ExecutionConfig
 from modern_jax.model import Transformer, abstract_params
 from modern_jax.sharding.mesh import make_mesh
-from modern_jax.training import TrainConfig, Trainer, TrainingDiverged, run_config_from_dict, train
+from modern_jax.training import TrainConfig, TrainingDiverged, run_config_from_dict, train
 from modern_jax.training.checkpoint import Checkpointer
 from modern_jax.training.loop import save_if_finite
 from modern_jax.training.loss import loss_sums, model_loss_sums
 from modern_jax.training.optimizer import decay_mask, learning_rate_schedule
 
-from common import QUICK_FLAG, assert_leaves_match, leaves, probe, step_gradients
+from common import QUICK_FLAG, assert_leaves_match, leaves, make_trainer, probe, step_gradients
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -153,8 +153,8 @@ def test_moe_aux_loss_sown_by_layers_joins_the_loss(monkeypatch, scan, remat):
     monkeypatch.setattr(FFN, "__call__", sowing)
     cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=3, n_heads=2, d_ff=64)
     tc = TrainConfig(steps=10, batch_size=4, seq_len=16, warmup_steps=0, moe_aux_weight=0.5)
-    trainer = Trainer(cfg, tc, one_device(), execution=ExecutionConfig(scan_layers=scan, remat=remat))
-    state = trainer.init_state(0)
+    trainer = make_trainer(cfg, tc, one_device(), execution=ExecutionConfig(scan_layers=scan, remat=remat))
+    state = trainer.states.init(0)
     data = _batch(np.random.default_rng(0), 1, 4, 16, 32)
     micro = jax.tree.map(lambda x: jnp.asarray(x[0]), data)
 
@@ -162,7 +162,7 @@ def test_moe_aux_loss_sown_by_layers_joins_the_loss(monkeypatch, scan, remat):
         return sum(jnp.sum(jnp.square(stage["blocks"][0]["mlp"]["up_proj"]["kernel"])) for stage in params["stages"].values())
 
     def reference(params):
-        sums, _ = nnx.capture(lambda model: model_loss_sums(model, micro), nnx.Intermediate)(trainer.model(params))
+        sums, _ = nnx.capture(lambda model: model_loss_sums(model, micro), nnx.Intermediate)(trainer.states.model(params))
         return (sums["ce"] + tc.z_loss_weight * sums["z_loss"]) / sums["weight"] + 0.5 * up_norms(params)
 
     params = jax.device_get(state["params"])
@@ -187,8 +187,8 @@ def test_every_term_of_the_objective_against_a_hand_computation(monkeypatch):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, ffn_type="moe", n_experts=4,
                       experts_per_token=2, expert_d_ff=16)
     tc = probe(TrainConfig(batch_size=4, seq_len=8, z_loss_weight=0.1, moe_aux_weight=0.5, moe_router_z_weight=0.1))
-    trainer = Trainer(cfg, tc, one_device())
-    state = trainer.init_state(0)
+    trainer = make_trainer(cfg, tc, one_device())
+    state = trainer.states.init(0)
     params = jax.device_get(state["params"])
     data = _batch(np.random.default_rng(1), 1, 4, 8, 64)
     data["weights"] = (np.random.default_rng(2).random((1, 4, 8)) > 0.25).astype(np.float32)  # some padding
@@ -240,8 +240,8 @@ def test_every_term_of_the_objective_against_a_hand_computation(monkeypatch):
 def test_tiny_model_overfits_one_batch():
     cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, d_ff=64)
     tc = TrainConfig(steps=80, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=5, weight_decay=0.0)
-    trainer = Trainer(cfg, tc, one_device())
-    state = trainer.init_state(0)
+    trainer = make_trainer(cfg, tc, one_device())
+    state = trainer.states.init(0)
     batch = trainer.batches.put(_batch(np.random.default_rng(0), 1, 4, 16, 32))
     losses = []
     for _ in range(tc.steps):
@@ -257,17 +257,17 @@ def test_gradient_accumulation_equals_the_full_batch_and_nonfinite_steps_are_ski
     data = _batch(np.random.default_rng(3), 1, 4, 8, 32)
     results = []
     for accum in (1, 2):
-        trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=8, grad_accum=accum, warmup_steps=0), mesh)
+        trainer = make_trainer(cfg, TrainConfig(batch_size=4, seq_len=8, grad_accum=accum, warmup_steps=0), mesh)
         batch = {k: v.reshape(accum, 4 // accum, 8) for k, v in data.items()}
-        results.append(trainer.train_step(trainer.init_state(0), trainer.batches.put(batch)))
+        results.append(trainer.train_step(trainer.states.init(0), trainer.batches.put(batch)))
     (s1, m1), (s2, m2) = results
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
     np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
-    trainer = Trainer(cfg, TrainConfig(batch_size=4, seq_len=8, warmup_steps=0), mesh)
-    state = trainer.init_state(0)
+    trainer = make_trainer(cfg, TrainConfig(batch_size=4, seq_len=8, warmup_steps=0), mesh)
+    state = trainer.states.init(0)
     before = jax.tree.map(np.asarray, state["params"])
     bad = dict(data, weights=np.full_like(data["weights"], np.nan))
     state, metrics = trainer.train_step(state, trainer.batches.put(bad))
@@ -324,9 +324,9 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
 
 def test_bf16_compute_keeps_float32_master_weights():
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32, dtype="bfloat16")
-    trainer = Trainer(cfg, TrainConfig(batch_size=2, seq_len=8, warmup_steps=0), one_device())
+    trainer = make_trainer(cfg, TrainConfig(batch_size=2, seq_len=8, warmup_steps=0), one_device())
     batch = trainer.batches.put(_batch(np.random.default_rng(4), 1, 2, 8, 32))
-    state, metrics = trainer.train_step(trainer.init_state(0), batch)
+    state, metrics = trainer.train_step(trainer.states.init(0), batch)
     assert bool(metrics["finite"]) and 2.5 < float(metrics["loss"]) < 4.5
     assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.float32)}
 
@@ -368,10 +368,10 @@ def test_a_run_killed_while_saving_resumes_from_the_previous_complete_checkpoint
 
 def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
     import modern_jax.training.objectives.next_token as next_token
-    import modern_jax.training.step as step_module
+    import modern_jax.training.programs as programs_module
 
     original = next_token.model_loss_sums
-    monkeypatch.setattr(step_module, "_EXECUTABLES", {})  # compile the patched loss, not a cached step
+    monkeypatch.setattr(programs_module, "_EXECUTABLES", {})  # compile the patched loss, not a cached step
     monkeypatch.setattr(next_token, "model_loss_sums",
                         lambda *a, **k: dict(original(*a, **k), ce=jnp.float32(np.nan)))
     with pytest.raises(TrainingDiverged, match="3 non-finite steps in a row .* no checkpoint has been written yet\\. "):
@@ -382,9 +382,9 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
 
 def test_checkpoint_is_not_written_from_nonfinite_parameters(tmp_path):
     cfg = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, d_ff=16)
-    trainer = Trainer(cfg, TrainConfig(batch_size=2, seq_len=4, warmup_steps=0), one_device())
-    state = trainer.init_state(0)
-    assert trainer.all_finite(state["params"])
+    trainer = make_trainer(cfg, TrainConfig(batch_size=2, seq_len=4, warmup_steps=0), one_device())
+    state = trainer.states.init(0)
+    assert trainer.states.all_finite(state["params"])
     ckpt = Checkpointer(tmp_path / "c", async_save=False)
     assert save_if_finite(ckpt, trainer, state, {"step": 1, "data": {}}, log=lambda *_: None)
     state["params"]["embed_tokens"] = state["params"]["embed_tokens"].at[0, 0].set(jnp.inf)
@@ -497,9 +497,9 @@ def test_cli_train_on_a_yaml_mesh_with_rule_overrides_matches_one_device(tmp_pat
     np.testing.assert_allclose(losses, [h["loss"] for h in single.history], rtol=2e-5)
 
     saved_run = run_config_from_dict(yaml.safe_load((tmp_path / "mesh/config.yaml").read_text()))
-    trainer = Trainer(saved_run.model, saved_run.train, saved_run.parallel.mesh(),
+    trainer = make_trainer(saved_run.model, saved_run.train, saved_run.parallel.mesh(),
                       rules=saved_run.parallel.rules_table())
-    block = trainer.state_shardings["params"]["stages"][0]["blocks"][0]
+    block = trainer.states.shardings["params"]["stages"][0]["blocks"][0]
     assert tuple(block["mlp"]["up_proj"]["kernel"].spec) == (None, "fsdp", None)  # the override: MLP whole
     assert tuple(block["self_attn"]["q_proj"]["kernel"].spec) == (None, "fsdp", "tensor", None)  # default rules
 
@@ -570,7 +570,7 @@ def test_a_default_run_writes_tensorboard_events_wandb_and_a_labelled_plot(tmp_p
 
     png = (out / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"matplotlib" in png[:4096]
-    ax = loss_figure(records, NextToken.shown, "runs/x").axes[0]
+    ax = loss_figure(records, NextToken.display, "runs/x").axes[0]
     assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("step", "loss (nats / token)", "runs/x")
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train", "validation"]
     np.testing.assert_allclose(ax.lines[0].get_ydata(), [train_losses[s] for s in range(1, 9)])

@@ -48,7 +48,7 @@ from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, HF_ASSETS_DIR, check_base, file_checksums, load_params,
                                            read_config, resolve_checkpoint, save_checkpoint, write_checksums)
 from modern_jax.training.config import RunConfig
-from modern_jax.training.converters import LoRA, abstract_converted, converter_of
+from modern_jax.training.converters import LoRA, abstract_converted, saved_converter, with_adapter_config
 from modern_jax.training.loop import Initial
 
 CONFIG, PARAMS, HF = "config.yaml", "params", HF_ASSETS_DIR
@@ -63,7 +63,7 @@ def load_checkpoint(ckpt: str | os.PathLike, log=None, **overrides: Any) -> tupl
     """`(config, model)` from a converted checkpoint, a training run directory (its newest
     step) or one step directory; parameters come back in their saved dtype."""
     cfg, params, raw, _ = load_model_params(ckpt, log=log, **overrides)
-    return cfg, _model(cfg, params, converter_of(LoRAConfig.of_run(raw)))
+    return cfg, _model(cfg, params, saved_converter(raw))
 
 
 def _model(cfg: ModelConfig, params: dict, converter) -> Transformer:
@@ -74,9 +74,8 @@ def _model(cfg: ModelConfig, params: dict, converter) -> Transformer:
 def _plain(ckpt, log=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """`load_checkpoint`, as a plain model of its config: a LoRA run's adapters merged into its base."""
     cfg, params, raw, _ = load_model_params(ckpt, log=log, **overrides)
-    converter = converter_of(LoRAConfig.of_run(raw))
-    model = _model(cfg, params, converter)
-    return cfg, model if converter is None else converter.merged(model)
+    converter = saved_converter(raw)
+    return cfg, converter.merged(_model(cfg, params, converter))
 
 
 def load_model_params(ckpt: str | os.PathLike, log=None, **overrides: Any):
@@ -288,14 +287,7 @@ def _with_adapter(run: RunConfig, init: Initial, source, adapter) -> tuple[RunCo
     cfg = run.model
     found = read_peft_config(adapter)
     targets = peft_targets(adapter, abstract_model(cfg), model_type)
-    lora = dataclasses.replace(found, targets=targets)
-    if run.lora is not None:
-        for name in ("rank", "alpha"):
-            if getattr(run.lora, name) != getattr(found, name):
-                raise ValueError(f"lora.{name}={getattr(run.lora, name)} disagrees with the adapter --init-adapter "
-                                 f"{adapter} ({name} {getattr(found, name)}): remove lora.{name}, or give the "
-                                 f"adapter's")
-        lora = dataclasses.replace(lora, dropout=run.lora.dropout, quantize=run.lora.quantize)
+    lora = with_adapter_config(run, dataclasses.replace(found, targets=targets), adapter)
     model = nnx.merge(*abstract_converted(cfg, LoRA(lora)))
     adapters = functools.partial(read_peft, adapter, model, model_type)
     return dataclasses.replace(run, lora=lora), dataclasses.replace(

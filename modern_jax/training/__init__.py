@@ -2,7 +2,7 @@
 
 from modern_jax.training.config import RunConfig, TrainConfig, load_run_config, run_config_from_dict
 from modern_jax.training.loop import Initial, TrainingDiverged, TrainResult, evaluate_batches, train
-from modern_jax.training.step import Trainer, trainer_for
+from modern_jax.training.trainer import Trainer, trainer_for
 
 __all__ = [
     "Initial",

@@ -50,7 +50,6 @@ import orbax.checkpoint as ocp
 
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
-from modern_jax.lora import LoRAConfig
 from modern_jax.multihost import distributed
 from modern_jax.training.layout import leading, same_stack
 from modern_jax.training.outputs import step_numbers
@@ -553,7 +552,7 @@ def load_params(path, log=None, **overrides):
     first device, or replicated on every device of a launch of several processes."""
     from flax import nnx
 
-    from modern_jax.training.converters import abstract_converted, converter_of
+    from modern_jax.training.converters import abstract_converted, saved_converter
 
     directory, config_path, what, elsewhere = resolve_checkpoint(path)
     raw = read_config(config_path)
@@ -562,9 +561,9 @@ def load_params(path, log=None, **overrides):
         log(f"loading {what}")
     problem = check_files(directory, items=("params",))
     if problem is None:
-        converter = converter_of(LoRAConfig.of_run(raw))
+        converter = saved_converter(raw)
         _, abstract = abstract_converted(cfg, converter)
-        if converter is not None and not converter.saves_base:  # the trained only (convert.load_checkpoint adds the base)
+        if not converter.saves_base:  # the trained only (convert.load_checkpoint adds the base)
             abstract = nnx.from_flat_state([(path, v) for path, v in nnx.to_flat_state(abstract)
                                             if converter.trains(v)])
         if jax.process_count() > 1:

@@ -113,8 +113,42 @@ ADAPTED = {Proj: AdaptedProj, ExpertProj: AdaptedExpertProj}
 MERGED_SITES = (ExpertProj,)  # adapters added to the weight itself (no input to drop out)
 
 
-class LoRA:
+class Converter:
+    """The interface of a model converter (the module docstring), and the plain model's: nothing
+    is converted, everything trains, checkpoints hold the whole model."""
+
+    trains_all: bool = True  # every parameter trains (no frozen base)
+    saves_base: bool = True  # checkpoints hold the whole model, not the trained parameters only
+    dropout: float = 0.0  # a dropout of the converter's own additions
+
+    def convert(self, model: Transformer, rngs: nnx.Rngs) -> Transformer:
+        """`model` converted, in place; returns it."""
+        return model
+
+    def trains(self, variable) -> bool:
+        """Whether the parameter `variable` trains (the others stay frozen)."""
+        return True
+
+    def off(self, trained: dict) -> dict:
+        """The trained parameters of the model with its additions off (an objective's reference)."""
+        raise NotImplementedError("the plain model has no additions to turn off")
+
+    def merged(self, model: Transformer) -> Transformer:
+        """The model as a plain one of its config (what `convert --to-hf` writes)."""
+        return model
+
+    def notes(self, model: Transformer) -> list[str]:
+        """What a run should be told of how `model` was converted."""
+        return []
+
+
+PLAIN = Converter()
+
+
+class LoRA(Converter):
     """The LoRA / QLoRA converter of a `lora:` section (the module docstring)."""
+
+    trains_all = False
 
     def __init__(self, config: LoRAConfig):
         self.config = config
@@ -123,6 +157,10 @@ class LoRA:
     def saves_base(self) -> bool:
         """Whether checkpoints hold the frozen base too (`lora.save_base`), or the adapters only."""
         return self.config.save_base
+
+    @property
+    def dropout(self) -> float:
+        return self.config.dropout
 
     @staticmethod
     def trains(variable) -> bool:
@@ -193,19 +231,53 @@ class LoRA:
             return []
         return sorted({name for name, module, _, _ in self.adapted(model) if not module.adapter.dropout})
 
-
-def converter_of(lora: LoRAConfig | None) -> LoRA | None:
-    """The converter a run's `lora:` section asks for (None: the plain model trains)."""
-    return None if lora is None else LoRA(lora)
-
-
-def converted(model: Transformer, converter: LoRA | None, rngs: nnx.Rngs) -> Transformer:
-    """`model` converted by `converter` (as it is without one)."""
-    return model if converter is None else converter.convert(model, rngs)
+    def notes(self, model: Transformer) -> list[str]:
+        skipped = self.undropped(model)
+        if not skipped:
+            return []
+        return [f"lora.dropout={self.config.dropout}: on the inputs of the adapted projections but "
+                f"{', '.join(skipped)}, whose adapters are added to their weights (no input of their own to drop out)"]
 
 
-def abstract_converted(cfg, converter: LoRA | None, layers=None) -> tuple:
+def converter_of(run) -> Converter:
+    """The converter a run (a RunConfig) asks for: its `lora:` section's, else the plain model's."""
+    return PLAIN if run.lora is None else LoRA(run.lora)
+
+
+def saved_converter(raw: dict) -> Converter:
+    """The converter of a saved run, from its run file's contents (`config.yaml`)."""
+    lora = LoRAConfig.of_run(raw)
+    return PLAIN if lora is None else LoRA(lora)
+
+
+def abstract_converted(cfg, converter: Converter, layers=None) -> tuple:
     """`(graphdef, parameters as ShapeDtypeStructs)` of the converted model of `cfg`."""
-    model = nnx.eval_shape(lambda: converted(Transformer(cfg, rngs=nnx.Rngs(0), layers=layers), converter,
-                                             nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: converter.convert(Transformer(cfg, rngs=nnx.Rngs(0), layers=layers),
+                                                     nnx.Rngs(0)))
     return nnx.split(model, nnx.Param)
+
+
+def resume_changes(saved: dict, run) -> list[str]:
+    """What keeps a run (a RunConfig) from resuming checkpoints saved under the run file `saved`
+    (its contents): another converter, or the same with another meaning (every `lora:` field but
+    dropout may change); none if nothing."""
+    there, here = saved.get("lora"), None if run.lora is None else run.lora.to_dict()
+    if isinstance(there, dict) and here is not None:
+        return [f"lora.{k} is {v!r} there, {here.get(k)!r} here" for k, v in there.items()
+                if k != "dropout" and here.get(k) != v]
+    return [] if (there is None) == (here is None) else [
+        "a lora: section there, none here" if here is None else "no lora: section there, one here"]
+
+
+def with_adapter_config(run, found: LoRAConfig, adapter) -> LoRAConfig:
+    """The `lora:` section of a run that starts from the PEFT adapter `adapter` (its config `found`,
+    its targets mapped already): the adapter's rank, alpha and projections, the run's dropout and
+    quantization; a rank or alpha of the run's own that disagrees is refused."""
+    if run.lora is None:
+        return found
+    for name in ("rank", "alpha"):
+        if getattr(run.lora, name) != getattr(found, name):
+            raise ValueError(f"lora.{name}={getattr(run.lora, name)} disagrees with the adapter --init-adapter "
+                             f"{adapter} ({name} {getattr(found, name)}): remove lora.{name}, or give the "
+                             f"adapter's")
+    return dataclasses.replace(found, dropout=run.lora.dropout, quantize=run.lora.quantize)

@@ -58,8 +58,8 @@ from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training.placement import from_whole
 from modern_jax.training import objectives
-from modern_jax.training.converters import abstract_converted
-from modern_jax.training.step import Trainer, describe_kernels, trainer_for
+from modern_jax.training.converters import abstract_converted, converter_of, resume_changes
+from modern_jax.training.trainer import Trainer, describe_kernels, trainer_for
 
 
 class TrainingDiverged(RuntimeError):
@@ -177,13 +177,13 @@ def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int |
 def eval_batch(trainer: Trainer, params, batch: dict, rows: int | None, index: int) -> dict:
     """Evaluation batch `index` on the mesh, as the objective places it (GRPO samples its completions
     from `params`, with a key of `train.seed` and the index: every evaluation samples the same)."""
-    key = jax.random.fold_in(jax.random.key(trainer.cfg.seed), index)
-    return trainer.objective.placed(batch, trainer=trainer, params=params, rows=rows, step=None, key=key)
+    key = jax.random.fold_in(jax.random.key(trainer.train_cfg.seed), index)
+    return trainer.objective.place_batch(batch, trainer=trainer, params=params, rows=rows, step=None, key=key)
 
 
 def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, meta: dict, log=print) -> bool:
     """Save unless a parameter is NaN or infinite (no checkpoint is written from such a state)."""
-    if not trainer.all_finite(state["params"]):
+    if not trainer.states.all_finite(state["params"]):
         log(f"step {meta['step']}: parameters are not finite; no checkpoint written")
         return False
     checkpointer.save(state, meta)
@@ -341,7 +341,7 @@ class _Session:
     def save(self, step: int, log) -> None:
         self.directory.check()
         meta = {"step": step, "data": self.data_state, "model": self.run.model.to_dict()}
-        if self.saved_step != step and save_if_finite(self.checkpointer, self.trainer, self.trainer.saved(self.state),
+        if self.saved_step != step and save_if_finite(self.checkpointer, self.trainer, self.trainer.states.saved(self.state),
                                                       meta, log):
             self.saved_step = step
             distributed.note(resume=self.resume_hint())
@@ -356,7 +356,7 @@ class _Session:
     def batch(self, batch: dict, rows: int, step: int) -> dict:
         """Step `step`'s batch on the mesh (GRPO samples it from the current weights, with the step's key)."""
         key = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), step)
-        return self.trainer.objective.placed(batch, trainer=self.trainer, params=self.state["params"], rows=rows,
+        return self.trainer.objective.place_batch(batch, trainer=self.trainer, params=self.state["params"], rows=rows,
                                              step=step, key=key)
 
     def evaluate(self, metrics_log: MetricsLog | None, step: int, batches, progress: Progress,
@@ -411,12 +411,7 @@ def _check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
     if model_diff:
         raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model ({'; '.join(model_diff[:3])}"
                          f", by its {CONFIG_FILE}): start a new train.output_dir or keep the model: section unchanged")
-    there, here = saved.get("lora"), None if run.lora is None else run.lora.to_dict()
-    if isinstance(there, dict) and here is not None:
-        lora_diff = _differences("lora", there, here, ignore=("dropout",))
-    else:
-        lora_diff = [] if (there is None) == (here is None) else [
-            "a lora: section there, none here" if here is None else "no lora: section there, one here"]
+    lora_diff = resume_changes(saved, run)
     if lora_diff:
         raise ValueError(f"the checkpoints in {str(out_dir)!r} were trained with other lora: settings "
                          f"({'; '.join(lora_diff)}, by its {CONFIG_FILE}): resume with the lora: section they were "
@@ -442,7 +437,7 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     if steps and not tc.resume:
         raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {steps[-1]}); "
                          "set train.resume=true to continue, or choose another output_dir")
-    adapters_only = run.lora is not None and not run.lora.save_base
+    adapters_only = not converter_of(run).saves_base
     if adapters_only and (init is None or init.path is None):
         raise ValueError("lora.save_base=false keeps the frozen base out of the checkpoints, so the run must start "
                          "from a model it can read again: give --init-from-hf (the same one each time), or set "
@@ -465,35 +460,32 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
     model_cfg = run.model
     trainer = trainer_for(run, mesh, objective=objective)
-    skipped = [] if trainer.converter is None else trainer.converter.undropped(
-        nnx.merge(*abstract_converted(model_cfg, trainer.converter)))
-    if skipped:  # a mixture's experts and routers: their adapters are added to the weights
-        log(f"lora.dropout={run.lora.dropout}: on the inputs of the adapted projections but {', '.join(skipped)}, "
-            f"whose adapters are added to their weights (no input of their own to drop out)")
+    for note in trainer.converter.notes(nnx.merge(*abstract_converted(model_cfg, trainer.converter))):
+        log(note)  # a mixture's experts and routers: their adapters are added to the weights, undropped
     latest = None
     if steps:
-        latest, state, meta = checkpointer.restore_newest(trainer.saved(trainer.abstract_state()), log=log,
+        latest, state, meta = checkpointer.restore_newest(trainer.states.saved(trainer.states.abstract()), log=log,
                                                           model=model_cfg)
-        if not trainer.saves_base:  # the checkpoint holds the adapters: the frozen base is read again
-            state["params"] = trainer.join(state["params"], trainer.split(_initial_params(trainer, init, log))[1])
+        if not trainer.converter.saves_base:  # the checkpoint holds the adapters: the frozen base is read again
+            state["params"] = trainer.states.join(state["params"], trainer.states.split(_initial_params(trainer, init, log))[1])
         data_state, start = meta["data"], int(meta["step"])
         newest = "" if latest == steps[-1] else " (the newest step that restores completely)"
         log(f"resumed from {out_dir / CHECKPOINTS / str(latest)} at step {start}{newest}")
     else:
-        state, data_state, start = trainer.init_state(tc.seed), None, 0
+        state, data_state, start = trainer.states.init(tc.seed), None, 0
         if init is not None:
-            state = trainer.with_start(state, _initial_params(trainer, init, log))
+            state = trainer.states.with_start(state, _initial_params(trainer, init, log))
 
     benchmarks = None
     if tc.harness_tasks:  # the tasks are checked and their data read before any step
         from modern_jax.harness import Benchmarks
 
         with progress.phase("reading the benchmark tasks (lm-eval)"):
-            benchmarks = Benchmarks(trainer, tokenizer, tc)
+            benchmarks = Benchmarks(trainer.states, tokenizer, tc)
     rows, _ = trainer.batches.local_slices(tc.batch_size // tc.grad_accum)
     iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
     session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
-                       jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
+                       jax.device_put(tokenizer.token_bytes(), trainer.programs.replicated), [], state,
                        iterator.get_state(), {}, start, latest, 0.0, benchmarks)
     session.periodic_eval = list(session.eval_batches(tc.eval_windows))
     # what the validation split holds: say so when asked more
@@ -513,16 +505,16 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         _write_run_files(out_dir, run, tokenizer, init, base)
     directory.started = True
     distributed.note(step=start, resume=session.resume_hint())
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_base()))
-    if trainer.converter is not None:  # the base's count (stored quantized or not), and the adapters trained
-        trained = sum(x.size for x in jax.tree.leaves(trainer.split(state["params"])[0]))
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.states.abstract_base()))
+    if not trainer.converter.trains_all:  # the base's count (stored quantized or not), and the adapters trained
+        trained = sum(x.size for x in jax.tree.leaves(trainer.states.split(state["params"])[0]))
         n_params = f"{n_params:,} + {trained:,} trained"
     else:
         n_params = f"{n_params:,}"
     what = objective.unit
     log(f"model: {n_params} parameters | train {len(train_stream):,} {what}, validation {len(val_stream):,} "
         f"{what} | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
-    log(f"kernels: {describe_kernels(trainer.kernels)}")
+    log(f"kernels: {describe_kernels(trainer.programs.kernels)}")
     return session
 
 
@@ -552,7 +544,7 @@ def _write_run_files(out_dir: pathlib.Path, run: RunConfig, tokenizer, init: Ini
 def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
     """`init`'s parameters, checked against the run's model and placed with its shardings (a LoRA
     run's: its base, then its adapters added and its frozen projections quantized)."""
-    abstract = trainer.abstract_base()
+    abstract = trainer.states.abstract_base()
     params = init.params()
     want = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     got = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -561,13 +553,13 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
         raise ValueError(f"{init.source} does not fit the run's model: " + "; ".join(wrong[:4] or sorted(
             set(got) - set(want))[:4]))
     log(f"initialised from {init.source}")
-    params = trainer.from_base(jax.tree.map(lambda x, s: from_whole(np.asarray(x, s.dtype), s.sharding), params,
-                                            abstract), trainer.cfg.seed)
+    params = trainer.states.from_base(jax.tree.map(lambda x, s: from_whole(np.asarray(x, s.dtype), s.sharding), params,
+                                            abstract), trainer.train_cfg.seed)
     if init.adapters is None:
         return params
-    trained, frozen = trainer.split(params)
+    trained, frozen = trainer.states.split(params)
     adapters = init.adapters()
-    return trainer.join(jax.tree.map(lambda x, a: from_whole(np.asarray(x, a.dtype), a.sharding), adapters, trained),
+    return trainer.states.join(jax.tree.map(lambda x, a: from_whole(np.asarray(x, a.dtype), a.sharding), adapters, trained),
                         frozen)
 
 
@@ -608,11 +600,11 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                 fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
                 rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
                 record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message,
-                                   s.trainer.objective.named)
+                                   s.trainer.objective.metric_names)
                 if metrics_log is not None:
                     metrics_log.write(step, "train", record)
                     _write_samples(s.out_dir, step, s.trainer.objective.samples())
-                progress.update(step, record["loss"], rate, s.trainer.shown.line(record))
+                progress.update(step, record["loss"], rate, s.trainer.objective.display.line(record))
                 pending.clear()
                 if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
                     raise TrainingDiverged(
@@ -622,7 +614,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
                 interval_start, interval_tokens = time.perf_counter(), 0
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 values = s.evaluate(metrics_log, step, s.periodic_eval, progress)
-                message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.shown.line(values, "val_"))
+                message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.objective.display.line(values, "val_"))
             if s.benchmarks is not None and tc.harness_every and step % tc.harness_every == 0 and step < tc.steps:
                 values = s.benchmark(metrics_log, step, progress)
                 message(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
@@ -639,7 +631,7 @@ def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
         if not result.interrupted:
             final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows), progress, "final validation")
             result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
-            result.val_shown = s.trainer.shown.values(final)
+            result.val_shown = s.trainer.objective.display.values(final)
             if s.benchmarks is not None:
                 result.harness = s.benchmark(metrics_log, step, progress)
             s.save(step, message)
@@ -678,14 +670,14 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
             prompt = ""
         with execution.use(s.run.execution), Progress(None, enabled=tc.progress and distributed.is_main()) as bar, \
                 bar.phase(f"sampling {tc.samples} x {tc.sample_tokens} tokens"):
-            result.samples = sample_texts(s.trainer.graphdef, s.trainer.model_params(s.state["params"]), s.tokenizer,
+            result.samples = sample_texts(s.trainer.states.graphdef, s.trainer.states.model_params(s.state["params"]), s.tokenizer,
                                           prompt, n=tc.samples, max_new_tokens=tc.sample_tokens, seed=tc.seed,
                                           temperature=tc.sample_temperature, top_k=tc.sample_top_k,
                                           top_p=tc.sample_top_p)
         if distributed.is_main():
             (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
     if tc.plot and distributed.is_main():
-        plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", s.trainer.shown,
+        plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", s.trainer.objective.display,
                     title=str(s.out_dir))
         log(f"loss curve: {s.out_dir / 'loss.png'}")
 

@@ -59,11 +59,11 @@ def _whole(outer: dict, early: dict, last: dict, k: int) -> dict:
 def value_and_grad(trainer, params: dict, frozen: dict, micro: dict, rng, reference, denom):
     """`((loss, (sums, aux)), grads)` of one micro-batch of the Trainer's step (`Trainer._loss` and
     its objective): `params` the trained parameters, `frozen` the rest."""
-    cfg, objective = trainer.cfg, trainer.objective
+    cfg, objective = trainer.train_cfg, trainer.objective
     dropout_rng = rng if trainer.uses_dropout else None
     chunk, diagnostics = cfg.loss_vocab_chunk, cfg.diagnostics
-    prepared = objective.prepare(None if reference is None else trainer.model(reference), micro, chunk=chunk)
-    model = trainer.model(trainer.join(params, frozen))
+    prepared = objective.prepare(None if reference is None else trainer.states.model(reference), micro, chunk=chunk)
+    model = trainer.states.model(trainer.states.join(params, frozen))
     k = len(model.stages) - 1
     outer, early, last = _parts(params, k)
     _, _, last_frozen = _parts(frozen, k)
@@ -75,7 +75,7 @@ def value_and_grad(trainer, params: dict, frozen: dict, micro: dict, rng, refere
         return sum((weight.get(name, 0.0) * value for name, value in reduced.items()), jnp.zeros((), jnp.float32))
 
     def model_of(outer, early, last):
-        return trainer.model(trainer.join(_whole(outer, early, last, k), frozen))
+        return trainer.states.model(trainer.states.join(_whole(outer, early, last, k), frozen))
 
     def before(outer, early):
         m = model_of(outer, early, stop(last))
@@ -92,7 +92,7 @@ def value_and_grad(trainer, params: dict, frozen: dict, micro: dict, rng, refere
     stage_fn = stack.stage_function(units)
 
     def stage(x_bTD, rows_b, w_P, f_P, first):
-        blocks = [trainer.join(w_P.get("blocks", {}).get(j, {}), f_P.get("blocks", {}).get(j, {}))
+        blocks = [trainer.states.join(w_P.get("blocks", {}).get(j, {}), f_P.get("blocks", {}).get(j, {}))
                   for j in range(len(stack.unit))]
         return stage_fn(x_bTD, rows_b, blocks, first)
 
@@ -102,7 +102,7 @@ def value_and_grad(trainer, params: dict, frozen: dict, micro: dict, rng, refere
                               chunk=chunk, dropout_rng=dropout_rng, diagnostics=diagnostics)
         return objective.loss(sums, denom), sums
 
-    maxima = ("max_abs_logit",) + tuple(objective.maxima)
+    maxima = ("max_abs_logit",) + tuple(objective.max_sums)
 
     def combine_sums(total, sums):
         return {n: (jnp.maximum if n in maxima else jnp.add)(total[n], sums[n]) for n in total}

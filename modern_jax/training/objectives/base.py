@@ -9,16 +9,16 @@ the planner call:
               `eval_batches` `[A, B, T]` dicts of inputs, targets, positions, segment_ids,
               weights; `unit`, what the splits' `len` counts; `eval_size` and `eval_unit`: how many
               of what an evaluation of the validation split can score
-    batches   `placed`: a data batch on the mesh as the step takes it (GRPO samples its
+    batches   `place_batch`: a data batch on the mesh as the step takes it (GRPO samples its
               completions there first, from the current weights); `steps_per_batch`: how many
               steps each serves (a run saves and stops only between batches)
     the step  `complete`: what each micro-batch needs from the whole step's batch (GRPO's
               advantages); `prepare` (a forward of the frozen reference, outside the policy's
               gradient), `sums` of one micro-batch (they add up over micro-batches; those named
-              in `maxima` take the max), `denominator` of the whole batch (the loss's divisor,
+              in `max_sums` take the max), `denominator` of the whole batch (the loss's divisor,
               and any figure of the batch the metrics need), `loss` from both
     figures   `metrics` of a step (`loss` first, then the objective's own names), `eval_values`
-              of an evaluation's summed `eval_sums`, and `shown`: what the console and the plot
+              of an evaluation's summed `eval_sums`, and `display`: what the console and the plot
               show (`metrics.Shown`); `samples`: rows of the last batch made to write beside
               the metrics (GRPO's completions)
     rows      `rows_together`: how many consecutive rows of a batch one term of the loss reads
@@ -57,11 +57,11 @@ class Objective:
     unit: ClassVar[str] = "tokens"  # what the splits' sizes count
     eval_unit: ClassVar[str] = "window"  # what an evaluation scores, one at a time
     needs_reference: bool = False
-    named: tuple[str, ...] = ()  # its own figures in `metrics`, besides `loss` and `z_loss`
-    maxima: tuple[str, ...] = ()  # sums that take the max over micro-batches, besides `max_abs_logit`
+    metric_names: tuple[str, ...] = ()  # its own figures in `metrics`, besides `loss` and `z_loss`
+    max_sums: tuple[str, ...] = ()  # sums that take the max over micro-batches, besides `max_abs_logit`
     steps_per_batch: int = 1
     rows_together: int = 1  # consecutive rows of a batch that one loss term reads (a DPO pair), kept together
-    shown: Shown
+    display: Shown  # what the console and the plot show of its figures
 
     def __init__(self, config: Config, train):
         self.config, self.train = config, train
@@ -86,7 +86,7 @@ class Objective:
         """How many `eval_unit`s of at most `train.seq_len` tokens an evaluation can score."""
         raise NotImplementedError
 
-    def placed(self, item: dict, *, trainer, params, rows: int | None, step: int | None, key) -> dict:
+    def place_batch(self, item: dict, *, trainer, params, rows: int | None, step: int | None, key) -> dict:
         """`item` (a batch of `train_batches` or `eval_batches`: this process's rows of one with
         `rows` rows, None: one process) as global arrays on `trainer`'s mesh, for `step` (None: an
         evaluation's) with `params` the current weights and `key` its random key."""
@@ -102,7 +102,7 @@ class Objective:
         return {}
 
     def samples(self) -> list[dict]:
-        """Rows of the last batch `placed` made, to write beside the metrics (then forgotten)."""
+        """Rows of the last batch `place_batch` made, to write beside the metrics (then forgotten)."""
         return []
 
     # ----- the step --------------------------------------------------------------

@@ -112,12 +112,12 @@ def shown(config: DPOConfig) -> Shown:
 class DPO(base.Objective):
     unit, eval_unit = "pairs", "pair"
     needs_reference = True
-    named = METRICS
+    metric_names = METRICS
     rows_together = 2  # a pair's chosen and rejected
 
     def __init__(self, config: DPOConfig, train):
         super().__init__(config, train)
-        self.shown = shown(config)
+        self.display = shown(config)
 
     def read(self, run, tokenizer, shared):
         if tokenizer is None:

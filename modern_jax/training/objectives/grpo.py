@@ -224,6 +224,14 @@ def shown(config: GRPOConfig) -> Shown:
                 ("nats / token", (("entropy", "entropy"),) + ((("kl", "kl to the reference"),) if config.beta else ()))))
 
 
+def old_logps(model_of, params, batch, *, chunk: int, temperature: float):
+    """`[A, B, T]` log-probabilities of a batch's targets under the sampling weights `params`
+    (`model_of(params)` is their model), kept for the steps a batch serves (`num_iterations`)."""
+    flat = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
+    logps, _, _ = token_logps(model_of(params), flat, chunk=chunk, temperature=temperature)
+    return logps.reshape(batch["inputs"].shape)
+
+
 class GRPO(base.Objective):
     unit, eval_unit = "prompts", "prompt"
 
@@ -232,11 +240,11 @@ class GRPO(base.Objective):
         self.rewards = Rewards(config.rewards, config.reward_weights)
         self.needs_reference = config.beta > 0
         self.steps_per_batch = config.num_iterations
-        self.shown = shown(config)
+        self.display = shown(config)
         functions = tuple(f"rewards/{name}/{stat}" for name in self.rewards.names for stat in ("mean", "std"))
-        self.named = (("kl",) if config.beta else ()) + ("entropy",) + CLIPS + (
+        self.metric_names = (("kl",) if config.beta else ()) + ("entropy",) + CLIPS + (
             "reward", "reward_std") + functions + ("frac_reward_zero_std",) + COMPLETIONS
-        self.maxima = ("clip_ratio/high_max", "clip_ratio/low_min")  # kept as 1 - the min
+        self.max_sums = ("clip_ratio/high_max", "clip_ratio/low_min")  # kept as 1 - the min
         self.splits: dict[str, object] = {}  # the prompts the batches index: train, validation
         self.tokenizer = None
         self._kept: tuple[int, dict] | None = None  # (step, batch) of the rollouts that serve several steps
@@ -270,7 +278,7 @@ class GRPO(base.Objective):
 
     # ----- rollouts --------------------------------------------------------------
 
-    def placed(self, item, *, trainer, params, rows, step, key):
+    def place_batch(self, item, *, trainer, params, rows, step, key):
         """Sample the completions of `item`'s prompts from `params` on the mesh (the module
         docstring), score them, and place the rows; a batch that serves `num_iterations` steps is
         sampled at the first."""
@@ -291,7 +299,8 @@ class GRPO(base.Objective):
         batch = self._rows(prompts, index, tokens, real, None if evaluation else step + 1)
         placed = trainer.batches.put(batch, rows)
         if c.num_iterations > 1 and not evaluation:  # the sampling weights' log-probabilities, kept for the steps
-            placed["old_logps"] = trainer.program("grpo_old_logps", functools.partial(self._old_logps, trainer.model),
+            placed["old_logps"] = trainer.programs.program("grpo_old_logps", functools.partial(
+                old_logps, trainer.states.model, chunk=self.train.loss_vocab_chunk, temperature=c.temperature),
                                                   params, placed)
             self._kept = (step // c.num_iterations, placed)
         return placed
@@ -304,11 +313,11 @@ class GRPO(base.Objective):
         shape = (A, rows if rows is not None else R)
 
         def put(x):  # rows split as the batch's are
-            return jax.make_array_from_process_local_data(rows_sharding(mesh, trainer.rules, x.ndim), x,
+            return jax.make_array_from_process_local_data(rows_sharding(mesh, trainer.programs.rules, x.ndim), x,
                                                           shape + x.shape[2:])
 
-        out = trainer.program(f"grpo_rollout_{prompt_AR.shape[-1]}", functools.partial(self._rollout, trainer.model),
-                              params, put(prompt_AR), put(length_AR), key, out_shardings=trainer.replicated)
+        out = trainer.programs.program(f"grpo_rollout_{prompt_AR.shape[-1]}", functools.partial(self._rollout, trainer.states.model),
+                              params, put(prompt_AR), put(length_AR), key, out_shardings=trainer.programs.replicated)
         return np.asarray(out)[:, slice(None) if rows is None else trainer.batches.local_slices(rows)[0]]
 
     def _rollout(self, model_of, params, prompt_ABW, length_AB, key):
@@ -320,12 +329,6 @@ class GRPO(base.Objective):
                         eos_id=None if self.tokenizer is None else self.tokenizer.eos_id,  # None: a plan's
                         length_B=length_AB.reshape(A * B))
         return tokens.reshape(A, B, -1)
-
-    def _old_logps(self, model_of, params, batch):
-        flat = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
-        logps, _, _ = token_logps(model_of(params), flat, chunk=self.train.loss_vocab_chunk,
-                                  temperature=self.config.temperature)
-        return logps.reshape(batch["inputs"].shape)
 
     def _rows(self, prompts, index, tokens, real, first_step: int | None) -> dict:
         """The `[A, R, T]` rows (prompt, completion, padding) of this process's rollouts, scored (a few
@@ -375,10 +378,10 @@ class GRPO(base.Objective):
         """The rollouts of a step's whole batch at the longest prompts (`seq_len - max_completion_length`)."""
         mesh, tc = trainer.mesh, self.train
         A, W = tc.grad_accum, tc.seq_len - self.config.max_completion_length
-        rows = lambda n: rows_sharding(mesh, trainer.rules, n)  # noqa: E731
+        rows = lambda n: rows_sharding(mesh, trainer.programs.rules, n)  # noqa: E731
         prompts = jax.ShapeDtypeStruct((A, tc.batch_size // A, W), jnp.int32, sharding=rows(3))
         lengths = jax.ShapeDtypeStruct((A, tc.batch_size // A), jnp.int32, sharding=rows(2))
-        return {f"grpo_rollout_{W}": (functools.partial(self._rollout, trainer.model),
+        return {f"grpo_rollout_{W}": (functools.partial(self._rollout, trainer.states.model),
                                       (params, prompts, lengths, jax.random.key(0)))}
 
     def samples(self) -> list[dict]:

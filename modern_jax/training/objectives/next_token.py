@@ -25,7 +25,7 @@ class NextTokenConfig(base.Config):
 
 class NextToken(base.Objective):
     unit, eval_unit = "tokens", "window"
-    shown = Shown("loss (nats / token)", console=(("bpb", "bpb"),))
+    display = Shown("loss (nats / token)", console=(("bpb", "bpb"),))
 
     def read(self, run, tokenizer, shared):
         return load_splits(run.data, tokenizer, run.vocab_size, shared=shared)
