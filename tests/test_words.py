@@ -162,7 +162,7 @@ def instance_attributes(cls: type) -> set[str]:
     for klass in cls.__mro__:
         if not klass.__module__.startswith("modern_jax"):
             continue
-        found |= set(klass.__dict__.get("__annotations__", {}))
+        found |= set(inspect.get_annotations(klass))
         try:
             tree = ast.parse(inspect.getsource(klass).strip())  # a nested class's source is indented
         except (OSError, TypeError):
