@@ -22,7 +22,7 @@ times as it repeats, so compile time does not grow with depth. How they run, sca
 Python loop and what the backward pass recomputes, is the active `execution` (`scan_layers`,
 `remat`), as are the kernels the layers' ops call: the model's config is its architecture only.
 
-A negative position is padding (before a left-padded prompt, `generate.sample_rows`): no query
+A negative position is padding (before a left-padded prompt, `generate.left_padded`): no query
 sees a key there, and a cache's next position is the one after its last token's.
 
 Ranges (token ids, learned positions, the cache's length and batch) are checked wherever the

@@ -43,19 +43,11 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     of host CPU devices or of the chips of TPU `topology` (over `slices` slices); with `speed` (a
     topology only, when the step fits), the estimated step time too (`estimate_speed`; and with the
     kernels opaque too unless `opaque_kernels_too` is False)."""
-    import jax
-
     from modern_jax.kernels.backend import recording_kernels
-    from modern_jax.sharding.mesh import make_mesh
-    from modern_jax.sharding.devices import chip, topology_devices
+    from modern_jax.sharding.devices import chip
     from modern_jax.training.trainer import trainer_for
 
-    if topology is not None:
-        devices = topology_devices(topology, slices)
-    else:
-        n = math.prod(v for v in mesh_sizes.values() if v > 0)
-        devices = jax.devices()[: n if -1 not in mesh_sizes.values() else None]
-    mesh = make_mesh(**mesh_sizes, devices=devices)
+    mesh, devices = _plan_mesh(mesh_sizes, topology, slices)
     execution = run.execution
     if topology is None and execution.attention_impl == "default":  # host devices stand in for accelerators:
         execution = execution.replace(attention_impl="chunked")  # O(T) attention, as the flash kernels are
@@ -64,28 +56,11 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
     batch = trainer.batches.abstract(fields=trainer.objective.fields())
     with recording_kernels() as kernels:
         lowered = trainer.programs.lower("train", state, batch)
-
-    def compile_memory(lowered=lowered) -> dict:
-        try:
-            analysis = lowered.compile().memory_analysis()
-        except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that cannot fit HBM
-            oom = _HBM_OOM.search(str(e))
-            if oom is None:
-                raise
-            return {"peak": _bytes(*oom.group(1, 2)), "hbm": _bytes(*oom.group(3, 4))}
-        return {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
-                "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
-                # what a host-offload remat policy keeps in the host's pinned memory
-                "host_temporaries": getattr(analysis, "host_temp_size_in_bytes", 0) or 0}
-
-    memory = _cached(_program_key(lowered, mesh, {"memory": True}), compile_memory) if topology else compile_memory()
-    kind = mesh.devices.flat[0].device_kind
-    if topology is not None and chip(devices) is not None:
-        kind = f"{kind} ({chip(devices).name})"
+    memory = _memory(lowered, mesh, topology)
     out = {
         "mesh": dict(mesh.shape),
         "devices": mesh.size,
-        "device_kind": kind,
+        "device_kind": _device_kind(mesh, devices, topology),
         "compiler": "TPU" if topology is not None else "XLA:CPU (estimate)",
         "kernels": {name: sorted(impls) for name, impls in sorted(kernels.items())},
         "parameters": shard_bytes(state["params"]),
@@ -100,21 +75,8 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         out.update(temporaries=None, peak=memory["peak"], hbm=memory["hbm"], fits=False, compiler_refused=True)
         return out
     out.update(memory)
-    out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
-    # an objective's own programs (GRPO's rollouts: the KV cache of a step's whole batch), run between
-    # the steps while the whole state stays in memory: the plan's peak is the larger
-    resident = shard_bytes(state) - shard_bytes(state["params"])
-    for name, (fn, args) in trainer.objective.programs(trainer, state["params"]).items():
-        with recording_kernels():
-            program = trainer.programs.lower_program(name, fn, *args)
-        counted = _cached(_program_key(program, mesh, {"memory": True}), lambda: compile_memory(program)) if topology \
-            else compile_memory(program)
-        if "temporaries" not in counted:
-            out.update(peak=max(out["peak"], counted["peak"] + resident), compiler_refused=True)
-            continue
-        held = counted["arguments"] + counted["outputs"] - counted["aliased"] + counted["temporaries"]
-        out.setdefault("programs", {})[name] = {"temporaries": counted["temporaries"], "peak": held + resident}
-        out["peak"] = max(out["peak"], held + resident)
+    out["peak"] = _held(memory)
+    _add_objective_programs(out, trainer, state, mesh, topology)
     if hbm_gib is not None:
         out["hbm"] = int(hbm_gib * GiB)
         out["fits"] = out["peak"] <= out["hbm"]
@@ -124,6 +86,82 @@ def plan(run, mesh_sizes: dict, hbm_gib: float | None = None, topology: str | No
         except CostModelFault as e:
             out["speed"] = {"unavailable": str(e)}
     return out
+
+
+def _plan_mesh(mesh_sizes: dict, topology: str | None, slices: int):
+    """`(mesh, devices)`: the mesh of `mesh_sizes` over the chips of TPU `topology`, or over this
+    host's (CPU) devices."""
+    import jax
+
+    from modern_jax.sharding.devices import topology_devices
+    from modern_jax.sharding.mesh import make_mesh
+
+    if topology is not None:
+        devices = topology_devices(topology, slices)
+    else:
+        n = math.prod(v for v in mesh_sizes.values() if v > 0)
+        devices = jax.devices()[: n if -1 not in mesh_sizes.values() else None]
+    return make_mesh(**mesh_sizes, devices=devices), devices
+
+
+def _device_kind(mesh, devices, topology: str | None) -> str:
+    """The mesh's device kind, with the chip's name for a TPU topology."""
+    from modern_jax.sharding.devices import chip
+
+    kind = mesh.devices.flat[0].device_kind
+    if topology is not None and chip(devices) is not None:
+        kind = f"{kind} ({chip(devices).name})"
+    return kind
+
+
+def _memory(lowered, mesh, topology: str | None) -> dict:
+    """`_compile_memory` of a lowered program; for a TPU topology, remembered in the plan cache."""
+    if topology is None:
+        return _compile_memory(lowered)
+    return _cached(_program_key(lowered, mesh, {"memory": True}), lambda: _compile_memory(lowered))
+
+
+def _compile_memory(lowered) -> dict:
+    """The compiled program's memory analysis (bytes of its arguments, outputs, aliased buffers and
+    temporaries); or, when the TPU compiler refuses a program that cannot fit HBM, its `peak` and
+    the `hbm` it had."""
+    import jax
+
+    try:
+        analysis = lowered.compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        oom = _HBM_OOM.search(str(e))
+        if oom is None:
+            raise
+        return {"peak": _bytes(*oom.group(1, 2)), "hbm": _bytes(*oom.group(3, 4))}
+    return {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
+            "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
+            # what a host-offload remat policy keeps in the host's pinned memory
+            "host_temporaries": getattr(analysis, "host_temp_size_in_bytes", 0) or 0}
+
+
+def _held(memory: dict) -> int:
+    """The bytes a program holds at its peak (`_compile_memory`'s analysis)."""
+    return memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+
+
+def _add_objective_programs(out: dict, trainer, state, mesh, topology: str | None) -> None:
+    """An objective's own programs (GRPO's rollouts: the KV cache of a step's whole batch) run between
+    the steps while the whole state stays in memory: each one's temporaries and peak into
+    `out["programs"]`, and the plan's peak the larger."""
+    from modern_jax.kernels.backend import recording_kernels
+
+    resident = shard_bytes(state) - shard_bytes(state["params"])
+    for name, (fn, args) in trainer.objective.programs(trainer, state["params"]).items():
+        with recording_kernels():
+            program = trainer.programs.lower_program(name, fn, *args)
+        counted = _memory(program, mesh, topology)
+        if "temporaries" not in counted:
+            out.update(peak=max(out["peak"], counted["peak"] + resident), compiler_refused=True)
+            continue
+        peak = _held(counted) + resident
+        out.setdefault("programs", {})[name] = {"temporaries": counted["temporaries"], "peak": peak}
+        out["peak"] = max(out["peak"], peak)
 
 
 # ----- speed ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ Both sides sample `--prompts` x `--generations` rows (prompts of 6 to 14 random 
 left-padded, each repeated once per generation, as a GRPO step's batch) for exactly
 `--new-tokens` tokens each (no early stop: the same work on both sides) at temperature 1 with
 the KV cache: ours is `generate.decode` as the rollouts call it (one jit-compiled program:
-prefill, then a `lax.scan` of single-token steps), theirs `model.generate(do_sample=True)` in
+prefill, then a `lax.scan` of single-token steps), theirs transformers' `generate(do_sample=True)` in
 float32 eager PyTorch. Compilation and the first call are left out; the best of `--repeats` of
 each is printed. The reference interpreter needs torch and transformers (see
 scripts/make_hf_fixtures.py); `--threads` sets PyTorch's threads (XLA uses every core; the

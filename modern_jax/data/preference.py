@@ -201,7 +201,7 @@ def pair_iterator(pairs: PreferencePairs, *, batch_size: int, grad_accum: int = 
 def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int | None = None,
                       rows: slice | None = None) -> Batches:
     """Batches `[1, R, T]` of the pairs in order (`max_pairs` of them spread evenly); the last is
-    filled up with empty pairs (no completion token: `loss.preference_sums` counts them out)."""
+    filled up with empty pairs (no completion token: `objectives.dpo.preference_sums` counts them out)."""
     chosen = spread(np.arange(len(pairs)), max_pairs)
     n = batch_size // 2
     rows = slice(None) if rows is None else rows

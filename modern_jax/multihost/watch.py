@@ -6,7 +6,7 @@ native stack dump that name neither the step nor how to resume; so does a join t
 peer that never connects, a coordinator that does not answer). `watch_stderr()` passes this
 process's stderr (file descriptor 2, native writes included) through a small child process
 that copies it; when that ending comes, the child leaves out jax's page and prints one line
-instead, in the words of `distributed.Joined.lost` (which process was lost, at which step, and
+instead, in the words of `distributed._Joined.lost` (which process was lost, at which step, and
 how to resume) or, while joining, which process could not join where and why — from the
 `status` lines this process sends it, which are never shown.
 """

@@ -29,6 +29,11 @@ the data axes and stays on its devices.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
@@ -210,75 +215,142 @@ def one_f_one_b(stage_fn, post_fn, x_BTD, per_row, weights, fixed, post_params, 
     S, M = stages(), strategies().microbatches
     N = jax.tree.leaves((weights, fixed))[0].shape[0]
     check_depth(N, "the layer stack")
-    B = x_BTD.shape[0]
-    _check_rows(B, M, group)
-    P, K = N // S, min(M, 2 * S - 1)
+    _check_rows(x_BTD.shape[0], M, group)
+    P = N // S
     split = lambda w: _place(w.reshape(S, P, *w.shape[1:]), 0)  # noqa: E731
-    w_S, f_S = jax.tree.map(split, weights), jax.tree.map(split, fixed)
-    x_MbTD = _place_rows(microbatches(x_BTD, M, group), stage=False)
-    rows = jax.tree.map(lambda a: microbatches(a, M, group), per_row)
-    post_rows = jax.tree.map(lambda a: microbatches(a, M, group), post_rows)
-    s_S = jnp.arange(S)
-    first_S = s_S * P
-    forward = jax.vmap(stage_fn, spmd_axis_name="stage")
-
-    def back_one(x_bTD, rows_b, w_P, f_P, first, g_bTD, cot):
-        _, vjp = jax.vjp(lambda x, w: stage_fn(x, rows_b, w, f_P, first)[:2], x_bTD, w_P)
-        return vjp((g_bTD, cot))
-
-    backward = jax.vmap(back_one, spmd_axis_name="stage")
-    pick = jax.vmap(lambda stash_K, i: jax.lax.dynamic_index_in_dim(stash_K, i, 0, keepdims=False),
-                    spmd_axis_name="stage")
-
-    def work(m_S):  # each stage's microbatch (clipped) and whether it exists
-        return jnp.clip(m_S, 0, M - 1), (m_S >= 0) & (m_S < M)
-
-    def tick(carry, t, fwd: bool, bwd: bool):
-        h_SbTD, g_SbTD, stash, dx_MbTD, dw, dpost, loss, sums, red, per_unit = carry
-        dy_bTD = jnp.zeros(h_SbTD.shape[1:], h_SbTD.dtype)
-        if fwd:
-            m_S, valid_S = work(t - s_S)
-            first_in = _place_rows(x_MbTD[m_S[0]], None)
-            inputs = _place_rows(jnp.roll(h_SbTD, 1, axis=0).at[0].set(first_in), stage=True)
-            slot = t % K
-            kept = jax.lax.dynamic_index_in_dim(stash, slot, 1, keepdims=False)
-            kept = _place_rows(jnp.where(valid_S[:, None, None, None], inputs, kept), stage=True)
-            stash = _place_rows(jax.lax.dynamic_update_index_in_dim(stash, kept, slot, 1), stage=True, whole=1)
-            h_SbTD, red_S, unit_S = forward(inputs, jax.tree.map(lambda a: a[m_S], rows), w_S, f_S, first_S)
-            h_SbTD = _place_rows(h_SbTD, stage=True)
-            red, per_unit = _fold(red, per_unit, red_S, unit_S, valid_S, first_S, P, combine)
-            if bwd:  # the steady phase: the last stage's microbatch through the loss
-                m = t - (S - 1)
-                y_bTD = _place_rows(h_SbTD[S - 1], None)
-                rows_m = jax.tree.map(lambda a: a[m], post_rows)
-                loss_m, vjp, sums_m = jax.vjp(lambda p, y: post_fn(p, y, rows_m), post_params, y_bTD, has_aux=True)
-                dp, dy_bTD = vjp(jnp.ones((), loss_m.dtype))
-                loss, sums = loss + loss_m, post_combine(sums, sums_m)
-                dpost = jax.tree.map(jnp.add, dpost, dp)
-        if bwd:
-            m_S, valid_S = work(t - (2 * S - 2) + s_S)  # forward at iteration t - 2 (S - 1 - s)
-            x_in = _place_rows(pick(stash, (t - 2 * (S - 1 - s_S)) % K), stage=True)
-            g_in = _mask(valid_S, _place_rows(jnp.roll(g_SbTD, -1, axis=0).at[S - 1].set(dy_bTD), stage=True))
-            cot = jax.tree.map(lambda c: jnp.where(valid_S, c, 0.0).astype(jnp.float32), reduced_cot)
-            dx_SbTD, dw_S = backward(x_in, jax.tree.map(lambda a: a[m_S], rows), w_S, f_S, first_S, g_in, cot)
-            g_SbTD = _place_rows(dx_SbTD, stage=True)
-            done = _place_rows(jnp.where(valid_S[0], _place_rows(g_SbTD[0], None),
-                                         _place_rows(dx_MbTD[m_S[0]], None)), None)
-            dx_MbTD = _place_rows(dx_MbTD.at[m_S[0]].set(done), stage=False)
-            dw = jax.tree.map(jnp.add, dw, dw_S)
-        return (h_SbTD, g_SbTD, stash, dx_MbTD, dw, dpost, loss, sums, red, per_unit), None
-
-    h = _place_rows(jnp.zeros((S,) + x_MbTD.shape[1:], x_BTD.dtype), stage=True)
-    rows_0 = jax.tree.map(lambda a: a[jnp.zeros(S, int)], rows)
-    per_unit = _unit_totals(jax.eval_shape(lambda: forward(h, rows_0, w_S, f_S, first_S)[2]), N)
-    sums = jax.eval_shape(lambda: post_fn(post_params, h[0], jax.tree.map(lambda a: a[0], post_rows))[1])
-    sums = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), sums)
-    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-    carry = (h, h, _place_rows(jnp.zeros((S, K) + x_MbTD.shape[1:], x_BTD.dtype), stage=True, whole=1),
-             _place_rows(jnp.zeros_like(x_MbTD), stage=False), zeros(w_S), zeros(post_params),
-             jnp.zeros((), jnp.float32), sums, reduced, per_unit)
+    schedule = _OneFOneB(
+        S=S, M=M, K=min(M, 2 * S - 1), P=P, s_S=jnp.arange(S), first_S=jnp.arange(S) * P,
+        x_MbTD=_place_rows(microbatches(x_BTD, M, group), stage=False),
+        rows=jax.tree.map(lambda a: microbatches(a, M, group), per_row),
+        post_rows=jax.tree.map(lambda a: microbatches(a, M, group), post_rows),
+        w_S=jax.tree.map(split, weights), f_S=jax.tree.map(split, fixed), stage_fn=stage_fn, post_fn=post_fn,
+        post_params=post_params, reduced_cot=reduced_cot, combine=combine, post_combine=post_combine)
+    carry = schedule.start(reduced)
     for start, n, fwd, bwd in ((0, S - 1, True, False), (S - 1, M, True, True), (M + S - 1, S - 1, False, True)):
-        carry, _ = loop(lambda c, i, start=start, fwd=fwd, bwd=bwd: tick(c, start + i, fwd, bwd), carry, n)
-    _, _, _, dx_MbTD, dw_S, dpost, loss, sums, red, per_unit = carry
-    dw = jax.tree.map(lambda d: d.reshape(N, *d.shape[2:]), dw_S)
-    return loss, sums, red, per_unit, unmicrobatch(dx_MbTD, group), dw, dpost
+        carry, _ = loop(lambda c, i, start=start, fwd=fwd, bwd=bwd: schedule.tick(c, start + i, fwd, bwd), carry, n)
+    dw = jax.tree.map(lambda d: d.reshape(N, *d.shape[2:]), carry.dw)
+    return carry.loss, carry.sums, carry.red, carry.per_unit, unmicrobatch(carry.dx_MbTD, group), dw, carry.dpost
+
+
+class _InFlight(NamedTuple):
+    """What 1F1B's iterations carry."""
+
+    h_SbTD: jax.Array  # each stage's forward output of the last iteration
+    g_SbTD: jax.Array  # each stage's backward output (its input's gradient) of the last iteration
+    stash: jax.Array  # [S, K, b, T, D]: each stage's inputs, kept from their forward until their backward
+    dx_MbTD: jax.Array  # the stack's input gradient, per microbatch
+    dw: Any  # the weights' gradient, [S, P, ...]
+    dpost: Any  # post_fn's parameters' gradient
+    loss: jax.Array
+    sums: Any  # post_fn's sums, folded by post_combine
+    red: Any  # the stages' reduced values, folded by combine
+    per_unit: Any  # the stages' per-unit values, [N, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _OneFOneB:
+    """One 1F1B step (`one_f_one_b`): the microbatches, each stage's weights and the functions, and
+    what one iteration does with them."""
+
+    S: int  # stages
+    M: int  # microbatches
+    K: int  # the stash's slots
+    P: int  # units a stage
+    s_S: jax.Array  # each stage's index
+    first_S: jax.Array  # each stage's first unit
+    x_MbTD: jax.Array
+    rows: Any  # per_row, [M, b, ...]
+    post_rows: Any  # [M, b, ...]
+    w_S: Any  # [S, P, ...]
+    f_S: Any  # [S, P, ...]
+    stage_fn: Callable
+    post_fn: Callable
+    post_params: Any
+    reduced_cot: Any
+    combine: Callable
+    post_combine: Callable
+
+    def start(self, reduced) -> _InFlight:
+        """The carry before the first iteration: zeros, and the given `reduced`."""
+        S = self.S
+        h = _place_rows(jnp.zeros((S,) + self.x_MbTD.shape[1:], self.x_MbTD.dtype), stage=True)
+        rows_0 = jax.tree.map(lambda a: a[jnp.zeros(S, int)], self.rows)
+        forward = jax.vmap(self.stage_fn, spmd_axis_name="stage")
+        per_unit = _unit_totals(jax.eval_shape(lambda: forward(h, rows_0, self.w_S, self.f_S, self.first_S)[2]),
+                                S * self.P)
+        sums = jax.eval_shape(lambda: self.post_fn(self.post_params, h[0],
+                                                   jax.tree.map(lambda a: a[0], self.post_rows))[1])
+        sums = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), sums)
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+        stash = _place_rows(jnp.zeros((S, self.K) + self.x_MbTD.shape[1:], self.x_MbTD.dtype), stage=True, whole=1)
+        return _InFlight(h, h, stash, _place_rows(jnp.zeros_like(self.x_MbTD), stage=False), zeros(self.w_S),
+                         zeros(self.post_params), jnp.zeros((), jnp.float32), sums, reduced, per_unit)
+
+    def tick(self, c: _InFlight, t, fwd: bool, bwd: bool):
+        """Iteration t: every stage's forward (`fwd`); in the steady phase (both) the last stage's
+        microbatch through the loss; every stage's backward (`bwd`)."""
+        dy_bTD = jnp.zeros(c.h_SbTD.shape[1:], c.h_SbTD.dtype)
+        if fwd:
+            c = self.forward(c, t)
+            if bwd:
+                c, dy_bTD = self.through_loss(c, t)
+        if bwd:
+            c = self.backward(c, t, dy_bTD)
+        return c, None
+
+    def work(self, m_S):
+        """Each stage's microbatch (clipped) and whether it exists."""
+        return jnp.clip(m_S, 0, self.M - 1), (m_S >= 0) & (m_S < self.M)
+
+    def forward(self, c: _InFlight, t) -> _InFlight:
+        """Stage s runs microbatch t - s forward, its input stashed in slot t mod K."""
+        m_S, valid_S = self.work(t - self.s_S)
+        first_in = _place_rows(self.x_MbTD[m_S[0]], None)
+        inputs = _place_rows(jnp.roll(c.h_SbTD, 1, axis=0).at[0].set(first_in), stage=True)
+        slot = t % self.K
+        kept = jax.lax.dynamic_index_in_dim(c.stash, slot, 1, keepdims=False)
+        kept = _place_rows(jnp.where(valid_S[:, None, None, None], inputs, kept), stage=True)
+        stash = _place_rows(jax.lax.dynamic_update_index_in_dim(c.stash, kept, slot, 1), stage=True, whole=1)
+        forward = jax.vmap(self.stage_fn, spmd_axis_name="stage")
+        h_SbTD, red_S, unit_S = forward(inputs, jax.tree.map(lambda a: a[m_S], self.rows), self.w_S, self.f_S,
+                                        self.first_S)
+        h_SbTD = _place_rows(h_SbTD, stage=True)
+        red, per_unit = _fold(c.red, c.per_unit, red_S, unit_S, valid_S, self.first_S, self.P, self.combine)
+        return c._replace(h_SbTD=h_SbTD, stash=stash, red=red, per_unit=per_unit)
+
+    def through_loss(self, c: _InFlight, t) -> tuple[_InFlight, jax.Array]:
+        """The last stage's microbatch of iteration t through `post_fn` and back: the carry with its
+        loss, sums and parameters' gradient added, and its output's gradient `dy_bTD`."""
+        m = t - (self.S - 1)
+        y_bTD = _place_rows(c.h_SbTD[self.S - 1], None)
+        rows_m = jax.tree.map(lambda a: a[m], self.post_rows)
+        loss_m, vjp, sums_m = jax.vjp(lambda p, y: self.post_fn(p, y, rows_m), self.post_params, y_bTD, has_aux=True)
+        dp, dy_bTD = vjp(jnp.ones((), loss_m.dtype))
+        return c._replace(loss=c.loss + loss_m, sums=self.post_combine(c.sums, sums_m),
+                          dpost=jax.tree.map(jnp.add, c.dpost, dp)), dy_bTD
+
+    def backward(self, c: _InFlight, t, dy_bTD) -> _InFlight:
+        """Stage s runs microbatch t - (2 S - 2) + s backward, from the input its forward stashed at
+        iteration t - 2 (S - 1 - s); the last stage's output gradient is `dy_bTD`."""
+        S = self.S
+        m_S, valid_S = self.work(t - (2 * S - 2) + self.s_S)
+        pick = jax.vmap(lambda stash_K, i: jax.lax.dynamic_index_in_dim(stash_K, i, 0, keepdims=False),
+                        spmd_axis_name="stage")
+        x_in = _place_rows(pick(c.stash, (t - 2 * (S - 1 - self.s_S)) % self.K), stage=True)
+        g_in = _mask(valid_S, _place_rows(jnp.roll(c.g_SbTD, -1, axis=0).at[S - 1].set(dy_bTD), stage=True))
+        cot = jax.tree.map(lambda v: jnp.where(valid_S, v, 0.0).astype(jnp.float32), self.reduced_cot)
+        backward = jax.vmap(functools.partial(_stage_vjp, self.stage_fn), spmd_axis_name="stage")
+        dx_SbTD, dw_S = backward(x_in, jax.tree.map(lambda a: a[m_S], self.rows), self.w_S, self.f_S, self.first_S,
+                                 g_in, cot)
+        g_SbTD = _place_rows(dx_SbTD, stage=True)
+        done = _place_rows(jnp.where(valid_S[0], _place_rows(g_SbTD[0], None),
+                                     _place_rows(c.dx_MbTD[m_S[0]], None)), None)
+        return c._replace(g_SbTD=g_SbTD, dx_MbTD=_place_rows(c.dx_MbTD.at[m_S[0]].set(done), stage=False),
+                          dw=jax.tree.map(jnp.add, c.dw, dw_S))
+
+
+def _stage_vjp(stage_fn, x_bTD, rows_b, w_P, f_P, first, g_bTD, cot):
+    """A stage's forward recomputed from its input, and its gradients in the input and the weights
+    given its output's (`g_bTD`) and its reduced values' (`cot`)."""
+    _, vjp = jax.vjp(lambda x, w: stage_fn(x, rows_b, w, f_P, first)[:2], x_bTD, w_P)
+    return vjp((g_bTD, cot))
