@@ -12,7 +12,7 @@ Tokens are made as lm_eval's `hf` backend makes them (a Hugging Face tokenizer w
 tokens, the continuation split off the encoded whole, left truncation to the model's
 `max_position_embeddings`), so the figures are those of `lm_eval --model hf` on the same weights.
 
-    lm = HarnessLM(Scorer(trainer.states, params, batch_size=32, chunk=trainer.train_cfg.loss_vocab_chunk), tokenizer)
+    lm = HarnessLM(Scorer(states, params, batch_size=32, chunk=512), tokenizer)  # states: a Trainer's
     results = evaluate_tasks(lm, ["sums_choice"], include_path="configs/harness", limit=8)
 
 Scoring: each request's input (its tokens but the last) is a segment of a packed row (positions

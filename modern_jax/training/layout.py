@@ -8,7 +8,7 @@ split over `stage` along its second axis: row-major the same order, so the model
 a reshape away, and the two reshapes the step makes (to `[N]`, then to `[R, S, P]` in
 `ops.pipeline`) fold into one that moves nothing.
 
-The Trainer's state, its optimizer state and its checkpoints hold this layout; `Trainer.model`
+The Trainer's state, its optimizer state and its checkpoints hold this layout; `StateBuilder.model`
 gives the model's. A checkpoint restores into another layout (another `stage_repeats`, or none)
 by reading each stack as saved and reshaping it (`training.checkpoint`).
 """

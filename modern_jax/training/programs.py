@@ -1,17 +1,17 @@
 """Programs compiled for one mesh: what the Trainer, the objectives, the planner and the harness
 compile and run.
 
-    programs = Programs(mesh, rules, strategies, execution)
-    programs.define("train", step_fn, in_shardings=..., donate_argnums=(0,))
-    programs.run("train", state, batch)           # compiled for these arguments on first use
-    programs.program("harness_score", fn, *args)  # an ad-hoc program, once per name and argument types
-    programs.lower("train", *abstract, platform="tpu")  # lowered only (the planner's)
+    on_mesh = Programs(mesh, rules, strategies, execution)
+    on_mesh.define("train", step_fn, in_shardings=..., donate_argnums=(0,))
+    on_mesh.run("train", state, batch)           # compiled for these arguments on first use
+    on_mesh.program("harness_score", fn, *args)  # an ad-hoc program, once per name and argument types
+    on_mesh.lower("train", *abstract, platform="tpu")  # lowered only (the planner's)
 
 Every program is traced and lowered under the run's rules, strategies and execution choices
 (kernels, dispatch, remat), so a layer's ops read them from the active context; the kernels
 each dispatch resolved to are recorded (`kernels`). An executable is shared by every Programs
 whose lowered program is the same text, so two objects that compile the same step compile it
-once a process; jax's persistent cache (`cli.options`) keeps them across processes.
+once a process; jax's persistent cache (`cli.common`) keeps them across processes.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ A run is three parts: its `Programs` (the mesh, the rules, lower / compile / run
 `training.programs`), its `StateBuilder` (the train state, what trains and what is saved,
 `training.state`) and the Trainer, which takes a step:
 
-    trainer = trainer_for(run, mesh)
-    state = trainer.states.init(seed)
-    state, metrics = trainer.train_step(state, trainer.batches.put(batch))
+    t = trainer_for(run, mesh)
+    state = t.states.init(seed)
+    state, metrics = t.train_step(state, t.batches.put(batch))
 
 `train_step(state, batch) -> (state, metrics)` is one `jax.jit` of a pure function with the
 state donated; batch and state carry `NamedSharding`s on a mesh with axes
