@@ -37,7 +37,6 @@ def run(args) -> int:
     args.max_windows = _max_windows(args.max_windows)
     import jax
 
-    from modern_jax.accounting import DoesNotFit, check_fits
     from modern_jax.data.pipeline import eval_batches, eval_windows
     from modern_jax.training import TrainConfig, evaluate_batches
     from modern_jax.training.metrics import Progress
@@ -54,25 +53,8 @@ def run(args) -> int:
             tokenizer, stream = _checkpoint_data(args, raw, run_dir, cfg)
         what = f"--data {args.data}" if args.data else f"the {args.split} split"
         total = len(eval_windows(stream, seq_len))
-        # by default the windows of the run's final evaluation where they are the same split and length
-        asked = args.max_windows if args.max_windows is not None else final[0] if same_split else "all"
-        asked = None if asked == "all" else asked
-        if args.max_windows not in (None, "all") and args.max_windows > total:
-            note(f"--max-windows {args.max_windows}: {what} has {_windows(total, seq_len)}; evaluating all of them")
-        windows = min(total, asked or total)
-        if final is None:
-            relation = "the checkpoint has no run config, so no final evaluation of a run to compare"
-        else:
-            setting = f"train.final_eval_windows={'null' if final[0] is None else final[0]}"
-            if same_split and asked == final[0]:
-                relation = f"the windows of the run's final evaluation ({setting}): at its last step, loss is " \
-                           f"its val_loss"
-            else:
-                count = "every window" if final[0] is None else _windows(final[0], final[1])
-                relation = (f"the run's final evaluation scored {count} of the val split ({setting}, "
-                            f"train.seq_len={final[1]}): with no --max-windows, --seq-len, --split or --data, "
-                            f"evaluate scores those")
-        scored = f"scored: {_scored(windows, total, seq_len, what)}; {relation}"
+        asked, windows = _chosen_windows(args, final, same_split, total, seq_len, what, note)
+        scored = f"scored: {_scored(windows, total, seq_len, what)}; {_relation(final, same_split, asked)}"
         run_batch = (raw.get("train") or {}).get("eval_batch_size") if final else None
         batch_size = min(args.batch_size or run_batch or DEFAULT_EVAL_BATCH, windows)
         if args.batch_size is not None and args.batch_size > windows:
@@ -82,40 +64,75 @@ def run(args) -> int:
         # one device; in a launch of several processes every device, each process feeding its rows
         trainer = _scoring_trainer(cfg, raw, tc)
         token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.replicated)
-
-        def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
-            return trainer.eval_executable(params, trainer.batches.abstract((batch_size, seq_len)), token_bytes)
-
-        def fits(batch_size: int) -> None:
-            check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
-                       lower=("batch_size",), otherwise="seq_len")
-
         with progress.phase("compiling the evaluation step"):
-            try:
-                fits(batch_size)
-            except DoesNotFit as e:
-                if args.batch_size is not None or e.lower != "batch_size" or not e.fits:  # asked for: refused
-                    raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
-                note(f"batches of {e.fits:,} windows, the most that fit (the default, {batch_size:,}, does not); "
-                     f"the loss is the same but for rounding")
-                batch_size = e.fits
-                try:
-                    fits(batch_size)
-                except DoesNotFit as e:
-                    raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
+            batch_size = _batch_that_fits(args, trainer, params, token_bytes, batch_size, seq_len, note)
         rows, _ = trainer.batches.local_slices(batch_size)
         batches = eval_batches(stream, seq_len=seq_len, batch_size=batch_size, max_windows=asked, rows=rows)
         with progress.phase("evaluating", len(batches), "batches") as advance:
             values = evaluate_batches(trainer, params, batches, token_bytes, rows=batch_size, advance=advance)
     if not main:
         return 0
+    _print_scores(args, scored, values)
+    return 0
+
+
+def _chosen_windows(args, final, same_split: bool, total: int, seq_len: int, what: str, note):
+    """`(asked, windows)`: the windows --max-windows asks for (None: all), by default those of the
+    run's final evaluation where they are the same split and length, and how many that is of `total`."""
+    asked = args.max_windows if args.max_windows is not None else final[0] if same_split else "all"
+    asked = None if asked == "all" else asked
+    if args.max_windows not in (None, "all") and args.max_windows > total:
+        note(f"--max-windows {args.max_windows}: {what} has {_windows(total, seq_len)}; evaluating all of them")
+    return asked, min(total, asked or total)
+
+
+def _relation(final, same_split: bool, asked) -> str:
+    """How the windows scored relate to the run's final evaluation (`_final_evaluation`)."""
+    if final is None:
+        return "the checkpoint has no run config, so no final evaluation of a run to compare"
+    setting = f"train.final_eval_windows={'null' if final[0] is None else final[0]}"
+    if same_split and asked == final[0]:
+        return f"the windows of the run's final evaluation ({setting}): at its last step, loss is its val_loss"
+    count = "every window" if final[0] is None else _windows(final[0], final[1])
+    return (f"the run's final evaluation scored {count} of the val split ({setting}, "
+            f"train.seq_len={final[1]}): with no --max-windows, --seq-len, --split or --data, "
+            f"evaluate scores those")
+
+
+def _batch_that_fits(args, trainer, params, token_bytes, batch_size: int, seq_len: int, note) -> int:
+    """`batch_size` if its evaluation step fits the device, else (a default, not --batch-size) the
+    most windows that do."""
+    from modern_jax.accounting import DoesNotFit, check_fits
+
+    def compile_at(batch_size: int, seq_len: int):  # the step it compiles last is the one evaluate runs
+        return trainer.eval_executable(params, trainer.batches.abstract((batch_size, seq_len)), token_bytes)
+
+    def fits(batch_size: int) -> None:
+        check_fits("evaluate", compile_at, {"batch_size": batch_size, "seq_len": seq_len}, resident=params,
+                   lower=("batch_size",), otherwise="seq_len")
+
+    try:
+        fits(batch_size)
+    except DoesNotFit as e:
+        if args.batch_size is not None or e.lower != "batch_size" or not e.fits:  # asked for: refused
+            raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
+        note(f"batches of {e.fits:,} windows, the most that fit (the default, {batch_size:,}, does not); "
+             f"the loss is the same but for rounding")
+        batch_size = e.fits
+        try:
+            fits(batch_size)
+        except DoesNotFit as e:
+            raise ValueError(e.describe({"batch_size": "--batch-size", "seq_len": "--seq-len"})) from None
+    return batch_size
+
+
+def _print_scores(args, scored: str, values: dict) -> None:
     print(scored)
     print(f"split: {'file ' + args.data if args.data else args.split}")
     print(f"tokens: {values['tokens']}")
     print(f"loss: {values['loss']:.4f}")
     print(f"perplexity: {math.exp(values['loss']) if values['loss'] < 700 else math.inf:.4f}")
     print(f"bits_per_byte: {values['bpb']:.4f}")
-    return 0
 
 
 def _checkpoint_data(args, raw: dict, run_dir, cfg):
