@@ -22,6 +22,12 @@ def _positive(flag: str):
     return flag, lambda v: v >= 1, "a positive integer"
 
 
+def _overrides(parser: argparse.ArgumentParser, example: str) -> None:
+    """A config's dotted `section.key=value` overrides, which may come in any order among the options
+    (`parse_args`)."""
+    parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+
+
 COMPUTING = ("train", "evaluate", "generate", "harness", "plan")  # the commands that join a launch
 
 

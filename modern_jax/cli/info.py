@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pathlib
 
-from modern_jax.cli.common import _check_flags, _positive
+from modern_jax.cli.common import _check_flags, _overrides, _positive
 
 
 def add_parser(subparsers) -> None:
@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
     info.add_argument("--context", type=int, help="context length for the KV-cache total (default: max positions)")
     info.add_argument("--seq-len", type=int, help="training sequence length for the FLOPs (default: min(context, 4096))")
     info.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    info.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=4")
+    _overrides(info, "model.n_layers=4")
     info.set_defaults(func=run)
 
 

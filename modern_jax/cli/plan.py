@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from modern_jax.cli.common import _check_flags, _note, _positive
+from modern_jax.cli.common import _check_flags, _note, _overrides, _positive
 
 
 def add_parser(subparsers) -> None:
@@ -45,7 +45,7 @@ def add_parser(subparsers) -> None:
     pl.add_argument("--search-chunk", metavar="N,N",
                     help="--search: loss vocabulary chunks, train.loss_vocab_chunk; 'whole' is the vocabulary in one "
                          "(default: the run's and whole)")
-    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. execution.remat=full model.dtype=bfloat16")
+    _overrides(pl, "execution.remat=full model.dtype=bfloat16")
     pl.set_defaults(func=run)
 
 

@@ -10,7 +10,7 @@ import json
 import pathlib
 import sys
 
-from modern_jax.cli.common import _note, _warnings_as_notes
+from modern_jax.cli.common import _note, _overrides, _warnings_as_notes
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent.parent / "configs" / "tiny.yaml"
 FINETUNE_CONFIG = DEFAULT_CONFIG.parent / "finetune_chat.yaml"  # the default run file of --init-from-hf
@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
                          "alpha and projections set lora:)")
     tr.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=1,tensor=4 (-1 fills; sets "
                                    "parallel.stage/data/fsdp/expert/context/tensor)")
-    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.n_layers=2")
+    _overrides(tr, "train.steps=500 model.n_layers=2")
     tr.set_defaults(func=run)
 
 
