@@ -358,7 +358,8 @@ def test_a_rehearsal_refuses_what_its_processes_would_before_starting_them(argv,
 def test_the_readme_rehearsal_is_a_valid_run():
     """The `modern-jax launch ... train ...` of the docs' "Many hosts" section is a run its
     processes accept (its overrides resolve to a valid config), read as `train` reads them."""
-    from modern_jax.cli import DEFAULT_CONFIG, parse_args
+    from modern_jax.cli import parse_args
+    from modern_jax.cli.train import DEFAULT_CONFIG
     from modern_jax.sharding.mesh import parse_mesh
     from modern_jax.training import load_run_config
 
