@@ -33,11 +33,8 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import pathlib
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable
 
@@ -57,6 +54,7 @@ from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE,
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training.placement import from_whole
+from modern_jax.training.signals import StopSignal
 from modern_jax.training import objectives
 from modern_jax.training.converters import abstract_converted
 from modern_jax.training.step import Trainer, describe_kernels, trainer_for
@@ -94,52 +92,6 @@ class TrainResult:
     signal: int | None = None  # the signal that stopped it (None: stop_after, or another process's signal)
     samples: list[str] = dataclasses.field(default_factory=list)
     harness: dict = dataclasses.field(default_factory=dict)  # the final benchmarks (train.harness_tasks): task/metric
-
-
-class _StopSignal:
-    """SIGTERM / SIGINT stop the run, after a checkpoint, at a step every process agrees on.
-
-    One process: a flag the loop reads after each step (a second SIGINT interrupts at once).
-    Several: SIGTERM is jax's preemption notice, whose handler tells the coordination service,
-    which picks the step at which every process stops (`reached_preemption_sync_point`); a
-    SIGINT is passed on as one."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            several = distributed.joined()
-            for sig in (signal.SIGINT,) if several else (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._pass_on if several else self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _pass_on(self, signum, frame):
-        self.received = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.kill(os.getpid(), signal.SIGTERM)  # to jax's preemption notice
-
-    def due(self, step: int) -> bool:
-        """Stop after `step` (called after every step, by every process, in the same order)."""
-        if distributed.joined():
-            from jax.experimental import multihost_utils
-
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.received is not None
-
-    def name(self) -> str:
-        if distributed.joined():
-            return "a stop signal (SIGTERM or Ctrl-C) to one of the processes"
-        return signal.Signals(self.received).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def _sums(step, batches, advance) -> dict:
@@ -288,7 +240,7 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
         # creates nothing on disk until the first save, so a run that fails to start leaves no checkpoints/
         checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
         try:
-            with _StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
+            with StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
                 return _train(run, directory, mesh, checkpointer, log, stop_after, stop, init)
         finally:
             checkpointer.close()
@@ -303,7 +255,7 @@ _SHARED_DATA = ".data"  # in a launch of several processes: the token streams th
 
 
 def _train(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log, stop_after,
-           stop: _StopSignal, init: Initial | None) -> TrainResult:
+           stop: StopSignal, init: Initial | None) -> TrainResult:
     with Progress(None, enabled=run.train.progress and distributed.is_main()) as setup:  # the data, the compilation
         session = _set_up(run, directory, mesh, checkpointer, log, init, setup)
     result = _loop(session, mesh, stop_after, stop)
@@ -571,7 +523,7 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
                         frozen)
 
 
-def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
+def _loop(s: _Session, mesh, stop_after, stop: StopSignal) -> TrainResult:
     """Steps until `train.steps` (or a signal, or `stop_after`), with logging, evaluation and saves."""
     tc = s.run.train
     flops = flops_per_token(s.run.model, tc.seq_len)["total"]
