@@ -19,12 +19,12 @@ update (the step function keeps the old state) and is logged; `max_nonfinite_ste
 row stop the run with `TrainingDiverged`. A checkpoint is only written from finite
 parameters.
 
-The run directory has one writer: its lock (`outputs.RunLock`) is taken before anything is
-written, and a start that fails removes what it wrote. In a launch of several processes
-(`multihost.distributed`) process 0 takes the lock and writes the run's files (config,
-tokenizer, metrics, TensorBoard, plots, samples) and prints; every process computes and saves
-its shards of each checkpoint; the processes agree on the directory's verdict, the step to
-resume from and the step a signal stops at.
+The run directory has one writer: `outputs.RunDirectory` claims and locks it (`outputs.RunLock`)
+before anything is written, and a start that fails removes what it wrote. In a launch of
+several processes (`multihost.distributed`) process 0 takes the lock and writes the run's
+files (config, tokenizer, metrics, TensorBoard, plots, samples) and prints; every process
+computes and saves its shards of each checkpoint; the processes agree on the directory's
+verdict, the step to resume from and the step a signal stops at.
 """
 
 from __future__ import annotations
@@ -166,67 +166,6 @@ def _with_vocab(run: RunConfig, tokenizer, whose: str) -> RunConfig:
     return run
 
 
-class RunDirectory:
-    """`train.output_dir` for one call of `train`: claimed, locked and, if the start fails,
-    left as it was found. In a launch of several processes, process 0 decides and locks; the
-    others follow its verdict and check that they see the same directory."""
-
-    WHAT, HINT = "train.output_dir", "choose a new train.output_dir (--output-dir)"
-
-    def __init__(self, path: pathlib.Path, log):
-        self.path, self.log = path, log
-        self.lock: outputs.RunLock | None = None
-        self.started = False  # the run's files are written: a failure from here on keeps them
-        self.made: list[pathlib.Path] = []  # what this start wrote before `started` (removed on failure)
-
-    def __enter__(self) -> RunDirectory:
-        def take() -> dict:
-            outputs.claim(self.path, outputs.RUN, self.WHAT, hint=self.HINT)
-            self.lock = outputs.RunLock(self.path, self.WHAT, processes=distributed.count(), hint=self.HINT)
-            self.lock.acquire(self.log)
-            outputs.claim(self.path, outputs.RUN, self.WHAT, hint=self.HINT)  # the lock is ours: look again
-            return {"token": self.lock.holder["token"]}
-
-        try:
-            token = distributed.decide("run_directory", take)["token"]
-        except BaseException:
-            self._release()
-            raise
-        if self.lock is None:  # another process's view of the directory process 0 locked
-            lock = self.path / outputs.LOCK_FILE
-            seen = outputs.read_lock(lock) if lock.exists() else None
-            if (seen or {}).get("token") != token:
-                raise distributed.Refused(
-                    f"{self.WHAT}={str(self.path)!r} is not the directory that process 0 locked (its lock is not "
-                    f"there): every process must see the run directory on a shared file system (NFS, a GCS "
-                    f"mount, ...), as checkpoints need it")
-        distributed.on_stop(self.abandon)
-        return self
-
-    def check(self) -> None:
-        """Stop before writing more if another writer took the directory over."""
-        if self.lock is not None:
-            self.lock.check()
-
-    def abandon(self) -> None:
-        """A start that fails removes what it wrote (all of a directory it created), then unlocks."""
-        if self.lock is not None and not self.started:
-            if self.lock.created:
-                shutil.rmtree(self.path, ignore_errors=True)
-            else:
-                for path in self.made:
-                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        self._release()
-
-    def _release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-    def __exit__(self, *exc):
-        self.abandon()
-
-
 def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None,
           init: Initial | None = None) -> TrainResult:
     """Train (or resume) the run. `stop_after`: stop after this many steps in this call, saving
@@ -235,7 +174,7 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
     tc = run.train
     out_dir = pathlib.Path(tc.output_dir)
     log = log if distributed.is_main() else _quiet
-    with RunDirectory(out_dir, log) as directory:
+    with outputs.RunDirectory(out_dir, log) as directory:
         mesh = run.parallel.mesh() if mesh is None else mesh
         # creates nothing on disk until the first save, so a run that fails to start leaves no checkpoints/
         checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
@@ -254,7 +193,7 @@ def _quiet(*_) -> None:
 _SHARED_DATA = ".data"  # in a launch of several processes: the token streams they built together
 
 
-def _train(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log, stop_after,
+def _train(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer: Checkpointer, log, stop_after,
            stop: StopSignal, init: Initial | None) -> TrainResult:
     with Progress(None, enabled=run.train.progress and distributed.is_main()) as setup:  # the data, the compilation
         session = _set_up(run, directory, mesh, checkpointer, log, init, setup)
@@ -270,7 +209,7 @@ class _Session:
     iterator's position for the step after the last one run) advance with the loop."""
 
     run: RunConfig
-    directory: RunDirectory
+    directory: outputs.RunDirectory
     checkpointer: Checkpointer
     trainer: Trainer
     tokenizer: object
@@ -385,7 +324,7 @@ def _check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
         log(f"resuming with changed settings: {'; '.join(changed)}")
 
 
-def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log,
+def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer: Checkpointer, log,
             init: Initial | None, progress: Progress) -> _Session:
     """Check everything, restore or initialise the state, compile, then write the run's files
     (`progress` shows the long parts)."""
