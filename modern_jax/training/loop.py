@@ -45,12 +45,11 @@ import yaml
 
 from modern_jax import execution
 from modern_jax.accounting import flops_per_token
-from modern_jax.configfile import read_yaml
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.multihost import distributed
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer,
-                                           check_base)
+                                           check_base, check_resume)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training.placement import from_whole
@@ -274,56 +273,6 @@ class _Session:
         return self.trainer.objective.eval_batches(self.val_stream, max_windows=max_windows, rows=rows)
 
 
-def _changes(saved: dict, now: dict) -> list[str]:
-    """`section.field old -> new` for every setting of `now` that differs from the saved config."""
-    before, after = distributed.flatten(saved), distributed.flatten(now)
-    return [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
-            if before.get(k) != after.get(k) and not k.startswith("model.")]
-
-
-TOKENIZER_FIELDS = ("data.tokenizer", "data.tokenizer_path")  # what a resumed run's saved tokenizer fixes
-
-
-def _differences(section: str, there: dict, here: dict, ignore=()) -> list[str]:
-    """`section.field is X there, Y here` for each field of the saved `there` that `here` holds otherwise."""
-    return [f"{section}.{k} is {v!r} there, {here.get(k)!r} here" for k, v in there.items()
-            if k not in ignore and here.get(k) != v]
-
-
-def _check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
-    """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout) and its
-    tokenizer; other changed settings are named."""
-    config_path = out_dir / CONFIG_FILE
-    if not config_path.exists():
-        return
-    saved = read_yaml(config_path)
-    saved = saved if isinstance(saved, dict) else {}
-    model_diff = _differences("model", saved.get("model") or {}, run.model.to_dict())
-    if model_diff:
-        raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model ({'; '.join(model_diff[:3])}"
-                         f", by its {CONFIG_FILE}): start a new train.output_dir or keep the model: section unchanged")
-    there, here = saved.get("lora"), None if run.lora is None else run.lora.to_dict()
-    if isinstance(there, dict) and here is not None:
-        lora_diff = _differences("lora", there, here, ignore=("dropout",))
-    else:
-        lora_diff = [] if (there is None) == (here is None) else [
-            "a lora: section there, none here" if here is None else "no lora: section there, one here"]
-    if lora_diff:
-        raise ValueError(f"the checkpoints in {str(out_dir)!r} were trained with other lora: settings "
-                         f"({'; '.join(lora_diff)}, by its {CONFIG_FILE}): resume with the lora: section they were "
-                         f"trained with, or start a new train.output_dir")
-    now = run.to_dict()
-    flat_saved, flat_now = distributed.flatten(saved), distributed.flatten(now)
-    for field in TOKENIZER_FIELDS:
-        if field in flat_saved and flat_saved[field] != flat_now.get(field):
-            raise ValueError(f"{str(out_dir)!r} was trained with {field}={flat_saved[field]!r} (its tokenizer.json "
-                             f"keeps it), not {flat_now.get(field)!r}: a resumed run keeps its tokenizer, so drop "
-                             f"the new {field}, or start a new train.output_dir")
-    changed = [c for c in _changes(saved, now) if not c.startswith("train.resume ")]
-    if changed:
-        log(f"resuming with changed settings: {'; '.join(changed)}")
-
-
 def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer: Checkpointer, log,
             init: Initial | None, progress: Progress) -> _Session:
     """Check everything, restore or initialise the state, compile, then write the run's files
@@ -353,7 +302,7 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
         run, tokenizer, train_stream, val_stream = prepare_run(run, objective, out_dir if steps else None,
                                                                init.tokenizer if init is not None else None, shared)
     if steps:
-        distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
+        distributed.decide("resume", lambda: check_resume(out_dir, run, log))
     model_cfg = run.model
     trainer = trainer_for(run, mesh, objective=objective)
     skipped = [] if trainer.converter is None else trainer.converter.undropped(
