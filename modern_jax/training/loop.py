@@ -279,6 +279,46 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
     (`progress` shows the long parts)."""
     tc, out_dir = run.train, directory.path
     steps = checkpointer.all_steps()
+    init, base = _checked_start(run, out_dir, mesh, steps, init)
+    objective = objectives.objective(run.objective, tc)
+    run, tokenizer, train_stream, val_stream = _read_data(run, directory, objective, steps, init, progress)
+    if steps:
+        distributed.decide("resume", lambda: check_resume(out_dir, run, log))
+    trainer = _trainer(run, mesh, objective, log)
+    state, data_state, start, latest = _start_state(run, trainer, checkpointer, steps, init, out_dir, log)
+    benchmarks = None
+    if tc.harness_tasks:  # the tasks are checked and their data read before any step
+        from modern_jax.harness import Benchmarks
+
+        with progress.phase("reading the benchmark tasks (lm-eval)"):
+            benchmarks = Benchmarks(trainer, tokenizer, tc)
+    rows, _ = trainer.batches.local_slices(tc.batch_size // tc.grad_accum)
+    iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
+    session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
+                       jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
+                       iterator.get_state(), {}, start, latest, 0.0, benchmarks)
+    session.periodic_eval = list(session.eval_batches(tc.eval_windows))
+    _note_eval_size(objective, val_stream, tc, log)
+    # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
+    session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum, start)
+    with progress.phase("compiling the training and evaluation steps"):
+        session.compile_s = trainer.compile(state, session.next_batch,
+                                            eval_batch(trainer, state["params"], session.periodic_eval[0],
+                                                       tc.eval_batch_size, 0), session.token_bytes)
+    if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
+        _write_run_files(out_dir, run, tokenizer, init, base)
+    directory.started = True
+    distributed.note(step=start, resume=session.resume_hint())
+    _report_model(session, objective, train_stream, log)
+    return session
+
+
+def _checked_start(run: RunConfig, out_dir: pathlib.Path, mesh, steps: list[int],
+                   init: Initial | None) -> tuple[Initial | None, dict | None]:
+    """Refuse a start that cannot go on, and processes that would start differently; `(init, base)`:
+    what a new run starts from (None for a resumed one, unless it reads its base again) and the size
+    and CRC-32 of each weight file of a base left out of the checkpoints."""
+    tc = run.train
     if steps and not tc.resume:
         raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {steps[-1]}); "
                          "set train.resume=true to continue, or choose another output_dir")
@@ -293,16 +333,26 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
         base = distributed.decide("base", lambda: _base_files(out_dir, init, resumed=bool(steps)))
     distributed.check_same("run", {**distributed.flatten(run.to_dict()), "init": init.source if init else None,
                                    "mesh": dict(mesh.shape), "devices": mesh.size, "resume from": steps[-1:] or None})
+    return init, base
+
+
+def _read_data(run: RunConfig, directory: outputs.RunDirectory, objective, steps: list[int], init: Initial | None,
+               progress: Progress):
+    """`prepare_run` for this start: `(run, tokenizer, train split, validation split)`. In a launch of
+    several processes they build the token streams together in the run directory (removed if the
+    start fails)."""
+    out_dir = directory.path
     shared = None
     if distributed.joined():
         shared = out_dir / _SHARED_DATA
         directory.made.append(shared)
-    objective = objectives.objective(run.objective, tc)
     with progress.phase("reading and tokenizing the data"):
-        run, tokenizer, train_stream, val_stream = prepare_run(run, objective, out_dir if steps else None,
-                                                               init.tokenizer if init is not None else None, shared)
-    if steps:
-        distributed.decide("resume", lambda: check_resume(out_dir, run, log))
+        return prepare_run(run, objective, out_dir if steps else None, init.tokenizer if init is not None else None,
+                           shared)
+
+
+def _trainer(run: RunConfig, mesh, objective, log) -> Trainer:
+    """The run's Trainer; a LoRA run's dropout names the adapted projections it cannot reach."""
     model_cfg = run.model
     trainer = trainer_for(run, mesh, objective=objective)
     skipped = [] if trainer.converter is None else trainer.converter.undropped(
@@ -310,6 +360,15 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
     if skipped:  # a mixture's experts and routers: their adapters are added to the weights
         log(f"lora.dropout={run.lora.dropout}: on the inputs of the adapted projections but {', '.join(skipped)}, "
             f"whose adapters are added to their weights (no input of their own to drop out)")
+    return trainer
+
+
+def _start_state(run: RunConfig, trainer: Trainer, checkpointer: Checkpointer, steps: list[int],
+                 init: Initial | None, out_dir: pathlib.Path, log) -> tuple[dict, dict | None, int, int | None]:
+    """`(state, data_state, start, latest)`: restored from the newest checkpoint that restores
+    completely (step `latest`; a base left out of it is read again from `init`), else a new state
+    (with `init`'s parameters, if given) at step 0."""
+    tc, model_cfg = run.train, run.model
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.saved(trainer.abstract_state()), log=log,
@@ -323,36 +382,24 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
         state, data_state, start = trainer.init_state(tc.seed), None, 0
         if init is not None:
             state = trainer.with_start(state, _initial_params(trainer, init, log))
+    return state, data_state, start, latest
 
-    benchmarks = None
-    if tc.harness_tasks:  # the tasks are checked and their data read before any step
-        from modern_jax.harness import Benchmarks
 
-        with progress.phase("reading the benchmark tasks (lm-eval)"):
-            benchmarks = Benchmarks(trainer, tokenizer, tc)
-    rows, _ = trainer.batches.local_slices(tc.batch_size // tc.grad_accum)
-    iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
-    session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
-                       jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
-                       iterator.get_state(), {}, start, latest, 0.0, benchmarks)
-    session.periodic_eval = list(session.eval_batches(tc.eval_windows))
-    # what the validation split holds: say so when asked more
+def _note_eval_size(objective, val_stream, tc, log) -> None:
+    """What the validation split holds: say so when train.eval_windows or train.final_eval_windows
+    asks more (all of it is evaluated)."""
     windows, unit = objective.eval_size(val_stream), objective.eval_unit
     for name in ("eval_windows", "final_eval_windows") if tc.eval_every > 0 else ("final_eval_windows",):
         asked = getattr(tc, name)
         if asked is not None and asked > windows:
             log(f"train.{name}={asked:,}: the validation split has {windows:,} {unit}{'s' if windows != 1 else ''} "
                 f"of {tc.seq_len} tokens; evaluating all of them")
-    # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
-    session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum, start)
-    with progress.phase("compiling the training and evaluation steps"):
-        session.compile_s = trainer.compile(state, session.next_batch,
-                                            eval_batch(trainer, state["params"], session.periodic_eval[0],
-                                                       tc.eval_batch_size, 0), session.token_bytes)
-    if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
-        _write_run_files(out_dir, run, tokenizer, init, base)
-    directory.started = True
-    distributed.note(step=start, resume=session.resume_hint())
+
+
+def _report_model(session: _Session, objective, train_stream, log) -> None:
+    """The parameters (a LoRA run's base and the adapters it trains), the data, the batch, the
+    compilation's time and the kernels."""
+    trainer, state, tc = session.trainer, session.state, session.run.train
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_base()))
     if trainer.converter is not None:  # the base's count (stored quantized or not), and the adapters trained
         trained = sum(x.size for x in jax.tree.leaves(trainer.split(state["params"])[0]))
@@ -360,10 +407,9 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
     else:
         n_params = f"{n_params:,}"
     what = objective.unit
-    log(f"model: {n_params} parameters | train {len(train_stream):,} {what}, validation {len(val_stream):,} "
+    log(f"model: {n_params} parameters | train {len(train_stream):,} {what}, validation {len(session.val_stream):,} "
         f"{what} | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
     log(f"kernels: {describe_kernels(trainer.kernels)}")
-    return session
 
 
 def _base_files(out_dir: pathlib.Path, init: Initial, resumed: bool) -> dict | None:
@@ -411,88 +457,144 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
                         frozen)
 
 
+@dataclasses.dataclass
+class _Logbook:
+    """Where the loop's figures go: every step's to `history` (host floats) once fetched (the steps
+    not yet fetched wait in `pending`), to metrics.jsonl, TensorBoard and W&B (`metrics_log`,
+    process 0's), to the bar and the printed lines (`message`); the interval since the last log
+    step's start and tokens give the rate."""
+
+    metrics_log: MetricsLog | None
+    progress: Progress
+    message: Callable[[str], None]
+    flops: float  # the model's per token (`accounting.flops_per_token`)
+    n_devices: int
+    history: list[dict] = dataclasses.field(default_factory=list)
+    pending: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
+    interval_start: float = 0.0
+    interval_tokens: int = 0
+
+    @classmethod
+    def open(cls, s: _Session, mesh) -> _Logbook:
+        tc = s.run.train
+        main = distributed.is_main()
+        metrics_log = MetricsLog(s.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
+                                 config=s.run.to_dict()) if main else None
+        progress = Progress(tc.steps, s.start, enabled=tc.progress and main)
+        return cls(metrics_log, progress, progress.message if main else _quiet,
+                   flops_per_token(s.run.model, tc.seq_len)["total"], mesh.size)
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+
+
 def _loop(s: _Session, mesh, stop_after, stop: StopSignal) -> TrainResult:
-    """Steps until `train.steps` (or a signal, or `stop_after`), with logging, evaluation and saves."""
+    """Steps until `train.steps` (or a signal, or `stop_after`), with logging, evaluation and saves;
+    a run that reaches `train.steps` ends with the final evaluation and a save."""
     tc = s.run.train
-    flops = flops_per_token(s.run.model, tc.seq_len)["total"]
-    tokens_per_step = tc.batch_size * tc.seq_len
-    rows = tc.batch_size // tc.grad_accum
-    main = distributed.is_main()
-    metrics_log = MetricsLog(s.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
-                             config=s.run.to_dict()) if main else None
-    progress = Progress(tc.steps, s.start, enabled=tc.progress and main)
-    history: list[dict] = []
-    pending: list[tuple[int, dict]] = []
-    result = TrainResult(s.out_dir, s.start, history, compile_s=s.compile_s)
+    book = _Logbook.open(s, mesh)
+    result = TrainResult(s.out_dir, s.start, book.history, compile_s=s.compile_s)
     loop_start = time.perf_counter()
-    interval_start, interval_tokens = loop_start, 0
-    step, next_batch = s.start, s.next_batch
-    message = progress.message if main else _quiet
-    every = s.trainer.objective.steps_per_batch  # a run stops and saves only between batches that serve several steps
-    asked = False  # a stop signal came
+    book.interval_start = loop_start
     try:
-        while step < tc.steps:
-            batch, next_batch = next_batch, None
-            s.state, metrics = s.trainer.train_step(s.state, batch)
-            step += 1
-            distributed.note(step=step)
-            interval_tokens += tokens_per_step
-            pending.append((step, metrics))
-            s.data_state = s.iterator.get_state()
-            asked = stop.due(step) or asked  # every process calls it at every step
-            stopping = step % every == 0 and (asked or (stop_after is not None and step - s.start >= stop_after
-                                                        and step < tc.steps))
-            if step < tc.steps and not stopping:
-                next_batch = s.batch(next(s.iterator), rows, step)  # overlaps with the running step
-            if step % tc.log_every == 0 or step == tc.steps or stopping:
-                fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
-                rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-                record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message,
-                                   s.trainer.objective.named)
-                if metrics_log is not None:
-                    metrics_log.write(step, "train", record)
-                    _write_samples(s.out_dir, step, s.trainer.objective.samples())
-                progress.update(step, record["loss"], rate, s.trainer.shown.line(record))
-                pending.clear()
-                if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
-                    raise TrainingDiverged(
-                        f"stopping at step {step}: {int(history[-1]['nonfinite_streak'])} non-finite steps in a "
-                        f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
-                        f"skipped; {s.newest()}. Lower train.lr or check the data.")
-                interval_start, interval_tokens = time.perf_counter(), 0
-            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                values = s.evaluate(metrics_log, step, s.periodic_eval, progress)
-                message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.shown.line(values, "val_"))
-            if s.benchmarks is not None and tc.harness_every and step % tc.harness_every == 0 and step < tc.steps:
-                values = s.benchmark(metrics_log, step, progress)
-                message(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
-            if stopping:
-                s.save(step, message)
-                s.checkpointer.wait()
-                name = stop.name() if stop_after is None or step - s.start < stop_after else f"stop_after={stop_after}"
-                message(f"{name}: saved a checkpoint at step {step} and stopped; run the same command again to "
-                        f"resume")
-                result.interrupted = True
-                break
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                s.save(step, message)
+        step, result.interrupted = _steps(s, book, stop_after, stop)
         if not result.interrupted:
-            final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows), progress, "final validation")
-            result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
-            result.val_shown = s.trainer.shown.values(final)
-            if s.benchmarks is not None:
-                result.harness = s.benchmark(metrics_log, step, progress)
-            s.save(step, message)
+            _final_evaluation(s, book, result, step)
     finally:
-        progress.close()
-        if metrics_log is not None:
-            metrics_log.close()
+        book.close()
     result.wall_s = time.perf_counter() - loop_start
     result.step = step
-    result.tokens_per_s = (step - s.start) * tokens_per_step / max(result.wall_s, 1e-9)
+    result.tokens_per_s = (step - s.start) * tc.batch_size * tc.seq_len / max(result.wall_s, 1e-9)
     result.signal = stop.received
     s.checkpointer.wait()
     return result
+
+
+def _steps(s: _Session, book: _Logbook, stop_after, stop: StopSignal) -> tuple[int, bool]:
+    """The steps from `s.start`; `(the last step run, whether the run stopped before train.steps)`."""
+    tc = s.run.train
+    tokens_per_step = tc.batch_size * tc.seq_len
+    rows = tc.batch_size // tc.grad_accum
+    step, next_batch = s.start, s.next_batch
+    every = s.trainer.objective.steps_per_batch  # a run stops and saves only between batches that serve several steps
+    asked = False  # a stop signal came
+    while step < tc.steps:
+        batch, next_batch = next_batch, None
+        s.state, metrics = s.trainer.train_step(s.state, batch)
+        step += 1
+        distributed.note(step=step)
+        book.interval_tokens += tokens_per_step
+        book.pending.append((step, metrics))
+        s.data_state = s.iterator.get_state()
+        asked = stop.due(step) or asked  # every process calls it at every step
+        stopping = step % every == 0 and (asked or (stop_after is not None and step - s.start >= stop_after
+                                                    and step < tc.steps))
+        if step < tc.steps and not stopping:
+            next_batch = s.batch(next(s.iterator), rows, step)  # overlaps with the running step
+        if step % tc.log_every == 0 or step == tc.steps or stopping:
+            _log(s, book, step)
+        _evaluate_between(s, book, step)
+        if stopping:
+            _stop(s, book, step, stop, stop_after)
+            return step, True
+        if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+            s.save(step, book.message)
+    return step, False
+
+
+def _log(s: _Session, book: _Logbook, step: int) -> None:
+    """Fetch the pending steps' metrics (waiting for the steps in flight), record and show them;
+    `train.max_nonfinite_steps` non-finite steps in a row stop the run."""
+    tc = s.run.train
+    fetched = jax.device_get([m for _, m in book.pending])  # waits for the steps in flight
+    rate = book.interval_tokens / max(time.perf_counter() - book.interval_start, 1e-9)
+    record = _log_step(book.pending, fetched, book.history, rate, book.flops, tc.peak_flops, book.n_devices,
+                       book.message, s.trainer.objective.named)
+    if book.metrics_log is not None:
+        book.metrics_log.write(step, "train", record)
+        _write_samples(s.out_dir, step, s.trainer.objective.samples())
+    book.progress.update(step, record["loss"], rate, s.trainer.shown.line(record))
+    book.pending.clear()
+    if book.history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
+        raise TrainingDiverged(
+            f"stopping at step {step}: {int(book.history[-1]['nonfinite_streak'])} non-finite steps in a "
+            f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
+            f"skipped; {s.newest()}. Lower train.lr or check the data.")
+    book.interval_start, book.interval_tokens = time.perf_counter(), 0
+
+
+def _evaluate_between(s: _Session, book: _Logbook, step: int) -> None:
+    """The validation every `train.eval_every` steps and the benchmarks every `train.harness_every`
+    (the last step has the final ones)."""
+    tc = s.run.train
+    if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+        values = s.evaluate(book.metrics_log, step, s.periodic_eval, book.progress)
+        book.message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.shown.line(values, "val_"))
+    if s.benchmarks is not None and tc.harness_every and step % tc.harness_every == 0 and step < tc.steps:
+        values = s.benchmark(book.metrics_log, step, book.progress)
+        book.message(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+
+def _stop(s: _Session, book: _Logbook, step: int, stop: StopSignal, stop_after) -> None:
+    """Save at `step`, and say why the run stops there (a signal, or `stop_after`) and how it resumes."""
+    s.save(step, book.message)
+    s.checkpointer.wait()
+    name = stop.name() if stop_after is None or step - s.start < stop_after else f"stop_after={stop_after}"
+    book.message(f"{name}: saved a checkpoint at step {step} and stopped; run the same command again to resume")
+
+
+def _final_evaluation(s: _Session, book: _Logbook, result: TrainResult, step: int) -> None:
+    """The validation over `train.final_eval_windows` and the benchmarks, into `result`; then a save."""
+    tc = s.run.train
+    final = s.evaluate(book.metrics_log, step, s.eval_batches(tc.final_eval_windows), book.progress,
+                       "final validation")
+    result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
+    result.val_shown = s.trainer.shown.values(final)
+    if s.benchmarks is not None:
+        result.harness = s.benchmark(book.metrics_log, step, book.progress)
+    s.save(step, book.message)
 
 
 SAMPLES_FILE = "completions.jsonl"  # rows of the batches an objective made (GRPO's completions and rewards)
