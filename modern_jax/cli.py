@@ -111,6 +111,7 @@ def cmd_info(args) -> None:
 def cmd_train(args) -> int:
     import signal
 
+    from modern_jax.harness import Benchmarks
     from modern_jax.multihost import distributed
     from modern_jax.training import TrainingDiverged, load_run_config, train
 
@@ -138,7 +139,7 @@ def cmd_train(args) -> int:
         print(f"training {source} -> {run.train.output_dir}", flush=True)
     try:
         with _warnings_as_notes(quiet=not main):
-            result = train(run, init=init)
+            result = train(run, init=init, benchmarks=Benchmarks)
     except TrainingDiverged as e:
         if main:
             print(f"modern-jax train: {e}", file=sys.stderr)

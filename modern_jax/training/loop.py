@@ -166,11 +166,18 @@ def _with_vocab(run: RunConfig, tokenizer, whose: str) -> RunConfig:
 
 
 def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None,
-          init: Initial | None = None) -> TrainResult:
+          init: Initial | None = None, benchmarks: Callable[..., object] | None = None) -> TrainResult:
     """Train (or resume) the run. `stop_after`: stop after this many steps in this call, saving
     a checkpoint as a preemption would (the run resumes later with the same schedule). `init`:
-    the parameters (and tokenizer) a new run starts from; a resumed run ignores it."""
+    the parameters (and tokenizer) a new run starts from; a resumed run ignores it. `benchmarks`:
+    what scores `train.harness_tasks`, called `benchmarks(trainer, tokenizer, run.train)` before
+    the first step and giving a function of the parameters -> `{task/metric: value}` (the train
+    command passes `modern_jax.harness.Benchmarks`); a run with harness tasks needs it."""
     tc = run.train
+    if tc.harness_tasks and benchmarks is None:  # refused before anything is written
+        raise ValueError(f"train.harness_tasks={list(tc.harness_tasks)} needs the benchmarks that score them: pass "
+                         f"train(..., benchmarks=modern_jax.harness.Benchmarks), as `modern-jax train` does, or "
+                         f"leave train.harness_tasks empty")
     out_dir = pathlib.Path(tc.output_dir)
     log = log if distributed.is_main() else _quiet
     with outputs.RunDirectory(out_dir, log) as directory:
@@ -179,7 +186,7 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
         checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
         try:
             with StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
-                return _train(run, directory, mesh, checkpointer, log, stop_after, stop, init)
+                return _train(run, directory, mesh, checkpointer, log, stop_after, stop, init, benchmarks)
         finally:
             checkpointer.close()
             shutil.rmtree(out_dir / _SHARED_DATA, ignore_errors=True) if distributed.is_main() else None
@@ -193,9 +200,9 @@ _SHARED_DATA = ".data"  # in a launch of several processes: the token streams th
 
 
 def _train(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer: Checkpointer, log, stop_after,
-           stop: StopSignal, init: Initial | None) -> TrainResult:
+           stop: StopSignal, init: Initial | None, benchmarks) -> TrainResult:
     with Progress(None, enabled=run.train.progress and distributed.is_main()) as setup:  # the data, the compilation
-        session = _set_up(run, directory, mesh, checkpointer, log, init, setup)
+        session = _set_up(run, directory, mesh, checkpointer, log, init, setup, benchmarks)
     result = _loop(session, mesh, stop_after, stop)
     if not result.interrupted:
         _finish(session, result, log)
@@ -222,7 +229,7 @@ class _Session:
     start: int
     saved_step: int | None
     compile_s: float
-    benchmarks: object = None  # train.harness_tasks: lm-eval's tasks on the parameters (`harness.Benchmarks`)
+    benchmarks: object = None  # train.harness_tasks on the parameters, made by `train`'s `benchmarks`
 
     @property
     def out_dir(self) -> pathlib.Path:
@@ -274,9 +281,9 @@ class _Session:
 
 
 def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer: Checkpointer, log,
-            init: Initial | None, progress: Progress) -> _Session:
-    """Check everything, restore or initialise the state, compile, then write the run's files
-    (`progress` shows the long parts)."""
+            init: Initial | None, progress: Progress, benchmarks) -> _Session:
+    """Check everything, restore or initialise the state, make the benchmarks (`benchmarks`, for
+    train.harness_tasks), compile, then write the run's files (`progress` shows the long parts)."""
     tc, out_dir = run.train, directory.path
     steps = checkpointer.all_steps()
     init, base = _checked_start(run, out_dir, mesh, steps, init)
@@ -286,17 +293,15 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
         distributed.decide("resume", lambda: check_resume(out_dir, run, log))
     trainer = _trainer(run, mesh, objective, log)
     state, data_state, start, latest = _start_state(run, trainer, checkpointer, steps, init, out_dir, log)
-    benchmarks = None
+    tasks = None
     if tc.harness_tasks:  # the tasks are checked and their data read before any step
-        from modern_jax.harness import Benchmarks
-
         with progress.phase("reading the benchmark tasks (lm-eval)"):
-            benchmarks = Benchmarks(trainer, tokenizer, tc)
+            tasks = benchmarks(trainer, tokenizer, tc)
     rows, _ = trainer.batches.local_slices(tc.batch_size // tc.grad_accum)
     iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
     session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
                        jax.device_put(tokenizer.token_bytes(), trainer.replicated), [], state,
-                       iterator.get_state(), {}, start, latest, 0.0, benchmarks)
+                       iterator.get_state(), {}, start, latest, 0.0, tasks)
     session.periodic_eval = list(session.eval_batches(tc.eval_windows))
     _note_eval_size(objective, val_stream, tc, log)
     # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
