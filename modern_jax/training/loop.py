@@ -10,14 +10,16 @@ happens ahead of time, before the clock starts, and is reported on its own.
 
 The run resumes from the newest complete checkpoint in `output_dir` (params, optimiser
 state, step, RNG and the data iterator's position), so a resumed run computes exactly the
-steps the uninterrupted run would have. A new run starts from random parameters, or from
-`init` (fine-tuning: a Hugging Face model's or a checkpoint's parameters, with its
-tokenizer; `modern_jax.convert.finetune_run` makes it), whose source files (config.json,
-tokenizer files) are copied into the run's `hf/` for the way back to Hugging Face.
-SIGTERM / SIGINT save a checkpoint and stop. A non-finite loss or gradient skips the
-update (the step function keeps the old state) and is logged; `max_nonfinite_steps` in a
-row stop the run with `TrainingDiverged`. A checkpoint is only written from finite
-parameters.
+steps the uninterrupted run would have; it keeps its model, adapters and tokenizer
+(`checkpoint.check_resume`). A new run starts from random parameters, or from `init`
+(fine-tuning: a Hugging Face model's or a checkpoint's parameters, with its tokenizer;
+`modern_jax.convert.finetune_run` makes it), whose source files (config.json, tokenizer
+files) are copied into the run's `hf/` for the way back to Hugging Face. SIGTERM / SIGINT
+save a checkpoint and stop (`signals.StopSignal`). A non-finite loss or gradient skips the
+update (the step function keeps the old state) and is logged; `max_nonfinite_steps` in a row
+stop the run with `TrainingDiverged`. A checkpoint is only written from finite parameters.
+lm-eval's benchmarks (`train.harness_tasks`) come from above, as `train`'s `benchmarks`:
+training does not import the harness.
 
 The run directory has one writer: `outputs.RunDirectory` claims and locks it (`outputs.RunLock`)
 before anything is written, and a start that fails removes what it wrote. In a launch of
