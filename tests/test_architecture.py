@@ -24,7 +24,8 @@ LAYERS = [
     ("layers",),
     ("model",),
     ("accounting", "generate", "multihost", "data"),  # what the model is measured, sampled, placed and fed with
-    ("training", "harness"),  # harness: lm-eval's benchmarks, in a run and by `modern-jax harness`
+    ("training",),
+    ("harness",),  # lm-eval's benchmarks: by `modern-jax harness`, and in a run, given to `train` from above
     ("planner", "convert", "report"),
     ("cli",),
 ]

@@ -3,10 +3,11 @@ status 2, no traceback), nothing trains on a silently different meaning, and no 
 lost or overwritten.
 
 Covers the adapters of a LoRA run (`modern_jax.lora`, `modern_jax.training.loop` resuming one,
-`modern_jax.convert.checkpoint` reading its base again for evaluate / generate / convert), PEFT
-adapters read and written (`modern_jax.convert.peft`), and preference pairs
-(`modern_jax.data.preference`). Every case goes through the command a user runs; most stop in the
-checks before anything compiles, on the tiny fixtures of tests/fixtures/hf_peft and hf_chat.
+`modern_jax.training.checkpoint` checking what it resumes with, `modern_jax.convert.checkpoint`
+reading its base again for evaluate / generate / convert), PEFT adapters read and written
+(`modern_jax.convert.peft`), and preference pairs (`modern_jax.data.preference`). Every case goes
+through the command a user runs; most stop in the checks before anything compiles, on the tiny
+fixtures of tests/fixtures/hf_peft and hf_chat.
 """
 
 from __future__ import annotations

@@ -322,6 +322,19 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is removed again
 
 
+@pytest.mark.quick
+def test_a_run_with_harness_tasks_and_no_benchmarks_is_refused_before_writing(tmp_path):
+    """Training does not import the harness: `train` is given what scores train.harness_tasks
+    (`modern-jax train` passes `harness.Benchmarks`). Without it such a run is refused in one line
+    naming the field and the fix, before the run directory is made."""
+    run = _tiny_run(tmp_path, harness_tasks=["sums_choice"])
+    with pytest.raises(ValueError, match=r"^train\.harness_tasks=\['sums_choice'\] needs .*"
+                                         r"benchmarks=modern_jax\.harness\.Benchmarks") as refused:
+        train(run, mesh=one_device(), log=lambda *_: None)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_bf16_compute_keeps_float32_master_weights():
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32, dtype="bfloat16")
     trainer = make_trainer(cfg, TrainConfig(batch_size=2, seq_len=8, warmup_steps=0), one_device())

@@ -35,6 +35,13 @@ def add_parser(subparsers) -> None:
     tr.set_defaults(func=run)
 
 
+def _benchmarks(states, tokenizer, train_cfg):
+    """`train.harness_tasks`' scorer for a run (lm-eval is imported only by a run that names tasks)."""
+    from modern_jax.harness import Benchmarks
+
+    return Benchmarks(states, tokenizer, train_cfg)
+
+
 def run(args) -> int:
     import signal
 
@@ -65,7 +72,7 @@ def run(args) -> int:
         print(f"training {source} -> {run.train.output_dir}", flush=True)
     try:
         with _warnings_as_notes(quiet=not main):
-            result = train(run, init=init)
+            result = train(run, init=init, benchmarks=_benchmarks)
     except TrainingDiverged as e:
         if main:
             print(f"modern-jax train: {e}", file=sys.stderr)

@@ -19,7 +19,9 @@ config it was saved with, so a checkpoint of another model shape is named as suc
 fields that differ, before Orbax reads it. Once a save has completed, `checksums.json` records the size and
 CRC-32 of each of its files (3-4 GB/s on one core), so a truncated, missing or overwritten
 file is found and named before Orbax reads it. Resuming takes the newest step that restores
-completely; newer damaged steps are named and moved to `damaged_checkpoints/`.
+completely; newer damaged steps are named and moved to `damaged_checkpoints/`. A resumed run
+keeps what its checkpoints were trained as (`check_resume`: the model, the `lora:` section, the
+tokenizer; `check_base`: a base left out of them), and other changed settings are named.
 
 `load_params(dir)` reads a model from a run directory (its newest step), from one step
 directory, or from a converted checkpoint (`params/` with `config.yaml` beside it): every
@@ -51,6 +53,7 @@ import orbax.checkpoint as ocp
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
 from modern_jax.multihost import distributed
+from modern_jax.training.config import RunConfig
 from modern_jax.training.layout import leading, same_stack
 from modern_jax.training.outputs import step_numbers
 
@@ -114,6 +117,52 @@ def check_base(run_dir, source: str, files: dict[str, list[int]], fix: str) -> N
                  for size, crc in (recorded.get(name, (None, None)), files.get(name, (None, None))))
     raise ValueError(f"{source} is not the base {run_dir} was trained on ({name}: {then} when the run started, "
                      f"{now} now, by its {BASE_FILE}): {fix}")
+
+
+def _changes(saved: dict, now: dict) -> list[str]:
+    """`section.field old -> new` for every setting of `now` that differs from the saved config."""
+    before, after = distributed.flatten(saved), distributed.flatten(now)
+    return [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
+            if before.get(k) != after.get(k) and not k.startswith("model.")]
+
+
+TOKENIZER_FIELDS = ("data.tokenizer", "data.tokenizer_path")  # what a resumed run's saved tokenizer fixes
+
+
+def _differences(section: str, there: dict, here: dict) -> list[str]:
+    """`section.field is X there, Y here` for each field of the saved `there` that `here` holds otherwise."""
+    return [f"{section}.{k} is {v!r} there, {here.get(k)!r} here" for k, v in there.items() if here.get(k) != v]
+
+
+def check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
+    """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout) and its
+    tokenizer; other changed settings are named."""
+    config_path = out_dir / CONFIG_FILE
+    if not config_path.exists():
+        return
+    saved = read_yaml(config_path)
+    saved = saved if isinstance(saved, dict) else {}
+    model_diff = _differences("model", saved.get("model") or {}, run.model.to_dict())
+    if model_diff:
+        raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model ({'; '.join(model_diff[:3])}"
+                         f", by its {CONFIG_FILE}): start a new train.output_dir or keep the model: section unchanged")
+    from modern_jax.training.converters import resume_changes
+
+    lora_diff = resume_changes(saved, run)
+    if lora_diff:
+        raise ValueError(f"the checkpoints in {str(out_dir)!r} were trained with other lora: settings "
+                         f"({'; '.join(lora_diff)}, by its {CONFIG_FILE}): resume with the lora: section they were "
+                         f"trained with, or start a new train.output_dir")
+    now = run.to_dict()
+    flat_saved, flat_now = distributed.flatten(saved), distributed.flatten(now)
+    for field in TOKENIZER_FIELDS:
+        if field in flat_saved and flat_saved[field] != flat_now.get(field):
+            raise ValueError(f"{str(out_dir)!r} was trained with {field}={flat_saved[field]!r} (its tokenizer.json "
+                             f"keeps it), not {flat_now.get(field)!r}: a resumed run keeps its tokenizer, so drop "
+                             f"the new {field}, or start a new train.output_dir")
+    changed = [c for c in _changes(saved, now) if not c.startswith("train.resume ")]
+    if changed:
+        log(f"resuming with changed settings: {'; '.join(changed)}")
 
 
 def _read_json(path: pathlib.Path):

@@ -10,21 +10,23 @@ happens ahead of time, before the clock starts, and is reported on its own.
 
 The run resumes from the newest complete checkpoint in `output_dir` (params, optimiser
 state, step, RNG and the data iterator's position), so a resumed run computes exactly the
-steps the uninterrupted run would have. A new run starts from random parameters, or from
-`init` (fine-tuning: a Hugging Face model's or a checkpoint's parameters, with its
-tokenizer; `modern_jax.convert.finetune_run` makes it), whose source files (config.json,
-tokenizer files) are copied into the run's `hf/` for the way back to Hugging Face.
-SIGTERM / SIGINT save a checkpoint and stop. A non-finite loss or gradient skips the
-update (the step function keeps the old state) and is logged; `max_nonfinite_steps` in a
-row stop the run with `TrainingDiverged`. A checkpoint is only written from finite
-parameters.
+steps the uninterrupted run would have; it keeps its model, adapters and tokenizer
+(`checkpoint.check_resume`). A new run starts from random parameters, or from `init`
+(fine-tuning: a Hugging Face model's or a checkpoint's parameters, with its tokenizer;
+`modern_jax.convert.finetune_run` makes it), whose source files (config.json, tokenizer
+files) are copied into the run's `hf/` for the way back to Hugging Face. SIGTERM / SIGINT
+save a checkpoint and stop (`signals.StopSignal`). A non-finite loss or gradient skips the
+update (the step function keeps the old state) and is logged; `max_nonfinite_steps` in a row
+stop the run with `TrainingDiverged`. A checkpoint is only written from finite parameters.
+lm-eval's benchmarks (`train.harness_tasks`) come from above, as `train`'s `benchmarks`:
+training does not import the harness.
 
-The run directory has one writer: its lock (`outputs.RunLock`) is taken before anything is
-written, and a start that fails removes what it wrote. In a launch of several processes
-(`multihost.distributed`) process 0 takes the lock and writes the run's files (config,
-tokenizer, metrics, TensorBoard, plots, samples) and prints; every process computes and saves
-its shards of each checkpoint; the processes agree on the directory's verdict, the step to
-resume from and the step a signal stops at.
+The run directory has one writer: `outputs.RunDirectory` claims and locks it (`outputs.RunLock`)
+before anything is written, and a start that fails removes what it wrote. In a launch of
+several processes (`multihost.distributed`) process 0 takes the lock and writes the run's
+files (config, tokenizer, metrics, TensorBoard, plots, samples) and prints; every process
+computes and saves its shards of each checkpoint; the processes agree on the directory's
+verdict, the step to resume from and the step a signal stops at.
 """
 
 from __future__ import annotations
@@ -33,11 +35,8 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import pathlib
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable
 
@@ -48,17 +47,17 @@ import yaml
 
 from modern_jax import execution
 from modern_jax.accounting import flops_per_token
-from modern_jax.configfile import read_yaml
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.multihost import distributed
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer,
-                                           check_base)
+                                           check_base, check_resume)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training.placement import from_whole
+from modern_jax.training.signals import StopSignal
 from modern_jax.training import objectives
-from modern_jax.training.converters import abstract_converted, converter_of, resume_changes
+from modern_jax.training.converters import abstract_converted, converter_of
 from modern_jax.training.trainer import Trainer, describe_kernels, trainer_for
 
 
@@ -94,52 +93,6 @@ class TrainResult:
     signal: int | None = None  # the signal that stopped it (None: stop_after, or another process's signal)
     samples: list[str] = dataclasses.field(default_factory=list)
     harness: dict = dataclasses.field(default_factory=dict)  # the final benchmarks (train.harness_tasks): task/metric
-
-
-class _StopSignal:
-    """SIGTERM / SIGINT stop the run, after a checkpoint, at a step every process agrees on.
-
-    One process: a flag the loop reads after each step (a second SIGINT interrupts at once).
-    Several: SIGTERM is jax's preemption notice, whose handler tells the coordination service,
-    which picks the step at which every process stops (`reached_preemption_sync_point`); a
-    SIGINT is passed on as one."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            several = distributed.joined()
-            for sig in (signal.SIGINT,) if several else (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._pass_on if several else self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _pass_on(self, signum, frame):
-        self.received = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.kill(os.getpid(), signal.SIGTERM)  # to jax's preemption notice
-
-    def due(self, step: int) -> bool:
-        """Stop after `step` (called after every step, by every process, in the same order)."""
-        if distributed.joined():
-            from jax.experimental import multihost_utils
-
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.received is not None
-
-    def name(self) -> str:
-        if distributed.joined():
-            return "a stop signal (SIGTERM or Ctrl-C) to one of the processes"
-        return signal.Signals(self.received).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def _sums(step, batches, advance) -> dict:
@@ -214,82 +167,28 @@ def _with_vocab(run: RunConfig, tokenizer, whose: str) -> RunConfig:
     return run
 
 
-class RunDirectory:
-    """`train.output_dir` for one call of `train`: claimed, locked and, if the start fails,
-    left as it was found. In a launch of several processes, process 0 decides and locks; the
-    others follow its verdict and check that they see the same directory."""
-
-    WHAT, HINT = "train.output_dir", "choose a new train.output_dir (--output-dir)"
-
-    def __init__(self, path: pathlib.Path, log):
-        self.path, self.log = path, log
-        self.lock: outputs.RunLock | None = None
-        self.started = False  # the run's files are written: a failure from here on keeps them
-        self.made: list[pathlib.Path] = []  # what this start wrote before `started` (removed on failure)
-
-    def __enter__(self) -> RunDirectory:
-        def take() -> dict:
-            outputs.claim(self.path, outputs.RUN, self.WHAT, hint=self.HINT)
-            self.lock = outputs.RunLock(self.path, self.WHAT, processes=distributed.count(), hint=self.HINT)
-            self.lock.acquire(self.log)
-            outputs.claim(self.path, outputs.RUN, self.WHAT, hint=self.HINT)  # the lock is ours: look again
-            return {"token": self.lock.holder["token"]}
-
-        try:
-            token = distributed.decide("run_directory", take)["token"]
-        except BaseException:
-            self._release()
-            raise
-        if self.lock is None:  # another process's view of the directory process 0 locked
-            lock = self.path / outputs.LOCK_FILE
-            seen = outputs.read_lock(lock) if lock.exists() else None
-            if (seen or {}).get("token") != token:
-                raise distributed.Refused(
-                    f"{self.WHAT}={str(self.path)!r} is not the directory that process 0 locked (its lock is not "
-                    f"there): every process must see the run directory on a shared file system (NFS, a GCS "
-                    f"mount, ...), as checkpoints need it")
-        distributed.on_stop(self.abandon)
-        return self
-
-    def check(self) -> None:
-        """Stop before writing more if another writer took the directory over."""
-        if self.lock is not None:
-            self.lock.check()
-
-    def abandon(self) -> None:
-        """A start that fails removes what it wrote (all of a directory it created), then unlocks."""
-        if self.lock is not None and not self.started:
-            if self.lock.created:
-                shutil.rmtree(self.path, ignore_errors=True)
-            else:
-                for path in self.made:
-                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        self._release()
-
-    def _release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-    def __exit__(self, *exc):
-        self.abandon()
-
-
 def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None,
-          init: Initial | None = None) -> TrainResult:
+          init: Initial | None = None, benchmarks: Callable[..., object] | None = None) -> TrainResult:
     """Train (or resume) the run. `stop_after`: stop after this many steps in this call, saving
     a checkpoint as a preemption would (the run resumes later with the same schedule). `init`:
-    the parameters (and tokenizer) a new run starts from; a resumed run ignores it."""
+    the parameters (and tokenizer) a new run starts from; a resumed run ignores it. `benchmarks`:
+    what scores `train.harness_tasks`, called `benchmarks(trainer.states, tokenizer, run.train)` before
+    the first step and giving a function of the parameters -> `{task/metric: value}` (the train
+    command passes `modern_jax.harness.Benchmarks`); a run with harness tasks needs it."""
     tc = run.train
+    if tc.harness_tasks and benchmarks is None:  # refused before anything is written
+        raise ValueError(f"train.harness_tasks={list(tc.harness_tasks)} needs the benchmarks that score them: pass "
+                         f"train(..., benchmarks=modern_jax.harness.Benchmarks), as `modern-jax train` does, or "
+                         f"leave train.harness_tasks empty")
     out_dir = pathlib.Path(tc.output_dir)
     log = log if distributed.is_main() else _quiet
-    with RunDirectory(out_dir, log) as directory:
+    with outputs.RunDirectory(out_dir, log) as directory:
         mesh = run.parallel.mesh() if mesh is None else mesh
         # creates nothing on disk until the first save, so a run that fails to start leaves no checkpoints/
         checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
         try:
-            with _StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
-                return _train(run, directory, mesh, checkpointer, log, stop_after, stop, init)
+            with StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
+                return _train(run, directory, mesh, checkpointer, log, stop_after, stop, init, benchmarks)
         finally:
             checkpointer.close()
             shutil.rmtree(out_dir / _SHARED_DATA, ignore_errors=True) if distributed.is_main() else None
@@ -302,10 +201,10 @@ def _quiet(*_) -> None:
 _SHARED_DATA = ".data"  # in a launch of several processes: the token streams they built together
 
 
-def _train(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log, stop_after,
-           stop: _StopSignal, init: Initial | None) -> TrainResult:
+def _train(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer: Checkpointer, log, stop_after,
+           stop: StopSignal, init: Initial | None, benchmarks) -> TrainResult:
     with Progress(None, enabled=run.train.progress and distributed.is_main()) as setup:  # the data, the compilation
-        session = _set_up(run, directory, mesh, checkpointer, log, init, setup)
+        session = _set_up(run, directory, mesh, checkpointer, log, init, setup, benchmarks)
     result = _loop(session, mesh, stop_after, stop)
     if not result.interrupted:
         _finish(session, result, log)
@@ -318,7 +217,7 @@ class _Session:
     iterator's position for the step after the last one run) advance with the loop."""
 
     run: RunConfig
-    directory: RunDirectory
+    directory: outputs.RunDirectory
     checkpointer: Checkpointer
     trainer: Trainer
     tokenizer: object
@@ -332,7 +231,7 @@ class _Session:
     start: int
     saved_step: int | None
     compile_s: float
-    benchmarks: object = None  # train.harness_tasks: lm-eval's tasks on the parameters (`harness.Benchmarks`)
+    benchmarks: object = None  # train.harness_tasks on the parameters, made by `train`'s `benchmarks`
 
     @property
     def out_dir(self) -> pathlib.Path:
@@ -383,57 +282,50 @@ class _Session:
         return self.trainer.objective.eval_batches(self.val_stream, max_windows=max_windows, rows=rows)
 
 
-def _changes(saved: dict, now: dict) -> list[str]:
-    """`section.field old -> new` for every setting of `now` that differs from the saved config."""
-    before, after = distributed.flatten(saved), distributed.flatten(now)
-    return [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
-            if before.get(k) != after.get(k) and not k.startswith("model.")]
-
-
-TOKENIZER_FIELDS = ("data.tokenizer", "data.tokenizer_path")  # what a resumed run's saved tokenizer fixes
-
-
-def _differences(section: str, there: dict, here: dict, ignore=()) -> list[str]:
-    """`section.field is X there, Y here` for each field of the saved `there` that `here` holds otherwise."""
-    return [f"{section}.{k} is {v!r} there, {here.get(k)!r} here" for k, v in there.items()
-            if k not in ignore and here.get(k) != v]
-
-
-def _check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
-    """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout) and its
-    tokenizer; other changed settings are named."""
-    config_path = out_dir / CONFIG_FILE
-    if not config_path.exists():
-        return
-    saved = read_yaml(config_path)
-    saved = saved if isinstance(saved, dict) else {}
-    model_diff = _differences("model", saved.get("model") or {}, run.model.to_dict())
-    if model_diff:
-        raise ValueError(f"the checkpoints in {str(out_dir)!r} belong to a different model ({'; '.join(model_diff[:3])}"
-                         f", by its {CONFIG_FILE}): start a new train.output_dir or keep the model: section unchanged")
-    lora_diff = resume_changes(saved, run)
-    if lora_diff:
-        raise ValueError(f"the checkpoints in {str(out_dir)!r} were trained with other lora: settings "
-                         f"({'; '.join(lora_diff)}, by its {CONFIG_FILE}): resume with the lora: section they were "
-                         f"trained with, or start a new train.output_dir")
-    now = run.to_dict()
-    flat_saved, flat_now = distributed.flatten(saved), distributed.flatten(now)
-    for field in TOKENIZER_FIELDS:
-        if field in flat_saved and flat_saved[field] != flat_now.get(field):
-            raise ValueError(f"{str(out_dir)!r} was trained with {field}={flat_saved[field]!r} (its tokenizer.json "
-                             f"keeps it), not {flat_now.get(field)!r}: a resumed run keeps its tokenizer, so drop "
-                             f"the new {field}, or start a new train.output_dir")
-    changed = [c for c in _changes(saved, now) if not c.startswith("train.resume ")]
-    if changed:
-        log(f"resuming with changed settings: {'; '.join(changed)}")
-
-
-def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpointer, log,
-            init: Initial | None, progress: Progress) -> _Session:
-    """Check everything, restore or initialise the state, compile, then write the run's files
-    (`progress` shows the long parts)."""
+def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer: Checkpointer, log,
+            init: Initial | None, progress: Progress, benchmarks) -> _Session:
+    """Check everything, restore or initialise the state, make the benchmarks (`benchmarks`, for
+    train.harness_tasks), compile, then write the run's files (`progress` shows the long parts)."""
     tc, out_dir = run.train, directory.path
     steps = checkpointer.all_steps()
+    init, base = _checked_start(run, out_dir, mesh, steps, init)
+    objective = objectives.objective(run.objective, tc)
+    run, tokenizer, train_stream, val_stream = _read_data(run, directory, objective, steps, init, progress)
+    if steps:
+        distributed.decide("resume", lambda: check_resume(out_dir, run, log))
+    trainer = _trainer(run, mesh, objective, log)
+    state, data_state, start, latest = _start_state(run, trainer, checkpointer, steps, init, out_dir, log)
+    tasks = None
+    if tc.harness_tasks:  # the tasks are checked and their data read before any step
+        with progress.phase("reading the benchmark tasks (lm-eval)"):
+            tasks = benchmarks(trainer.states, tokenizer, tc)
+    rows, _ = trainer.batches.local_slices(tc.batch_size // tc.grad_accum)
+    iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
+    session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
+                       jax.device_put(tokenizer.token_bytes(), trainer.programs.replicated), [], state,
+                       iterator.get_state(), {}, start, latest, 0.0, tasks)
+    session.periodic_eval = list(session.eval_batches(tc.eval_windows))
+    _note_eval_size(objective, val_stream, tc, log)
+    # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
+    session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum, start)
+    with progress.phase("compiling the training and evaluation steps"):
+        session.compile_s = trainer.compile(state, session.next_batch,
+                                            eval_batch(trainer, state["params"], session.periodic_eval[0],
+                                                       tc.eval_batch_size, 0), session.token_bytes)
+    if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
+        _write_run_files(out_dir, run, tokenizer, init, base)
+    directory.started = True
+    distributed.note(step=start, resume=session.resume_hint())
+    _report_model(session, objective, train_stream, log)
+    return session
+
+
+def _checked_start(run: RunConfig, out_dir: pathlib.Path, mesh, steps: list[int],
+                   init: Initial | None) -> tuple[Initial | None, dict | None]:
+    """Refuse a start that cannot go on, and processes that would start differently; `(init, base)`:
+    what a new run starts from (None for a resumed one, unless it reads its base again) and the size
+    and CRC-32 of each weight file of a base left out of the checkpoints."""
+    tc = run.train
     if steps and not tc.resume:
         raise ValueError(f"train.output_dir={str(out_dir)!r} already holds checkpoints (step {steps[-1]}); "
                          "set train.resume=true to continue, or choose another output_dir")
@@ -448,20 +340,39 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         base = distributed.decide("base", lambda: _base_files(out_dir, init, resumed=bool(steps)))
     distributed.check_same("run", {**distributed.flatten(run.to_dict()), "init": init.source if init else None,
                                    "mesh": dict(mesh.shape), "devices": mesh.size, "resume from": steps[-1:] or None})
+    return init, base
+
+
+def _read_data(run: RunConfig, directory: outputs.RunDirectory, objective, steps: list[int], init: Initial | None,
+               progress: Progress):
+    """`prepare_run` for this start: `(run, tokenizer, train split, validation split)`. In a launch of
+    several processes they build the token streams together in the run directory (removed if the
+    start fails)."""
+    out_dir = directory.path
     shared = None
     if distributed.joined():
         shared = out_dir / _SHARED_DATA
         directory.made.append(shared)
-    objective = objectives.objective(run.objective, tc)
     with progress.phase("reading and tokenizing the data"):
-        run, tokenizer, train_stream, val_stream = prepare_run(run, objective, out_dir if steps else None,
-                                                               init.tokenizer if init is not None else None, shared)
-    if steps:
-        distributed.decide("resume", lambda: _check_resume(out_dir, run, log))
+        return prepare_run(run, objective, out_dir if steps else None, init.tokenizer if init is not None else None,
+                           shared)
+
+
+def _trainer(run: RunConfig, mesh, objective, log) -> Trainer:
+    """The run's Trainer; a LoRA run's dropout names the adapted projections it cannot reach."""
     model_cfg = run.model
     trainer = trainer_for(run, mesh, objective=objective)
     for note in trainer.converter.notes(nnx.merge(*abstract_converted(model_cfg, trainer.converter))):
         log(note)  # a mixture's experts and routers: their adapters are added to the weights, undropped
+    return trainer
+
+
+def _start_state(run: RunConfig, trainer: Trainer, checkpointer: Checkpointer, steps: list[int],
+                 init: Initial | None, out_dir: pathlib.Path, log) -> tuple[dict, dict | None, int, int | None]:
+    """`(state, data_state, start, latest)`: restored from the newest checkpoint that restores
+    completely (step `latest`; a base left out of it is read again from `init`), else a new state
+    (with `init`'s parameters, if given) at step 0."""
+    tc, model_cfg = run.train, run.model
     latest = None
     if steps:
         latest, state, meta = checkpointer.restore_newest(trainer.states.saved(trainer.states.abstract()), log=log,
@@ -475,36 +386,24 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
         state, data_state, start = trainer.states.init(tc.seed), None, 0
         if init is not None:
             state = trainer.states.with_start(state, _initial_params(trainer, init, log))
+    return state, data_state, start, latest
 
-    benchmarks = None
-    if tc.harness_tasks:  # the tasks are checked and their data read before any step
-        from modern_jax.harness import Benchmarks
 
-        with progress.phase("reading the benchmark tasks (lm-eval)"):
-            benchmarks = Benchmarks(trainer.states, tokenizer, tc)
-    rows, _ = trainer.batches.local_slices(tc.batch_size // tc.grad_accum)
-    iterator = objective.train_batches(train_stream, rows=rows, data=run.data, state=data_state)
-    session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
-                       jax.device_put(tokenizer.token_bytes(), trainer.programs.replicated), [], state,
-                       iterator.get_state(), {}, start, latest, 0.0, benchmarks)
-    session.periodic_eval = list(session.eval_batches(tc.eval_windows))
-    # what the validation split holds: say so when asked more
+def _note_eval_size(objective, val_stream, tc, log) -> None:
+    """What the validation split holds: say so when train.eval_windows or train.final_eval_windows
+    asks more (all of it is evaluated)."""
     windows, unit = objective.eval_size(val_stream), objective.eval_unit
     for name in ("eval_windows", "final_eval_windows") if tc.eval_every > 0 else ("final_eval_windows",):
         asked = getattr(tc, name)
         if asked is not None and asked > windows:
             log(f"train.{name}={asked:,}: the validation split has {windows:,} {unit}{'s' if windows != 1 else ''} "
                 f"of {tc.seq_len} tokens; evaluating all of them")
-    # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
-    session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum, start)
-    with progress.phase("compiling the training and evaluation steps"):
-        session.compile_s = trainer.compile(state, session.next_batch,
-                                            eval_batch(trainer, state["params"], session.periodic_eval[0],
-                                                       tc.eval_batch_size, 0), session.token_bytes)
-    if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
-        _write_run_files(out_dir, run, tokenizer, init, base)
-    directory.started = True
-    distributed.note(step=start, resume=session.resume_hint())
+
+
+def _report_model(session: _Session, objective, train_stream, log) -> None:
+    """The parameters (a LoRA run's base and the adapters it trains), the data, the batch, the
+    compilation's time and the kernels."""
+    trainer, state, tc = session.trainer, session.state, session.run.train
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.states.abstract_base()))
     if not trainer.converter.trains_all:  # the base's count (stored quantized or not), and the adapters trained
         trained = sum(x.size for x in jax.tree.leaves(trainer.states.split(state["params"])[0]))
@@ -512,10 +411,9 @@ def _set_up(run: RunConfig, directory: RunDirectory, mesh, checkpointer: Checkpo
     else:
         n_params = f"{n_params:,}"
     what = objective.unit
-    log(f"model: {n_params} parameters | train {len(train_stream):,} {what}, validation {len(val_stream):,} "
+    log(f"model: {n_params} parameters | train {len(train_stream):,} {what}, validation {len(session.val_stream):,} "
         f"{what} | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
     log(f"kernels: {describe_kernels(trainer.programs.kernels)}")
-    return session
 
 
 def _base_files(out_dir: pathlib.Path, init: Initial, resumed: bool) -> dict | None:
@@ -563,88 +461,144 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
                         frozen)
 
 
-def _loop(s: _Session, mesh, stop_after, stop: _StopSignal) -> TrainResult:
-    """Steps until `train.steps` (or a signal, or `stop_after`), with logging, evaluation and saves."""
+@dataclasses.dataclass
+class _Logbook:
+    """Where the loop's figures go: every step's to `history` (host floats) once fetched (the steps
+    not yet fetched wait in `pending`), to metrics.jsonl, TensorBoard and W&B (`metrics_log`,
+    process 0's), to the bar and the printed lines (`message`); the interval since the last log
+    step's start and tokens give the rate."""
+
+    metrics_log: MetricsLog | None
+    progress: Progress
+    message: Callable[[str], None]
+    flops: float  # the model's per token (`accounting.flops_per_token`)
+    n_devices: int
+    history: list[dict] = dataclasses.field(default_factory=list)
+    pending: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
+    interval_start: float = 0.0
+    interval_tokens: int = 0
+
+    @classmethod
+    def open(cls, s: _Session, mesh) -> _Logbook:
+        tc = s.run.train
+        main = distributed.is_main()
+        metrics_log = MetricsLog(s.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
+                                 config=s.run.to_dict()) if main else None
+        progress = Progress(tc.steps, s.start, enabled=tc.progress and main)
+        return cls(metrics_log, progress, progress.message if main else _quiet,
+                   flops_per_token(s.run.model, tc.seq_len)["total"], mesh.size)
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+
+
+def _loop(s: _Session, mesh, stop_after, stop: StopSignal) -> TrainResult:
+    """Steps until `train.steps` (or a signal, or `stop_after`), with logging, evaluation and saves;
+    a run that reaches `train.steps` ends with the final evaluation and a save."""
     tc = s.run.train
-    flops = flops_per_token(s.run.model, tc.seq_len)["total"]
-    tokens_per_step = tc.batch_size * tc.seq_len
-    rows = tc.batch_size // tc.grad_accum
-    main = distributed.is_main()
-    metrics_log = MetricsLog(s.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
-                             config=s.run.to_dict()) if main else None
-    progress = Progress(tc.steps, s.start, enabled=tc.progress and main)
-    history: list[dict] = []
-    pending: list[tuple[int, dict]] = []
-    result = TrainResult(s.out_dir, s.start, history, compile_s=s.compile_s)
+    book = _Logbook.open(s, mesh)
+    result = TrainResult(s.out_dir, s.start, book.history, compile_s=s.compile_s)
     loop_start = time.perf_counter()
-    interval_start, interval_tokens = loop_start, 0
-    step, next_batch = s.start, s.next_batch
-    message = progress.message if main else _quiet
-    every = s.trainer.objective.steps_per_batch  # a run stops and saves only between batches that serve several steps
-    asked = False  # a stop signal came
+    book.interval_start = loop_start
     try:
-        while step < tc.steps:
-            batch, next_batch = next_batch, None
-            s.state, metrics = s.trainer.train_step(s.state, batch)
-            step += 1
-            distributed.note(step=step)
-            interval_tokens += tokens_per_step
-            pending.append((step, metrics))
-            s.data_state = s.iterator.get_state()
-            asked = stop.due(step) or asked  # every process calls it at every step
-            stopping = step % every == 0 and (asked or (stop_after is not None and step - s.start >= stop_after
-                                                        and step < tc.steps))
-            if step < tc.steps and not stopping:
-                next_batch = s.batch(next(s.iterator), rows, step)  # overlaps with the running step
-            if step % tc.log_every == 0 or step == tc.steps or stopping:
-                fetched = jax.device_get([m for _, m in pending])  # waits for the steps in flight
-                rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-                record = _log_step(pending, fetched, history, rate, flops, tc.peak_flops, mesh.size, message,
-                                   s.trainer.objective.metric_names)
-                if metrics_log is not None:
-                    metrics_log.write(step, "train", record)
-                    _write_samples(s.out_dir, step, s.trainer.objective.samples())
-                progress.update(step, record["loss"], rate, s.trainer.objective.display.line(record))
-                pending.clear()
-                if history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
-                    raise TrainingDiverged(
-                        f"stopping at step {step}: {int(history[-1]['nonfinite_streak'])} non-finite steps in a "
-                        f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
-                        f"skipped; {s.newest()}. Lower train.lr or check the data.")
-                interval_start, interval_tokens = time.perf_counter(), 0
-            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                values = s.evaluate(metrics_log, step, s.periodic_eval, progress)
-                message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.objective.display.line(values, "val_"))
-            if s.benchmarks is not None and tc.harness_every and step % tc.harness_every == 0 and step < tc.steps:
-                values = s.benchmark(metrics_log, step, progress)
-                message(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
-            if stopping:
-                s.save(step, message)
-                s.checkpointer.wait()
-                name = stop.name() if stop_after is None or step - s.start < stop_after else f"stop_after={stop_after}"
-                message(f"{name}: saved a checkpoint at step {step} and stopped; run the same command again to "
-                        f"resume")
-                result.interrupted = True
-                break
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                s.save(step, message)
+        step, result.interrupted = _steps(s, book, stop_after, stop)
         if not result.interrupted:
-            final = s.evaluate(metrics_log, step, s.eval_batches(tc.final_eval_windows), progress, "final validation")
-            result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
-            result.val_shown = s.trainer.objective.display.values(final)
-            if s.benchmarks is not None:
-                result.harness = s.benchmark(metrics_log, step, progress)
-            s.save(step, message)
+            _final_evaluation(s, book, result, step)
     finally:
-        progress.close()
-        if metrics_log is not None:
-            metrics_log.close()
+        book.close()
     result.wall_s = time.perf_counter() - loop_start
     result.step = step
-    result.tokens_per_s = (step - s.start) * tokens_per_step / max(result.wall_s, 1e-9)
+    result.tokens_per_s = (step - s.start) * tc.batch_size * tc.seq_len / max(result.wall_s, 1e-9)
     result.signal = stop.received
     s.checkpointer.wait()
     return result
+
+
+def _steps(s: _Session, book: _Logbook, stop_after, stop: StopSignal) -> tuple[int, bool]:
+    """The steps from `s.start`; `(the last step run, whether the run stopped before train.steps)`."""
+    tc = s.run.train
+    tokens_per_step = tc.batch_size * tc.seq_len
+    rows = tc.batch_size // tc.grad_accum
+    step, next_batch = s.start, s.next_batch
+    every = s.trainer.objective.steps_per_batch  # a run stops and saves only between batches that serve several steps
+    asked = False  # a stop signal came
+    while step < tc.steps:
+        batch, next_batch = next_batch, None
+        s.state, metrics = s.trainer.train_step(s.state, batch)
+        step += 1
+        distributed.note(step=step)
+        book.interval_tokens += tokens_per_step
+        book.pending.append((step, metrics))
+        s.data_state = s.iterator.get_state()
+        asked = stop.due(step) or asked  # every process calls it at every step
+        stopping = step % every == 0 and (asked or (stop_after is not None and step - s.start >= stop_after
+                                                    and step < tc.steps))
+        if step < tc.steps and not stopping:
+            next_batch = s.batch(next(s.iterator), rows, step)  # overlaps with the running step
+        if step % tc.log_every == 0 or step == tc.steps or stopping:
+            _log(s, book, step)
+        _evaluate_between(s, book, step)
+        if stopping:
+            _stop(s, book, step, stop, stop_after)
+            return step, True
+        if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+            s.save(step, book.message)
+    return step, False
+
+
+def _log(s: _Session, book: _Logbook, step: int) -> None:
+    """Fetch the pending steps' metrics (waiting for the steps in flight), record and show them;
+    `train.max_nonfinite_steps` non-finite steps in a row stop the run."""
+    tc = s.run.train
+    fetched = jax.device_get([m for _, m in book.pending])  # waits for the steps in flight
+    rate = book.interval_tokens / max(time.perf_counter() - book.interval_start, 1e-9)
+    record = _log_step(book.pending, fetched, book.history, rate, book.flops, tc.peak_flops, book.n_devices,
+                       book.message, s.trainer.objective.metric_names)
+    if book.metrics_log is not None:
+        book.metrics_log.write(step, "train", record)
+        _write_samples(s.out_dir, step, s.trainer.objective.samples())
+    book.progress.update(step, record["loss"], rate, s.trainer.objective.display.line(record))
+    book.pending.clear()
+    if book.history[-1]["nonfinite_streak"] >= tc.max_nonfinite_steps:
+        raise TrainingDiverged(
+            f"stopping at step {step}: {int(book.history[-1]['nonfinite_streak'])} non-finite steps in a "
+            f"row (train.max_nonfinite_steps={tc.max_nonfinite_steps}); every such update was "
+            f"skipped; {s.newest()}. Lower train.lr or check the data.")
+    book.interval_start, book.interval_tokens = time.perf_counter(), 0
+
+
+def _evaluate_between(s: _Session, book: _Logbook, step: int) -> None:
+    """The validation every `train.eval_every` steps and the benchmarks every `train.harness_every`
+    (the last step has the final ones)."""
+    tc = s.run.train
+    if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+        values = s.evaluate(book.metrics_log, step, s.periodic_eval, book.progress)
+        book.message(f"step {step}: val_loss {values['loss']:.4f}" + s.trainer.objective.display.line(values, "val_"))
+    if s.benchmarks is not None and tc.harness_every and step % tc.harness_every == 0 and step < tc.steps:
+        values = s.benchmark(book.metrics_log, step, book.progress)
+        book.message(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+
+def _stop(s: _Session, book: _Logbook, step: int, stop: StopSignal, stop_after) -> None:
+    """Save at `step`, and say why the run stops there (a signal, or `stop_after`) and how it resumes."""
+    s.save(step, book.message)
+    s.checkpointer.wait()
+    name = stop.name() if stop_after is None or step - s.start < stop_after else f"stop_after={stop_after}"
+    book.message(f"{name}: saved a checkpoint at step {step} and stopped; run the same command again to resume")
+
+
+def _final_evaluation(s: _Session, book: _Logbook, result: TrainResult, step: int) -> None:
+    """The validation over `train.final_eval_windows` and the benchmarks, into `result`; then a save."""
+    tc = s.run.train
+    final = s.evaluate(book.metrics_log, step, s.eval_batches(tc.final_eval_windows), book.progress,
+                       "final validation")
+    result.val_loss, result.val_bpb = final["loss"], final.get("bpb")
+    result.val_shown = s.trainer.objective.display.values(final)
+    if s.benchmarks is not None:
+        result.harness = s.benchmark(book.metrics_log, step, book.progress)
+    s.save(step, book.message)
 
 
 SAMPLES_FILE = "completions.jsonl"  # rows of the batches an objective made (GRPO's completions and rewards)

@@ -20,7 +20,9 @@ A directory has one writer at a time: `RunLock` takes `LOCK_FILE` (host, pid, co
 anything is written there and keeps its modification time fresh (a heartbeat every
 `HEARTBEAT_S`); a second writer is refused naming the live one. A lock left by a process that
 is gone (same host: its pid is not running; another host: no heartbeat for `STALE_S`) is
-taken over, saying so.
+taken over, saying so. `RunDirectory` is a training run's `train.output_dir` for one call of
+`train`: claimed, locked (in a launch of several processes, by process 0 for all) and, if the
+start fails, left as it was found.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import threading
 import time
 
 import yaml
+
+from modern_jax.multihost import distributed
 
 RUN, STEP, CHECKPOINT, HF, OTHER, EMPTY, MISSING = "run", "step", "checkpoint", "hf", "other", "empty", "missing"
 PEFT = "peft"  # a LoRA adapter in PEFT's format
@@ -367,3 +371,64 @@ def _dir_flock(directory: pathlib.Path):
         yield
     finally:
         os.close(fd)
+
+
+class RunDirectory:
+    """`train.output_dir` for one call of `train`: claimed, locked and, if the start fails,
+    left as it was found. In a launch of several processes, process 0 decides and locks; the
+    others follow its verdict and check that they see the same directory."""
+
+    WHAT, HINT = "train.output_dir", "choose a new train.output_dir (--output-dir)"
+
+    def __init__(self, path: pathlib.Path, log):
+        self.path, self.log = path, log
+        self.lock: RunLock | None = None
+        self.started = False  # the run's files are written: a failure from here on keeps them
+        self.made: list[pathlib.Path] = []  # what this start wrote before `started` (removed on failure)
+
+    def __enter__(self) -> RunDirectory:
+        def take() -> dict:
+            claim(self.path, RUN, self.WHAT, hint=self.HINT)
+            self.lock = RunLock(self.path, self.WHAT, processes=distributed.count(), hint=self.HINT)
+            self.lock.acquire(self.log)
+            claim(self.path, RUN, self.WHAT, hint=self.HINT)  # the lock is ours: look again
+            return {"token": self.lock.holder["token"]}
+
+        try:
+            token = distributed.decide("run_directory", take)["token"]
+        except BaseException:
+            self._release()
+            raise
+        if self.lock is None:  # another process's view of the directory process 0 locked
+            lock = self.path / LOCK_FILE
+            seen = read_lock(lock) if lock.exists() else None
+            if (seen or {}).get("token") != token:
+                raise distributed.Refused(
+                    f"{self.WHAT}={str(self.path)!r} is not the directory that process 0 locked (its lock is not "
+                    f"there): every process must see the run directory on a shared file system (NFS, a GCS "
+                    f"mount, ...), as checkpoints need it")
+        distributed.on_stop(self.abandon)
+        return self
+
+    def check(self) -> None:
+        """Stop before writing more if another writer took the directory over."""
+        if self.lock is not None:
+            self.lock.check()
+
+    def abandon(self) -> None:
+        """A start that fails removes what it wrote (all of a directory it created), then unlocks."""
+        if self.lock is not None and not self.started:
+            if self.lock.created:
+                shutil.rmtree(self.path, ignore_errors=True)
+            else:
+                for path in self.made:
+                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __exit__(self, *exc):
+        self.abandon()
