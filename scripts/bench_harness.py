@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from modern_jax.cli.common import COMPILE_CACHE_ENV
+from modern_jax.cli.shared import COMPILE_CACHE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 

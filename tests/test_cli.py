@@ -13,10 +13,10 @@ import sys
 import pytest
 
 from modern_jax.cli import build_parser
-from modern_jax.cli.common import COMPUTING, _launch_flags
+from modern_jax.cli.shared import COMPUTING, _launch_flags
 
 CLI = pathlib.Path(__file__).parent.parent / "modern_jax" / "cli"
-SHARED = {"__init__", "__main__", "common"}  # the package's parts that are not a command
+SHARED = {"__init__", "__main__", "shared"}  # the package's parts that are not a command
 LONGEST = 80  # lines of a function, its def line through its last
 
 

@@ -234,11 +234,11 @@ def test_a_compilation_cache_that_cannot_be_made_is_refused_when_named_and_done_
     assert main(["harness", "--hf", CHAT, "--include-path", "configs/harness", "--tasks", "sums_choice"]) == 2
     assert (f"error: MODERN_JAX_COMPILE_CACHE={tmp_path / 'a_file'}: compiled programs cannot be kept there "
             "(File exists): give a writable directory, or off") in capsys.readouterr().err
-    from modern_jax.cli import common
+    from modern_jax.cli import shared
 
     monkeypatch.delenv("MODERN_JAX_COMPILE_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "a_file"))
-    common._compile_cache()
+    shared._compile_cache()
     assert "note: compiling without a cache: " in capsys.readouterr().err
 
 

@@ -307,8 +307,8 @@ x = 1  # `model.layers.{i}.mlp` (a checkpoint's key), `model.KEY=VALUE` (a place
     assert not is_ours("jax.lax.scan") and not is_ours("tokenizers.Tokenizer.save") and not is_ours("jnp.ones")
     found = stale([("x.py", source)], read)
     assert [line.split(": ")[0] for line in found] == ["x.py:1", "x.py:4", "x.py:6", "x.py:7"], found
-    assert "`generate.sample_rows`: module modern_jax.generate has no `sample_rows`" in found[0], found
-    assert "`train.seq_length`: the `train:` section (TrainConfig) has no field `seq_length`" in found[1], found
+    assert "module modern_jax.generate has no `sample_rows`" in found[0], found
+    assert "the `train:` section (TrainConfig) has no field `seq_length`" in found[1], found
     assert "`distributed.Joined.lost`: module modern_jax.multihost.distributed has no `Joined`" in found[2], found
     assert "`Trainer.nothing`: class modern_jax.training.trainer.Trainer has no `nothing`" in found[3], found
     page = "Build with `trainer_for` (`modern_jax.training.trainer.trainer_for`), not `modern_jax.training.trainer.make`.\n" \

@@ -16,7 +16,7 @@ Under a cluster launcher (srun, mpirun, a Cloud TPU pod's workers) or with --coo
 --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID),
 train, evaluate, generate, harness and plan join the other processes first (`multihost.distributed`).
 Each command is a module here that owns its parser (`add_parser`) and runs it (`run`); what more
-than one command uses is `common`'s.
+than one command uses is `shared`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import traceback
 
 from modern_jax.cli import convert, evaluate, generate, harness, info, launch, plan, train
-from modern_jax.cli.common import COMPUTING, _check_flags, _compile_cache, _launch_flags, _positive
+from modern_jax.cli.shared import COMPUTING, _check_flags, _compile_cache, _launch_flags, _positive
 
 COMMANDS = (info, train, evaluate, generate, harness, convert, plan, launch)  # in the order --help lists them
 

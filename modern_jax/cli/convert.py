@@ -6,7 +6,7 @@ run's adapters in PEFT's format.
 
 from __future__ import annotations
 
-from modern_jax.cli.common import _note
+from modern_jax.cli.shared import _note
 
 
 def add_parser(subparsers) -> None:

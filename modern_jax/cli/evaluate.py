@@ -9,7 +9,7 @@ import math
 import pathlib
 import re
 
-from modern_jax.cli.common import _check_flags, _checkpoint_tokenizer, _note, _positive, _scoring_trainer
+from modern_jax.cli.shared import _check_flags, _checkpoint_tokenizer, _note, _positive, _scoring_trainer
 
 DEFAULT_EVAL_BATCH = 32  # evaluate --batch-size
 # the data layer's fixes through a data: setting ("set data.text_field to ...", "use source: tokens")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from modern_jax.cli.common import _check_flags, _checkpoint_tokenizer, _note, _positive, _scoring_trainer, \
+from modern_jax.cli.shared import _check_flags, _checkpoint_tokenizer, _note, _positive, _scoring_trainer, \
     _warnings_as_notes
 
 

@@ -10,7 +10,7 @@ import contextlib
 import gc
 import math
 
-from modern_jax.cli.common import _check_flags, _checkpoint_tokenizer, _note, _positive
+from modern_jax.cli.shared import _check_flags, _checkpoint_tokenizer, _note, _positive
 
 
 def add_parser(subparsers) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pathlib
 
-from modern_jax.cli.common import _check_flags, _overrides, _positive
+from modern_jax.cli.shared import _check_flags, _overrides, _positive
 
 
 def add_parser(subparsers) -> None:

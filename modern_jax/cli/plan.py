@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from modern_jax.cli.common import _check_flags, _note, _overrides, _positive
+from modern_jax.cli.shared import _check_flags, _note, _overrides, _positive
 
 
 def add_parser(subparsers) -> None:

@@ -10,7 +10,7 @@ import json
 import pathlib
 import sys
 
-from modern_jax.cli.common import _note, _overrides, _warnings_as_notes
+from modern_jax.cli.shared import _note, _overrides, _warnings_as_notes
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent.parent / "configs" / "tiny.yaml"
 FINETUNE_CONFIG = DEFAULT_CONFIG.parent / "finetune_chat.yaml"  # the default run file of --init-from-hf

@@ -172,9 +172,10 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
     """Train (or resume) the run. `stop_after`: stop after this many steps in this call, saving
     a checkpoint as a preemption would (the run resumes later with the same schedule). `init`:
     the parameters (and tokenizer) a new run starts from; a resumed run ignores it. `benchmarks`:
-    what scores `train.harness_tasks`, called `benchmarks(trainer.states, tokenizer, run.train)` before
-    the first step and giving a function of the parameters -> `{task/metric: value}` (the train
-    command passes `modern_jax.harness.Benchmarks`); a run with harness tasks needs it."""
+    what scores `train.harness_tasks`, called with the run's state builder, tokenizer and train
+    config before the first step and giving a function of the parameters -> `{task/metric: value}`
+    (`modern_jax.harness.Benchmarks`, which the train command passes); a run with harness tasks
+    needs it."""
     tc = run.train
     if tc.harness_tasks and benchmarks is None:  # refused before anything is written
         raise ValueError(f"train.harness_tasks={list(tc.harness_tasks)} needs the benchmarks that score them: pass "

@@ -11,7 +11,7 @@ Every program is traced and lowered under the run's rules, strategies and execut
 (kernels, dispatch, remat), so a layer's ops read them from the active context; the kernels
 each dispatch resolved to are recorded (`kernels`). An executable is shared by every Programs
 whose lowered program is the same text, so two objects that compile the same step compile it
-once a process; jax's persistent cache (`cli.common`) keeps them across processes.
+once a process; jax's persistent cache (`cli.shared`) keeps them across processes.
 """
 
 from __future__ import annotations
