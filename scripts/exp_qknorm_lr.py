@@ -36,7 +36,7 @@ import numpy as np
 from modern_jax.execution import ExecutionConfig
 from modern_jax.config import ModelConfig
 from modern_jax.data.corpora import text_or_embedded_splits
-from modern_jax.data.pipeline import TrainBatches
+from modern_jax.data.batches import TrainBatches
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.report import pyplot, save_figure, write_table
 from modern_jax.training.config import TrainConfig

@@ -17,7 +17,7 @@ PACKAGE = TESTS.parent / "modern_jax"
 
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
-    ("configfile", "config", "execution", "lora"),  # what a model is, how it runs, what a fine-tune adds
+    ("configfile", "config", "execution", "lora_config"),  # what a model is, how it runs, what a fine-tune adds
     ("sharding",),
     ("kernels",),
     ("ops",),
@@ -364,7 +364,7 @@ def test_the_model_knows_nothing_of_fine_tuning():
     for path in [PACKAGE / "model.py", *sorted((PACKAGE / "layers").glob("*.py")),
                  *sorted((PACKAGE / "kernels").glob("*.py"))]:
         rel = path.relative_to(PACKAGE).as_posix()
-        found += [f"{rel} imports {m}" for m in _imports(path) if m.startswith(("modern_jax.lora", "modern_jax.training"))]
+        found += [f"{rel} imports {m}" for m in _imports(path) if m.startswith(("modern_jax.lora_config", "modern_jax.training"))]
         found += [f"{rel}:{line}: {token}" for line, token in _names_in(path)
                   if re.fullmatch(r"(?i)(lora\w*|\w*adapter\w*|adapt)", token)]
     assert not found, "\n".join(found)

@@ -139,7 +139,7 @@ def test_a_qlora_step_compiles_for_one_tpu_chip_holding_nf4_codes_and_the_adapte
     """QLoRA on one v5e chip: the frozen projections as NF4 pieces (4.14 bits a weight: every
     block of 64 values 32 bytes of codes and an int8 scale, a row's two float32s), float32
     adapters and AdamW state for them only; the TPU compiler plans the step."""
-    from modern_jax.lora import LoRAConfig
+    from modern_jax.lora_config import LoRAConfig
 
     lora = LoRAConfig(rank=8, quantize="nf4")
     run = RunConfig(model_dict=dict(TINY, param_dtype="bfloat16"), train=TrainConfig(batch_size=2, seq_len=256),

@@ -28,7 +28,7 @@ import pytest
 
 from modern_jax.cli import main
 from modern_jax.convert import from_hf, load_checkpoint, to_hf
-from modern_jax.convert.checkpoint import checkpoint_tokenizer
+from modern_jax.convert.conversions import checkpoint_tokenizer
 from modern_jax.data import chat
 from test_convert_hf import LOGIT_TOL, _forward, greedy
 

@@ -22,7 +22,7 @@ from modern_jax.data import (
     split_documents,
     train_iterator,
 )
-from modern_jax.data.pipeline import TrainBatches
+from modern_jax.data.batches import TrainBatches
 from modern_jax.model import Transformer
 
 

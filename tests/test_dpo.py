@@ -28,7 +28,7 @@ from flax.nnx import traversals
 from modern_jax.config import ModelConfig
 from modern_jax.convert import from_hf
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config
-from modern_jax.lora import LoRAConfig
+from modern_jax.lora_config import LoRAConfig
 from modern_jax.training import TrainConfig
 from modern_jax.training.config import run_config_from_dict
 

@@ -23,7 +23,7 @@ from modern_jax.config import ModelConfig
 from modern_jax.configfile import load_config_file
 from modern_jax.convert import from_hf
 from modern_jax.convert.peft import peft_targets, read_peft, read_peft_config, write_peft
-from modern_jax.lora import LoRAConfig
+from modern_jax.lora_config import LoRAConfig
 from modern_jax.model import Transformer, abstract_params
 from modern_jax.sharding.mesh import make_mesh
 from modern_jax.training import TrainConfig

@@ -67,7 +67,7 @@ def test_lora_dpo_with_gradient_accumulation_under_1f1b_equals_one_device():
     from flax.nnx import traversals
 
     from common import assert_leaves_match, probe, step_gradients
-    from modern_jax.lora import LoRAConfig
+    from modern_jax.lora_config import LoRAConfig
     from modern_jax.training.objectives.dpo import DPO, DPOConfig
     from test_dpo import random_pairs
 

@@ -11,7 +11,7 @@ import pytest
 from modern_jax.config import ModelConfig
 from modern_jax.data import DataConfig
 from modern_jax.execution import ExecutionConfig
-from modern_jax.lora import LoRAConfig
+from modern_jax.lora_config import LoRAConfig
 from modern_jax.sharding import ParallelConfig
 from modern_jax.training import TrainConfig
 from modern_jax.training.objectives.dpo import DPOConfig

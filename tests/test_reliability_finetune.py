@@ -2,8 +2,8 @@
 status 2, no traceback), nothing trains on a silently different meaning, and no run's state is
 lost or overwritten.
 
-Covers the adapters of a LoRA run (`modern_jax.lora`, `modern_jax.training.loop` resuming one,
-`modern_jax.training.checkpoint` checking what it resumes with, `modern_jax.convert.checkpoint`
+Covers the adapters of a LoRA run (`modern_jax.lora_config`, `modern_jax.training.loop` resuming one,
+`modern_jax.training.checkpoint` checking what it resumes with, `modern_jax.convert.conversions`
 reading its base again for evaluate / generate / convert), PEFT adapters read and written
 (`modern_jax.convert.peft`), and preference pairs (`modern_jax.data.preference`). Every case goes
 through the command a user runs; most stop in the checks before anything compiles, on the tiny

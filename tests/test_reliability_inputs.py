@@ -30,7 +30,7 @@ from modern_jax.config import ModelConfig
 from modern_jax.convert import CheckpointError, initial_weights, save_checkpoint
 from modern_jax.data.config import DataConfig
 from modern_jax.data.corpora import TokenStream, load_splits
-from modern_jax.data.pipeline import TrainBatches
+from modern_jax.data.batches import TrainBatches
 from modern_jax.data.records import record_documents
 from modern_jax import execution
 from modern_jax.generate import _generate

@@ -133,7 +133,7 @@ def sections() -> dict[str, type]:
     from modern_jax.configfile import OBJECTIVES, RUN_SECTIONS
     from modern_jax.data import DataConfig
     from modern_jax.execution import ExecutionConfig
-    from modern_jax.lora import LoRAConfig
+    from modern_jax.lora_config import LoRAConfig
     from modern_jax.sharding import ParallelConfig
     from modern_jax.training import TrainConfig
 

@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from modern_jax.convert import convert_from_hf, convert_to_hf
-    from modern_jax.convert.checkpoint import convert_to_peft
+    from modern_jax.convert.conversions import convert_to_peft
 
     if sum(map(bool, (args.from_hf, args.to_hf, args.to_peft))) != 1:
         raise ValueError("give exactly one of --from-hf HF_DIR, --to-hf CHECKPOINT or --to-peft RUN")

@@ -37,10 +37,10 @@ def run(args) -> int:
     args.max_windows = _max_windows(args.max_windows)
     import jax
 
-    from modern_jax.data.pipeline import eval_batches, eval_windows
+    from modern_jax.data.batches import eval_batches, eval_windows
     from modern_jax.training import TrainConfig, evaluate_batches
     from modern_jax.training.metrics import Progress
-    from modern_jax.convert.checkpoint import load_model_params
+    from modern_jax.convert.conversions import load_model_params
 
     main = jax.process_index() == 0
     note = _note if main else (lambda *_: None)

@@ -38,7 +38,7 @@ def run(args) -> int:
                          f"UTF-8 (check the terminal's or the file's encoding)") from None
     from modern_jax.accounting import DoesNotFit
     from modern_jax.generate import sample_texts
-    from modern_jax.convert.checkpoint import load_model_params
+    from modern_jax.convert.conversions import load_model_params
     from modern_jax.training import TrainConfig
     from modern_jax.training.metrics import Progress
 

@@ -100,7 +100,7 @@ def run(args) -> int:
 def _harness_model(args, note):
     """`(config, parameters, run config, tokenizer, name)` of --checkpoint or --hf."""
     if args.hf:
-        from modern_jax.convert.checkpoint import initial_weights
+        from modern_jax.convert.conversions import initial_weights
 
         cfg, init = initial_weights(args.hf, log=note)
         if init.tokenizer is None:
@@ -108,7 +108,7 @@ def _harness_model(args, note):
                              f"token ids mean nothing to another tokenizer: put its tokenizer files beside it")
         note(f"converting {init.source}")
         return cfg, init.params(), {}, init.tokenizer, str(args.hf)
-    from modern_jax.convert.checkpoint import load_model_params
+    from modern_jax.convert.conversions import load_model_params
 
     cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=note)
     return cfg, params, raw, _checkpoint_tokenizer(run_dir, cfg), str(args.checkpoint)
@@ -117,7 +117,7 @@ def _harness_model(args, note):
 def _harness_trainer(cfg, raw: dict, args):
     """The scoring Trainer on --mesh, else the run's mesh (its parallel: section), else every device on data."""
     from modern_jax.data.config import DataConfig
-    from modern_jax.lora import LoRAConfig
+    from modern_jax.lora_config import LoRAConfig
     from modern_jax.sharding import ParallelConfig
     from modern_jax.sharding.mesh import parse_mesh
     from modern_jax.training import RunConfig, TrainConfig, trainer_for

@@ -71,7 +71,7 @@ def _warnings_as_notes(quiet: bool = False):
 def _checkpoint_tokenizer(run_dir, cfg):
     """The run's tokenizer.json, a converted checkpoint's hf/tokenizer.json, else bytes (if the
     model has room for their ids)."""
-    from modern_jax.convert.checkpoint import checkpoint_tokenizer
+    from modern_jax.convert.conversions import checkpoint_tokenizer
     from modern_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer
 
     tokenizer = checkpoint_tokenizer(run_dir)
@@ -92,7 +92,7 @@ def _scoring_trainer(cfg, raw: dict, tc):
     import jax
 
     from modern_jax.data.config import DataConfig
-    from modern_jax.lora import LoRAConfig
+    from modern_jax.lora_config import LoRAConfig
     from modern_jax.sharding.mesh import make_mesh
     from modern_jax.training import RunConfig, trainer_for
 

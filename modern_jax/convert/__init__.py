@@ -7,7 +7,7 @@
     run, init = finetune_run(run, "hf_dir")               # train(run, init=init) fine-tunes it
 """
 
-from modern_jax.convert.checkpoint import (convert_from_hf, convert_to_hf, finetune_run, initial_weights,
+from modern_jax.convert.conversions import (convert_from_hf, convert_to_hf, finetune_run, initial_weights,
                                           load_checkpoint)
 from modern_jax.training.checkpoint import save_checkpoint
 from modern_jax.convert.hf_checkpoint import CheckpointError, from_hf, resolve_hf, to_hf

@@ -35,7 +35,7 @@ from modern_jax.configfile import read_json
 from modern_jax.convert.hf_checkpoint import nonfinite, open_safetensors, refuse_nonfinite
 from modern_jax.convert.hf_families import FAMILIES
 from modern_jax.convert.hf_weights import Rule
-from modern_jax.lora import LoRAConfig
+from modern_jax.lora_config import LoRAConfig
 from modern_jax.model import Transformer, projections
 from modern_jax.training.converters import LoRA
 

@@ -2,7 +2,7 @@
 
 from modern_jax.data.config import DataConfig
 from modern_jax.data.corpora import TokenStream, embedded_documents, load_splits, load_stream, split_documents
-from modern_jax.data.pipeline import BATCH_KEYS, eval_batches, pack_windows, train_iterator
+from modern_jax.data.batches import BATCH_KEYS, eval_batches, pack_windows, train_iterator
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [

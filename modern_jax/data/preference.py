@@ -42,7 +42,7 @@ T = `seq_len`: each sequence (prompt + completion) keeps its first T + 1 tokens,
 completion loses its end. A prompt of T + 1 tokens or more leaves no completion token: TRL drops
 such a pair, here it is an error naming the record.
 
-Layout, per pair (T + 1 tokens make T next-token targets, as a window of `pipeline.pack_windows`;
+Layout, per pair (T + 1 tokens make T next-token targets, as a window of `batches.pack_windows`;
 letters of the package legend, the pairs in words):
 
     tokens    int32   [pairs, 2, T + 1]  index 0 chosen, 1 rejected: prompt, completion, then 0s
@@ -50,7 +50,7 @@ letters of the package legend, the pairs in words):
     lengths   int32   [pairs, 2]         tokens of each sequence
     prompts   int32   [pairs]            tokens of the prompt (the same in both sequences)
 
-`batch_of` makes the training batch of some pairs: the `pipeline.BATCH_KEYS` arrays of
+`batch_of` makes the training batch of some pairs: the `batches.BATCH_KEYS` arrays of
 `[2N, T]`, row 2n the chosen and row 2n + 1 the rejected sequence of pair n, each one document
 (positions from 0, segment 1, padding segment 0), exactly as `pack_windows` lays out a window
 that holds that sequence alone.
@@ -67,7 +67,7 @@ import numpy as np
 from modern_jax.data import chat, records
 from modern_jax.data.config import RECORD_SOURCES, DataConfig
 from modern_jax.data.corpora import chat_template, split_documents
-from modern_jax.data.pipeline import UNBOUNDED, Batches, epoch_order, grain_iterator, spread
+from modern_jax.data.batches import UNBOUNDED, Batches, epoch_order, grain_iterator, spread
 from modern_jax.data.tokenizers import Tokenizer
 
 PROMPT, CHOSEN, REJECTED = "prompt", "chosen", "rejected"  # TRL's column names

@@ -29,7 +29,7 @@ import numpy as np
 from modern_jax.data import records
 from modern_jax.data.config import RECORD_SOURCES, DataConfig
 from modern_jax.data.corpora import chat_template, split_documents
-from modern_jax.data.pipeline import UNBOUNDED, Batches, epoch_order, grain_iterator, spread
+from modern_jax.data.batches import UNBOUNDED, Batches, epoch_order, grain_iterator, spread
 from modern_jax.data.preference import render_conversation, value_kind
 from modern_jax.data.tokenizers import Tokenizer
 

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from modern_jax.lora import QUANTIZE
+from modern_jax.lora_config import QUANTIZE
 
 # The kinds are named once, by the `lora:` section that chooses one (imports point down: the
 # config cannot import this module); "none" keeps a weight as it is.

@@ -25,7 +25,7 @@ from modern_jax.config import ModelConfig, split_moved
 from modern_jax.configfile import RUN_SECTIONS, check_keys, check_sections, fail, load_config_file
 from modern_jax.data.config import DataConfig
 from modern_jax.execution import ExecutionConfig
-from modern_jax.lora import LoRAConfig
+from modern_jax.lora_config import LoRAConfig
 from modern_jax.training import objectives
 from modern_jax.sharding.config import ParallelConfig
 

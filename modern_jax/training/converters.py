@@ -7,7 +7,7 @@ state), whether checkpoints hold the whole model or the trained parameters only
 additions merge into a plain model of the same config (`merged`), and which of them a dropout
 does not reach (`undropped`). The model and its layers know nothing of any converter.
 
-LoRA (the `lora:` section, `modern_jax.lora.LoRAConfig`; QLoRA is LoRA with `quantize`) gives
+LoRA (the `lora:` section, `modern_jax.lora_config.LoRAConfig`; QLoRA is LoRA with `quantize`) gives
 each projection that `targets` names an adapter, `W x + (alpha / r) B A dropout(x)`, with A
 `[in..., r]` and B `[r, out...]` initialised as PEFT does (B zero: the converted model equals its
 base), and with `quantize` stores every projection in the blocks quantized (`layers.linear.
@@ -29,7 +29,7 @@ from flax.nnx import traversals
 
 from modern_jax.layers.linear import Proj, Quantized, module_dropout_key
 from modern_jax.layers.moe import ExpertProj
-from modern_jax.lora import LoRAConfig
+from modern_jax.lora_config import LoRAConfig
 from modern_jax.model import Transformer, abstract_params, projections
 from modern_jax.ops import quant
 

@@ -2,9 +2,9 @@
 rows split as `activation_batch` is and whose tokens split over the context axis, laid out
 for causal balance (`context_layout`); each process passes the part its devices hold.
 
-    batches = BatchPlacement(mesh, rules, train_cfg, context_layout)
-    rows, tokens = batches.local_slices(train_cfg.batch_size)   # this process's share of a batch
-    arrays = batches.put(local_batch, rows=train_cfg.batch_size) # global arrays on the mesh
+    where = BatchPlacement(mesh, rules, train_cfg, context_layout)
+    rows, tokens = where.local_slices(train_cfg.batch_size)   # this process's share of a batch
+    arrays = where.put(local_batch, rows=train_cfg.batch_size) # global arrays on the mesh
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
 from modern_jax.model import max_attention_logit, sown_value
 from modern_jax.ops import pipeline
 from modern_jax.sharding import check_mesh, logical_rules
-from modern_jax.training import staged as staged_grads
+from modern_jax.training import one_f_one_b
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.converters import Converter, converter_of
 from modern_jax.training.objectives import Objective, objective as objective_of
@@ -53,8 +53,8 @@ class Trainer:
         self.moe = self.model_cfg.ffn_type == "moe"
         self.uses_dropout = self.model_cfg.attn_dropout > 0 or self.model_cfg.resid_dropout > 0 or \
             bool(states.converter.dropout)
-        # 1F1B: the loss inside the stages' loop (`training.staged`); the others: autodiff of the model's
-        self.one_f_one_b = self.programs.stages > 1 and self.programs.strategies.pipeline_schedule == "1f1b"
+        # 1F1B: the loss inside the stages' loop (`training.one_f_one_b`); the others: autodiff of the model's
+        self.loss_in_stages = self.programs.stages > 1 and self.programs.strategies.pipeline_schedule == "1f1b"
         self.schedule = learning_rate_schedule(train_cfg)
         _check_stages(self)
         p, sh = self.programs, states.shardings
@@ -109,9 +109,9 @@ class Trainer:
                 loss = loss + cfg.moe_router_z_weight * aux[ROUTER_Z_LOSS]
             return loss, (sums, aux)
 
-        if self.one_f_one_b:
+        if self.loss_in_stages:
             def grad_fn(params, micro, rng):
-                return staged_grads.value_and_grad(self, params, frozen, micro, rng, reference, denom)
+                return one_f_one_b.value_and_grad(self, params, frozen, micro, rng, reference, denom)
         else:
             grad_fn = jax.value_and_grad(objective, has_aux=True)
         n_micro = batch["inputs"].shape[0]
@@ -227,7 +227,7 @@ def _check_stages(trainer: Trainer) -> None:
                          f"the router's selection bias, which this model has none of: set "
                          f"model.router_selection_bias=true (and ffn_type=moe), or the rate to 0")
     staged, M = programs.stages > 1, programs.strategies.microbatches
-    together = trainer.objective.rows_together if trainer.one_f_one_b else 1
+    together = trainer.objective.rows_together if trainer.loss_in_stages else 1
     for name, rows, group in (("train.batch_size / train.grad_accum", tc.batch_size // tc.grad_accum, together),
                               ("train.eval_batch_size", tc.eval_batch_size, 1)):
         if staged and rows % (M * group):
@@ -235,8 +235,8 @@ def _check_stages(trainer: Trainer) -> None:
             raise ValueError(f"{name} = {rows} rows do not split into parallel.microbatches={M}: make it a "
                              f"multiple of {whole}")
     model = nnx.merge(trainer.states.graphdef, trainer.states.abstract_params)
-    if trainer.one_f_one_b:
-        staged_grads.check(model, model_cfg, tc)
+    if trainer.loss_in_stages:
+        one_f_one_b.check(model, model_cfg, tc)
     with logical_rules(programs.mesh, programs.rules, programs.strategies):  # the stacks over the stages, if any
         for stack in model.stages:
             pipeline.check_depth(stack.repeats, f"the stack of layers {stack.first} .. "

@@ -79,7 +79,7 @@ class Objective:
         raise NotImplementedError
 
     def eval_batches(self, split, *, max_windows: int | None, rows: slice):
-        """`data.pipeline.Batches` of `[1, eval_batch_size, T]` over the validation split."""
+        """`data.batches.Batches` of `[1, eval_batch_size, T]` over the validation split."""
         raise NotImplementedError
 
     def eval_size(self, split) -> int:

@@ -13,7 +13,7 @@ import math
 import jax.numpy as jnp
 
 from modern_jax.data.corpora import load_splits
-from modern_jax.data.pipeline import eval_batches, eval_windows, train_iterator
+from modern_jax.data.batches import eval_batches, eval_windows, train_iterator
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.metrics import Shown
 from modern_jax.training.objectives import base

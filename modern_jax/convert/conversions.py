@@ -42,7 +42,7 @@ from modern_jax.convert.hf_checkpoint import (checkpoint_files, from_hf, nonfini
                                              resolve_hf, to_hf)
 from modern_jax.convert.hf_config import config_from_hf, model_type_of
 from modern_jax.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
-from modern_jax.lora import LoRAConfig
+from modern_jax.lora_config import LoRAConfig
 from modern_jax.model import Transformer, abstract_params
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, HF_ASSETS_DIR, check_base, file_checksums, load_params,
