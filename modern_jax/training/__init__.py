@@ -1,7 +1,8 @@
 """Training: the run config, loss, optimiser, jitted steps on a mesh, Orbax checkpoints and the loop."""
 
 from modern_jax.training.config import RunConfig, TrainConfig, load_run_config, run_config_from_dict
-from modern_jax.training.loop import Initial, TrainingDiverged, TrainResult, evaluate_batches, train
+from modern_jax.training.evaluation import evaluate_batches
+from modern_jax.training.loop import Initial, TrainingDiverged, TrainResult, train
 from modern_jax.training.trainer import Trainer, trainer_for
 
 __all__ = [

@@ -32,7 +32,6 @@ verdict, the step to resume from and the step a signal stops at.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import pathlib
@@ -58,6 +57,7 @@ from modern_jax.training.placement import from_whole
 from modern_jax.training.signals import StopSignal
 from modern_jax.training import objectives
 from modern_jax.training.converters import abstract_converted, converter_of
+from modern_jax.training.evaluation import eval_batch, evaluate_batches
 from modern_jax.training.trainer import Trainer, describe_kernels, trainer_for
 
 
@@ -93,45 +93,6 @@ class TrainResult:
     signal: int | None = None  # the signal that stopped it (None: stop_after, or another process's signal)
     samples: list[str] = dataclasses.field(default_factory=list)
     harness: dict = dataclasses.field(default_factory=dict)  # the final benchmarks (train.harness_tasks): task/metric
-
-
-def _sums(step, batches, advance) -> dict:
-    """The sums of `step(batch)` over `batches`, fetched to the host at once; with `advance`, called
-    as each batch's are computed (the next batch is made and sent while the device computes one)."""
-    totals, computing = None, None
-    for batch in batches:
-        sums = step(batch)
-        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
-        if advance is not None:
-            if computing is not None:
-                jax.block_until_ready(computing)
-                advance()
-            computing = totals
-    if totals is None:
-        raise ValueError("nothing to evaluate: the split is empty")
-    totals = jax.device_get(totals)
-    if advance is not None:
-        advance()
-    return totals
-
-
-def evaluate_batches(trainer: Trainer, params, batches, token_bytes, rows: int | None = None,
-                     advance: Callable[[], None] | None = None, reference=None) -> dict:
-    """The objective's evaluation over `batches` (`objective.eval_values`: next-token's loss in nats
-    / token, bits per byte and tokens; DPO's loss and TRL's means over the pairs), one host fetch;
-    `rows`: the global rows of a batch whose local share each process passes (None: one process);
-    `advance`: called once a batch (a progress bar's); `reference`: the state's frozen copy, if any."""
-    count = itertools.count()
-    totals = _sums(lambda batch: trainer.eval_step(params, eval_batch(trainer, params, batch, rows, next(count)),
-                                                   token_bytes, reference), batches, advance)
-    return trainer.objective.eval_values(totals)
-
-
-def eval_batch(trainer: Trainer, params, batch: dict, rows: int | None, index: int) -> dict:
-    """Evaluation batch `index` on the mesh, as the objective places it (GRPO samples its completions
-    from `params`, with a key of `train.seed` and the index: every evaluation samples the same)."""
-    key = jax.random.fold_in(jax.random.key(trainer.train_cfg.seed), index)
-    return trainer.objective.place_batch(batch, trainer=trainer, params=params, rows=rows, step=None, key=key)
 
 
 def save_if_finite(checkpointer: Checkpointer, trainer: Trainer, state: dict, meta: dict, log=print) -> bool:
