@@ -249,6 +249,32 @@ def test_host_offload_gives_plain_remats_loss_and_gradients(policy):
     assert_leaves_match(got, want, rtol=1e-5)  # in norm: saving q, k, v rounds apart from recomputing them
 
 
+def test_host_offload_puts_what_it_keeps_in_pinned_host_memory():
+    """The offload policies' placements in the backward pass's program, lowered for TPU (XLA:CPU
+    lowers a placement to nothing, so the CPU's program of an offload policy is full remat's): the
+    layer input goes to `pinned_host` under offload_input, q, k, v and the attention output too
+    under offload_qkv_out, and nothing does under full remat or none."""
+    import re
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from modern_jax import execution
+    from modern_jax.model import Transformer
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(DENSE.replace(n_layers=2), rngs=nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+
+    def placed_on_host(remat: str) -> int:
+        with execution.use(ExecutionConfig(remat=remat)):
+            grad = jax.jit(jax.grad(lambda state, x: jnp.mean(nnx.merge(graphdef, state)(x))))
+            text = grad.trace(abstract, tokens).lower(lowering_platforms=("tpu",)).as_text()
+        return len(re.findall(r'_xla_buffer_placement = "pinned_host"', text))
+
+    counts = {remat: placed_on_host(remat) for remat in ("none", "full", "offload_input", "offload_qkv_out")}
+    assert counts["none"] == counts["full"] == 0 < counts["offload_input"] < counts["offload_qkv_out"], counts
+
+
 def test_cli_moe_over_stage_and_expert_gives_the_one_device_losses_for_10_steps(tmp_path, capsys):
     """A mixture of experts with its layers over 2 stages and its experts over 2 devices (x data 2):
     the first 10 losses equal one device's (1e-5), the balance loss joining every gradient."""
