@@ -6,10 +6,11 @@ with lm-eval and transformers (PyTorch, CPU) on the tiny chat fixture and the th
 configs/harness (multiple choice, generation, rolling log-likelihood): every log-likelihood within
 1e-4, every greedy flag and generated text identical, every metric within 1e-4. With
 MODERN_JAX_HF_PYTHON naming an interpreter that has lm-eval and torch, the same comparison runs
-against a fresh reference. Also: a trained run scores the same as its Hugging Face export, two
-processes of four devices as one process, the in-training figures in metrics.jsonl and
-TensorBoard, and the refusals (an unknown task, a hub task without network, a directory of
-other files).
+against a fresh reference. Also: the scorer's log-probabilities and greedy flags against a naive
+forward pass (the fixture's greedy flags are all False), a trained run scores the same as its
+Hugging Face export, two processes of four devices as one process, the in-training figures in
+metrics.jsonl and TensorBoard, the compilation cache read back, and the refusals (an unknown task,
+a hub task without network, a directory of other files).
 """
 
 from __future__ import annotations
@@ -317,6 +318,48 @@ def test_a_few_rows_move_up_to_a_longer_program_where_they_pad_less_than_a_batch
     # rows moved up count again at the next length: 20 + 13 rows at 64 would pad 33 x 64 > 16 x 128
     assert list(fewer_programs(rows(L32=20, L64=12, L128=3), 16)) == [128]
     assert list(fewer_programs(rows(L32=20, L64=13, L128=3), 16)) == [128, 64]
+
+
+def test_the_scorer_flags_a_greedy_continuation_as_a_naive_forward_pass_does():
+    """Every log-probability and greedy flag of the scorer against the whole vocabulary's log-softmax
+    of one forward pass and its argmax: inputs that several final tokens share are scored at their
+    marked last position (lm-eval's choices), among them the argmax, greedy, and two that are not;
+    scoring 4 tokens, the 3 before are the model's own greedy choices; inputs with one final token
+    are scored as targets, greedy or not."""
+    import jax
+
+    from common import one_device
+    from modern_jax.harness import Scorer
+    from modern_jax.training.config import run_config_from_dict
+    from modern_jax.training.step import trainer_for
+
+    run = run_config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
+                                          "max_position_embeddings": 32},
+                                "train": {"batch_size": 4, "eval_batch_size": 4, "seq_len": 32}})
+    trainer = trainer_for(run, one_device(), optimizer=False)
+    params = trainer.init_state(0)["params"]
+    logps = jax.jit(lambda x: jax.nn.log_softmax(trainer.model(params)(x[None])[0], axis=-1))  # [T, V]
+
+    def naive(ids):  # log p of each token after the ones before, of a prefix of 12 (the rest padding)
+        return np.asarray(logps(np.asarray(ids + [0] * (12 - len(ids)), np.int32)), np.float64)
+
+    context = [5, 9, 2]
+    while len(context) < 8:  # its last tokens the model's own greedy choices
+        context.append(int(np.argmax(naive(context)[len(context) - 1])))
+    logp_TV = naive(context)  # every row below is a prefix of the context and a final token
+    top, low = int(np.argmax(logp_TV[7])), [int(v) for v in np.argsort(logp_TV[7])[:2]]
+    assert top != 0  # a marked input's own target slot holds 0: 0 the argmax would hide a mixed-up flag
+    rows = [(context + [top], 1), (context + [low[0]], 1), (context + [low[1]], 1),  # three finals: marked
+            (context + [top], 4), (context + [low[0]], 4),
+            (context[:6] + [context[6]], 3),  # one final token each: unmarked, greedy
+            (context[:5] + [low[0] if low[0] != context[5] else low[1]], 2)]  # and not greedy
+    got = Scorer(trainer, params, batch_size=4)(rows)
+    for (tokens, n), (logp, greedy) in zip(rows, got):
+        positions = range(len(tokens) - n, len(tokens))
+        want = sum(logp_TV[i - 1, tokens[i]] for i in positions)
+        np.testing.assert_allclose(logp, want, rtol=1e-5, err_msg=str((tokens, n)))
+        assert greedy == all(np.argmax(logp_TV[i - 1]) == tokens[i] for i in positions), (tokens, n)
+    assert [greedy for _, greedy in got] == [True, False, False, True, False, True, False]
 
 
 def test_an_unknown_task_is_refused_with_the_close_names(capsys):
