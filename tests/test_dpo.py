@@ -111,6 +111,7 @@ def test_lora_dpo_starts_at_log_2_with_the_base_as_its_reference(quantize):
     assert "reference" not in after  # no second copy of the weights
     assert float(metrics["loss"]) == np.float32(math.log(2))
     assert float(metrics["rewards/margins"]) == 0.0 and float(metrics["rewards/chosen"]) == 0.0
+    assert float(metrics["rewards/accuracies"]) == 0.0  # every pair ties, and a tie is no win (TRL's chosen > rejected)
     assert float(metrics["logps/chosen"]) < 0
     moved = [k for k, v in traversals.flatten_mapping(after["params"]).items()
              if not np.array_equal(v, traversals.flatten_mapping(before["params"])[k])]
@@ -129,6 +130,26 @@ def test_full_dpo_keeps_a_frozen_copy_of_its_start_as_the_reference():
     state, second = trainer.train_step(state, trainer.batches.put(batch))
     assert float(second["rewards/margins"]) > 0  # the policy moved from its reference towards the chosen
     assert float(second["loss"]) < math.log(2)
+
+
+@pytest.mark.quick
+def test_the_accuracy_counts_a_tie_as_no_win():
+    """`rewards/accuracies` counts the pairs whose chosen reward is above the rejected one's, strictly
+    (TRL's `chosen_rewards > rejected_rewards`): of a win, two exact ties (at 0 and below it), a loss
+    and a padding pair, one of the 4 real pairs, as a naive count in NumPy gives."""
+    from modern_jax.training.objectives.dpo import preference_sums
+
+    beta = 0.5
+    # rows alternate chosen, rejected: pairs win, tie at 0, loss, tie below 0, padding (no tokens)
+    pi = np.asarray([-1.0, -2.0, -3.0, -3.0, -2.0, -1.0, -4.0, -5.0, 0.0, 0.0], np.float32)
+    ref = np.asarray([-2.0, -2.0, -3.0, -3.0, -2.0, -2.0, -3.0, -4.0, 0.0, 0.0], np.float32)
+    count = np.asarray([3, 3, 2, 2, 4, 4, 1, 1, 0, 0], np.float32)
+    sums = jax.device_get(preference_sums(pi, ref, count, beta=beta, loss_type="sigmoid"))
+    rewards = (beta * (pi - ref)).reshape(-1, 2)
+    real = (count.reshape(-1, 2) > 0).all(axis=1)
+    assert (rewards[1, 0], rewards[3, 0]) == (rewards[1, 1], rewards[3, 1]) == (0.0, -0.5)  # the ties
+    assert float(sums["pairs"]) == real.sum() == 4
+    assert float(sums["rewards/accuracies"]) == np.sum(real & (rewards[:, 0] > rewards[:, 1])) == 1
 
 
 def test_what_dpo_refuses():

@@ -1,6 +1,6 @@
 """GRPO: the loss and every logged metric against TRL itself, the per-token figures against a naive
-forward, the rollouts, the run file and the loop (training.objectives.grpo, training.rewards,
-data.prompts, training.loss.token_logps).
+forward, the rows of fixed rollouts token by token, an evaluation's real rows, the rollouts, the run
+file and the loop (training.objectives.grpo, training.rewards, data.prompts, training.loss.token_logps).
 
 The reference values (tests/fixtures/hf_peft/llama/grpo) were made by TRL 1.16.0's own
 `GRPOTrainer` (`_generate_and_score_completions` with the generation replaced by the fixed
@@ -419,3 +419,108 @@ def test_prompts_read_from_parquet_and_a_saved_dataset_with_their_columns(tmp_pa
         prompts = read_prompts(DataConfig(path=str(path)), ByteTokenizer(), room=16)
         assert prompts.prompts == ("1 + 1 =", "2 + 2 =") and prompts.columns == {"answer": (2, 4)}, path
         assert [len(ids) for ids in prompts.ids] == [8, 8]  # <bos> and 7 bytes
+
+
+# ----- the rows of fixed rollouts, and an evaluation's real rows -------------------------------
+
+ROWS_REWARDS = '''
+def answer(prompts, completions, answer, **kwargs):
+    return [float(a) for a in answer]
+'''
+
+
+def fixed_rollouts(tmp_path, **grpo) -> GRPO:
+    """A GRPO objective over the byte tokenizer whose one reward is each prompt's `answer`, without
+    a model or a Trainer: its rows are built from tokens the test gives."""
+    from modern_jax.data import ByteTokenizer
+
+    (tmp_path / "answer.py").write_text(ROWS_REWARDS)
+    tc = TrainConfig(batch_size=4, eval_batch_size=8, seq_len=8)
+    objective = GRPO(GRPOConfig(rewards=(f"{tmp_path / 'answer.py'}:answer",), num_generations=2,
+                                max_completion_length=4, **grpo), tc)
+    objective.tokenizer = ByteTokenizer()
+    return objective
+
+
+def byte_prompts(*texts: str, answers=None):
+    from modern_jax.data.prompts import Prompts
+
+    bos = 257
+    return Prompts(tuple(np.asarray([bos, *map(ord, t)], np.int32) for t in texts), texts,
+                   {"answer": tuple(answers or range(len(texts)))}, tuple(f"line {i}" for i in range(len(texts))))
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_rollout_rows_weight_each_completion_token_and_its_eos_and_no_other(tmp_path, mask_truncated):
+    """Fixed sampled tokens (`<eos>` = 258, the byte tokenizer's): a completion that sampled an
+    `<eos>` ended, and its targets are its tokens and that `<eos>`; one of all 4 tokens without it
+    was truncated and gets none (`mask_truncated_completions`: no weight at all). Checked token by
+    token against rows written out by hand, with TRL's clipped ratio and mean length."""
+    eos = 258
+    objective = fixed_rollouts(tmp_path, mask_truncated_completions=mask_truncated)
+    prompts = byte_prompts("AB", "C")
+    tokens = np.asarray([[[10, 11, eos, 0],  # ended after 2 tokens (what follows the <eos> is not its)
+                          [12, 13, 14, 15],  # truncated: 4 tokens, no <eos>
+                          [eos, 0, 0, 0],  # ended at once: the <eos> alone
+                          [16, 17, 18, eos]]], np.int32)  # ended at the last slot
+    rows = objective._rows(prompts, np.asarray([[0, 0, 1, 1]]), tokens, np.ones((1, 4), bool), None)
+    A, B, C, bos = 65, 66, 67, 257
+    want_inputs = [[bos, A, B, 10, 11, 0, 0, 0], [bos, A, B, 12, 13, 14, 0, 0],
+                   [bos, C, 0, 0, 0, 0, 0, 0], [bos, C, 16, 17, 18, 0, 0, 0]]
+    want_targets = [[A, B, 10, 11, eos, 0, 0, 0], [A, B, 12, 13, 14, 15, 0, 0],
+                    [C, eos, 0, 0, 0, 0, 0, 0], [C, 16, 17, 18, eos, 0, 0, 0]]
+    want_completion = [[0, 0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0, 0],
+                       [0, 1, 0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 0, 0, 0]]
+    want_segments = [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0],
+                     [1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]
+    np.testing.assert_array_equal(rows["inputs"][0], want_inputs)
+    np.testing.assert_array_equal(rows["targets"][0], want_targets)
+    np.testing.assert_array_equal(rows["completion"][0], want_completion)
+    np.testing.assert_array_equal(rows["segment_ids"][0], want_segments)
+    np.testing.assert_array_equal(rows["positions"][0], np.asarray(want_segments) * np.arange(8))
+    np.testing.assert_array_equal(rows["ended"][0, :, 0], [1, 0, 1, 1])
+    kept = np.asarray([1, 0 if mask_truncated else 1, 1, 1])[:, None]
+    np.testing.assert_array_equal(rows["weights"][0], np.asarray(want_completion) * kept)
+    figures = jax.device_get(jax.jit(objective.denominator)(rows)["figures"])
+    assert float(figures["completions/clipped_ratio"]) == 0.25  # 1 of the 4 reached the length without <eos>
+    assert float(figures["completions/mean_length"]) == (3 + 4 + 1 + 4) / 4  # <eos> included, as TRL counts
+
+
+def test_an_evaluation_counts_only_its_real_prompts(tmp_path, monkeypatch):
+    """3 prompts (answers 1, 2, 6, each its reward) in a batch of 4 prompts x 2 generations: the
+    fourth prompt's rows (prompt 0 again) fill the batch up and count for nothing. The evaluation
+    reports 3 prompts, and the mean reward, completion length and clipped ratio over their 6 rows (naive
+    means), whatever the fillers sampled."""
+    from types import SimpleNamespace
+
+    from modern_jax.data.prompts import prompt_eval_batches
+
+    objective = fixed_rollouts(tmp_path)
+    answers = (1.0, 2.0, 6.0)
+    objective.splits["validation"] = prompts = byte_prompts("1+0", "1+1", "3+3", answers=answers)
+    items = list(prompt_eval_batches(prompts, batch_size=8, generations=2))
+    assert len(items) == 1
+    eos = 258
+    lengths = [1, 2, 3, 4, 2, 1, 4, 4]  # each row's completion, its <eos> included (4: truncated); rows 6, 7 fill
+    tokens = np.zeros((1, 8, 4), np.int32)
+    for r, n in enumerate(lengths):
+        tokens[0, r, :n] = 48 + r
+        if n < 4:
+            tokens[0, r, n - 1] = eos
+    monkeypatch.setattr(objective, "_sample", lambda *args: tokens)
+    trainer = SimpleNamespace(batches=SimpleNamespace(put=lambda batch, rows: batch))
+    batch = objective.placed(items[0], trainer=trainer, params=None, rows=None, step=0, key=jax.random.key(0))
+    cfg = ModelConfig(vocab_size=260, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_position_embeddings=8)
+
+    @jax.jit
+    def evaluation(batch):  # as the Trainer's: the rows completed, then one micro-batch's sums
+        micro = jax.tree.map(lambda x: x[0], objective.complete(batch))
+        return objective.eval_sums(Transformer(cfg, rngs=nnx.Rngs(0)), micro, None, None, chunk=64)
+
+    totals = jax.device_get(evaluation(batch))
+    got = objective.eval_values(totals)
+    real = [0, 0, 1, 1, 2, 2]  # the prompt of each real row; rows 6 and 7 repeat prompt 0 as fillers
+    assert got["prompts"] == 3
+    np.testing.assert_allclose(got["reward"], np.mean([answers[p] for p in real]), rtol=1e-6)
+    np.testing.assert_allclose(got["completions/mean_length"], np.mean(lengths[:6]), rtol=1e-6)
+    np.testing.assert_allclose(got["completions/clipped_ratio"], 1 / 6, rtol=1e-6)

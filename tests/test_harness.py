@@ -6,10 +6,11 @@ with lm-eval and transformers (PyTorch, CPU) on the tiny chat fixture and the th
 configs/harness (multiple choice, generation, rolling log-likelihood): every log-likelihood within
 1e-4, every greedy flag and generated text identical, every metric within 1e-4. With
 MODERN_JAX_HF_PYTHON naming an interpreter that has lm-eval and torch, the same comparison runs
-against a fresh reference. Also: a trained run scores the same as its Hugging Face export, two
-processes of four devices as one process, the in-training figures in metrics.jsonl and
-TensorBoard, and the refusals (an unknown task, a hub task without network, a directory of
-other files).
+against a fresh reference. Also: the scorer's log-probabilities and greedy flags against a naive
+forward pass (the fixture's greedy flags are all False), a trained run scores the same as its
+Hugging Face export, two processes of four devices as one process, the in-training figures in
+metrics.jsonl and TensorBoard, the compilation cache read back, and the refusals (an unknown task,
+a hub task without network, a directory of other files).
 """
 
 from __future__ import annotations
@@ -190,13 +191,24 @@ def test_two_processes_of_four_devices_give_the_figures_of_one(tmp_path):
     assert_same_figures(our_samples(out), our_metrics(out), reference)
 
 
-COUNT_CACHE_HITS = """
-import sys, jax.monitoring
+READ_BACK = """
+import json, logging, sys
 from modern_jax.cli import main
-hits = []
-jax.monitoring.register_event_listener(lambda event, **_: hits.append(1) if event.endswith("/cache_hits") else None)
+
+read = []  # the cache entries read back: jax logs each (at debug level) as it reads it
+
+
+def seen(record):
+    if str(record.msg).startswith("Persistent compilation cache hit"):
+        read.append(record.args[1])  # (the program's name, its cache key)
+    return record.levelno >= logging.WARNING  # what jax would have shown anyway
+
+
+log = logging.getLogger("jax._src.compiler")
+log.setLevel(logging.DEBUG)
+log.addFilter(seen)
 status = main(sys.argv[1:])
-print("cache hits", len(hits))
+print("read back", json.dumps(read))
 sys.exit(status)
 """
 
@@ -204,26 +216,35 @@ sys.exit(status)
 def test_a_second_run_reads_the_programs_the_first_kept(tmp_path):
     """The CLI keeps its compiled programs in ~/.cache/modern_jax/xla (or MODERN_JAX_COMPILE_CACHE): the
     first run writes them, the same command again reads every one of them back and prints the same
-    figures; `off` keeps none."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "MODERN_JAX_COMPILE_CACHE")}
-    argv = [sys.executable, "-c", COUNT_CACHE_HITS, "harness", "--hf", CHAT, "--include-path", "configs/harness",
-            "--tasks", "sums_answer", "--limit", "4", "--batch-size", "8"]
+    figures; `off` keeps none. The programs counted are the command's own (the scorer's): a tiny one
+    of jax's (a random key's fold-in) takes past the cache's 0.1 s to compile only under load, and is
+    kept by one run or the other."""
+    from modern_jax.harness import Scorer
 
-    def run(home: Path, **more) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "MODERN_JAX_COMPILE_CACHE")}
+    argv = [sys.executable, "-c", READ_BACK, "harness", "--hf", CHAT, "--include-path", "configs/harness",
+            "--tasks", "sums_answer", "--limit", "4", "--batch-size", "8"]
+    programs = tuple(f"jit_{fn.__name__}-" for fn in (Scorer._score, Scorer._decode))  # how jax names their entries
+
+    def run(home: Path, **more) -> tuple[str, list[str]]:
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**env, "HOME": str(home), **more})
         assert done.returncode == 0, done.stderr[-3000:]
-        table, hits = done.stdout.rsplit("cache hits ", 1)
-        return table, int(hits)
+        table, read = done.stdout.rsplit("read back ", 1)
+        return table, json.loads(read)
 
-    first, hits = run(tmp_path / "home")
+    def entries(cache: Path) -> set[str]:
+        return {p.name.removesuffix("-cache") for p in cache.glob("*-cache")}
+
+    first, read = run(tmp_path / "home")
     cache = tmp_path / "home" / ".cache" / "modern_jax" / "xla"
-    kept = sorted(p.name for p in cache.glob("*-cache"))
-    assert hits == 0 and any("decode" in name for name in kept), kept
-    again, hits = run(tmp_path / "other", MODERN_JAX_COMPILE_CACHE=str(cache))
+    kept = entries(cache)
+    ours = {key for key in kept if key.startswith(programs)}
+    assert read == [] and any(key.startswith("jit__decode-") for key in ours), kept
+    again, read = run(tmp_path / "other", MODERN_JAX_COMPILE_CACHE=str(cache))
     assert again == first and "|sums_answer|" in again
-    assert hits == len(kept) and sorted(p.name for p in cache.glob("*-cache")) == kept
-    _, hits = run(tmp_path / "third", MODERN_JAX_COMPILE_CACHE="off")
-    assert hits == 0 and not (tmp_path / "third" / ".cache" / "modern_jax").exists() and not (ROOT / "off").exists()
+    assert ours <= set(read) <= kept, (ours, read, kept)  # every program of its own read back
+    _, read = run(tmp_path / "third", MODERN_JAX_COMPILE_CACHE="off")
+    assert read == [] and not (tmp_path / "third" / ".cache" / "modern_jax").exists() and not (ROOT / "off").exists()
 
 
 def test_a_compilation_cache_that_cannot_be_made_is_refused_when_named_and_done_without_by_default(
@@ -317,6 +338,48 @@ def test_a_few_rows_move_up_to_a_longer_program_where_they_pad_less_than_a_batch
     # rows moved up count again at the next length: 20 + 13 rows at 64 would pad 33 x 64 > 16 x 128
     assert list(fewer_programs(rows(L32=20, L64=12, L128=3), 16)) == [128]
     assert list(fewer_programs(rows(L32=20, L64=13, L128=3), 16)) == [128, 64]
+
+
+def test_the_scorer_flags_a_greedy_continuation_as_a_naive_forward_pass_does():
+    """Every log-probability and greedy flag of the scorer against the whole vocabulary's log-softmax
+    of one forward pass and its argmax: inputs that several final tokens share are scored at their
+    marked last position (lm-eval's choices), among them the argmax, greedy, and two that are not;
+    scoring 4 tokens, the 3 before are the model's own greedy choices; inputs with one final token
+    are scored as targets, greedy or not."""
+    import jax
+
+    from common import one_device
+    from modern_jax.harness import Scorer
+    from modern_jax.training.config import run_config_from_dict
+    from modern_jax.training.step import trainer_for
+
+    run = run_config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
+                                          "max_position_embeddings": 32},
+                                "train": {"batch_size": 4, "eval_batch_size": 4, "seq_len": 32}})
+    trainer = trainer_for(run, one_device(), optimizer=False)
+    params = trainer.init_state(0)["params"]
+    logps = jax.jit(lambda x: jax.nn.log_softmax(trainer.model(params)(x[None])[0], axis=-1))  # [T, V]
+
+    def naive(ids):  # log p of each token after the ones before, of a prefix of 12 (the rest padding)
+        return np.asarray(logps(np.asarray(ids + [0] * (12 - len(ids)), np.int32)), np.float64)
+
+    context = [5, 9, 2]
+    while len(context) < 8:  # its last tokens the model's own greedy choices
+        context.append(int(np.argmax(naive(context)[len(context) - 1])))
+    logp_TV = naive(context)  # every row below is a prefix of the context and a final token
+    top, low = int(np.argmax(logp_TV[7])), [int(v) for v in np.argsort(logp_TV[7])[:2]]
+    assert top != 0  # a marked input's own target slot holds 0: 0 the argmax would hide a mixed-up flag
+    rows = [(context + [top], 1), (context + [low[0]], 1), (context + [low[1]], 1),  # three finals: marked
+            (context + [top], 4), (context + [low[0]], 4),
+            (context[:6] + [context[6]], 3),  # one final token each: unmarked, greedy
+            (context[:5] + [low[0] if low[0] != context[5] else low[1]], 2)]  # and not greedy
+    got = Scorer(trainer, params, batch_size=4)(rows)
+    for (tokens, n), (logp, greedy) in zip(rows, got):
+        positions = range(len(tokens) - n, len(tokens))
+        want = sum(logp_TV[i - 1, tokens[i]] for i in positions)
+        np.testing.assert_allclose(logp, want, rtol=1e-5, err_msg=str((tokens, n)))
+        assert greedy == all(np.argmax(logp_TV[i - 1]) == tokens[i] for i in positions), (tokens, n)
+    assert [greedy for _, greedy in got] == [True, False, False, True, False, True, False]
 
 
 def test_an_unknown_task_is_refused_with_the_close_names(capsys):

@@ -1,7 +1,8 @@
 """Pipeline parallelism on 8 host CPU devices: the layers over the `stage` axis (GPipe, 1F1B and the
 interleaved, circular schedule), mixed with data, fsdp, tensor and expert, with DPO, LoRA and
-gradient accumulation, against one device; the stages' shards, refusals, the CLI's losses and a
-pipelined checkpoint resumed without stages."""
+gradient accumulation, against one device; an interleaved mixture's per-layer loads and selection
+biases against one device; the stages' shards, refusals, the CLI's losses and a pipelined checkpoint
+resumed without stages; host offload's gradients and its placements in pinned host memory."""
 
 import json
 import pathlib
@@ -57,6 +58,40 @@ def test_a_moe_over_stage_and_expert_equals_one_device_with_its_balance_losses(s
     for name in ("moe_aux_loss", "moe_router_z_loss"):
         np.testing.assert_allclose(many[name], one[name], rtol=1e-5)
     np.testing.assert_array_equal(many["moe_load_max"], one["moe_load_max"])
+
+
+def test_an_interleaved_moe_balances_each_layers_selection_bias_as_one_device():
+    """Interleaved, 2 stages a device of one layer each: device s runs layers s and 2 + s, and what
+    a stage sows (its experts' load) is its layer's. The forward pass's load of each layer, and each
+    layer's selection bias after auxiliary-loss-free balancing by them (as a training step moves it),
+    equal one device's (layers 1 and 2, which a stage and a round mixed up would swap, move apart)."""
+    from flax import nnx
+
+    from modern_jax.layers.moe import LOAD
+    from modern_jax.model import Transformer
+    from modern_jax.sharding import logical_rules, state_shardings
+
+    rate = 0.01
+    graphdef, state = nnx.split(Transformer(MOE.replace(router_score="sigmoid", router_selection_bias=True),
+                                            rngs=nnx.Rngs(0)))
+    tokens = np.random.default_rng(0).integers(0, 64, (8, 16)).astype(np.int32)
+
+    def balanced(state, tokens):  # [layers, experts]: each layer's load, and its selection bias balanced by it
+        model = nnx.merge(graphdef, state)
+        _, sown = nnx.capture(lambda m: m.hidden_states(tokens), nnx.Intermediate)(model)
+        load_LE = next(v.get_value()[0] for path, v in nnx.to_flat_state(sown) if LOAD in map(str, path))
+        model.balance_routers(load_LE, rate)
+        return load_LE, model.stages[0].blocks[0].mlp.router.selection_bias[...]
+
+    load, bias = jax.device_get(jax.jit(balanced)(state, tokens))
+    mesh = make_mesh(stage=2, data=4)
+    with logical_rules(mesh, strategies=Strategies(microbatches=2, pipeline_schedule="interleaved", stage_repeats=2)):
+        got_load, got_bias = jax.device_get(jax.jit(balanced)(jax.device_put(state, state_shardings(state, mesh)),
+                                                               tokens))
+    assert load.shape == (4, 8) and (load.sum(axis=1) == 8 * 16 * 2).all()  # every token's 2 experts, each layer
+    assert np.abs(bias[1] - bias[2]).max() >= 2 * rate - 1e-6
+    np.testing.assert_allclose(got_bias, bias, atol=1e-7)
+    np.testing.assert_array_equal(got_load, load)
 
 
 def test_lora_dpo_with_gradient_accumulation_under_1f1b_equals_one_device():
@@ -246,6 +281,32 @@ def test_host_offload_gives_plain_remats_loss_and_gradients(policy):
                                           execution=ExecutionConfig(remat=policy))
     np.testing.assert_allclose(offloaded["loss"], plain["loss"], rtol=1e-6)
     assert_leaves_match(got, want, rtol=1e-5)  # in norm: saving q, k, v rounds apart from recomputing them
+
+
+def test_host_offload_puts_what_it_keeps_in_pinned_host_memory():
+    """The offload policies' placements in the backward pass's program, lowered for TPU (XLA:CPU
+    lowers a placement to nothing, so the CPU's program of an offload policy is full remat's): the
+    layer input goes to `pinned_host` under offload_input, q, k, v and the attention output too
+    under offload_qkv_out, and nothing does under full remat or none."""
+    import re
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from modern_jax import execution
+    from modern_jax.model import Transformer
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(DENSE.replace(n_layers=2), rngs=nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+
+    def placed_on_host(remat: str) -> int:
+        with execution.use(ExecutionConfig(remat=remat)):
+            grad = jax.jit(jax.grad(lambda state, x: jnp.mean(nnx.merge(graphdef, state)(x))))
+            text = grad.trace(abstract, tokens).lower(lowering_platforms=("tpu",)).as_text()
+        return len(re.findall(r'_xla_buffer_placement = "pinned_host"', text))
+
+    counts = {remat: placed_on_host(remat) for remat in ("none", "full", "offload_input", "offload_qkv_out")}
+    assert counts["none"] == counts["full"] == 0 < counts["offload_input"] < counts["offload_qkv_out"], counts
 
 
 def test_cli_moe_over_stage_and_expert_gives_the_one_device_losses_for_10_steps(tmp_path, capsys):

@@ -145,7 +145,8 @@ def test_a_grpo_plan_counts_its_rollouts_kv_cache_and_its_reference():
     """A GRPO step's batch is sampled between steps, with the whole state held: the plan compiles the
     rollouts of the step's whole batch at the longest prompts too, whose KV cache (2 layers x (k, v) x
     4 rows x seq_len slots x 2 KV heads x 32, float32) is among its temporaries; a full-weight run
-    with beta > 0 keeps its frozen reference."""
+    with beta > 0 keeps its frozen reference, which the rollouts' peak and the plan's count beside
+    the rest of the state (at least its bytes above beta = 0's)."""
     grpo = ["grpo.rewards=[configs/rewards.py:exact_answer]", "grpo.num_generations=2"]
     short, long = (_plan(*grpo, f"grpo.max_completion_length={n}") for n in (8, 40))
     (name, rollout), = short["programs"].items()
@@ -153,4 +154,8 @@ def test_a_grpo_plan_counts_its_rollouts_kv_cache_and_its_reference():
     cache = 2 * 2 * 4 * 64 * 2 * 32 * 4
     assert rollout["temporaries"] >= cache and long["programs"]["grpo_rollout_24"]["temporaries"] >= cache
     assert rollout["peak"] >= cache + short["parameters"] + short["optimizer"]
-    assert short["reference"] is None and _plan(*grpo, "grpo.max_completion_length=8", "grpo.beta=0.04")["reference"] == short["parameters"]
+    kl = _plan(*grpo, "grpo.max_completion_length=8", "grpo.beta=0.04")
+    assert short["reference"] is None and kl["reference"] == short["parameters"]
+    # the rollouts run beside the whole state, the reference included, as the step does
+    assert kl["programs"][name]["peak"] - rollout["peak"] >= kl["reference"]
+    assert kl["peak"] - short["peak"] >= kl["reference"]
