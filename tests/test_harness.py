@@ -351,14 +351,14 @@ def test_the_scorer_flags_a_greedy_continuation_as_a_naive_forward_pass_does():
     from common import one_device
     from modern_jax.harness import Scorer
     from modern_jax.training.config import run_config_from_dict
-    from modern_jax.training.step import trainer_for
+    from modern_jax.training.trainer import trainer_for
 
     run = run_config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
                                           "max_position_embeddings": 32},
                                 "train": {"batch_size": 4, "eval_batch_size": 4, "seq_len": 32}})
     trainer = trainer_for(run, one_device(), optimizer=False)
-    params = trainer.init_state(0)["params"]
-    logps = jax.jit(lambda x: jax.nn.log_softmax(trainer.model(params)(x[None])[0], axis=-1))  # [T, V]
+    params = trainer.states.init(0)["params"]
+    logps = jax.jit(lambda x: jax.nn.log_softmax(trainer.states.model(params)(x[None])[0], axis=-1))  # [T, V]
 
     def naive(ids):  # log p of each token after the ones before, of a prefix of 12 (the rest padding)
         return np.asarray(logps(np.asarray(ids + [0] * (12 - len(ids)), np.int32)), np.float64)
@@ -373,7 +373,7 @@ def test_the_scorer_flags_a_greedy_continuation_as_a_naive_forward_pass_does():
             (context + [top], 4), (context + [low[0]], 4),
             (context[:6] + [context[6]], 3),  # one final token each: unmarked, greedy
             (context[:5] + [low[0] if low[0] != context[5] else low[1]], 2)]  # and not greedy
-    got = Scorer(trainer, params, batch_size=4)(rows)
+    got = Scorer(trainer.states, params, batch_size=4, chunk=trainer.train_cfg.loss_vocab_chunk)(rows)
     for (tokens, n), (logp, greedy) in zip(rows, got):
         positions = range(len(tokens) - n, len(tokens))
         want = sum(logp_TV[i - 1, tokens[i]] for i in positions)
