@@ -58,7 +58,8 @@ from modern_jax.training.signals import StopSignal
 from modern_jax.training import objectives
 from modern_jax.training.converters import abstract_converted, converter_of
 from modern_jax.training.evaluation import eval_batch, evaluate_batches
-from modern_jax.training.trainer import Trainer, describe_kernels, trainer_for
+from modern_jax.training.programs import describe_kernels
+from modern_jax.training.trainer import Trainer, trainer_for
 
 
 class TrainingDiverged(RuntimeError):

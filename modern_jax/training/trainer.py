@@ -38,7 +38,7 @@ from modern_jax.training.converters import Converter, converter_of
 from modern_jax.training.objectives import Objective, objective as objective_of
 from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
 from modern_jax.training.placement import BatchPlacement
-from modern_jax.training.programs import describe_kernels, programs_of
+from modern_jax.training.programs import programs_of
 from modern_jax.training.state import StateBuilder
 
 
@@ -56,7 +56,7 @@ class Trainer:
         # 1F1B: the loss inside the stages' loop (`training.one_f_one_b`); the others: autodiff of the model's
         self.loss_in_stages = self.programs.stages > 1 and self.programs.strategies.pipeline_schedule == "1f1b"
         self.schedule = learning_rate_schedule(train_cfg)
-        _check_stages(self)
+        _check_run(self)
         p, sh = self.programs, states.shardings
         p.define("train", self._step, in_shardings=(sh, batches.sharding), out_shardings=(sh, p.replicated),
                  donate_argnums=(0,))
@@ -219,7 +219,7 @@ class Trainer:
         return time.perf_counter() - start
 
 
-def _check_stages(trainer: Trainer) -> None:
+def _check_run(trainer: Trainer) -> None:
     """Refuse what the run's model, mesh and batch cannot train (the errors name the fields)."""
     tc, model_cfg, programs = trainer.train_cfg, trainer.model_cfg, trainer.programs
     if tc.moe_bias_update_rate and not model_cfg.router_selection_bias:
@@ -275,4 +275,4 @@ def _accumulate(carry, result, n_micro, maxima=()):
     return c_loss + loss, new_sums, new_aux, jax.tree.map(jnp.add, c_grads, grads)
 
 
-__all__ = ["Trainer", "describe_kernels", "trainer_for"]
+__all__ = ["Trainer", "trainer_for"]
