@@ -11,9 +11,11 @@ Loading builds the model abstractly (no random initialisation), checks the check
 against it before reading any data (every expected tensor present, no tensor left over but
 those the family says its network does not use, such as DeepSeek's multi-token-prediction
 layer, which are skipped and logged; every shape right; errors name the tensors and both
-shapes; a quantised checkpoint is refused, naming how to dequantise it), then streams the tensors
-from the (possibly sharded) safetensors files into one preallocated array per stacked
-parameter (a tensor holding NaN or infinite values is refused, naming it and its file). A
+shapes; a quantised tensor without its scales is refused, naming both), then streams the
+tensors from the (possibly sharded) safetensors files into one preallocated array per stacked
+parameter (a tensor holding NaN or infinite values is refused, naming it and its file). The
+tensors of a quantised checkpoint (block-fp8, mxfp4: `hf_quantised`) are dequantised as they
+arrive, each with its scales, which are not parameters of their own. A
 parameter is handed to JAX as soon as its last layer is filled, so the host holds about one
 copy of the model, never two. Writing fetches one slot (a layer, an expert) of a parameter
 at a time from the devices and holds at most one safetensors shard, so the host never holds
@@ -45,6 +47,7 @@ from modern_jax.configfile import read_json
 from modern_jax.convert.hf_config import config_from_hf, config_to_hf, family_of
 from modern_jax.convert.hf_families import FAMILIES, Family
 from modern_jax.convert.hf_keys import Reader
+from modern_jax.convert.hf_quantised import RAW_DTYPES, Quantisation, quantisation_of, read_raw
 from modern_jax.convert.hf_weights import Rule
 from modern_jax.model import Transformer, abstract_model
 
@@ -52,9 +55,6 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 * 2**30
 LISTED = 8  # names shown per kind of error
-# how transformers dequantises a checkpoint of each `quantization_config.quant_method` on loading
-DEQUANTISE = {"mxfp4": "quantization_config=Mxfp4Config(dequantize=True)",
-              "fp8": "quantization_config=FineGrainedFP8Config(dequantize=True)"}
 logger = logging.getLogger(__name__)
 
 
@@ -77,6 +77,17 @@ class Target:
     @property
     def name(self) -> str:
         return ".".join(map(str, self.path))
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where a Hugging Face tensor the model reads is: its file, name and dtype (as safetensors names it),
+    and for a quantised one the file and name of its scales."""
+
+    file: Path
+    name: str
+    dtype: str
+    scales: tuple[Path, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -193,20 +204,6 @@ def open_safetensors(file: Path, fix: str = "download it again"):
         yield f
 
 
-def refuse_quantised(path: Path, hf: dict[str, Any]) -> None:
-    """A quantised checkpoint (gpt-oss's MXFP4 `*_blocks` / `*_scales`, DeepSeek-V3's FP8) is refused,
-    naming the fix: transformers dequantises it, and the unquantised copy it saves loads here."""
-    quant = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
-    if not quant:
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    how = DEQUANTISE.get(method, "quantization_config=<its config class>(dequantize=True), where it has one")
-    raise CheckpointError(
-        f"{path}: a quantised checkpoint (quantization_config.quant_method={method!r}); from_hf reads unquantised "
-        f"tensors only. Dequantise it with transformers first: AutoModelForCausalLM.from_pretrained(path, {how}, "
-        f"dtype=torch.bfloat16).save_pretrained(out), then load `out`")
-
-
 def nonfinite(x) -> str | None:
     """`"1 NaN, 2 inf of 1,024 values"` for an array of floats holding NaN or infinite values, else None."""
     xp = np if isinstance(x, np.ndarray) else jnp  # a host tensor is counted on the host
@@ -243,18 +240,20 @@ def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | 
     `path` may be a hub name (`org/name`), read from the Hugging Face cache (`resolve_hf`).
     """
     path = resolve_hf(path)
-    hf, family, cfg = _read_config(path, dtype, param_dtype or dtype, overrides)
+    hf, family, cfg, quant = _read_config(path, dtype, param_dtype or dtype, overrides)
     graphdef, state, rest, params = _build_targets(cfg, family, mesh, rules)
     sources = plan(params)
-    found = _check_headers(path, hf, family, cfg, sources, log)
-    _stream(path, found, sources, cfg)
+    found = _check_headers(path, hf, family, cfg, sources, quant, log)
+    _stream(path, found, sources, cfg, quant)
     unfilled = {target.name for target in params if target.buffer is not None}
     assert not unfilled, f"parameters left unfilled: {sorted(unfilled)}"
     return cfg, nnx.merge(graphdef, state, rest)
 
 
-def _read_config(path: Path, dtype: str, param_dtype: str, overrides: dict) -> tuple[dict, Family, ModelConfig]:
-    """`(config.json, its family, our config)`; a quantised checkpoint is refused."""
+def _read_config(path: Path, dtype: str, param_dtype: str, overrides: dict
+                 ) -> tuple[dict, Family, ModelConfig, Quantisation | None]:
+    """`(config.json, its family, our config, how its tensors are quantised)`; a quantisation that is
+    not read here is refused, naming how transformers dequantises it."""
     hf = read_hf_config(path)
     try:
         family = family_of(hf)
@@ -262,8 +261,11 @@ def _read_config(path: Path, dtype: str, param_dtype: str, overrides: dict) -> t
     except ValueError as e:
         raise (CheckpointError if isinstance(e, CheckpointError) else ValueError)(f"{path / 'config.json'}: {e}") \
             from None
-    refuse_quantised(path, hf)
-    return hf, family, cfg
+    try:
+        quant = quantisation_of(hf)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: a quantised checkpoint: {e}") from None
+    return hf, family, cfg, quant
 
 
 def _build_targets(cfg: ModelConfig, family: Family, mesh, rules):
@@ -285,50 +287,75 @@ def _build_targets(cfg: ModelConfig, family: Family, mesh, rules):
     return graphdef, state, rest, params
 
 
-def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sources, log) -> dict:
-    """The file and name of each tensor the model reads (`{canonical name: (file, name)}`), from
-    the headers only: a missing, unused, doubled or misshapen tensor fails here, before any data
-    is read; tensors the family skips are logged."""
-    model_type, table = family.model_type, family.weights
-    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(model_type, hf, family.defaults))}
-    tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
-
-    found: dict[str, tuple[Path, str]] = {}
-    unused, twice, wrong = [], [], []
+def _headers(path: Path) -> list[tuple[Path, str, str, tuple[int, ...]]]:
+    """`(file, name, dtype, shape)` of every tensor in the checkpoint, in file order, from the headers."""
+    out = []
     for file in checkpoint_files(path):
         with open_safetensors(file) as f:
             for name in f.keys():
-                canonical = table.canonical(name)
-                if canonical not in sources:
-                    skip = next((names for pattern, (_, names) in skipped.items() if re.search(pattern, canonical)),
-                                None)
-                    if skip is not None:
-                        skip.append(name)
-                    elif not (table.ignored(name) or table.ignored(canonical) or canonical == tied_head):
-                        unused.append(name)
-                    continue
-                if canonical in found:
-                    twice.append(f"{name} ({found[canonical][0].name} and {file.name})")
-                    continue
-                found[canonical] = (file, name)
-                shape = tuple(f.get_slice(name).get_shape())
-                src = sources[canonical][0]
-                want = src.rule.hf_shape(src.shape, cfg.vocab_size)
-                if shape != want:
-                    wrong.append(f"{name}: the checkpoint has {list(shape)}, the model expects {list(want)} "
-                                 f"(for {src.target.name} {list(src.shape)})")
+                view = f.get_slice(name)
+                out.append((file, name, view.get_dtype(), tuple(view.get_shape())))
+    return out
+
+
+def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sources, quant: Quantisation | None,
+                   log) -> dict[str, Stored]:
+    """Where each tensor the model reads is (`{canonical name: Stored}`), from the headers only: a
+    missing, unused, doubled or misshapen tensor, or a quantised one without its scales, fails here,
+    before any data is read; tensors the family skips are logged. A quantised tensor stands for the
+    tensor it dequantises to (its shape is that one's), and its scales are read with it."""
+    table = family.weights
+    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(family.model_type, hf, family.defaults))}
+    tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
+    headers = _headers(path)
+    where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file, name, _, shape in headers:
+        where.setdefault(name, (file, shape))
+
+    found: dict[str, Stored] = {}
+    scaled, unused, twice, wrong, unscaled = set(), [], [], [], []
+
+    def not_read(name: str, canonical: str) -> None:  # skipped (and logged), ignored, or a tensor left over
+        skip = next((names for pattern, (_, names) in skipped.items() if re.search(pattern, canonical)), None)
+        if skip is not None:
+            skip.append(name)
+        elif not (table.ignored(name) or table.ignored(canonical) or canonical == tied_head):
+            unused.append(name)
+
+    for file, name, dtype, shape in headers:
+        if quant is not None and quant.is_scales(name):
+            continue  # read with the tensor it scales; one that scales none is left over (below)
+        original = quant.stands_for(name, dtype) if quant is not None else None
+        canonical = table.canonical(original or name)
+        if canonical not in sources:
+            not_read(name, canonical)
+            continue
+        if canonical in found:
+            twice.append(f"{name} ({found[canonical].file.name} and {file.name})")
+            continue
+        scales = None
+        if original is not None:
+            scales_name, need = quant.scales_name(name), quant.scales_shape(shape)
+            if scales_name not in where:
+                unscaled.append(f"{name} in {file.name} (no {scales_name})")
+            else:
+                scales = (where[scales_name][0], scales_name)
+                if where[scales_name][1] != need:
+                    wrong.append(f"{scales_name}: the checkpoint has {list(where[scales_name][1])}, its quantised "
+                                 f"tensor {list(shape)} needs {list(need)}")
+            scaled.add(scales_name)
+            shape = quant.shape(shape)
+        found[canonical] = Stored(file, name, dtype, scales)
+        src = sources[canonical][0]
+        want = src.rule.hf_shape(src.shape, cfg.vocab_size)
+        if shape != want:
+            wrong.append(f"{name}: the checkpoint has {list(shape)}{' (dequantised)' if original else ''}, the model "
+                         f"expects {list(want)} (for {src.target.name} {list(src.shape)})")
+    for file, name, _, _ in headers:
+        if quant is not None and quant.is_scales(name) and name not in scaled:
+            not_read(name, table.canonical(name))
     missing = [n for n in sources if n not in found]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} tensor(s) missing: {_listed(missing)}")
-    if unused:
-        problems.append(f"{len(unused)} tensor(s) the {model_type} model has no place for: {_listed(unused)}")
-    if twice:
-        problems.append(f"{len(twice)} tensor(s) stored twice: {_listed(twice)}")
-    if wrong:
-        problems.append(f"{len(wrong)} tensor(s) with the wrong shape: " + "; ".join(wrong[:LISTED]))
-    if problems:
-        raise CheckpointError(f"{path} does not fit the {model_type} model of its config.json: " + ". ".join(problems))
+    _refuse_misfit(path, family.model_type, missing, unused, twice, wrong, unscaled)
     for what, names in skipped.values():
         if names:
             message = f"{path}: skipping {len(names)} tensor(s) of {what}, which the model does not use: {_listed(names)}"
@@ -339,24 +366,52 @@ def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sourc
     return found
 
 
-def _stream(path: Path, found: dict[str, tuple[Path, str]], sources, cfg: ModelConfig) -> None:
-    """The data, file by file, into one preallocated buffer per parameter (`fill`); a tensor
-    holding NaN or infinite values is refused, by name."""
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for canonical, (file, name) in found.items():
-        by_file.setdefault(file, []).append((canonical, name))
+def _refuse_misfit(path: Path, model_type: str, missing, unused, twice, wrong, unscaled) -> None:
+    """One error naming every tensor that keeps the checkpoint from filling the model, by kind."""
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) missing: {_listed(missing)}")
+    if unscaled:
+        problems.append(f"{len(unscaled)} quantised tensor(s) without their scales: {_listed(unscaled)}")
+    if unused:
+        problems.append(f"{len(unused)} tensor(s) the {model_type} model has no place for: {_listed(unused)}")
+    if twice:
+        problems.append(f"{len(twice)} tensor(s) stored twice: {_listed(twice)}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensor(s) with the wrong shape: " + "; ".join(wrong[:LISTED]))
+    if problems:
+        raise CheckpointError(f"{path} does not fit the {model_type} model of its config.json: " + ". ".join(problems))
+
+
+def _read(f, file: Path, name: str, dtype: str) -> np.ndarray:
+    """Tensor `name` of the open safetensors `file` (`f`); a damaged file is a CheckpointError naming it."""
+    try:
+        return read_raw(file, name) if dtype in RAW_DTYPES else f.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error types on a damaged file
+        raise CheckpointError(f"{file}: cannot read tensor {name} ({type(e).__name__}: {e}): "
+                              f"the file is damaged or truncated") from None
+
+
+def _stream(path: Path, found: dict[str, Stored], sources, cfg: ModelConfig, quant: Quantisation | None) -> None:
+    """The data, file by file, into one preallocated buffer per parameter (`fill`), a quantised tensor
+    dequantised with its scales (float32) as it arrives; a tensor holding NaN or infinite values is
+    refused, by name."""
+    by_file: dict[Path, list[tuple[str, Stored]]] = {}
+    for canonical, stored in found.items():
+        by_file.setdefault(stored.file, []).append((canonical, stored))
     bad = []
-    for file, names in by_file.items():
+    for file, tensors in by_file.items():
         with open_safetensors(file) as f:
-            for canonical, name in names:
-                try:
-                    x = f.get_tensor(name)
-                except Exception as e:  # safetensors raises its own error types on a damaged file
-                    raise CheckpointError(f"{file}: cannot read tensor {name} ({type(e).__name__}: {e}): "
-                                          f"the file is damaged or truncated") from None
+            for canonical, stored in tensors:
+                x = _read(f, file, stored.name, stored.dtype)
+                if stored.scales is not None:
+                    scales_file, scales_name = stored.scales
+                    with contextlib.ExitStack() as other:
+                        g = f if scales_file == file else other.enter_context(open_safetensors(scales_file))
+                        x = quant.dequantize(x, _read(g, scales_file, scales_name, ""))
                 count = nonfinite(x)
                 if count is not None:
-                    bad.append(f"{name} in {file.name} ({count})")
+                    bad.append(f"{stored.name} in {file.name} ({count})")
                 for src in sources[canonical]:
                     fill(src, x, cfg.vocab_size)
                 del x
