@@ -419,3 +419,54 @@ def test_prompts_read_from_parquet_and_a_saved_dataset_with_their_columns(tmp_pa
         prompts = read_prompts(DataConfig(path=str(path)), ByteTokenizer(), room=16)
         assert prompts.prompts == ("1 + 1 =", "2 + 2 =") and prompts.columns == {"answer": (2, 4)}, path
         assert [len(ids) for ids in prompts.ids] == [8, 8]  # <bos> and 7 bytes
+
+
+# ----- what goes wrong: reward functions, prompts, steps that train nothing -------------------
+
+def test_a_reward_function_that_returns_one_number_or_raises_is_named(tmp_path, monkeypatch):
+    from modern_jax.training.rewards import Rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.py").write_text("def one(completions, **kw):\n    return 0.5\n"
+                                   "def boom(completions, **kw):\n    raise RuntimeError('no grader')\n"
+                                   "def typed(completions, **kw):\n    return [len(c) + 'x' for c in completions]\n")
+    call = lambda spec: Rewards([spec]).score(["p", "q"], ["a", "b"], [[1], [2]], {})  # noqa: E731
+    with pytest.raises(ValueError, match=r"^reward function one returned float 0.5, not a list: return a list of "
+                                         r"2 rewards, a number \(or None\) for each completion$"):
+        call("r.py:one")
+    with pytest.raises(ValueError) as raised:
+        call("r.py:boom")
+    assert str(raised.value) == f"reward function boom raised RuntimeError: no grader ({tmp_path / 'r.py'}, line 4)"
+    with pytest.raises(ValueError, match=r"^reward function typed raised TypeError: unsupported operand"):
+        call("r.py:typed")  # a TypeError of its own, not one of the call's arguments
+
+
+def test_a_dotted_reward_module_is_read_from_the_working_directory_first_and_named(tmp_path, monkeypatch):
+    """`configs.rewards:exact_answer` run from a directory with its own configs/rewards.py reads that
+    file, not the checkout's (on sys.path by the editable install), and a note names the file."""
+    from modern_jax.training.rewards import Rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "rewards.py").write_text("def exact_answer(completions, **kw):\n"
+                                                     "    return [7.0] * len(completions)\n")
+    with pytest.warns(UserWarning) as notes:
+        rewards = Rewards(["configs.rewards:exact_answer"])
+    assert rewards.score(["p"], ["a"], [[1]], {"answer": ["2"]})[0, 0] == 7.0
+    file = tmp_path / "configs" / "rewards.py"
+    assert [str(n.message) for n in notes] == [f"reward functions: exact_answer from {file}"]
+
+
+def test_a_reward_module_that_exits_when_imported_is_refused_naming_it(tmp_path, monkeypatch):
+    from modern_jax.training.rewards import Rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "script.py").write_text("import sys\n\ndef f(completions, **kw):\n    return [1.0] * len(completions)\n"
+                                        "sys.exit(0)\n")
+    (tmp_path / "fails.py").write_text("raise RuntimeError('no key')\n")
+    for spec, name in (("script.py:f", "script.py"), ("script:f", "script.py")):
+        with pytest.raises(ValueError, match=rf"grpo.rewards\[0\]='{spec}': {name} calls sys.exit\(0\) when imported: "
+                                             r"a reward module must only define its functions when imported"):
+            Rewards([spec])
+    with pytest.raises(ValueError, match=r"fails.py fails to import \(RuntimeError: no key\)"):
+        Rewards(["fails:f"])
