@@ -470,3 +470,9 @@ def test_a_reward_module_that_exits_when_imported_is_refused_naming_it(tmp_path,
             Rewards([spec])
     with pytest.raises(ValueError, match=r"fails.py fails to import \(RuntimeError: no key\)"):
         Rewards(["fails:f"])
+
+
+def test_reward_weights_must_be_finite():
+    for weights in ([float("inf"), 0.2], [1.0, float("-inf")], [float("nan"), 1.0]):
+        with pytest.raises(ValueError, match=r"reward_weights=.* is invalid: expected 2 finite numbers"):
+            GRPOConfig(rewards=("a.py:f", "a.py:g"), reward_weights=weights)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +101,8 @@ class GRPOConfig(base.Config):
         if self.reward_weights is not None:
             weights = self.reward_weights
             if not isinstance(weights, (list, tuple)) or len(weights) != len(rewards) or \
-                    not all(_number(w, float("-inf"), above=True) for w in weights):
-                fail_("reward_weights", weights, f"expected {len(rewards)} numbers, one per reward function")
+                    not all(_number(w, float("-inf"), above=True) and math.isfinite(w) for w in weights):
+                fail_("reward_weights", weights, f"expected {len(rewards)} finite numbers, one per reward function")
             object.__setattr__(self, "reward_weights", tuple(float(w) for w in weights))
         if not _count(self.num_generations, 2):
             fail_("num_generations", self.num_generations, "expected an integer >= 2 (a group's rewards are compared "
