@@ -423,6 +423,43 @@ def test_prompts_read_from_parquet_and_a_saved_dataset_with_their_columns(tmp_pa
 
 # ----- what goes wrong: reward functions, prompts, steps that train nothing -------------------
 
+FLAKY = '''
+calls = 0
+
+
+def flaky(completions, **kwargs):
+    global calls
+    calls += 1
+    if calls >= 4:  # 1: step 1's batch, 2: the validation batch compiled beside it, 3: step 2's, 4: step 3's
+        raise ConnectionError("the grader is down")
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_reward_function_that_raises_names_itself_the_step_and_what_the_run_keeps(tmp_path, monkeypatch):
+    """A reward function that raises while scoring step 3's completions, then at once as the run
+    resumes: one error naming the function, its line, the exception and the step, and the checkpoint
+    the run keeps (step 2, which ran before the failure, saved then), from which it resumes."""
+    from modern_jax.training import loop
+    from modern_jax.training.checkpoint import CHECKPOINTS
+
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    run, init = grpo_run(tmp_path, "run", "train.steps=4", "train.checkpoint_every=4",
+                         f"grpo.rewards=[{tmp_path / 'flaky.py'}:flaky]", "grpo.reward_weights=null")
+    with pytest.raises(ValueError) as raised:
+        loop.train(run, init=init)
+    message = str(raised.value)
+    assert message.startswith(f"reward function flaky raised ConnectionError: the grader is down "
+                              f"({tmp_path / 'flaky.py'}, line 9), scoring step 3's completions;"), message
+    assert message.endswith("the run keeps its checkpoint of step 2: run the same command again to resume from it")
+    assert sorted(int(p.name) for p in (tmp_path / "run" / CHECKPOINTS).iterdir()) == [2]
+    resumed = dataclasses.replace(run, train=dataclasses.replace(run.train, resume=True))
+    with pytest.raises(ValueError, match=r"line 9\), scoring step 3's completions; the run keeps its checkpoint of "
+                                         r"step 2: run the same command"):
+        loop.train(resumed, init=init)
+
+
 def test_a_reward_function_that_returns_one_number_or_raises_is_named(tmp_path, monkeypatch):
     from modern_jax.training.rewards import Rewards
 

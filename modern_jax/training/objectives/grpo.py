@@ -346,7 +346,11 @@ class GRPO(base.Objective):
         conversational = bool(asked) and isinstance(asked[0], list)
         given = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         columns = {k: [v[i] for i in flat] for k, v in prompts.columns.items()}
-        scores = self.rewards.score(asked, given, [x.tolist() for x in ids], columns)  # [N, F]
+        when = f"step {first_step}" if first_step is not None else "a validation batch"
+        try:
+            scores = self.rewards.score(asked, given, [x.tolist() for x in ids], columns)  # [N, F]
+        except ValueError as e:
+            raise base.BatchFailed(f"{e}, scoring {when}'s completions") from None
         scores[~real.reshape(-1)] = np.nan  # rows that fill up an evaluation batch count for nothing
         N = A * R
         inputs, targets = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
