@@ -513,3 +513,42 @@ def test_reward_weights_must_be_finite():
     for weights in ([float("inf"), 0.2], [1.0, float("-inf")], [float("nan"), 1.0]):
         with pytest.raises(ValueError, match=r"reward_weights=.* is invalid: expected 2 finite numbers"):
             GRPOConfig(rewards=("a.py:f", "a.py:g"), reward_weights=weights)
+
+
+def rows_of(tmp_path, rewards: str, tokens, prompts=("q",), **config):
+    """A GRPO objective of `rewards` (a reward file's text, functions named `f`...) and `make`,
+    which gives the `[1, R, T]` rows `_rows` makes of `tokens` `[R, C]` sampled after `prompts`
+    (each repeated R / len times), as for step 5's batch; `(objective, make, the rows of tokens)`."""
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.data.prompts import Prompts
+
+    path = tmp_path / f"r{len(list(tmp_path.glob('r*.py')))}.py"  # a file a process reads once: a new one each
+    path.write_text(rewards)
+    names = [line[4:line.index("(")] for line in rewards.splitlines() if line.startswith("def ")]
+    tokens = np.asarray(tokens, np.int32)
+    R, C = tokens.shape
+    cfg = GRPOConfig(rewards=tuple(f"{path}:{n}" for n in names), num_generations=R // len(prompts),
+                     max_completion_length=C, **config)
+    objective = GRPO(cfg, TrainConfig(batch_size=R, eval_batch_size=R, seq_len=64, warmup_steps=0))
+    objective.tokenizer = tokenizer = ByteTokenizer()
+    ids = [np.asarray([tokenizer.bos_id, *tokenizer.encode(p if isinstance(p, str) else "q")], np.int32)
+           for p in prompts]
+    asked = Prompts(tuple(ids), tuple(prompts), {}, tuple(map(str, range(len(prompts)))))
+    index = np.repeat(np.arange(len(prompts)), R // len(prompts))[None]
+    make = lambda t: objective._rows(asked, index, np.asarray(t, np.int32)[None], np.ones((1, R), bool), 5)  # noqa: E731
+    return objective, make, make(tokens)
+
+
+def test_completions_no_reward_function_scores_are_said_with_the_step_and_validation_shows_nan(tmp_path, reward_file):
+    """TRL warns when every reward function returns None for a completion: so do we, naming the
+    step; an evaluation none of whose completions is scored says nan, not 0."""
+    eos = 258
+    with pytest.warns(UserWarning, match=r"^step 5: every reward function returned None for 4 of the 4 completions"):
+        rows_of(tmp_path, "def f(completions, **kw):\n    return [None] * len(completions)\n", [[97, eos]] * 4)
+    with pytest.warns(UserWarning, match=r"^step 5: every reward function returned None for 1 of the 4 completions"):
+        rows_of(tmp_path, "def f(completions, **kw):\n    return [None] + [1.0] * 3\n", [[97, eos]] * 4)
+    config, batch, _ = setting("grpo", reward_file)
+    batch = {k: np.full_like(v, np.nan) if k.startswith("reward_") else v for k, v in batch.items()}
+    trainer, state = lora_trainer(config)
+    totals = jax.device_get(trainer.eval_step(state["params"], trainer.batches.put(batch), jnp.ones((300,), jnp.int32)))
+    assert np.isnan(trainer.objective.eval_values(totals)["reward"])

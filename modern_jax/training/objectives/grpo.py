@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,22 @@ def _completion_figures(length_N, ended_N, real_N) -> dict:
             "completions/max_terminated_length": jnp.where(some, jnp.max(pick(ended, -big)), 0.0)}
 
 
+def batch_rewards(batch, weights, config: GRPOConfig):
+    """`(rewards[N, F], advantages(...))` of a batch's rows: each function's, then their weighted sums."""
+    rewards_NF = jnp.stack([row_values(batch, f"reward_{f}").reshape(-1) for f in range(len(weights))], -1)
+    return rewards_NF, advantages(rewards_NF, jnp.asarray(weights), config.num_generations, config.scale_rewards)
+
+
+def warn_unscored(scores_NF, real_N, step: int) -> None:
+    """Warn, as TRL does, of completions no reward function scored."""
+    unscored = np.all(np.isnan(scores_NF), axis=1) & real_N
+    if unscored.any():
+        none = ", and the step's reward is nan" if unscored.sum() == real_N.sum() else ""
+        warnings.warn(f"step {step}: every reward function returned None for {unscored.sum()} of the {real_N.sum()} "
+                      f"completions: they train with advantage 0{none}; make at least one reward function return a "
+                      f"number for each completion")
+
+
 def shown(config: GRPOConfig) -> Shown:
     """The loss, the mean reward and the completions' length on each line; a panel of the reward and
     one of the KL and the entropy."""
@@ -352,6 +369,8 @@ class GRPO(base.Objective):
         except ValueError as e:
             raise base.BatchFailed(f"{e}, scoring {when}'s completions") from None
         scores[~real.reshape(-1)] = np.nan  # rows that fill up an evaluation batch count for nothing
+        if first_step is not None:
+            warn_unscored(scores, real.reshape(-1), first_step)
         N = A * R
         inputs, targets = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
         completion = np.zeros((N, T), np.float32)
@@ -398,20 +417,14 @@ class GRPO(base.Objective):
 
     def complete(self, batch):
         """Each row's advantage, from the rewards of the whole step's batch `[A, B, T]`."""
-        c = self.config
-        rewards = jnp.stack([row_values(batch, f"reward_{f}") for f in range(len(self.rewards.names))], -1)
-        adv_N, _, _ = advantages(rewards.reshape(-1, rewards.shape[-1]), jnp.asarray(self.rewards.weights),
-                                 c.num_generations, c.scale_rewards)
+        _, (adv_N, _, _) = batch_rewards(batch, self.rewards.weights, self.config)
         shape = batch["inputs"].shape
         return {**batch, "advantages": jnp.broadcast_to(adv_N.reshape(shape[:-1])[..., None], shape)}
 
     def denominator(self, batch):
         """The loss's divisor for `loss_type`, and the batch's reward and completion figures."""
         c = self.config
-        F = len(self.rewards.names)
-        rewards_NF = jnp.stack([row_values(batch, f"reward_{f}").reshape(-1) for f in range(F)], -1)
-        _, rewards_N, std_N = advantages(rewards_NF, jnp.asarray(self.rewards.weights), c.num_generations,
-                                         c.scale_rewards)
+        rewards_NF, (_, rewards_N, std_N) = batch_rewards(batch, self.rewards.weights, self.config)
         real_N = row_values(batch, "real").reshape(-1)
         rows = jnp.maximum(jnp.sum(real_N), 1.0)
         divisor = {"grpo": rows, "bnpo": jnp.float32(batch["inputs"].shape[0]),
@@ -502,19 +515,21 @@ class GRPO(base.Objective):
         sums = self.sums(model, batch, prepared, chunk=chunk, dropout_rng=None, diagnostics=False)
         totals = self.denominator({k: v[None] for k, v in batch.items()})
         real = jnp.sum(batch["real"][:, 0])
-        rewards = totals["figures"]
-        # sums over the batches: an evaluation's figures are the means over all its rows
+        rewards, reward_N = totals["figures"], batch_rewards(batch, self.rewards.weights, self.config)[1][1]
+        scored = ~jnp.isnan(reward_N)  # a fill-up row's rewards are NaN too
+        # sums over the batches: an evaluation's figures are the means over all its rows (the reward's
+        # over the rows a reward function scored)
         return {"policy": self.loss(sums, totals) * real,
                 "rows": real, "tokens": sums["tokens"], "entropy": sums["entropy"],
                 **({"kl": sums["kl"]} if self.config.beta else {}),
-                "reward": jnp.nan_to_num(rewards["reward"]) * real,
+                "reward": jnp.sum(jnp.where(scored, reward_N, 0.0)), "scored": jnp.sum(scored),
                 "completions/mean_length": rewards["completions/mean_length"] * real,
                 "completions/clipped_ratio": rewards["completions/clipped_ratio"] * real}
 
     def eval_values(self, totals):
         rows, tokens = max(float(totals["rows"]), 1.0), max(float(totals["tokens"]), 1.0)
         out = {"loss": float(totals["policy"]) / rows, "entropy": float(totals["entropy"]) / tokens,
-               "reward": float(totals["reward"]) / rows,
+               "reward": float(totals["reward"]) / float(totals["scored"]) if totals["scored"] else float("nan"),
                "completions/mean_length": float(totals["completions/mean_length"]) / rows,
                "completions/clipped_ratio": float(totals["completions/clipped_ratio"]) / rows,
                "prompts": int(rows) // self.config.num_generations}
