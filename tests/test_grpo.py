@@ -552,3 +552,19 @@ def test_completions_no_reward_function_scores_are_said_with_the_step_and_valida
     trainer, state = lora_trainer(config)
     totals = jax.device_get(trainer.eval_step(state["params"], trainer.batches.put(batch), jnp.ones((300,), jnp.int32)))
     assert np.isnan(trainer.objective.eval_values(totals)["reward"])
+
+
+def test_every_completion_truncated_and_masked_out_is_said_once_a_run(tmp_path):
+    """grpo.mask_truncated_completions with every completion at max_completion_length: the step
+    trains nothing (all weights 0), said once a run with the settings that fix it."""
+    reward = "def f(completions, **kw):\n    return [1.0] * len(completions)\n"
+    with pytest.warns(UserWarning) as notes:
+        _, make, batch = rows_of(tmp_path, reward, [[97, 98]] * 4, mask_truncated_completions=True)
+        make([[97, 98]] * 4)
+    assert not batch["weights"].any()
+    said = [str(n.message) for n in notes if "reward functions:" not in str(n.message)]
+    assert said == ["step 5: every completion reached grpo.max_completion_length=2 without <eos>, and "
+                    "grpo.mask_truncated_completions leaves such completions out of the loss: the step trains "
+                    "nothing (loss 0, grad norm 0); raise grpo.max_completion_length, or set "
+                    "grpo.mask_truncated_completions=false (said once a run; completions/clipped_ratio counts "
+                    "them at every step)"], said

@@ -221,14 +221,24 @@ def batch_rewards(batch, weights, config: GRPOConfig):
     return rewards_NF, advantages(rewards_NF, jnp.asarray(weights), config.num_generations, config.scale_rewards)
 
 
-def warn_unscored(scores_NF, real_N, step: int) -> None:
-    """Warn, as TRL does, of completions no reward function scored."""
+def warn_untrained(config: GRPOConfig, scores_NF, ended_N, real_N, step: int, said_truncated: bool) -> bool:
+    """Warn, as TRL does, of completions no reward function scored (each step), and say once a run
+    (`said_truncated`: said already; returned: said now or before) that every completion was cut
+    and so masked out (`mask_truncated_completions`): the step trains nothing."""
     unscored = np.all(np.isnan(scores_NF), axis=1) & real_N
     if unscored.any():
         none = ", and the step's reward is nan" if unscored.sum() == real_N.sum() else ""
         warnings.warn(f"step {step}: every reward function returned None for {unscored.sum()} of the {real_N.sum()} "
                       f"completions: they train with advantage 0{none}; make at least one reward function return a "
                       f"number for each completion")
+    if said_truncated or not config.mask_truncated_completions or not real_N.any() or (ended_N & real_N).any():
+        return said_truncated
+    warnings.warn(f"step {step}: every completion reached grpo.max_completion_length={config.max_completion_length} "
+                  f"without <eos>, and grpo.mask_truncated_completions leaves such completions out of the loss: the "
+                  f"step trains nothing (loss 0, grad norm 0); raise grpo.max_completion_length, or set "
+                  f"grpo.mask_truncated_completions=false (said once a run; completions/clipped_ratio counts them at "
+                  f"every step)")
+    return True
 
 
 def shown(config: GRPOConfig) -> Shown:
@@ -267,6 +277,7 @@ class GRPO(base.Objective):
         self.tokenizer = None
         self._kept: tuple[int, dict] | None = None  # (step, batch) of the rollouts that serve several steps
         self._samples: list[dict] = []
+        self._said_truncated = False  # every completion masked out, said once a run
 
     # ----- data ------------------------------------------------------------------
 
@@ -370,7 +381,7 @@ class GRPO(base.Objective):
             raise base.BatchFailed(f"{e}, scoring {when}'s completions") from None
         scores[~real.reshape(-1)] = np.nan  # rows that fill up an evaluation batch count for nothing
         if first_step is not None:
-            warn_unscored(scores, real.reshape(-1), first_step)
+            self._said_truncated = warn_untrained(c, scores, ended, real.reshape(-1), first_step, self._said_truncated)
         N = A * R
         inputs, targets = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
         completion = np.zeros((N, T), np.float32)
