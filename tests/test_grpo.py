@@ -568,3 +568,37 @@ def test_every_completion_truncated_and_masked_out_is_said_once_a_run(tmp_path):
                     "nothing (loss 0, grad norm 0); raise grpo.max_completion_length, or set "
                     "grpo.mask_truncated_completions=false (said once a run; completions/clipped_ratio counts "
                     "them at every step)"], said
+
+
+def test_a_prompt_ending_in_another_role_is_refused_and_one_ending_in_an_assistant_message_is_continued(tmp_path):
+    """As TRL's `apply_chat_template` renders a prompt: a last message of the user or a tool opens
+    the assistant's turn, an assistant's is continued (transformers' `continue_final_message`: the
+    text up to the end of its content), any other role is refused naming the record; a reward
+    function receives a continued message as the start of the completion (TRL's bootstrap)."""
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.data.config import DataConfig
+    from modern_jax.data.prompts import read_prompts
+
+    def read(*prompts):
+        path = tmp_path / "p.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        got = read_prompts(DataConfig(path=str(path)), ByteTokenizer(), room=64)
+        return [ByteTokenizer().decode(ids) for ids in got.ids]
+
+    user = {"role": "user", "content": "2 + 3?"}
+    assert read([user], [user, {"role": "assistant", "content": "It is"}]) == [
+        "<|user|>\n2 + 3?<|end|>\n<|assistant|>\n", "<|user|>\n2 + 3?<|end|>\n<|assistant|>\nIt is"]
+    assert read([user, {"role": "tool", "content": "5"}])[0].endswith("<|tool|>\n5<|end|>\n<|assistant|>\n")
+    for role in ("robot", "system"):
+        with pytest.raises(ValueError, match=rf"p.jsonl, line 2: the prompt's last message has the role '{role}': "
+                                             r"a prompt ends with a user or tool message \(the model answers it\) or "
+                                             r"an assistant message \(the model continues it\)"):
+            read([user], [user, {"role": role, "content": "x"}])
+    seen = tmp_path / "seen.json"
+    reward = ("import json\n"
+              f"def f(prompts, completions, **kw):\n    open({str(seen)!r}, 'w').write(json.dumps([prompts, "
+              "completions]))\n    return [1.0] * len(completions)\n")
+    started = [user, {"role": "assistant", "content": "It is"}]
+    rows_of(tmp_path, reward, [[32, 53, 258]] * 2, prompts=(started,))
+    prompts, completions = json.loads(seen.read_text())
+    assert prompts == [[user]] * 2 and completions == [[{"role": "assistant", "content": "It is 5"}]] * 2

@@ -241,6 +241,17 @@ def warn_untrained(config: GRPOConfig, scores_NF, ended_N, real_N, step: int, sa
     return True
 
 
+def for_rewards(prompt, text: str):
+    """`(prompt, completion)` as the reward functions receive them (TRL's): a text's completion is
+    its text; a conversation's an assistant message, which takes in the prompt's final assistant
+    message where the completion continues one (`data.prompts`)."""
+    if not isinstance(prompt, list):
+        return prompt, text
+    if prompt[-1]["role"] == "assistant":
+        return prompt[:-1], [{"role": "assistant", "content": prompt[-1]["content"] + text}]
+    return prompt, [{"role": "assistant", "content": text}]
+
+
 def shown(config: GRPOConfig) -> Shown:
     """The loss, the mean reward and the completions' length on each line; a panel of the reward and
     one of the KL and the entropy."""
@@ -370,13 +381,11 @@ class GRPO(base.Objective):
                for ids, done in zip(completions, ended)]  # a completion's tokens, its <eos> included
         texts = [self.tokenizer.decode(ids) for ids in completions]
         flat = index.reshape(-1)
-        asked = [prompts.prompts[i] for i in flat]
-        conversational = bool(asked) and isinstance(asked[0], list)
-        given = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        asked, given = zip(*(for_rewards(prompts.prompts[i], text) for i, text in zip(flat, texts)))
         columns = {k: [v[i] for i in flat] for k, v in prompts.columns.items()}
         when = f"step {first_step}" if first_step is not None else "a validation batch"
         try:
-            scores = self.rewards.score(asked, given, [x.tolist() for x in ids], columns)  # [N, F]
+            scores = self.rewards.score(list(asked), list(given), [x.tolist() for x in ids], columns)  # [N, F]
         except ValueError as e:
             raise base.BatchFailed(f"{e}, scoring {when}'s completions") from None
         scores[~real.reshape(-1)] = np.nan  # rows that fill up an evaluation batch count for nothing
