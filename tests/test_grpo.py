@@ -1,6 +1,7 @@
 """GRPO: the loss and every logged metric against TRL itself, the per-token figures against a naive
 forward, the rollouts, the run file and the loop (training.objectives.grpo, training.rewards,
-data.prompts, training.loss.token_logps).
+data.prompts, training.loss.token_logps), and what goes wrong: reward functions that fail or are
+read from the wrong file, prompts TRL reads otherwise, steps that train nothing.
 
 The reference values (tests/fixtures/hf_peft/llama/grpo) were made by TRL 1.16.0's own
 `GRPOTrainer` (`_generate_and_score_completions` with the generation replaced by the fixed

@@ -8,8 +8,8 @@ configs/harness (multiple choice, generation, rolling log-likelihood): every log
 MODERN_JAX_HF_PYTHON naming an interpreter that has lm-eval and torch, the same comparison runs
 against a fresh reference. Also: a trained run scores the same as its Hugging Face export, two
 processes of four devices as one process, the in-training figures in metrics.jsonl and
-TensorBoard, and the refusals (an unknown task, a hub task without network, a directory of
-other files).
+TensorBoard, and the refusals (an unknown task, a task file that does not parse, a hub task
+without network, a directory of other files, a --limit that is not a whole count).
 """
 
 from __future__ import annotations
