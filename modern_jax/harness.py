@@ -504,7 +504,8 @@ def task_manager(include_path: str | None = None, flag: str = "--include-path", 
 
 
 def check_tasks(manager, tasks: list[str], flag: str = "--tasks", include: str = "--include-path") -> None:
-    """Every task name known to lm_eval (its own, or a YAML under the include path)."""
+    """Every task name known to lm_eval (its own, or a YAML under the include path); an unknown
+    one names the include path's YAML files that lm_eval left out because it cannot read them."""
     known = set(manager.all_tasks)
     unknown = [t for t in tasks if t not in known]
     if unknown:
@@ -512,8 +513,35 @@ def check_tasks(manager, tasks: list[str], flag: str = "--tasks", include: str =
 
         close = {t: difflib.get_close_matches(t, known, n=3) for t in unknown}
         hints = "; ".join(f"{t!r}" + (f" (close: {', '.join(c)})" if c else "") for t, c in close.items())
+        unread = _unread_task_files(getattr(manager, "include_path", None))
+        if unread:
+            raise ValueError(f"{flag}: no task named {hints}: {'; '.join(unread[:3])}, and lm-eval leaves out a "
+                             f"task file it cannot read: fix it")
         raise ValueError(f"{flag}: no task named {hints}: give lm-eval's task names, or a directory of task YAML "
                          f"files with {include}")
+
+
+def _unread_task_files(include_path) -> list[str]:
+    """Each YAML file under `include_path` that lm_eval cannot read (its index skips them in
+    silence), with its problem: the line and column of a YAML syntax error."""
+    import yaml
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from modern_jax.configfile import _yaml_problem
+
+    paths = include_path if isinstance(include_path, (list, tuple)) else [include_path] if include_path else []
+    unread = []
+    for path in sorted(p for root in paths for p in pathlib.Path(root).glob("**/*.yaml")):
+        try:
+            load_yaml(path, resolve_func=False)
+        except yaml.MarkedYAMLError as e:
+            mark, problem = _yaml_problem(e)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            unread.append(f"{path}{where}: could not parse YAML ({problem})")
+        except Exception as e:  # an include that is missing, a file that is not a mapping
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            unread.append(f"{path}: could not be read ({type(e).__name__}: {reason})")
+    return unread
 
 
 def load_tasks(manager, tasks: list[str]) -> None:

@@ -1,6 +1,8 @@
 """GRPO: the loss and every logged metric against TRL itself, the per-token figures against a naive
 forward, the rows of fixed rollouts token by token, an evaluation's real rows, the rollouts, the run
-file and the loop (training.objectives.grpo, training.rewards, data.prompts, training.loss.token_logps).
+file and the loop (training.objectives.grpo, training.rewards, data.prompts, training.loss.token_logps),
+and what goes wrong: reward functions that fail or are read from the wrong file, prompts TRL reads
+otherwise, steps that train nothing.
 
 The reference values (tests/fixtures/hf_peft/llama/grpo) were made by TRL 1.16.0's own
 `GRPOTrainer` (`_generate_and_score_completions` with the generation replaced by the fixed
@@ -524,3 +526,186 @@ def test_an_evaluation_counts_only_its_real_prompts(tmp_path, monkeypatch):
     np.testing.assert_allclose(got["reward"], np.mean([answers[p] for p in real]), rtol=1e-6)
     np.testing.assert_allclose(got["completions/mean_length"], np.mean(lengths[:6]), rtol=1e-6)
     np.testing.assert_allclose(got["completions/clipped_ratio"], 1 / 6, rtol=1e-6)
+
+
+# ----- what goes wrong: reward functions, prompts, steps that train nothing -------------------
+
+FLAKY = '''
+calls = 0
+
+
+def flaky(completions, **kwargs):
+    global calls
+    calls += 1
+    if calls >= 4:  # 1: step 1's batch, 2: the validation batch compiled beside it, 3: step 2's, 4: step 3's
+        raise ConnectionError("the grader is down")
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_reward_function_that_raises_names_itself_the_step_and_what_the_run_keeps(tmp_path, monkeypatch):
+    """A reward function that raises while scoring step 3's completions, then at once as the run
+    resumes: one error naming the function, its line, the exception and the step, and the checkpoint
+    the run keeps (step 2, which ran before the failure, saved then), from which it resumes."""
+    from modern_jax.training import loop
+    from modern_jax.training.checkpoint import CHECKPOINTS
+
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    run, init = grpo_run(tmp_path, "run", "train.steps=4", "train.checkpoint_every=4",
+                         f"grpo.rewards=[{tmp_path / 'flaky.py'}:flaky]", "grpo.reward_weights=null")
+    with pytest.raises(ValueError) as raised:
+        loop.train(run, init=init)
+    message = str(raised.value)
+    assert message.startswith(f"reward function flaky raised ConnectionError: the grader is down "
+                              f"({tmp_path / 'flaky.py'}, line 9), scoring step 3's completions;"), message
+    assert message.endswith("the run keeps its checkpoint of step 2: run the same command again to resume from it")
+    assert sorted(int(p.name) for p in (tmp_path / "run" / CHECKPOINTS).iterdir()) == [2]
+    resumed = dataclasses.replace(run, train=dataclasses.replace(run.train, resume=True))
+    with pytest.raises(ValueError, match=r"line 9\), scoring step 3's completions; the run keeps its checkpoint of "
+                                         r"step 2: run the same command"):
+        loop.train(resumed, init=init)
+
+
+def test_a_reward_function_that_returns_one_number_or_raises_is_named(tmp_path, monkeypatch):
+    from modern_jax.training.rewards import Rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.py").write_text("def one(completions, **kw):\n    return 0.5\n"
+                                   "def boom(completions, **kw):\n    raise RuntimeError('no grader')\n"
+                                   "def typed(completions, **kw):\n    return [len(c) + 'x' for c in completions]\n")
+    call = lambda spec: Rewards([spec]).score(["p", "q"], ["a", "b"], [[1], [2]], {})  # noqa: E731
+    with pytest.raises(ValueError, match=r"^reward function one returned float 0.5, not a list: return a list of "
+                                         r"2 rewards, a number \(or None\) for each completion$"):
+        call("r.py:one")
+    with pytest.raises(ValueError) as raised:
+        call("r.py:boom")
+    assert str(raised.value) == f"reward function boom raised RuntimeError: no grader ({tmp_path / 'r.py'}, line 4)"
+    with pytest.raises(ValueError, match=r"^reward function typed raised TypeError: unsupported operand"):
+        call("r.py:typed")  # a TypeError of its own, not one of the call's arguments
+
+
+def test_a_dotted_reward_module_is_read_from_the_working_directory_first_and_named(tmp_path, monkeypatch):
+    """`configs.rewards:exact_answer` run from a directory with its own configs/rewards.py reads that
+    file, not the checkout's (on sys.path by the editable install), and a note names the file."""
+    from modern_jax.training.rewards import Rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "rewards.py").write_text("def exact_answer(completions, **kw):\n"
+                                                     "    return [7.0] * len(completions)\n")
+    with pytest.warns(UserWarning) as notes:
+        rewards = Rewards(["configs.rewards:exact_answer"])
+    assert rewards.score(["p"], ["a"], [[1]], {"answer": ["2"]})[0, 0] == 7.0
+    file = tmp_path / "configs" / "rewards.py"
+    assert [str(n.message) for n in notes] == [f"reward functions: exact_answer from {file}"]
+
+
+def test_a_reward_module_that_exits_when_imported_is_refused_naming_it(tmp_path, monkeypatch):
+    from modern_jax.training.rewards import Rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "script.py").write_text("import sys\n\ndef f(completions, **kw):\n    return [1.0] * len(completions)\n"
+                                        "sys.exit(0)\n")
+    (tmp_path / "fails.py").write_text("raise RuntimeError('no key')\n")
+    for spec, name in (("script.py:f", "script.py"), ("script:f", "script.py")):
+        with pytest.raises(ValueError, match=rf"grpo.rewards\[0\]='{spec}': {name} calls sys.exit\(0\) when imported: "
+                                             r"a reward module must only define its functions when imported"):
+            Rewards([spec])
+    with pytest.raises(ValueError, match=r"fails.py fails to import \(RuntimeError: no key\)"):
+        Rewards(["fails:f"])
+
+
+def test_reward_weights_must_be_finite():
+    for weights in ([float("inf"), 0.2], [1.0, float("-inf")], [float("nan"), 1.0]):
+        with pytest.raises(ValueError, match=r"reward_weights=.* is invalid: expected 2 finite numbers"):
+            GRPOConfig(rewards=("a.py:f", "a.py:g"), reward_weights=weights)
+
+
+def rows_of(tmp_path, rewards: str, tokens, prompts=("q",), **config):
+    """A GRPO objective of `rewards` (a reward file's text, functions named `f`...) and `make`,
+    which gives the `[1, R, T]` rows `_rows` makes of `tokens` `[R, C]` sampled after `prompts`
+    (each repeated R / len times), as for step 5's batch; `(objective, make, the rows of tokens)`."""
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.data.prompts import Prompts
+
+    path = tmp_path / f"r{len(list(tmp_path.glob('r*.py')))}.py"  # a file a process reads once: a new one each
+    path.write_text(rewards)
+    names = [line[4:line.index("(")] for line in rewards.splitlines() if line.startswith("def ")]
+    tokens = np.asarray(tokens, np.int32)
+    R, C = tokens.shape
+    cfg = GRPOConfig(rewards=tuple(f"{path}:{n}" for n in names), num_generations=R // len(prompts),
+                     max_completion_length=C, **config)
+    objective = GRPO(cfg, TrainConfig(batch_size=R, eval_batch_size=R, seq_len=64, warmup_steps=0))
+    objective.tokenizer = tokenizer = ByteTokenizer()
+    ids = [np.asarray([tokenizer.bos_id, *tokenizer.encode(p if isinstance(p, str) else "q")], np.int32)
+           for p in prompts]
+    asked = Prompts(tuple(ids), tuple(prompts), {}, tuple(map(str, range(len(prompts)))))
+    index = np.repeat(np.arange(len(prompts)), R // len(prompts))[None]
+    make = lambda t: objective._rows(asked, index, np.asarray(t, np.int32)[None], np.ones((1, R), bool), 5)  # noqa: E731
+    return objective, make, make(tokens)
+
+
+def test_completions_no_reward_function_scores_are_said_with_the_step_and_validation_shows_nan(tmp_path, reward_file):
+    """TRL warns when every reward function returns None for a completion: so do we, naming the
+    step; an evaluation none of whose completions is scored says nan, not 0."""
+    eos = 258
+    with pytest.warns(UserWarning, match=r"^step 5: every reward function returned None for 4 of the 4 completions"):
+        rows_of(tmp_path, "def f(completions, **kw):\n    return [None] * len(completions)\n", [[97, eos]] * 4)
+    with pytest.warns(UserWarning, match=r"^step 5: every reward function returned None for 1 of the 4 completions"):
+        rows_of(tmp_path, "def f(completions, **kw):\n    return [None] + [1.0] * 3\n", [[97, eos]] * 4)
+    config, batch, _ = setting("grpo", reward_file)
+    batch = {k: np.full_like(v, np.nan) if k.startswith("reward_") else v for k, v in batch.items()}
+    trainer, state = lora_trainer(config)
+    totals = jax.device_get(trainer.eval_step(state["params"], trainer.batches.put(batch), jnp.ones((300,), jnp.int32)))
+    assert np.isnan(trainer.objective.eval_values(totals)["reward"])
+
+
+def test_every_completion_truncated_and_masked_out_is_said_once_a_run(tmp_path):
+    """grpo.mask_truncated_completions with every completion at max_completion_length: the step
+    trains nothing (all weights 0), said once a run with the settings that fix it."""
+    reward = "def f(completions, **kw):\n    return [1.0] * len(completions)\n"
+    with pytest.warns(UserWarning) as notes:
+        _, make, batch = rows_of(tmp_path, reward, [[97, 98]] * 4, mask_truncated_completions=True)
+        make([[97, 98]] * 4)
+    assert not batch["weights"].any()
+    said = [str(n.message) for n in notes if "reward functions:" not in str(n.message)]
+    assert said == ["step 5: every completion reached grpo.max_completion_length=2 without <eos>, and "
+                    "grpo.mask_truncated_completions leaves such completions out of the loss: the step trains "
+                    "nothing (loss 0, grad norm 0); raise grpo.max_completion_length, or set "
+                    "grpo.mask_truncated_completions=false (said once a run; completions/clipped_ratio counts "
+                    "them at every step)"], said
+
+
+def test_a_prompt_ending_in_another_role_is_refused_and_one_ending_in_an_assistant_message_is_continued(tmp_path):
+    """As TRL's `apply_chat_template` renders a prompt: a last message of the user or a tool opens
+    the assistant's turn, an assistant's is continued (transformers' `continue_final_message`: the
+    text up to the end of its content), any other role is refused naming the record; a reward
+    function receives a continued message as the start of the completion (TRL's bootstrap)."""
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.data.config import DataConfig
+    from modern_jax.data.prompts import read_prompts
+
+    def read(*prompts):
+        path = tmp_path / "p.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        got = read_prompts(DataConfig(path=str(path)), ByteTokenizer(), room=64)
+        return [ByteTokenizer().decode(ids) for ids in got.ids]
+
+    user = {"role": "user", "content": "2 + 3?"}
+    assert read([user], [user, {"role": "assistant", "content": "It is"}]) == [
+        "<|user|>\n2 + 3?<|end|>\n<|assistant|>\n", "<|user|>\n2 + 3?<|end|>\n<|assistant|>\nIt is"]
+    assert read([user, {"role": "tool", "content": "5"}])[0].endswith("<|tool|>\n5<|end|>\n<|assistant|>\n")
+    for role in ("robot", "system"):
+        with pytest.raises(ValueError, match=rf"p.jsonl, line 2: the prompt's last message has the role '{role}': "
+                                             r"a prompt ends with a user or tool message \(the model answers it\) or "
+                                             r"an assistant message \(the model continues it\)"):
+            read([user], [user, {"role": role, "content": "x"}])
+    seen = tmp_path / "seen.json"
+    reward = ("import json\n"
+              f"def f(prompts, completions, **kw):\n    open({str(seen)!r}, 'w').write(json.dumps([prompts, "
+              "completions]))\n    return [1.0] * len(completions)\n")
+    started = [user, {"role": "assistant", "content": "It is"}]
+    rows_of(tmp_path, reward, [[32, 53, 258]] * 2, prompts=(started,))
+    prompts, completions = json.loads(seen.read_text())
+    assert prompts == [[user]] * 2 and completions == [[{"role": "assistant", "content": "It is 5"}]] * 2

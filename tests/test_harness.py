@@ -10,7 +10,8 @@ against a fresh reference. Also: the scorer's log-probabilities and greedy flags
 forward pass (the fixture's greedy flags are all False), a trained run scores the same as its
 Hugging Face export, two processes of four devices as one process, the in-training figures in
 metrics.jsonl and TensorBoard, the compilation cache read back, and the refusals (an unknown task,
-a hub task without network, a directory of other files).
+a task file that does not parse, a hub task without network, a directory of other files, a --limit
+that is not a whole count).
 """
 
 from __future__ import annotations
@@ -407,3 +408,37 @@ def test_a_task_of_the_hub_without_network_is_one_line_naming_it_and_the_local_f
     assert err.count("\n") == 0, err
     assert "task hub_sums: its data come from the Hugging Face hub (some-org/some-sums)" in err, err
     assert "dataset_path: json" in err and "--include-path" in err, err
+
+
+def test_a_task_file_whose_yaml_does_not_parse_is_named_with_its_error(tmp_path):
+    """lm-eval skips a YAML file it cannot parse in silence, so the task it holds is unknown: the
+    refusal names the file, the line and the problem (`check_tasks`, as the command and
+    train.harness_tasks call it, on the include path's own TaskManager)."""
+    from lm_eval.tasks import TaskManager
+
+    from modern_jax.harness import check_tasks
+
+    task = (ROOT / "configs/harness/sums_choice.yaml").read_text()
+    (tmp_path / "sums_choice.yaml").write_text(task.replace("\ntask: sums_choice", "\ntask: sums_choice\n  path: x: y"))
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    with pytest.raises(ValueError) as refused:
+        check_tasks(manager, ["sums_choice"])
+    err = str(refused.value)
+    assert err.count("\n") == 0 and err.startswith("--tasks: no task named 'sums_choice'"), err
+    assert err.endswith(f"{tmp_path / 'sums_choice.yaml'}, line 6, column 7: could not parse YAML (mapping values are "
+                        f"not allowed in this context), and lm-eval leaves out a task file it cannot read: fix it"), err
+
+
+@pytest.mark.quick
+def test_a_limit_that_is_not_a_whole_count_or_a_fraction_is_refused(capsys):
+    """--limit 2.5 would score 2 documents: refused, as train.harness_limit=2.5 is."""
+    from modern_jax.training import TrainConfig
+
+    assert main(["harness", "--hf", CHAT, "--include-path", "configs/harness", "--tasks", "sums_choice",
+                 "--limit", "2.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("modern-jax harness: error: --limit 2.5 is invalid: expected a whole count of documents, or a "
+                   "fraction below 1"), err
+    with pytest.raises(ValueError, match=r"harness_limit=2.5 is invalid: expected a whole count of documents, a "
+                                         r"fraction below 1, or null"):
+        TrainConfig(harness_limit=2.5)

@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
                          "with --include-path configs/harness)")
     ha.add_argument("--include-path", help="a directory of task YAML files, added to lm-eval's own")
     ha.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: the task's, else 0)")
-    ha.add_argument("--limit", type=float, help="documents per task: a count, or a fraction below 1")
+    ha.add_argument("--limit", type=float, help="documents per task: a whole count, or a fraction below 1")
     ha.add_argument("--batch-size", type=int, default=32, help="rows per scoring or decoding batch (default 32; a "
                                                                "multiple of the mesh's data shards)")
     ha.add_argument("--log-samples", action="store_true", help="with --output-path: write each document's requests, "
@@ -44,7 +44,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     """lm-eval's tasks on a checkpoint or a Hugging Face model: its table, its result and sample files."""
     _check_flags(args, _positive("--batch-size"), ("--num-fewshot", lambda n: n >= 0, "an integer >= 0"),
-                 ("--limit", lambda x: 0 < x < math.inf, "a positive count of documents, or a fraction below 1"))
+                 ("--limit", lambda x: 0 < x < 1 or 1 <= x < math.inf and x == int(x),
+                  "a whole count of documents, or a fraction below 1"))
     if bool(args.checkpoint) == bool(args.hf):
         raise ValueError("give one of --checkpoint RUN (a run, a step or a converted checkpoint) or --hf DIR "
                          "(a Hugging Face model directory)")

@@ -8,8 +8,10 @@ text or a conversation (a list of `{role, content}` messages), and any other fie
     text            {"prompt": "2 + 3 =", "answer": "5"}
     conversation    {"prompt": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}
 
-Tokens: a conversation rendered by the chat template (`corpora.chat_template`) with the
-generation prompt, then encoded; a text encoded after the tokenizer's `<bos>`. A prompt longer
+Tokens: a conversation rendered by the chat template (`corpora.chat_template`) as TRL renders a
+prompt (`render_prompt`): after a final user or tool message with the generation prompt, a final
+assistant message left open for the completion to continue (any other final role is an error),
+then encoded; a text encoded after the tokenizer's `<bos>`. A prompt longer
 than `room` tokens (the run's `seq_len` less the completions' `max_completion_length`) is an
 error naming its record, as is an empty one.
 
@@ -73,7 +75,7 @@ def read_prompts(cfg: DataConfig, tokenizer: Tokenizer, room: int) -> Prompts:
         for name, where, record in reader(cfg, PROMPT, _SETTING, whole=True):
             prompt = record[PROMPT]
             if value_kind(prompt, PROMPT, where) == "conversation":
-                ids = tokenizer.encode(render_conversation(prompt, template, special, where, True))
+                ids = tokenizer.encode(render_prompt(prompt, template, special, where))
             else:
                 if not prompt.strip():
                     raise ValueError(f"{where}: field {PROMPT!r} is empty: give the record a prompt")
@@ -105,6 +107,31 @@ def read_prompts(cfg: DataConfig, tokenizer: Tokenizer, room: int) -> Prompts:
                              f"{sorted(fields)}: give every record the same fields (the reward functions read them)")
     return Prompts(tuple(ids for _, ids, _ in rows), tuple(r[PROMPT] for _, _, r in rows),
                    {k: tuple(r[k] for _, _, r in rows) for k in fields}, tuple(name for name, _, _ in rows))
+
+
+ANSWERED, CONTINUED = ("user", "tool"), "assistant"  # the roles a prompt may end with
+_CONTINUE = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' own mark of the end of the message to continue
+
+
+def render_prompt(messages: list[dict], template: str, special: dict[str, str], where: str) -> str:
+    """A conversation prompt as TRL's `apply_chat_template` renders one: ending with a user's or a
+    tool's message, with the generation prompt; with an assistant's, up to the end of its content
+    (transformers' `continue_final_message`), which the completion continues; any other role is
+    an error naming the record."""
+    role = messages[-1]["role"]
+    if role in ANSWERED:
+        return render_conversation(messages, template, special, where, True)
+    if role != CONTINUED:
+        raise ValueError(f"{where}: the prompt's last message has the role {role!r}: a prompt ends with a user or "
+                         f"tool message (the model answers it) or an assistant message (the model continues it), as "
+                         f"TRL reads prompts")
+    marked = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + _CONTINUE}]
+    text = render_conversation(marked, template, special, where, False)
+    end = text.rfind(_CONTINUE.strip())
+    if end < 0:
+        raise ValueError(f"{where}: the chat template leaves out the end of the prompt's final assistant message, so "
+                         f"no completion can continue it: end the prompt with a user message instead")
+    return text[:end] if text.startswith(_CONTINUE, end) else text[:end].rstrip()  # trimmed by the template
 
 
 def split_prompts(prompts: Prompts, val_fraction: float) -> tuple[Prompts, Prompts]:

@@ -89,7 +89,7 @@ class TrainConfig:
     # lm-eval's benchmarks during training (modern_jax/harness.py): logged as harness/{task}/{metric}
     harness_tasks: tuple[str, ...] = ()  # lm-eval task names; none: no benchmark
     harness_every: int = 0  # steps between benchmarks; 0: only at the end
-    harness_limit: float | None = None  # documents per task (a count, or a fraction below 1); null: all
+    harness_limit: float | None = None  # documents per task (a whole count, or a fraction below 1); null: all
     harness_include_path: str | None = None  # a directory of task YAML files (e.g. configs/harness)
 
     # checkpoints and robustness
@@ -108,10 +108,10 @@ class TrainConfig:
             object.__setattr__(self, "harness_tasks", tuple(self.harness_tasks))
         if not isinstance(self.harness_tasks, tuple) or not all(isinstance(t, str) and t for t in self.harness_tasks):
             _fail("harness_tasks", self.harness_tasks, "expected a list of lm-eval task names")
-        if self.harness_limit is not None and (isinstance(self.harness_limit, bool) or not isinstance(
-                self.harness_limit, (int, float)) or not 0 < self.harness_limit < math.inf):
-            _fail("harness_limit", self.harness_limit, "expected a positive count of documents, a fraction below 1, "
-                                                      "or null")
+        limit = self.harness_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not (
+                0 < limit < 1 or 1 <= limit < math.inf and limit == int(limit))):
+            _fail("harness_limit", limit, "expected a whole count of documents, a fraction below 1, or null")
         if not isinstance(self.no_decay, tuple):
             _fail("no_decay", self.no_decay, f"expected a list of groups from {', '.join(NO_DECAY_GROUPS)}")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batch_size",

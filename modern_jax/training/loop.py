@@ -56,6 +56,7 @@ from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot
 from modern_jax.training.placement import from_whole
 from modern_jax.training.signals import StopSignal
 from modern_jax.training import objectives
+from modern_jax.training.objectives.base import BatchFailed
 from modern_jax.training.converters import abstract_converted, converter_of
 from modern_jax.training.evaluation import eval_batch, evaluate_batches
 from modern_jax.training.programs import describe_kernels
@@ -215,6 +216,13 @@ class _Session:
     def resume_hint(self) -> str:
         return f" {self.newest().capitalize()}; run the same command again (every process) to resume."
 
+    def kept(self, error: BatchFailed) -> BatchFailed:
+        """`error` (a batch the objective could not make), saying what the run keeps and how it goes on."""
+        if self.saved_step is None:
+            return BatchFailed(f"{error}; no checkpoint was written: run the same command again to start over")
+        return BatchFailed(f"{error}; the run keeps its checkpoint of step {self.saved_step}: run the same command "
+                           f"again to resume from it")
+
     def batch(self, batch: dict, rows: int, step: int) -> dict:
         """Step `step`'s batch on the mesh (GRPO samples it from the current weights, with the step's key)."""
         key = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), step)
@@ -270,11 +278,14 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
     session.periodic_eval = list(session.eval_batches(tc.eval_windows))
     _note_eval_size(objective, val_stream, tc, log)
     # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
-    session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum, start)
-    with progress.phase("compiling the training and evaluation steps"):
-        session.compile_s = trainer.compile(state, session.next_batch,
-                                            eval_batch(trainer, state["params"], session.periodic_eval[0],
-                                                       tc.eval_batch_size, 0), session.token_bytes)
+    try:
+        session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum, start)
+        with progress.phase("compiling the training and evaluation steps"):
+            session.compile_s = trainer.compile(state, session.next_batch,
+                                                eval_batch(trainer, state["params"], session.periodic_eval[0],
+                                                           tc.eval_batch_size, 0), session.token_bytes)
+    except BatchFailed as e:
+        raise session.kept(e) from None
     if distributed.is_main():  # every check passed and the steps compiled: the run's files may be written
         _write_run_files(out_dir, run, tokenizer, init, base)
     directory.started = True
@@ -469,6 +480,8 @@ def _loop(s: _Session, mesh, stop_after, stop: StopSignal) -> TrainResult:
         step, result.interrupted = _steps(s, book, stop_after, stop)
         if not result.interrupted:
             _final_evaluation(s, book, result, step)
+    except BatchFailed as e:
+        raise _failed(s, book, e) from None
     finally:
         book.close()
     result.wall_s = time.perf_counter() - loop_start
@@ -509,6 +522,20 @@ def _steps(s: _Session, book: _Logbook, stop_after, stop: StopSignal) -> tuple[i
         if tc.checkpoint_every and step % tc.checkpoint_every == 0:
             s.save(step, book.message)
     return step, False
+
+
+def _failed(s: _Session, book: _Logbook, error: BatchFailed) -> BatchFailed:
+    """A batch the objective could not make (a reward function that raised) after the steps began:
+    the steps run are logged and, in a run of one process between batches, saved (the batch of
+    the step after a checkpoint is made before it is saved); `error` then says what the run keeps.
+    (In a launch the other processes may be inside a step: the run keeps its newest checkpoint.)"""
+    step = book.pending[-1][0] if book.pending else book.history[-1]["step"] if book.history else s.start
+    if book.pending:
+        _log(s, book, step)
+    if step > s.start and step % s.trainer.objective.steps_per_batch == 0 and not distributed.joined():
+        s.save(step, book.message)
+        s.checkpointer.wait()
+    return s.kept(error)
 
 
 def _log(s: _Session, book: _Logbook, step: int) -> None:

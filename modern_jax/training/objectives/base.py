@@ -10,8 +10,9 @@ the planner call:
               weights; `unit`, what the splits' `len` counts; `eval_size` and `eval_unit`: how many
               of what an evaluation of the validation split can score
     batches   `place_batch`: a data batch on the mesh as the step takes it (GRPO samples its
-              completions there first, from the current weights); `steps_per_batch`: how many
-              steps each serves (a run saves and stops only between batches)
+              completions there first, from the current weights), or `BatchFailed` naming what
+              of the run's own code failed; `steps_per_batch`: how many steps each serves (a run
+              saves and stops only between batches)
     the step  `complete`: what each micro-batch needs from the whole step's batch (GRPO's
               advantages); `prepare` (a forward of the frozen reference, outside the policy's
               gradient), `sums` of one micro-batch (they add up over micro-batches; those named
@@ -36,6 +37,11 @@ from typing import Any, ClassVar
 
 from modern_jax.training.metrics import Shown
 from modern_jax.training.placement import FIELDS
+
+
+class BatchFailed(ValueError):
+    """A batch `place_batch` could not make because of the run's own code (a GRPO reward function
+    that raised, or returned something else than rewards): the loop adds what the run keeps."""
 
 
 @dataclasses.dataclass(frozen=True)

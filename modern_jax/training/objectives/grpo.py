@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +102,8 @@ class GRPOConfig(base.Config):
         if self.reward_weights is not None:
             weights = self.reward_weights
             if not isinstance(weights, (list, tuple)) or len(weights) != len(rewards) or \
-                    not all(_number(w, float("-inf"), above=True) for w in weights):
-                fail_("reward_weights", weights, f"expected {len(rewards)} numbers, one per reward function")
+                    not all(_number(w, float("-inf"), above=True) and math.isfinite(w) for w in weights):
+                fail_("reward_weights", weights, f"expected {len(rewards)} finite numbers, one per reward function")
             object.__setattr__(self, "reward_weights", tuple(float(w) for w in weights))
         if not _count(self.num_generations, 2):
             fail_("num_generations", self.num_generations, "expected an integer >= 2 (a group's rewards are compared "
@@ -213,6 +215,43 @@ def _completion_figures(length_N, ended_N, real_N) -> dict:
             "completions/max_terminated_length": jnp.where(some, jnp.max(pick(ended, -big)), 0.0)}
 
 
+def batch_rewards(batch, weights, config: GRPOConfig):
+    """`(rewards[N, F], advantages(...))` of a batch's rows: each function's, then their weighted sums."""
+    rewards_NF = jnp.stack([row_values(batch, f"reward_{f}").reshape(-1) for f in range(len(weights))], -1)
+    return rewards_NF, advantages(rewards_NF, jnp.asarray(weights), config.num_generations, config.scale_rewards)
+
+
+def warn_untrained(config: GRPOConfig, scores_NF, ended_N, real_N, step: int, said_truncated: bool) -> bool:
+    """Warn, as TRL does, of completions no reward function scored (each step), and say once a run
+    (`said_truncated`: said already; returned: said now or before) that every completion was cut
+    and so masked out (`mask_truncated_completions`): the step trains nothing."""
+    unscored = np.all(np.isnan(scores_NF), axis=1) & real_N
+    if unscored.any():
+        none = ", and the step's reward is nan" if unscored.sum() == real_N.sum() else ""
+        warnings.warn(f"step {step}: every reward function returned None for {unscored.sum()} of the {real_N.sum()} "
+                      f"completions: they train with advantage 0{none}; make at least one reward function return a "
+                      f"number for each completion")
+    if said_truncated or not config.mask_truncated_completions or not real_N.any() or (ended_N & real_N).any():
+        return said_truncated
+    warnings.warn(f"step {step}: every completion reached grpo.max_completion_length={config.max_completion_length} "
+                  f"without <eos>, and grpo.mask_truncated_completions leaves such completions out of the loss: the "
+                  f"step trains nothing (loss 0, grad norm 0); raise grpo.max_completion_length, or set "
+                  f"grpo.mask_truncated_completions=false (said once a run; completions/clipped_ratio counts them at "
+                  f"every step)")
+    return True
+
+
+def for_rewards(prompt, text: str):
+    """`(prompt, completion)` as the reward functions receive them (TRL's): a text's completion is
+    its text; a conversation's an assistant message, which takes in the prompt's final assistant
+    message where the completion continues one (`data.prompts`)."""
+    if not isinstance(prompt, list):
+        return prompt, text
+    if prompt[-1]["role"] == "assistant":
+        return prompt[:-1], [{"role": "assistant", "content": prompt[-1]["content"] + text}]
+    return prompt, [{"role": "assistant", "content": text}]
+
+
 def shown(config: GRPOConfig) -> Shown:
     """The loss, the mean reward and the completions' length on each line; a panel of the reward and
     one of the KL and the entropy."""
@@ -249,6 +288,7 @@ class GRPO(base.Objective):
         self.tokenizer = None
         self._kept: tuple[int, dict] | None = None  # (step, batch) of the rollouts that serve several steps
         self._samples: list[dict] = []
+        self._said_truncated = False  # every completion masked out, said once a run
 
     # ----- data ------------------------------------------------------------------
 
@@ -341,12 +381,16 @@ class GRPO(base.Objective):
                for ids, done in zip(completions, ended)]  # a completion's tokens, its <eos> included
         texts = [self.tokenizer.decode(ids) for ids in completions]
         flat = index.reshape(-1)
-        asked = [prompts.prompts[i] for i in flat]
-        conversational = bool(asked) and isinstance(asked[0], list)
-        given = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        asked, given = zip(*(for_rewards(prompts.prompts[i], text) for i, text in zip(flat, texts)))
         columns = {k: [v[i] for i in flat] for k, v in prompts.columns.items()}
-        scores = self.rewards.score(asked, given, [x.tolist() for x in ids], columns)  # [N, F]
+        when = f"step {first_step}" if first_step is not None else "a validation batch"
+        try:
+            scores = self.rewards.score(list(asked), list(given), [x.tolist() for x in ids], columns)  # [N, F]
+        except ValueError as e:
+            raise base.BatchFailed(f"{e}, scoring {when}'s completions") from None
         scores[~real.reshape(-1)] = np.nan  # rows that fill up an evaluation batch count for nothing
+        if first_step is not None:
+            self._said_truncated = warn_untrained(c, scores, ended, real.reshape(-1), first_step, self._said_truncated)
         N = A * R
         inputs, targets = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
         completion = np.zeros((N, T), np.float32)
@@ -393,20 +437,14 @@ class GRPO(base.Objective):
 
     def complete(self, batch):
         """Each row's advantage, from the rewards of the whole step's batch `[A, B, T]`."""
-        c = self.config
-        rewards = jnp.stack([row_values(batch, f"reward_{f}") for f in range(len(self.rewards.names))], -1)
-        adv_N, _, _ = advantages(rewards.reshape(-1, rewards.shape[-1]), jnp.asarray(self.rewards.weights),
-                                 c.num_generations, c.scale_rewards)
+        _, (adv_N, _, _) = batch_rewards(batch, self.rewards.weights, self.config)
         shape = batch["inputs"].shape
         return {**batch, "advantages": jnp.broadcast_to(adv_N.reshape(shape[:-1])[..., None], shape)}
 
     def denominator(self, batch):
         """The loss's divisor for `loss_type`, and the batch's reward and completion figures."""
         c = self.config
-        F = len(self.rewards.names)
-        rewards_NF = jnp.stack([row_values(batch, f"reward_{f}").reshape(-1) for f in range(F)], -1)
-        _, rewards_N, std_N = advantages(rewards_NF, jnp.asarray(self.rewards.weights), c.num_generations,
-                                         c.scale_rewards)
+        rewards_NF, (_, rewards_N, std_N) = batch_rewards(batch, self.rewards.weights, self.config)
         real_N = row_values(batch, "real").reshape(-1)
         rows = jnp.maximum(jnp.sum(real_N), 1.0)
         divisor = {"grpo": rows, "bnpo": jnp.float32(batch["inputs"].shape[0]),
@@ -497,19 +535,21 @@ class GRPO(base.Objective):
         sums = self.sums(model, batch, prepared, chunk=chunk, dropout_rng=None, diagnostics=False)
         totals = self.denominator({k: v[None] for k, v in batch.items()})
         real = jnp.sum(batch["real"][:, 0])
-        rewards = totals["figures"]
-        # sums over the batches: an evaluation's figures are the means over all its rows
+        rewards, reward_N = totals["figures"], batch_rewards(batch, self.rewards.weights, self.config)[1][1]
+        scored = ~jnp.isnan(reward_N)  # a fill-up row's rewards are NaN too
+        # sums over the batches: an evaluation's figures are the means over all its rows (the reward's
+        # over the rows a reward function scored)
         return {"policy": self.loss(sums, totals) * real,
                 "rows": real, "tokens": sums["tokens"], "entropy": sums["entropy"],
                 **({"kl": sums["kl"]} if self.config.beta else {}),
-                "reward": jnp.nan_to_num(rewards["reward"]) * real,
+                "reward": jnp.sum(jnp.where(scored, reward_N, 0.0)), "scored": jnp.sum(scored),
                 "completions/mean_length": rewards["completions/mean_length"] * real,
                 "completions/clipped_ratio": rewards["completions/clipped_ratio"] * real}
 
     def eval_values(self, totals):
         rows, tokens = max(float(totals["rows"]), 1.0), max(float(totals["tokens"]), 1.0)
         out = {"loss": float(totals["policy"]) / rows, "entropy": float(totals["entropy"]) / tokens,
-               "reward": float(totals["reward"]) / rows,
+               "reward": float(totals["reward"]) / float(totals["scored"]) if totals["scored"] else float("nan"),
                "completions/mean_length": float(totals["completions/mean_length"]) / rows,
                "completions/clipped_ratio": float(totals["completions/clipped_ratio"]) / rows,
                "prompts": int(rows) // self.config.num_generations}
