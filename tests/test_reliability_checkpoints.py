@@ -383,8 +383,7 @@ def test_compiled_steps_are_shared_exactly_when_the_program_is_the_same(monkeypa
         tc = TrainConfig(batch_size=4, seq_len=8, warmup_steps=0, **changes)
         trainer = make_trainer(cfg, tc, one_device())
         state = trainer.states.init(0)
-        trainer.compile(state, trainer.batches.put(batch))
-        return trainer._executables["train"]
+        return trainer.programs.compile("train", state, trainer.batches.put(batch))
 
     base = executable()
     assert executable(output_dir="elsewhere", log_every=7) is base  # bookkeeping: the same program
