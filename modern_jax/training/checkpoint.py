@@ -636,3 +636,26 @@ def load_params(path, log=None, **overrides):
         if problem is None:
             return cfg, fix(params), raw, config_path.parent
     raise CheckpointDamaged(f"checkpoint {what} is damaged: {problem}{elsewhere}")
+
+
+def load_reference(path, params: dict) -> dict:
+    """The frozen copy of the starting parameters that a run's checkpoints keep beside its parameters
+    where its objective compares against one (`StateBuilder.keeps_reference`: DPO, GRPO with a KL
+    penalty, full weights), read from the step `load_params(path)` read, placed as `params` are; a
+    damaged one raises `CheckpointDamaged` naming the file."""
+    directory, _, what, elsewhere = resolve_checkpoint(path)
+    problem = check_files(directory, items=("state",))
+    if problem is None:
+        placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+        target, fix = as_saved({"reference": placed}, directory / "state")
+
+        def read():
+            with ocp.PyTreeCheckpointer() as checkpointer:
+                return checkpointer.restore(directory / "state", args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True))
+
+        state, problem = _orbax_read(read, directory)
+        if problem is None:
+            return fix(state)["reference"]
+    raise CheckpointDamaged(f"checkpoint {what} is damaged: {problem}{elsewhere}")
