@@ -3,7 +3,9 @@ README's front page) run as written on the tiny fixtures, and what they write is
 frozen base, the PEFT adapter (read back into the model: its logits), the merged export (read
 by `from_hf`: the run's logits), the quantized base, the DPO run's TRL metrics and its start
 from the adapter. The same adapter in PEFT itself: tests/test_convert_live.py. The DPO run and a
-GRPO run (full weights, two steps) evaluated by `evaluate` to their own final validation figures (`modern_jax.cli.evaluate`)."""
+GRPO run (full weights, two steps) evaluated by `evaluate` to their own final validation figures,
+and that GRPO run resumed for DPO refused by name (`modern_jax.cli.evaluate`,
+`training.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -212,3 +214,12 @@ def test_evaluate_gives_a_grpo_run_the_figures_of_its_own_validation(grpo_run, c
     sampled for the held-out prompts with the run's own keys."""
     assert_evaluates_to_its_validation(grpo_run, "prompts", capsys)
 
+
+def test_a_grpo_run_resumed_for_dpo_is_refused_naming_the_objective(grpo_run, capsys):
+    saved = {p.relative_to(grpo_run): p.read_bytes() for p in grpo_run.rglob("*") if p.is_file()}
+    assert main(objective_train(grpo_run.parent, "dpo", "train.steps=4")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"modern-jax train: error: the checkpoints in {str(grpo_run)!r} were trained for another objective (a grpo: "
+        f"section there, a dpo: section here, by its config.yaml): resume with the objective they were trained with "
+        f"(its grpo: section), or start a new train.output_dir")
+    assert {p.relative_to(grpo_run): p.read_bytes() for p in grpo_run.rglob("*") if p.is_file()} == saved
