@@ -220,21 +220,31 @@ def _port(job: int) -> int:
     return 61440 + job % 4096  # jax's rule for SLURM
 
 
-@pytest.mark.parametrize("alone", [0, 1], ids=["only process 0", "only process 1"])
-def test_a_process_whose_peer_never_starts_says_so(tmp_path, alone):
+def test_a_process_whose_peer_never_starts_says_so(tmp_path):
+    """Only process 1 of 2: nothing listens at its coordinator's address."""
     job, started = free_job_id(), time.monotonic()
-    (line,), _ = _one_line_each([_task(alone, 2, job, tmp_path)], started)
-    where = f"localhost:{_port(job)}"
-    origin = f"port 61440 + SLURM_JOB_ID % 4096 with SLURM_JOB_ID={job}"
-    if alone == 0:
-        assert line == (f"modern-jax train: error: process 0 of 2 waited {JOIN_TIMEOUT} s at {where} (from the first "
-                        f"node of SLURM_STEP_NODELIST, {origin}) and not every process joined: start all 2 processes "
-                        f"with the same launch variables (a process given other ones looks for another coordinator); "
-                        f"--join-timeout sets the wait"), line
-    else:
-        assert line.startswith(f"modern-jax train: error: process 1 of 2 found nothing listening at {where} within "
-                               f"{JOIN_TIMEOUT} s (the address comes from the first node of SLURM_STEP_NODELIST, "
-                               f"{origin}): process 0 was not started, failed, or listens elsewhere"), line
+    (line,), _ = _one_line_each([_task(1, 2, job, tmp_path)], started)
+    assert line.startswith(f"modern-jax train: error: process 1 of 2 found nothing listening at localhost:"
+                           f"{_port(job)} within {JOIN_TIMEOUT} s (the address comes from the first node of "
+                           f"SLURM_STEP_NODELIST, port 61440 + SLURM_JOB_ID % 4096 with SLURM_JOB_ID={job}): process 0 "
+                           f"was not started, failed, or listens elsewhere"), line
+
+
+def test_a_launch_missing_a_process_ends_with_its_coordinator(tmp_path):
+    """Processes 0 and 1 of 3 (process 2 never starts): process 0 says so at its join timeout, and
+    process 1, which would wait longer, ends within seconds of it, saying its coordinator went away."""
+    job, started = free_job_id(), time.monotonic()
+    tasks = [_task(0, 3, job, tmp_path), _task(1, 3, job, tmp_path, join_timeout=JOIN_TIMEOUT + 40)]
+    (first, second), ended = _one_line_each(tasks, started)
+    where = (f"localhost:{_port(job)} (from the first node of SLURM_STEP_NODELIST, port 61440 + SLURM_JOB_ID % 4096 "
+             f"with SLURM_JOB_ID={job})")
+    assert first == (f"modern-jax train: error: process 0 of 3 waited {JOIN_TIMEOUT} s at {where} and not every "
+                     f"process joined: start all 3 processes with the same launch variables (a process given other "
+                     f"ones looks for another coordinator); --join-timeout sets the wait"), first
+    assert second == (f"modern-jax train: error: process 1 of 3 reached the coordinator at {where}, which went away "
+                      f"before every process joined: process 0 failed or was stopped (its own line says why); start "
+                      f"every process of the launch again"), second
+    assert ended[1] - ended[0] < 10, ended  # about 2 s of looking, not its own join timeout
 
 
 def test_a_taken_coordinator_port_ends_every_process_within_seconds(tmp_path):

@@ -17,14 +17,15 @@ N, D devices (d local)` on stderr.
 Joining is bounded by `join_timeout` and named, and a process that cannot join ends with one
 line of ours and exit status 2 (`JoinFailed`), never with jax's native stack dump or SIGABRT.
 Before jax is asked to join, the launch's variables are resolved and checked (an id out of
-range is named at once), process 0 checks that the coordinator's port is free on its host,
-and every other process waits for something to listen there and checks that it answers as a
+range is named at once), process 0 checks that the coordinator's port is free on its host, and
+every other process waits for something to listen there and checks that it answers as a
 coordinator does (HTTP/2, gRPC's protocol), so a port another program holds is named within
-seconds on every process. jax's client then joins on a thread of its own with a longer
-timeout than ours: at our deadline the main thread says which process could not join where,
-and the process ends at once (`os._exit`), before jax's client can abort it (its timeout, a
-failed join and its shutdown at exit all end the process with SIGABRT). The stderr watcher
-(`watch.py`) runs from before the join, for what jax still says natively.
+seconds on every process (and, while joining, that the coordinator is still there: a process 0
+that stops first is noticed within seconds). jax's client then joins on a thread of its own
+with a longer timeout than ours: at our deadline the main thread says which process could not
+join where, and the process ends at once (`os._exit`), before jax's client can abort it (its
+timeout, a failed join and its shutdown at exit all end the process with SIGABRT). The stderr
+watcher (`watch.py`) runs from before the join, for what jax still says natively.
 
 Across processes (all no-ops in one process):
 - `decide(name, fn)`: process 0 computes, every process gets its result, or the same error
@@ -316,7 +317,8 @@ def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTB
 def _join(launch: Launch, heartbeat_timeout: float, deadline: float, timeout: float) -> None:
     """`jax.distributed.initialize` on a thread of its own, given `_JAX_GRACE_S` more than our
     `deadline`: this thread waits for it (in Python, so signals are handled) and says, at the
-    deadline, which process could not join where (`JoinFailed`; the process is then `stranded`)."""
+    deadline, which process could not join where (`JoinFailed`; the process is then `stranded`);
+    a process other than 0 says at once when the coordinator it reached goes away."""
     global _JOINING
     import jax
 
@@ -332,16 +334,34 @@ def _join(launch: Launch, heartbeat_timeout: float, deadline: float, timeout: fl
 
     thread = threading.Thread(target=initialize, name="modern_jax-join", daemon=True)
     thread.start()
+    look, gone = time.monotonic() + 1.0, 0  # processes other than 0: is the coordinator still there?
     while thread.is_alive():
         thread.join(max(min(deadline - time.monotonic(), 0.1), 0.0))
-        if thread.is_alive() and time.monotonic() >= deadline:
+        if not thread.is_alive():
+            break
+        if time.monotonic() >= deadline:
             raise JoinFailed(_not_joined(launch, timeout))
+        if i > 0 and time.monotonic() >= look:
+            look, gone = time.monotonic() + 1.0, 0 if _listening(launch) else gone + 1
+            if gone >= 2:  # process 0 failed or was stopped: said now, not at the deadline
+                raise JoinFailed(f"process {i} of {n} reached the coordinator at {address} (from {launch.origin}), "
+                                 f"which went away before every process joined: process 0 failed or was stopped "
+                                 f"(its own line says why); start every process of the launch again")
     e = joining["error"]
     if e is not None:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise JoinFailed(f"process {i} of {n} could not join the others at {address} ({first}): check that every "
                          f"process was started with the same launch variables ({launch.origin})")
     _JOINING = None
+
+
+def _listening(launch: Launch) -> bool:
+    """Something accepts connections at the coordinator's address."""
+    try:
+        with socket.create_connection(_host_port(launch.coordinator), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def _not_joined(launch: Launch, timeout: float) -> str:
