@@ -2,7 +2,10 @@
 README's front page) run as written on the tiny fixtures, and what they write is checked: the
 frozen base, the PEFT adapter (read back into the model: its logits), the merged export (read
 by `from_hf`: the run's logits), the quantized base, the DPO run's TRL metrics and its start
-from the adapter. The same adapter in PEFT itself: tests/test_convert_live.py."""
+from the adapter. The same adapter in PEFT itself: tests/test_convert_live.py. The DPO run and a
+GRPO run (full weights, two steps) evaluated by `evaluate` to their own final validation figures,
+and that GRPO run resumed for DPO refused by name (`modern_jax.cli.evaluate`,
+`training.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
+import yaml
 from flax import nnx
 from flax.nnx import traversals
 
@@ -110,6 +115,8 @@ def test_the_lora_qlora_and_dpo_sections_run_as_written(tmp_path, monkeypatch, c
     assert val["rewards/margins"] > 0 and val["loss"] < math.log(2)
     assert "initialised from the Hugging Face model tests/fixtures/hf_chat with the PEFT adapter" in outputs[-1] or \
         (tmp_path / "runs/dpo/config.yaml").read_text().count("rank: 16") == 1
+    # evaluate gives the DPO run TRL's figures of its own validation, against its base (the adapters off)
+    assert_evaluates_to_its_validation(tmp_path / "runs/dpo", "pairs", capsys)
 
 
 def test_a_resumed_lora_run_ends_with_the_adapters_of_an_unbroken_one(tmp_path, capsys):
@@ -145,3 +152,74 @@ def test_a_resumed_lora_run_ends_with_the_adapters_of_an_unbroken_one(tmp_path, 
         assert main(["evaluate", "--checkpoint", str(tmp_path / name)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if line.startswith("loss:")][0] == [line for line in out if line.startswith("loss:")][1]
+
+
+# ----- a run trained for DPO or GRPO: evaluated for its objective, resumed only for it ------------------
+
+HF_CHAT = REPO / "tests" / "fixtures" / "hf_chat"
+STEPS = {"steps": 2, "batch_size": 8, "eval_batch_size": 8, "seq_len": 32, "lr": 1e-3, "warmup_steps": 0,
+         "log_every": 1, "eval_every": 0, "checkpoint_every": 2, "final_eval_windows": None, "samples": 0,
+         "progress": False, "plot": False, "tensorboard": False}
+SECTIONS = {"dpo": {"dpo": {"beta": 0.1}, "data": {"val_fraction": 0.2}},
+            "grpo": {"grpo": {"rewards": [f"{REPO}/configs/rewards.py:exact_answer",
+                                          f"{REPO}/configs/rewards.py:number_last"],
+                              "num_generations": 4, "max_completion_length": 6, "beta": 0.04},
+                     "data": {"val_fraction": 0.25}}}
+
+
+def objective_train(home: pathlib.Path, name: str, *overrides) -> list[str]:
+    """`train` of the chat fixture's full weights for `name`'s objective (dpo, grpo) into `home`/run."""
+    config = home / f"{name}.yaml"
+    config.write_text(json.dumps({"model": {}, "train": STEPS, **SECTIONS[name]}))
+    if name == "dpo":
+        data = HF_CHAT / "preferences.jsonl"
+    else:
+        import runpy
+
+        data = home / "arithmetic.jsonl"
+        runpy.run_path(str(REPO / "scripts" / "make_arithmetic.py"))["main"](["--out", str(data), "--largest", "3"])
+    return ["train", "--config", str(config), "--init-from-hf", str(HF_CHAT), "--data", str(data), "--output-dir",
+            str(home / "run"), *overrides]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory) -> pathlib.Path:
+    """Two steps of GRPO on the chat fixture's full weights, with a KL penalty: its checkpoints keep a
+    frozen copy of its start, the reference (a LoRA run's is its base, the adapters off)."""
+    home = tmp_path_factory.mktemp("grpo")
+    assert main(objective_train(home, "grpo")) == 0
+    return home / "run"
+
+
+def assert_evaluates_to_its_validation(run: pathlib.Path, unit: str, capsys) -> None:
+    """`evaluate` of `run` scores, by default, the held-out pairs or prompts of its final evaluation,
+    and prints every figure its metrics.jsonl holds of it, equal within 1e-4 (printed to 4 decimals)."""
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(run)]) == 0, capsys.readouterr().err
+    first, *lines = capsys.readouterr().out.splitlines()
+    final = records(run / "metrics.jsonl", "val")[-1]
+    setting = yaml.safe_load((run / "config.yaml").read_text())["train"]["final_eval_windows"]
+    assert first == (f"scored: all {final[unit]} {unit} of the val split; the {unit} of the run's final evaluation "
+                     f"(train.final_eval_windows={'null' if setting is None else setting}): at its last step, loss "
+                     f"is its val_loss"), first
+    printed = dict(line.split(": ", 1) for line in lines)
+    assert printed.pop("split") == "val"
+    assert set(printed) == set(final) - {"step", "split"}, printed
+    for key, value in printed.items():
+        assert abs(float(value) - final[key]) <= 1e-4, (key, value, final[key])
+
+
+def test_evaluate_gives_a_grpo_run_the_figures_of_its_own_validation(grpo_run, capsys):
+    """The reward, lengths, entropy and KL (to the reference its checkpoint keeps) of completions
+    sampled for the held-out prompts with the run's own keys."""
+    assert_evaluates_to_its_validation(grpo_run, "prompts", capsys)
+
+
+def test_a_grpo_run_resumed_for_dpo_is_refused_naming_the_objective(grpo_run, capsys):
+    saved = {p.relative_to(grpo_run): p.read_bytes() for p in grpo_run.rglob("*") if p.is_file()}
+    assert main(objective_train(grpo_run.parent, "dpo", "train.steps=4")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"modern-jax train: error: the checkpoints in {str(grpo_run)!r} were trained for another objective (a grpo: "
+        f"section there, a dpo: section here, by its config.yaml): resume with the objective they were trained with "
+        f"(its grpo: section), or start a new train.output_dir")
+    assert {p.relative_to(grpo_run): p.read_bytes() for p in grpo_run.rglob("*") if p.is_file()} == saved

@@ -89,6 +89,12 @@ def main(argv=None) -> int:
         traceback.print_exc()
         message = f"{type(e).__name__}: {e}"
     finally:
+        if distributed.stranded():  # jax's client began to join and did not: end now, before it aborts us
+            from modern_jax.multihost import watch
+
+            sys.stdout.flush()
+            watch.close()
+            os._exit(status)
         if distributed.joined():
             distributed.finish(failed=None if message is None or agreed else message)
             if message is not None and not agreed:  # this process's own error: no shutdown barrier

@@ -1,10 +1,14 @@
-"""`modern-jax evaluate`: loss, perplexity and bits per byte of a checkpoint.
+"""`modern-jax evaluate`: loss, perplexity and bits per byte of a checkpoint; for a run trained for
+an objective of its own (a `dpo:` or `grpo:` section in its config.yaml), that objective's
+figures, as the run's own validation reports them (DPO: TRL's rewards of held-out pairs; GRPO:
+the reward, length and KL of completions sampled for held-out prompts).
 
     modern-jax evaluate --checkpoint runs/tiny [--split val | --data FILE] [--max-windows N|all]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import re
@@ -45,6 +49,9 @@ def run(args) -> int:
     main = jax.process_index() == 0
     note = _note if main else (lambda *_: None)
     cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=note)
+    run = _objective_run(raw, run_dir)
+    if run is not None:
+        return _evaluate_objective(args, cfg, params, raw, run_dir, run, main, note)
     seq_len = _eval_seq_len(args, cfg, raw)
     final = _final_evaluation(raw)
     same_split = final is not None and not args.data and args.split == "val" and seq_len == final[1]
@@ -76,27 +83,101 @@ def run(args) -> int:
     return 0
 
 
-def _chosen_windows(args, final, same_split: bool, total: int, seq_len: int, what: str, note):
-    """`(asked, windows)`: the windows --max-windows asks for (None: all), by default those of the
-    run's final evaluation where they are the same split and length, and how many that is of `total`."""
+def _chosen_windows(args, final, same_split: bool, total: int, seq_len: int, what: str, note, unit: str = "window"):
+    """`(asked, windows)`: the windows (or `unit`s) --max-windows asks for (None: all), by default
+    those of the run's final evaluation where they are the same split and length, and how many
+    that is of `total`."""
     asked = args.max_windows if args.max_windows is not None else final[0] if same_split else "all"
     asked = None if asked == "all" else asked
     if args.max_windows not in (None, "all") and args.max_windows > total:
-        note(f"--max-windows {args.max_windows}: {what} has {_windows(total, seq_len)}; evaluating all of them")
+        note(f"--max-windows {args.max_windows}: {what} has {_windows(total, seq_len, unit)}; evaluating all of "
+             f"them")
     return asked, min(total, asked or total)
 
 
-def _relation(final, same_split: bool, asked) -> str:
+def _relation(final, same_split: bool, asked, unit: str = "window") -> str:
     """How the windows scored relate to the run's final evaluation (`_final_evaluation`)."""
     if final is None:
         return "the checkpoint has no run config, so no final evaluation of a run to compare"
     setting = f"train.final_eval_windows={'null' if final[0] is None else final[0]}"
     if same_split and asked == final[0]:
-        return f"the windows of the run's final evaluation ({setting}): at its last step, loss is its val_loss"
-    count = "every window" if final[0] is None else _windows(final[0], final[1])
+        return f"the {unit}s of the run's final evaluation ({setting}): at its last step, loss is its val_loss"
+    count = f"every {unit}" if final[0] is None else _windows(final[0], final[1], unit)
     return (f"the run's final evaluation scored {count} of the val split ({setting}, "
             f"train.seq_len={final[1]}): with no --max-windows, --seq-len, --split or --data, "
             f"evaluate scores those")
+
+
+def _objective_run(raw: dict, run_dir):
+    """The run config of a run trained for an objective of its own (a section of
+    `configfile.OBJECTIVES` in its config.yaml), whose evaluation is that objective's; None for
+    next-token runs and converted checkpoints."""
+    from modern_jax.configfile import OBJECTIVES
+    from modern_jax.training.checkpoint import CONFIG_FILE
+    from modern_jax.training.config import run_config_from_dict
+
+    if not any(name in raw for name in OBJECTIVES):
+        return None
+    return run_config_from_dict(raw, str(run_dir / CONFIG_FILE))
+
+
+def _evaluate_objective(args, cfg, params, raw: dict, run_dir, run, main: bool, note) -> int:
+    """The evaluation of `run`'s own objective (`objective.eval_values`: the figures its validation
+    writes to metrics.jsonl) on its val split, by default the prompts or pairs of its final
+    evaluation; --split train, --data FILE (read as the run reads its data), --max-windows (counting
+    its pairs or prompts), --seq-len and --batch-size (rows, as train.eval_batch_size counts them)."""
+
+    import jax
+
+    from modern_jax.training import evaluate_batches
+    from modern_jax.training.checkpoint import load_reference
+    from modern_jax.training.metrics import Progress
+
+    tc = dataclasses.replace(run.train, seq_len=args.seq_len or run.train.seq_len,
+                             eval_batch_size=args.batch_size or run.train.eval_batch_size)
+    try:  # what the section's check says of the run's train: settings, said of the flags that changed them
+        run.objective.check(tc, f"the run's {run.objective.section}: section")
+    except ValueError as e:
+        raise ValueError(str(e).replace("train.eval_batch_size=", "--batch-size ").replace(
+            "train.seq_len=", "--seq-len ")) from None
+    final = (run.train.final_eval_windows, run.train.seq_len)
+    same_split = not args.data and args.split == "val" and tc.seq_len == run.train.seq_len
+    with Progress(None, enabled=main) as progress:
+        trainer = _scoring_trainer(cfg, raw, tc, run.objective)
+        objective, unit = trainer.objective, trainer.objective.eval_unit
+        with progress.phase("reading and tokenizing the data"):
+            tokenizer = _checkpoint_tokenizer(run_dir, cfg)
+            split = _objective_data(args, run, objective, tokenizer, run_dir)
+        what = f"--data {args.data}" if args.data else f"the {args.split} split"
+        total = objective.eval_size(split)
+        asked, count = _chosen_windows(args, final, same_split, total, tc.seq_len, what, note, unit)
+        scored = (f"scored: {_scored(count, total, tc.seq_len, what, unit)}; "
+                  f"{_relation(final, same_split, asked, unit)}")
+        # the frozen copy of the start that a full-weight run keeps (a LoRA run's is its base, adapters off)
+        reference = load_reference(args.checkpoint, params) if trainer.states.keeps_reference else None
+        token_bytes = jax.device_put(tokenizer.token_bytes(), trainer.programs.replicated)
+        rows, _ = trainer.batches.local_slices(tc.eval_batch_size)
+        batches = objective.eval_batches(split, max_windows=asked, rows=rows)
+        with progress.phase("evaluating", len(batches), "batches") as advance:
+            values = evaluate_batches(trainer, params, batches, token_bytes, rows=tc.eval_batch_size,
+                                      advance=advance, reference=reference)
+    if main:
+        print(scored)
+        print(f"split: {'file ' + args.data if args.data else args.split}")
+        for name, value in sorted(values.items(), key=lambda kv: not isinstance(kv[1], int)):  # the count first
+            print(f"{name}: {value}" if isinstance(value, int) else f"{name}: {value:.4f}")
+    return 0
+
+
+def _objective_data(args, run, objective, tokenizer, run_dir):
+    """The split of `run`'s data that `objective` evaluates (`objective.read`), or every record of
+    --data read as the run reads its data (`objective.read_all`)."""
+    if args.data:
+        data = run.data.replace(source="auto", path=args.data, streaming=False, max_documents=None)
+        return _read_file(args, run_dir, lambda: objective.read_all(dataclasses.replace(run, data=data), tokenizer))
+    _check_run_data(run.data, run_dir)
+    _, train, val = objective.read(run, tokenizer, None)
+    return {"train": train, "val": val}[args.split]
 
 
 def _batch_that_fits(args, trainer, params, token_bytes, batch_size: int, seq_len: int, note) -> int:
@@ -144,25 +225,36 @@ def _checkpoint_data(args, raw: dict, run_dir, cfg):
     tokenizer = _checkpoint_tokenizer(run_dir, cfg)
     data_cfg = DataConfig.from_dict(raw.get("data"))
     if args.data:
-        if not pathlib.Path(args.data).exists():
-            raise ValueError(f"--data {args.data} does not exist: give a file or directory of documents")
         file_cfg = data_cfg.replace(source="auto", path=args.data, streaming=False, max_documents=None)
-        try:
-            return tokenizer, load_stream(file_cfg, tokenizer)
-        except ValueError as e:  # name the flag; a fix through a data: setting is not evaluate's to make
-            message = str(e).replace(f"data.path={args.data!r}", f"--data {args.data}")
-            raise ValueError(_SETTING_FIX.sub(f": evaluate reads --data with the run's data: settings "
-                                              f"({run_dir / 'config.yaml'}), which it does not change: give "
-                                              f"--data a file they read", message)) from None
-    if data_cfg.path and not pathlib.Path(data_cfg.path).exists() and data_cfg.resolved_source != "hf":
-        raise ValueError(f"the run's data.path={data_cfg.path!r} (in {run_dir / 'config.yaml'}) does not exist: "
-                         f"give --data FILE to evaluate a file instead")
+        return tokenizer, _read_file(args, run_dir, lambda: load_stream(file_cfg, tokenizer))
+    _check_run_data(data_cfg, run_dir)
     _, train_stream, val_stream = load_splits(data_cfg, tokenizer)
     return tokenizer, {"train": train_stream, "val": val_stream}[args.split]
 
 
-def _windows(n: int, seq_len: int) -> str:
-    return f"{n:,} window{'s' if n != 1 else ''} of {seq_len} tokens"
+def _read_file(args, run_dir, read):
+    """`read()` of --data, its errors naming the flag (a fix through a data: setting is not
+    evaluate's to make)."""
+    if not pathlib.Path(args.data).exists():
+        raise ValueError(f"--data {args.data} does not exist: give a file or directory of documents")
+    try:
+        return read()
+    except ValueError as e:
+        message = str(e).replace(f"data.path={args.data!r}", f"--data {args.data}")
+        raise ValueError(_SETTING_FIX.sub(f": evaluate reads --data with the run's data: settings "
+                                          f"({run_dir / 'config.yaml'}), which it does not change: give "
+                                          f"--data a file they read", message)) from None
+
+
+def _check_run_data(data_cfg, run_dir) -> None:
+    if data_cfg.path and not pathlib.Path(data_cfg.path).exists() and data_cfg.resolved_source != "hf":
+        raise ValueError(f"the run's data.path={data_cfg.path!r} (in {run_dir / 'config.yaml'}) does not exist: "
+                         f"give --data FILE to evaluate a file instead")
+
+
+def _windows(n: int, seq_len: int, unit: str = "window") -> str:
+    """`1,024 windows of 128 tokens`, or of another unit (`3 pairs`, `4 prompts`), which have no one length."""
+    return f"{n:,} {unit}{'s' if n != 1 else ''}" + (f" of {seq_len} tokens" if unit == "window" else "")
 
 
 def _eval_seq_len(args, cfg, raw: dict) -> int:
@@ -192,11 +284,11 @@ def _final_evaluation(raw: dict) -> tuple[int | None, int | None] | None:
     return train["final_eval_windows"], train.get("seq_len")
 
 
-def _scored(windows: int, total: int, seq_len: int, what: str) -> str:
+def _scored(windows: int, total: int, seq_len: int, what: str, unit: str = "window") -> str:
     """`1,024 windows of 128 tokens spread evenly over the 10,242 of the val split`, or all of them."""
     if windows == total:
-        return f"all {_windows(total, seq_len)} of {what}, end to end"
-    return f"{_windows(windows, seq_len)} spread evenly over the {total:,} of {what}"
+        return f"all {_windows(total, seq_len, unit)} of {what}" + (", end to end" if unit == "window" else "")
+    return f"{_windows(windows, seq_len, unit)} spread evenly over the {total:,} of {what}"
 
 
 def _max_windows(text: str | None) -> int | str | None:

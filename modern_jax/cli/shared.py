@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import warnings
@@ -85,10 +86,10 @@ def _checkpoint_tokenizer(run_dir, cfg):
     return tokenizer
 
 
-def _scoring_trainer(cfg, raw: dict, tc):
+def _scoring_trainer(cfg, raw: dict, tc, objective=None):
     """The Trainer that evaluates or samples checkpoint `cfg` (its run config `raw`: its adapters)
-    under `tc`: next-token scoring, no optimiser, one device (in a launch of several processes
-    every device, each process feeding its rows)."""
+    under `tc`: next-token scoring (or `objective`, the run's own objective's config), no optimiser,
+    one device (in a launch of several processes every device, each process feeding its rows)."""
     import jax
 
     from modern_jax.data.config import DataConfig
@@ -97,6 +98,8 @@ def _scoring_trainer(cfg, raw: dict, tc):
     from modern_jax.training import RunConfig, trainer_for
 
     run = RunConfig(cfg.to_dict(), tc, DataConfig(), lora=LoRAConfig.of_run(raw))
+    if objective is not None:
+        run = dataclasses.replace(run, objective=objective)
     mesh = make_mesh(data=-1, devices=jax.devices()[:1] if jax.process_count() == 1 else None)
     return trainer_for(run, mesh, optimizer=False)
 

@@ -14,12 +14,18 @@ anything else touches JAX. It joins the other processes of a launch (multi-proce
 and otherwise starts as one process, at once. Each process of a launch prints `process i of
 N, D devices (d local)` on stderr.
 
-Joining is bounded by `join_timeout` and named. Before jax is asked to join, the launch's
-variables are resolved and checked (an id out of range is named at once), process 0 checks
-that the coordinator's port is free on its host, and every other process waits for something
-to listen there; what jax then reports (a peer that never connects, a coordinator that does
-not answer as one) comes out as one line of ours, never as jax's native stack dump (the stderr
-watcher, `watch.py`, runs from before the join).
+Joining is bounded by `join_timeout` and named, and a process that cannot join ends with one
+line of ours and exit status 2 (`JoinFailed`), never with jax's native stack dump or SIGABRT.
+Before jax is asked to join, the launch's variables are resolved and checked (an id out of
+range is named at once), process 0 checks that the coordinator's port is free on its host, and
+every other process waits for something to listen there and checks that it answers as a
+coordinator does (HTTP/2, gRPC's protocol), so a port another program holds is named within
+seconds on every process (and, while joining, that the coordinator is still there: a process 0
+that stops first is noticed within seconds). jax's client then joins on a thread of its own
+with a longer timeout than ours: at our deadline the main thread says which process could not
+join where, and the process ends at once (`os._exit`), before jax's client can abort it (its
+timeout, a failed join and its shutdown at exit all end the process with SIGABRT). The stderr
+watcher (`watch.py`) runs from before the join, for what jax still says natively.
 
 Across processes (all no-ops in one process):
 - `decide(name, fn)`: process 0 computes, every process gets its result, or the same error
@@ -47,6 +53,9 @@ import time
 HEARTBEAT_TIMEOUT = 60.0  # seconds without a heartbeat after which a process is lost
 JOIN_TIMEOUT = 120.0  # seconds for every process of a launch to connect (hosts start at different times)
 LOST_EXIT = 4  # the exit status of a process stopped because another one was lost or failed
+JOIN_EXIT = 2  # the exit status of a process that could not join its launch (`JoinFailed`)
+_PROBE_S = 5.0  # how long a coordinator has to answer HTTP/2's connection preface (a gRPC server: at once)
+_JAX_GRACE_S = 60  # jax's own join timeout runs this much past ours, so ours always speaks first
 _PREFIX = "modern_jax"
 _WAIT_MS = 24 * 3600 * 1000  # a decision can take as long as process 0's work (heartbeats bound real losses)
 
@@ -255,9 +264,25 @@ class _Joined:
 _JOINED: _Joined | None = None
 
 
+class JoinFailed(ValueError):
+    """This process could not join its launch. Once jax's client has begun to join, the process
+    cannot go on (or exit normally: jax's client aborts it) and must end with `os._exit`
+    (`stranded()`), as `modern-jax` does after printing the message."""
+
+
+_JOINING: dict | None = None  # jax's join under way on a thread of its own: {"error": ...} (`_join`)
+
+
+def stranded() -> bool:
+    """True when jax's client began to join a launch and did not finish: the process must end with
+    `os._exit`, before jax's client or its shutdown at exit aborts it."""
+    return _JOINING is not None
+
+
 def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, log=None,
           join_timeout: float = JOIN_TIMEOUT) -> None:
-    """Join the launch (nothing to do for one process), print this process's place, start heartbeats."""
+    """Join the launch (nothing to do for one process), print this process's place, start heartbeats;
+    `JoinFailed` when it cannot join within `join_timeout` seconds."""
     global _JOINED
     if launch is None or _JOINED is not None:
         return
@@ -280,19 +305,76 @@ def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTB
     watch.watch_stderr()
     watch.status(command=command, index=i, count=n, joining={"address": address, "origin": launch.origin,
                                                               "timeout": join_timeout})
-    try:  # jax's own heartbeat outlasts ours, so ours names the lost process first
-        jax.distributed.initialize(address, n, i, heartbeat_timeout_seconds=int(heartbeat_timeout) + 60,
-                                   initialization_timeout=max(int(deadline - time.monotonic()), 1))
-    except Exception as e:  # jax raises ValueError / RuntimeError / its runtime's error types
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ValueError(f"process {i} of {n} could not join the others at {address} ({first}): check that every "
-                         f"process was started with the same launch variables ({launch.origin})") from None
+    _join(launch, heartbeat_timeout, deadline, join_timeout)
     watch.status(joining=None)
     (log or watch.say)(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices "
                        f"({jax.local_device_count()} local), launched by {launch.launcher}")
     _JOINED = _Joined(command, heartbeat_timeout)
     _JOINED.start_heartbeats()
     watch.status(peers={str(j): peer for j, peer in _JOINED.peers.items()})
+
+
+def _join(launch: Launch, heartbeat_timeout: float, deadline: float, timeout: float) -> None:
+    """`jax.distributed.initialize` on a thread of its own, given `_JAX_GRACE_S` more than our
+    `deadline`: this thread waits for it (in Python, so signals are handled) and says, at the
+    deadline, which process could not join where (`JoinFailed`; the process is then `stranded`);
+    a process other than 0 says at once when the coordinator it reached goes away."""
+    global _JOINING
+    import jax
+
+    n, i, address = launch.num_processes, launch.process_id, launch.coordinator
+    joining = _JOINING = {"error": None}
+
+    def initialize():
+        try:  # jax's own heartbeat outlasts ours, so ours names the lost process first
+            jax.distributed.initialize(address, n, i, heartbeat_timeout_seconds=int(heartbeat_timeout) + 60,
+                                       initialization_timeout=max(int(deadline - time.monotonic()), 1) + _JAX_GRACE_S)
+        except BaseException as e:  # jax raises ValueError / RuntimeError / its runtime's error types
+            joining["error"] = e
+
+    thread = threading.Thread(target=initialize, name="modern_jax-join", daemon=True)
+    thread.start()
+    look, gone = time.monotonic() + 1.0, 0  # processes other than 0: is the coordinator still there?
+    while thread.is_alive():
+        thread.join(max(min(deadline - time.monotonic(), 0.1), 0.0))
+        if not thread.is_alive():
+            break
+        if time.monotonic() >= deadline:
+            raise JoinFailed(_not_joined(launch, timeout))
+        if i > 0 and time.monotonic() >= look:
+            look, gone = time.monotonic() + 1.0, 0 if _listening(launch) else gone + 1
+            if gone >= 2:  # process 0 failed or was stopped: said now, not at the deadline
+                raise JoinFailed(f"process {i} of {n} reached the coordinator at {address} (from {launch.origin}), "
+                                 f"which went away before every process joined: process 0 failed or was stopped "
+                                 f"(its own line says why); start every process of the launch again")
+    e = joining["error"]
+    if e is not None:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise JoinFailed(f"process {i} of {n} could not join the others at {address} ({first}): check that every "
+                         f"process was started with the same launch variables ({launch.origin})")
+    _JOINING = None
+
+
+def _listening(launch: Launch) -> bool:
+    """Something accepts connections at the coordinator's address."""
+    try:
+        with socket.create_connection(_host_port(launch.coordinator), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _not_joined(launch: Launch, timeout: float) -> str:
+    """Why the launch did not form within `timeout` seconds, as this process sees it."""
+    n, i = launch.num_processes, launch.process_id
+    where = f"{launch.coordinator} (from {launch.origin})"
+    if i == 0:
+        return (f"process 0 of {n} waited {timeout:.0f} s at {where} and not every process joined: start all {n} "
+                f"processes with the same launch variables (a process given other ones looks for another "
+                f"coordinator); --join-timeout sets the wait")
+    return (f"process {i} of {n} reached the coordinator at {where} and waited {timeout:.0f} s, and not every "
+            f"process joined (or another launch holds that port): start all {n} processes with the same launch "
+            f"variables; --join-timeout sets the wait")
 
 
 def _resolved(launch: Launch, timeout: float) -> Launch:
@@ -342,12 +424,15 @@ def _check_port_free(launch: Launch) -> None:
 
 
 def _await_coordinator(launch: Launch, deadline: float, timeout: float) -> None:
-    """Processes other than 0 wait for something to listen on the coordinator's port."""
+    """Processes other than 0 wait for something to listen on the coordinator's port, and check
+    that it answers as a coordinator does (`_speaks_http2`): a port another program holds (where
+    process 0 could not serve the launch) is said within seconds, not at the deadline."""
     host, port = _host_port(launch.coordinator)
+    where = f"{launch.coordinator} (from {launch.origin})"
     while True:
         try:
-            with socket.create_connection((host, port), timeout=2):
-                return
+            with socket.create_connection((host, port), timeout=2) as s:
+                answer = _speaks_http2(s, min(_PROBE_S, max(deadline - time.monotonic(), 1.0)))
         except OSError:
             if time.monotonic() >= deadline:
                 raise ValueError(
@@ -356,6 +441,42 @@ def _await_coordinator(launch: Launch, deadline: float, timeout: float) -> None:
                     f"0 was not started, failed, or listens elsewhere; start every process of the launch with the "
                     f"same launch variables (--join-timeout sets the wait)") from None
             time.sleep(0.2)
+            continue
+        if answer is None:
+            return
+        raise ValueError(f"process {launch.process_id} of {launch.num_processes} reached {where}, but what listens "
+                         f"there is not a launch's coordinator ({answer}): another program holds that port, so process "
+                         f"0 cannot serve the launch there; stop that program, or give every process another port "
+                         f"(JAX_COORDINATOR_ADDRESS=HOST:PORT)")
+
+
+# HTTP/2's client connection preface and an empty SETTINGS frame; a server's first frame is its SETTINGS
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4
+
+
+def _speaks_http2(s: socket.socket, wait: float) -> str | None:
+    """None if the server on `s` answers HTTP/2's preface with its SETTINGS frame (a gRPC server, as
+    jax's coordinator is, does at once), else what it did instead. Not asked where jax's connection
+    uses TLS (jax's mTLS settings), which this plain preface cannot speak."""
+    import jax
+
+    if any(getattr(jax.config, name, None) for name in ("jax_mtls_cert_file", "jax_mtls_ca_file")):
+        return None
+    try:
+        s.settimeout(wait)
+        s.sendall(_HTTP2_PREFACE)
+        head = b""
+        while len(head) < 9:
+            chunk = s.recv(9 - len(head))
+            if not chunk:
+                return "it closed the connection without answering" if not head else "it answered in another protocol"
+            head += chunk
+    except socket.timeout:
+        return f"it accepted the connection but said nothing within {wait:.0f} s"
+    except OSError as e:
+        return f"the connection failed: {e.strerror or type(e).__name__}"
+    return None if head[3] == _SETTINGS else "it answered in another protocol"
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -363,9 +484,27 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                            join_timeout: float = JOIN_TIMEOUT) -> None:
     """In Python, what the commands do first: join the launch this process belongs to (found from
     its launcher's environment, or the three arguments given together), with heartbeats. A
-    process that runs alone returns at once. Then `training.train(run)` is one run of them all."""
-    start(detect(coordinator_address, num_processes, process_id), "python", heartbeat_timeout,
-          join_timeout=join_timeout)
+    process that runs alone returns at once. Then `training.train(run)` is one run of them all.
+    A launch that cannot form ends the process with one line and exit status 2 once jax's client
+    has begun to join (`stranded`), else raises `JoinFailed`."""
+    try:
+        start(detect(coordinator_address, num_processes, process_id), "python", heartbeat_timeout,
+              join_timeout=join_timeout)
+    except JoinFailed as e:
+        if not stranded():
+            raise
+        end(f"modern-jax: error: {e}", JOIN_EXIT)
+
+
+def end(line: str, status: int) -> None:
+    """Say `line` on stderr and end the process now (`os._exit`): what a process `stranded` in a
+    join must do, before jax's client aborts it."""
+    from modern_jax.multihost import watch
+
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    watch.close()
+    os._exit(status)
 
 
 def joined() -> bool:

@@ -20,8 +20,9 @@ fields that differ, before Orbax reads it. Once a save has completed, `checksums
 CRC-32 of each of its files (3-4 GB/s on one core), so a truncated, missing or overwritten
 file is found and named before Orbax reads it. Resuming takes the newest step that restores
 completely; newer damaged steps are named and moved to `damaged_checkpoints/`. A resumed run
-keeps what its checkpoints were trained as (`check_resume`: the model, the `lora:` section, the
-tokenizer; `check_base`: a base left out of them), and other changed settings are named.
+keeps what its checkpoints were trained as (`check_objective`: its objective's section;
+`check_resume`: the model, the `lora:` section, the tokenizer; `check_base`: a base left out of
+them), and other changed settings are named.
 
 `load_params(dir)` reads a model from a run directory (its newest step), from one step
 directory, or from a converted checkpoint (`params/` with `config.yaml` beside it): every
@@ -134,9 +135,30 @@ def _differences(section: str, there: dict, here: dict) -> list[str]:
     return [f"{section}.{k} is {v!r} there, {here.get(k)!r} here" for k, v in there.items() if here.get(k) != v]
 
 
+def check_objective(out_dir: pathlib.Path, run: RunConfig) -> None:
+    """A resumed run keeps the objective its checkpoints were trained for: its config.yaml's objective
+    section (`dpo:`, `grpo:`; none: next-token) is `run`'s. Checked before its data is read, whose
+    records the objective decides."""
+    from modern_jax.configfile import OBJECTIVES
+
+    config_path = out_dir / CONFIG_FILE
+    if not config_path.exists():
+        return
+    saved = read_yaml(config_path)
+    there = next((name for name in OBJECTIVES if isinstance(saved, dict) and name in saved), None)
+    here = run.objective.section
+    if there == here:
+        return
+    said = lambda section: f"a {section}: section" if section else "no objective section (next-token)"  # noqa: E731
+    keep = f"its {there}: section" if there else f"no {' or '.join(f'{name}:' for name in OBJECTIVES)} section"
+    raise ValueError(f"the checkpoints in {str(out_dir)!r} were trained for another objective ({said(there)} there, "
+                     f"{said(here)} here, by its {CONFIG_FILE}): resume with the objective they were trained with "
+                     f"({keep}), or start a new train.output_dir")
+
+
 def check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
     """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout) and its
-    tokenizer; other changed settings are named."""
+    tokenizer (and its objective: `check_objective`, checked first); other changed settings are named."""
     config_path = out_dir / CONFIG_FILE
     if not config_path.exists():
         return
@@ -480,9 +502,10 @@ class Checkpointer:
                 return {"params": fix_params(out["params"]), **fix_rest(out["state"])}, dict(out["meta"])
             if MISMATCH in problem:
                 raise ValueError(f"checkpoint step {step} ({step_dir}) holds a state of another structure than this "
-                                 "run's (saved by another version of modern_jax, or with train settings that shape "
-                                 "the optimizer state, such as train.clip_norm): resume with the settings it was "
-                                 "saved with, or start a new train.output_dir")
+                                 "run's (saved by another version of modern_jax, or with settings that shape the "
+                                 "state, such as train.clip_norm or grpo.beta, which keeps a reference model when "
+                                 "above 0): resume with the settings it was saved with, or start a new "
+                                 "train.output_dir")
         raise CheckpointDamaged(f"checkpoint step {step} ({self.directory / str(step)}) is damaged: {problem}")
 
     def restore_newest(self, abstract_state: dict, log=print, model: ModelConfig | None = None
@@ -635,4 +658,27 @@ def load_params(path, log=None, **overrides):
         params, problem = _orbax_read(read, directory)
         if problem is None:
             return cfg, fix(params), raw, config_path.parent
+    raise CheckpointDamaged(f"checkpoint {what} is damaged: {problem}{elsewhere}")
+
+
+def load_reference(path, params: dict) -> dict:
+    """The frozen copy of the starting parameters that a run's checkpoints keep beside its parameters
+    where its objective compares against one (`StateBuilder.keeps_reference`: DPO, GRPO with a KL
+    penalty, full weights), read from the step `load_params(path)` read, placed as `params` are; a
+    damaged one raises `CheckpointDamaged` naming the file."""
+    directory, _, what, elsewhere = resolve_checkpoint(path)
+    problem = check_files(directory, items=("state",))
+    if problem is None:
+        placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+        target, fix = as_saved({"reference": placed}, directory / "state")
+
+        def read():
+            with ocp.PyTreeCheckpointer() as checkpointer:
+                return checkpointer.restore(directory / "state", args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True))
+
+        state, problem = _orbax_read(read, directory)
+        if problem is None:
+            return fix(state)["reference"]
     raise CheckpointDamaged(f"checkpoint {what} is damaged: {problem}{elsewhere}")

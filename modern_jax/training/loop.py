@@ -10,9 +10,10 @@ happens ahead of time, before the clock starts, and is reported on its own.
 
 The run resumes from the newest complete checkpoint in `output_dir` (params, optimiser
 state, step, RNG and the data iterator's position), so a resumed run computes exactly the
-steps the uninterrupted run would have; it keeps its model, adapters and tokenizer
-(`checkpoint.check_resume`). A new run starts from random parameters, or from `init`
-(fine-tuning: a Hugging Face model's or a checkpoint's parameters, with its tokenizer;
+steps the uninterrupted run would have; it keeps its objective, model, adapters and
+tokenizer (`checkpoint.check_objective`, `checkpoint.check_resume`). A new run starts from
+random parameters, or from `init` (fine-tuning: a Hugging Face model's or a checkpoint's
+parameters, with its tokenizer;
 `modern_jax.convert.finetune_run` makes it), whose source files (config.json, tokenizer
 files) are copied into the run's `hf/` for the way back to Hugging Face. SIGTERM / SIGINT
 save a checkpoint and stop (`signals.StopSignal`). A non-finite loss or gradient skips the
@@ -50,7 +51,7 @@ from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.multihost import distributed
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import (BASE_FILE, CHECKPOINTS, CONFIG_FILE, HF_ASSETS_DIR, Checkpointer,
-                                           check_base, check_resume)
+                                           check_base, check_objective, check_resume)
 from modern_jax.training.config import RunConfig
 from modern_jax.training.metrics import METRICS_FILE, MetricsLog, Progress, plot_losses, read_metrics
 from modern_jax.training.placement import from_whole
@@ -308,6 +309,8 @@ def _checked_start(run: RunConfig, out_dir: pathlib.Path, mesh, steps: list[int]
         raise ValueError("lora.save_base=false keeps the frozen base out of the checkpoints, so the run must start "
                          "from a model it can read again: give --init-from-hf (the same one each time), or set "
                          "lora.save_base=true")
+    if steps:  # before the data, whose records the objective decides
+        distributed.decide("objective", lambda: check_objective(out_dir, run))
     init = None if steps and not adapters_only else init  # such a run reads its base again to resume
     base = None  # the size and CRC-32 of each weight file of a base left out of the checkpoints
     if adapters_only:

@@ -5,7 +5,8 @@ section that chooses it (`dpo:`; none: `next_token`) and holds two classes: `Con
 section's fields, validated at construction, and `Objective`, what the Trainer, the loop and
 the planner call:
 
-    data      `read` -> (tokenizer, train split, validation split); `train_batches`,
+    data      `read` -> (tokenizer, train split, validation split), `read_all` -> every record as one
+              split (`evaluate --data`); `train_batches`,
               `eval_batches` `[A, B, T]` dicts of inputs, targets, positions, segment_ids,
               weights; `unit`, what the splits' `len` counts; `eval_size` and `eval_unit`: how many
               of what an evaluation of the validation split can score
@@ -79,18 +80,24 @@ class Objective:
         (None: the one `data:` describes); `shared`: where the processes of a launch write together."""
         raise NotImplementedError
 
+    def read_all(self, run, tokenizer):
+        """Every record of `run.data` as one split, tokenized by `tokenizer` (`evaluate --data`)."""
+        raise NotImplementedError
+
     def train_batches(self, split, *, rows: slice, data, state: dict | None):
         """A grain iterator of this process's `rows` of each step's `[A, B / A, T]` batch; `state`
         (its `get_state()`) resumes it exactly."""
         raise NotImplementedError
 
     def eval_batches(self, split, *, max_windows: int | None, rows: slice):
-        """`data.batches.Batches` of `[1, eval_batch_size, T]` over the validation split."""
+        """`data.batches.Batches` of `[1, eval_batch_size, T]` over `split` (the validation split, or
+        the one `evaluate` scores)."""
         raise NotImplementedError
 
     def eval_size(self, split) -> int:
-        """How many `eval_unit`s of at most `train.seq_len` tokens an evaluation can score."""
-        raise NotImplementedError
+        """How many `eval_unit`s of at most `train.seq_len` tokens an evaluation can score (by default
+        the split's records: pairs, prompts)."""
+        return len(split)
 
     def place_batch(self, item: dict, *, trainer, params, rows: int | None, step: int | None, key) -> dict:
         """`item` (a batch of `train_batches` or `eval_batches`: this process's rows of one with

@@ -127,8 +127,10 @@ class DPO(base.Objective):
                                  f"{run.data.tokenizer!r}): start from a model with --init-from-hf, or set one of "
                                  f"them")
             tokenizer = build_tokenizer(run.data, [], [], run.vocab_size)
-        pairs = read_pairs(run.data, None, tokenizer, self.train.seq_len)
-        return (tokenizer, *split_pairs(pairs, run.data.val_fraction))
+        return (tokenizer, *split_pairs(self.read_all(run, tokenizer), run.data.val_fraction))
+
+    def read_all(self, run, tokenizer):
+        return read_pairs(run.data, None, tokenizer, self.train.seq_len)
 
     def train_batches(self, split, *, rows, data, state):
         tc = self.train
@@ -137,9 +139,6 @@ class DPO(base.Objective):
 
     def eval_batches(self, split, *, max_windows, rows):
         return pair_eval_batches(split, batch_size=self.train.eval_batch_size, max_pairs=max_windows, rows=rows)
-
-    def eval_size(self, split) -> int:
-        return len(split)
 
     def prepare(self, reference, batch, *, chunk):
         return sequence_logps(reference, batch, chunk=chunk)[0]  # the reference's log-probabilities

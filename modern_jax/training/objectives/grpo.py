@@ -284,7 +284,7 @@ class GRPO(base.Objective):
         self.metric_names = (("kl",) if config.beta else ()) + ("entropy",) + CLIPS + (
             "reward", "reward_std") + functions + ("frac_reward_zero_std",) + COMPLETIONS
         self.max_sums = ("clip_ratio/high_max", "clip_ratio/low_min")  # kept as 1 - the min
-        self.splits: dict[str, object] = {}  # the prompts the batches index: train, validation
+        self.splits: dict[str, object] = {}  # the prompts the batches index: train, and the evaluated split
         self.tokenizer = None
         self._kept: tuple[int, dict] | None = None  # (step, batch) of the rollouts that serve several steps
         self._samples: list[dict] = []
@@ -299,10 +299,13 @@ class GRPO(base.Objective):
                                  f"data.tokenizer=byte, not one built from the prompts (data.tokenizer="
                                  f"{run.data.tokenizer!r}): start from a model with --init-from-hf, or set one of them")
             tokenizer = build_tokenizer(run.data, [], [], run.vocab_size)
-        self.tokenizer = tokenizer
-        prompts = read_prompts(run.data, tokenizer, self.train.seq_len - self.config.max_completion_length)
-        self.splits["train"], self.splits["validation"] = split_prompts(prompts, run.data.val_fraction)
-        return tokenizer, self.splits["train"], self.splits["validation"]
+        prompts = self.read_all(run, tokenizer)
+        self.splits["train"], validation = split_prompts(prompts, run.data.val_fraction)
+        return tokenizer, self.splits["train"], validation
+
+    def read_all(self, run, tokenizer):
+        self.tokenizer = tokenizer  # the rollouts stop at its <eos> and are scored as its text
+        return read_prompts(run.data, tokenizer, self.train.seq_len - self.config.max_completion_length)
 
     def train_batches(self, split, *, rows, data, state):
         tc, c = self.train, self.config
@@ -310,11 +313,9 @@ class GRPO(base.Objective):
                                grad_accum=tc.grad_accum, seed=tc.seed, rows=rows, repeat=c.num_iterations, state=state)
 
     def eval_batches(self, split, *, max_windows, rows):
+        self.splits["evaluated"] = split  # the prompts an evaluation's batches index
         return prompt_eval_batches(split, batch_size=self.train.eval_batch_size,
                                    generations=self.config.num_generations, max_prompts=max_windows, rows=rows)
-
-    def eval_size(self, split) -> int:
-        return len(split)
 
     # ----- rollouts --------------------------------------------------------------
 
@@ -326,7 +327,7 @@ class GRPO(base.Objective):
         evaluation = "real" in item
         if not evaluation and self._kept is not None and step // c.num_iterations == self._kept[0]:
             return self._kept[1]
-        prompts = self.splits["validation" if evaluation else "train"]
+        prompts = self.splits["evaluated" if evaluation else "train"]
         index = np.asarray(item["index"])  # [A, R]: this process's rows of each micro-batch
         A, R = index.shape
         room = self.train.seq_len - c.max_completion_length

@@ -12,7 +12,7 @@ import math
 
 import jax.numpy as jnp
 
-from modern_jax.data.corpora import load_splits
+from modern_jax.data.corpora import load_splits, load_stream
 from modern_jax.data.batches import eval_batches, eval_windows, train_iterator
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.metrics import Shown
@@ -29,6 +29,9 @@ class NextToken(base.Objective):
 
     def read(self, run, tokenizer, shared):
         return load_splits(run.data, tokenizer, run.vocab_size, shared=shared)
+
+    def read_all(self, run, tokenizer):
+        return load_stream(run.data, tokenizer)
 
     def train_batches(self, split, *, rows, data, state):
         tc = self.train
