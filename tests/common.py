@@ -49,6 +49,8 @@ def make_trainer(model_cfg, train_cfg, mesh, rules=None, *, strategies=None, con
 
     strategies = strategies or Strategies()
     fields = {f.name: getattr(strategies, f.name) for f in dataclasses.fields(Strategies)}
+    if mesh.shape.get("stage", 1) == 1:  # a pipeline's strategies mean nothing without stages (a baseline's mesh)
+        fields.update(microbatches=1, pipeline_schedule="gpipe", stage_repeats=1)
     parallel = ParallelConfig(stage=mesh.shape.get("stage", 1), rules=tuple(rules or ()),
                               context_layout=context_layout, **fields)
     run = RunConfig(model_cfg.to_dict(), train_cfg, DataConfig(), parallel, execution or ExecutionConfig(), lora=lora)

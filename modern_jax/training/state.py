@@ -27,7 +27,8 @@ from flax.nnx import traversals
 
 from modern_jax.config import LayerSpec, ModelConfig
 from modern_jax.model import Transformer, abstract_params
-from modern_jax.sharding import state_shardings
+from modern_jax.ops import pipeline
+from modern_jax.sharding import logical_rules, state_shardings
 from modern_jax.training import layout
 from modern_jax.training.converters import Converter, abstract_converted
 from modern_jax.training.programs import Programs
@@ -48,6 +49,10 @@ class StateBuilder:
         self.abstract_params = abstract  # the converted model's parameters, as ShapeDtypeStructs
         # the stacks as the run holds them: laid out for an interleaved pipeline's rounds (`layout`)
         self.rounds = programs.strategies.stage_repeats if programs.stages > 1 else 1
+        with logical_rules(programs.mesh, programs.rules, programs.strategies):  # the stacks over the stages, if any
+            for stack in nnx.merge(self.graphdef, abstract).stages:
+                pipeline.check_depth(stack.repeats, f"the stack of layers {stack.first} .. "
+                                                    f"{stack.first + stack.repeats * len(stack.unit) - 1}")
         self.stacked = layout.stacked(abstract)
         # a converted model trains what its converter says (LoRA: the adapters); the rest is frozen,
         # with no gradient and no optimiser state

@@ -30,8 +30,7 @@ from modern_jax.config import LayerSpec
 from modern_jax.execution import ExecutionConfig
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
 from modern_jax.model import max_attention_logit, sown_value
-from modern_jax.ops import pipeline
-from modern_jax.sharding import check_mesh, logical_rules
+from modern_jax.sharding import check_mesh
 from modern_jax.training import one_f_one_b
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.converters import Converter, converter_of
@@ -234,13 +233,8 @@ def _check_run(trainer: Trainer) -> None:
             whole = f"{M}" if group == 1 else f"{M} microbatches x {group} (rows one loss term reads together)"
             raise ValueError(f"{name} = {rows} rows do not split into parallel.microbatches={M}: make it a "
                              f"multiple of {whole}")
-    model = nnx.merge(trainer.states.graphdef, trainer.states.abstract_params)
     if trainer.loss_in_stages:
-        one_f_one_b.check(model, model_cfg, tc)
-    with logical_rules(programs.mesh, programs.rules, programs.strategies):  # the stacks over the stages, if any
-        for stack in model.stages:
-            pipeline.check_depth(stack.repeats, f"the stack of layers {stack.first} .. "
-                                                f"{stack.first + stack.repeats * len(stack.unit) - 1}")
+        one_f_one_b.check(nnx.merge(trainer.states.graphdef, trainer.states.abstract_params), model_cfg, tc)
 
 
 def trainer_for(run: RunConfig, mesh: Mesh, *, objective: Objective | None = None,
