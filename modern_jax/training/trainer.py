@@ -29,14 +29,14 @@ from jax.sharding import Mesh
 from modern_jax.config import LayerSpec
 from modern_jax.execution import ExecutionConfig
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
-from modern_jax.model import max_attention_logit, sown_value
+from modern_jax.model import abstract_model, max_attention_logit, sown_value
 from modern_jax.ops import pipeline
 from modern_jax.sharding import check_mesh, logical_rules
 from modern_jax.training import one_f_one_b
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.converters import Converter, converter_of
 from modern_jax.training.objectives import Objective, objective as objective_of
-from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
+from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer, muon_dimensions
 from modern_jax.training.placement import BatchPlacement
 from modern_jax.training.programs import describe_kernels, programs_of
 from modern_jax.training.state import StateBuilder
@@ -255,11 +255,21 @@ def trainer_for(run: RunConfig, mesh: Mesh, *, objective: Objective | None = Non
     batches = BatchPlacement(mesh, programs.rules, run.train, run.parallel.context_layout)  # where each batch goes
     objective = objective or objective_of(run.objective, run.train)
     converter = converter_of(run)
-    tx = make_optimizer(run.train, frozen=run.model.router_selection_bias and converter.trains_all) if optimizer \
-        else None
+    tx = _optimizer(run, converter, layers) if optimizer else None
     states = StateBuilder(run.model, programs, converter, tx=tx, needs_reference=objective.needs_reference,
                           layers=layers)
     return Trainer(run.train, states, objective, batches)
+
+
+def _optimizer(run: RunConfig, converter: Converter, layers) -> optax.GradientTransformation:
+    """The run's optimiser (`training.optimizer.make_optimizer`), Muon's matrices read off its model."""
+    tc, muon = run.train, None
+    if tc.optimizer == "muon":
+        if not converter.trains_all:
+            raise ValueError("train.optimizer=muon orthogonalises whole projection matrices, and a lora: run trains "
+                             "only low-rank adapters: use train.optimizer=adamw with lora")
+        muon = muon_dimensions(abstract_model(run.model, layers), tc.muon_groups)
+    return make_optimizer(tc, frozen=run.model.router_selection_bias and converter.trains_all, muon=muon)
 
 
 _MAXIMA = ("max_abs_logit", "max_attention_logit")
