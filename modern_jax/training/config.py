@@ -68,6 +68,7 @@ class TrainConfig:
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_adjust_lr: str = "match_rms_adamw"  # Muon's update scale: Moonlight's (AdamW's lr carries over), or Jordan's
     muon_ns_steps: int = 5  # Newton-Schulz iterations
+    qk_clip_tau: float | None = None  # QK-clip (MuonClip): a head's max attention logit kept at most this; null: off
 
     # loss
     z_loss_weight: float = 1e-4
@@ -191,6 +192,13 @@ class TrainConfig:
             _fail("muon_momentum", self.muon_momentum, "expected a decay rate in [0, 1)")
         if not isinstance(self.muon_ns_steps, int) or isinstance(self.muon_ns_steps, bool) or self.muon_ns_steps <= 0:
             _fail("muon_ns_steps", self.muon_ns_steps, "expected a positive integer")
+        if self.qk_clip_tau is not None:
+            if isinstance(self.qk_clip_tau, bool) or not isinstance(self.qk_clip_tau, (int, float)) or \
+                    not 0 < self.qk_clip_tau < math.inf:
+                _fail("qk_clip_tau", self.qk_clip_tau, "expected a positive max attention logit, or null (off)")
+            if not self.diagnostics:
+                _fail("qk_clip_tau", self.qk_clip_tau, "QK-clip reads the max attention logits that train.diagnostics "
+                      "measures: set train.diagnostics=true, or qk_clip_tau=null")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> TrainConfig:

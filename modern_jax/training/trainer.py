@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from modern_jax.config import LayerSpec
 from modern_jax.execution import ExecutionConfig
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
-from modern_jax.model import abstract_model, max_attention_logit, sown_value
+from modern_jax.model import HEAD_LOGITS, abstract_model, head_logits, max_attention_logit, sown_value
 from modern_jax.ops import pipeline
 from modern_jax.sharding import check_mesh, logical_rules
 from modern_jax.training import one_f_one_b
@@ -96,6 +96,8 @@ class Trainer:
         if cfg.diagnostics:  # sown by the attention layers of this very forward pass
             max_logit = max_attention_logit(sown)
             sums = dict(sums, max_attention_logit=zero if max_logit is None else max_logit)
+        if cfg.qk_clip_tau is not None:  # each layer's heads, which QK-clip rescales after the step
+            aux[HEAD_LOGITS] = head_logits(sown)
         return sums, aux
 
     def _grads(self, params, frozen, batch, reference, denom, step_rng):
@@ -152,11 +154,7 @@ class Trainer:
             direction, opt_state = states.tx.update(grads, opt_state, params, grad_norm=grad_norm)  # AdamW at lr 1
             params = states.join(optax.apply_updates(params, jax.tree.map(lambda u: u * lr.astype(u.dtype),
                                                                           direction)), frozen)
-            if self.train_cfg.moe_bias_update_rate:  # auxiliary-loss-free balancing, from this step's loads
-                model = states.model(params)
-                model.balance_routers(aux[LOAD], self.train_cfg.moe_bias_update_rate)
-                params = states.laid_out(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-            return params, opt_state
+            return self._after_update(params, aux), opt_state
 
         # a non-finite step changes nothing (and costs no optimiser update)
         new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, o: (states.join(p, frozen), o), params,
@@ -164,6 +162,19 @@ class Trainer:
         new_state = {**state, "params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1,
                      "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1)}
         return new_state, self._metrics(sums, aux, denom, grad_norm, finite, lr, new_state["nonfinite"])
+
+    def _after_update(self, params, aux):
+        """What moves the model after the optimiser, from this step's measurements: auxiliary-loss-free
+        balancing (the loads) and QK-clip (each head's max attention logit)."""
+        cfg = self.train_cfg
+        if not cfg.moe_bias_update_rate and cfg.qk_clip_tau is None:
+            return params
+        model = self.states.model(params)
+        if cfg.moe_bias_update_rate:
+            model.balance_routers(aux[LOAD], cfg.moe_bias_update_rate)
+        if cfg.qk_clip_tau is not None:
+            model.clip_qk(aux[HEAD_LOGITS], cfg.qk_clip_tau)
+        return self.states.laid_out(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     def _metrics(self, sums, aux, denom, grad_norm, finite, lr, streak) -> dict:
         """A step's figures: the objective's, then the optimiser's, the mixture's and the diagnostics'."""
@@ -178,6 +189,9 @@ class Trainer:
         }
         if self.train_cfg.diagnostics:
             metrics["max_attention_logit"] = sums["max_attention_logit"]
+        if self.train_cfg.qk_clip_tau is not None:  # the heads QK-clip rescaled after this step
+            metrics["qk_clipped_heads"] = sum(jnp.sum(x > self.train_cfg.qk_clip_tau)
+                                              for x in jax.tree.leaves(aux[HEAD_LOGITS])).astype(jnp.float32)
         if self.moe:
             load_LE = aux[LOAD]
             mean_L = jnp.maximum(jnp.mean(load_LE, axis=-1), 1e-9)
@@ -234,6 +248,8 @@ def _check_stages(trainer: Trainer) -> None:
             whole = f"{M}" if group == 1 else f"{M} microbatches x {group} (rows one loss term reads together)"
             raise ValueError(f"{name} = {rows} rows do not split into parallel.microbatches={M}: make it a "
                              f"multiple of {whole}")
+    if tc.qk_clip_tau is not None:
+        _check_qk_clip(trainer)
     model = nnx.merge(trainer.states.graphdef, trainer.states.abstract_params)
     if trainer.loss_in_stages:
         one_f_one_b.check(model, model_cfg, tc)
@@ -241,6 +257,21 @@ def _check_stages(trainer: Trainer) -> None:
         for stack in model.stages:
             pipeline.check_depth(stack.repeats, f"the stack of layers {stack.first} .. "
                                                 f"{stack.first + stack.repeats * len(stack.unit) - 1}")
+
+
+def _check_qk_clip(trainer: Trainer) -> None:
+    """Refuse QK-clip where rescaling the query and key weights cannot bring the logits down, or
+    where the heads' max logits are not measured per layer."""
+    tau, model_cfg = trainer.train_cfg.qk_clip_tau, trainer.model_cfg
+    if model_cfg.qk_norm != "none":
+        raise ValueError(f"train.qk_clip_tau={tau} rescales the query and key weights, which model.qk_norm="
+                         f"{model_cfg.qk_norm!r} normalises away (it bounds the logits itself): set qk_clip_tau=null")
+    if not trainer.converter.trains_all:
+        raise ValueError(f"train.qk_clip_tau={tau} rescales the query and key weights, which a lora: run keeps "
+                         f"frozen: set qk_clip_tau=null")
+    if trainer.programs.stages > 1:
+        raise ValueError(f"train.qk_clip_tau={tau} reads each layer's max logits, which the pipeline's stages do not "
+                         f"carry out: set qk_clip_tau=null, or parallel.stage=1")
 
 
 def trainer_for(run: RunConfig, mesh: Mesh, *, objective: Objective | None = None,
@@ -281,7 +312,8 @@ def _accumulate(carry, result, n_micro, maxima=()):
     (loss, (sums, aux)), grads = result
     c_loss, c_sums, c_aux, c_grads = carry
     new_sums = {k: (jnp.maximum if k in _MAXIMA + tuple(maxima) else jnp.add)(c_sums[k], sums[k]) for k in c_sums}
-    new_aux = {k: c_aux[k] + (aux[k] if k in (DROPPED, LOAD) else aux[k] / n_micro) for k in c_aux}
+    new_aux = {k: jax.tree.map(jnp.maximum, c_aux[k], aux[k]) if k == HEAD_LOGITS else  # each head's max
+               c_aux[k] + (aux[k] if k in (DROPPED, LOAD) else aux[k] / n_micro) for k in c_aux}
     return c_loss + loss, new_sums, new_aux, jax.tree.map(jnp.add, c_grads, grads)
 
 
