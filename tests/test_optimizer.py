@@ -188,3 +188,26 @@ def test_muon_on_a_mesh_gives_the_one_device_update(name):
     for got, want in zip(sharded_directions(many, grads), sharded_directions(one, grads)):
         assert_leaves_match(got, want, rtol=1e-5, what="Muon direction")
 
+
+
+def test_a_run_resumes_only_with_the_optimizer_its_checkpoints_hold(tmp_path):
+    """The optimiser state of the checkpoints is AdamW's or Muon's (over its groups): a resume with
+    another is refused by name; one with the same optimiser and other settings goes on."""
+    import yaml
+
+    from modern_jax.data.config import DataConfig
+    from modern_jax.training import RunConfig
+    from modern_jax.training.checkpoint import check_resume
+
+    def run(**train):
+        return RunConfig(DENSE.to_dict(), TrainConfig(**train), DataConfig())
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run().to_dict()))
+    with pytest.raises(ValueError, match=r"hold the optimizer state of train.optimizer=adamw .*, not of "
+                                         r"train.optimizer=muon with train.muon_groups=\['attention', 'experts', 'mlp'\]"):
+        check_resume(tmp_path, run(optimizer="muon"), print)
+    check_resume(tmp_path, run(lr=0.5), print)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run(optimizer="muon").to_dict()))
+    with pytest.raises(ValueError, match=r"muon_groups=\['attention', 'experts', 'mlp'\] .* not of .*muon_groups=\['mlp'\]"):
+        check_resume(tmp_path, run(optimizer="muon", muon_groups=("mlp",)), print)
+    check_resume(tmp_path, run(optimizer="muon", muon_momentum=0.9), print)
