@@ -13,7 +13,9 @@ the model sows the result as its own, for the trainer to capture:
 - the max over layers: `max_attention_logit`, with `hidden_states(..., diagnostics=True)`,
   measured by every attention layer's kernel (`train.diagnostics`);
 - per layer: `moe_load`, the assignments per expert of each MoE layer, `[MoE layers, E]` in
-  layer order (`expert_loads`), which the metrics and auxiliary-loss-free balancing read.
+  layer order (`expert_loads`), which the metrics and auxiliary-loss-free balancing read; and,
+  sown by each stack with diagnostics, `attention_head_logits` (`HEAD_LOGITS`), the max attention
+  logit of each head of each of its layers, which QK-clip reads (`head_logits`, `clip_qk`).
 
 Layers with identical parameter shapes and static choices (window, RoPE) are stacked
 along a `layers` axis and run by `jax.lax.scan`. A per-layer pattern (Gemma's local /
@@ -58,6 +60,7 @@ from modern_jax.sharding.sequence import residual
 
 SUMMED = (AUX_LOSS, ROUTER_Z_LOSS, DROPPED)  # what the layers sow, added up over the layers
 MAXED = (MAX_LOGIT,)  # ... and what takes the max over them
+HEAD_LOGITS = "attention_head_logits"  # what a stack sows of its layers: each head's max attention logit
 
 
 def _sown(sown, name: str) -> list:
@@ -94,6 +97,12 @@ def aux_loss(sown):
 def max_attention_logit(sown):
     """The max of the `max_attention_logit` values in captured intermediates, or None if none."""
     return sown_value(sown, MAX_LOGIT)
+
+
+def head_logits(sown) -> dict[int, tuple]:
+    """What the stacks sowed with diagnostics (`HEAD_LOGITS`): `{stack: (block j's max attention logit
+    of each head, [repeats, N]) for each block of its unit}`."""
+    return {path[1]: v.get_value()[0] for path, v in nnx.to_flat_state(sown) if path[-1] == HEAD_LOGITS}
 
 
 def plan_stages(specs: tuple[LayerSpec, ...]) -> list[tuple[tuple[LayerSpec, ...], int]]:
@@ -151,8 +160,10 @@ class Stack(nnx.Module):
         """`(units, zeros, sown)`: `units(x_BTD, pos_BT, seg_BT, states, caches, numbers[,
         round_])` runs the units numbered `numbers` (their weights `states`, one pytree a block of the
         unit, leading axis one a unit; with `round_`, an interleaved pipeline stage's `[rounds, units,
-        ...]`, of which round `round_` runs) in turn: `(x, reduced, caches, loads)`, `reduced` folded
-        by `fold_sown` from `zeros`; `sown`, filled while tracing, names what some block sowed."""
+        ...]`, of which round `round_` runs) in turn: `(x, reduced, caches, loads, heads)`, `reduced`
+        folded by `fold_sown` from `zeros`, `heads[j]` block j's max attention logit of each head
+        `[units, N]` (with `diagnostics`, else None); `sown`, filled while tracing, names what some
+        block sowed."""
         period, run = len(self.unit), execution.current()
         graphdefs = [nnx.split(block)[0] for block in self.blocks]
         zero = jnp.zeros((), jnp.float32)  # the identity of both the sum and the max (of |logits|)
@@ -171,7 +182,9 @@ class Stack(nnx.Module):
                 reduced = {name: sown_value(sown_j, name) for name in SUMMED + MAXED}
                 sown_names.update(name for name, value in reduced.items() if value is not None)
                 reduced = {name: zero if value is None else value for name, value in reduced.items()}
-                return x_BTD, cache, reduced, (sown_value(sown_j, LOAD), sown_value(sown_j, SCORES)) if moe[j] else None
+                heads = _sown(sown_j, MAX_LOGIT)  # with diagnostics: the attention's max logit of each head, [N]
+                return (x_BTD, cache, reduced, (sown_value(sown_j, LOAD), sown_value(sown_j, SCORES)) if moe[j] else None,
+                        heads[0] if heads else None)
 
             if run.remat == "none":  # keeps everything: no checkpoint at all
                 return apply
@@ -185,21 +198,22 @@ class Stack(nnx.Module):
             def unit(carry, xs):
                 x_BTD, reduced = carry
                 states_i, caches_i, i, p = xs
-                new_caches, loads = [], []
+                new_caches, loads, heads = [], [], []
                 for j in range(period):
                     rng_j = None if rng is None else jax.random.fold_in(rng, self.first + i * period + j)
                     weights, where = (states_i[j], None) if round_ is None else (states[j], (round_, p))
-                    x_BTD, cache_j, reduced_j, load_j = layers[j](x_BTD, weights, where, caches_i[j], rng_j, pos_BT,
-                                                                  seg_BT)
+                    x_BTD, cache_j, reduced_j, load_j, heads_j = layers[j](x_BTD, weights, where, caches_i[j], rng_j,
+                                                                           pos_BT, seg_BT)
                     x_BTD = residual(x_BTD)
                     new_caches.append(cache_j)
                     loads.append(load_j)
+                    heads.append(heads_j)
                     reduced = fold_sown(reduced, reduced_j)
-                return (x_BTD, reduced), (new_caches, loads)
+                return (x_BTD, reduced), (new_caches, loads, heads)
 
             xs = ([None] * period if round_ is not None else states, caches, numbers, jnp.arange(len(numbers)))
-            (x_BTD, reduced), (new_caches, loads) = _loop(unit, (x_BTD, zeros), xs)
-            return x_BTD, reduced, new_caches, loads
+            (x_BTD, reduced), (new_caches, loads, heads) = _loop(unit, (x_BTD, zeros), xs)
+            return x_BTD, reduced, new_caches, loads, heads
 
         return units, zeros, sown_names
 
@@ -211,8 +225,8 @@ class Stack(nnx.Module):
 
         def stage_fn(x_bTD, rows_b, states_P, first, round_=None):
             P = jax.tree.leaves(states_P)[0].shape[0 if round_ is None else 1]
-            x_bTD, reduced, _, loads = units(x_bTD, *rows_b, states_P, [None] * period, first + jnp.arange(P),
-                                             round_)
+            x_bTD, reduced, _, loads, _ = units(x_bTD, *rows_b, states_P, [None] * period, first + jnp.arange(P),
+                                                round_)
             return x_bTD, reduced, loads
 
         return stage_fn
@@ -231,8 +245,10 @@ class Stack(nnx.Module):
                                                  fold_sown, self.whole_batch, loop_count)
             new_caches = [None] * period
         else:
-            x_BTD, reduced, new_caches, loads = units(x_BTD, pos_BT, seg_BT, states, list(caches),
-                                                      jnp.arange(self.repeats))
+            x_BTD, reduced, new_caches, loads, heads = units(x_BTD, pos_BT, seg_BT, states, list(caches),
+                                                             jnp.arange(self.repeats))
+            if diagnostics:  # each layer's heads, [repeats, N] a block of the unit (not through a pipeline's stages)
+                self.sow(nnx.Intermediate, HEAD_LOGITS, tuple(heads), capture_noop=True)
         if diagnostics:
             sown_names.add(MAX_LOGIT)
         loads = [None if pair is None else pair[0] for pair in loads]
@@ -425,6 +441,14 @@ class Transformer(nnx.Module):
             load_E = loads_LE[n].astype(jnp.float32)
             new_E = bias[...][i] + rate * jnp.sign(jnp.mean(load_E) - load_E)
             bias[...] = bias[...].at[i].set(new_E - jnp.mean(new_E))
+
+    def clip_qk(self, logits: dict[int, tuple], tau: float) -> None:
+        """QK-clip (Kimi K2's MuonClip): each head whose max attention logit exceeded `tau` has its
+        query and key weights scaled so that its logits scale by `tau / max logit` (each attention
+        layer's `clip_qk`). `logits`: the stacks' `HEAD_LOGITS` (`head_logits`)."""
+        for s, per_block in logits.items():
+            for block, logits_LN in zip(self.stages[s].blocks, per_block):
+                block.self_attn.clip_qk(logits_LN, tau)
 
     def head(self) -> vocab.Head:
         """The output head over this model's parameters: `embed_tokens` when tied, else `lm_head`."""

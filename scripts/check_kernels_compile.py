@@ -167,7 +167,7 @@ def attention_program(case: AttentionCase, impl: str, sharding):
         out = attention(q, k, v, spec, Visibility(pos, pos, seg, seg), sinks_KG=sinks_KG if case.sinks else None,
                         impl=impl, return_max_logit=case.max_logit)
         o, max_logit = out if case.max_logit else (out, 0.0)
-        return o.astype(jnp.float32).sum() + max_logit
+        return o.astype(jnp.float32).sum() + jnp.sum(max_logit)
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 4)), (q, kv, kv, pos, sinks)
 

@@ -45,7 +45,7 @@ def attention_grad(H=128, dtype=jnp.bfloat16, T=300, blocks=None):
         else:
             o, max_logit = flash_attention_gpu(q, k, v, spec, vis, sinks_KG=sinks_KG, blocks=blocks,
                                                return_max_logit=True)
-        return o.astype(jnp.float32).sum() + max_logit
+        return o.astype(jnp.float32).sum() + max_logit.sum()
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 4)), (q, kv, kv, pos, sinks)
 

@@ -5,6 +5,10 @@ carry the max through the scan (and remat), the model sows the max over its laye
 step reports it (max over micro-batches). Checked against a dense NumPy max over the q and k
 that each layer of an eager, unscanned copy of the model passes to its attention, and for its
 memory: it must not bring back the `[T, S]` scores that `chunked` never materialises.
+
+QK-clip (`train.qk_clip_tau`) reads the same measurement per layer and per head: each head's max
+on a mesh equals one device's, `clip_qk` brings each head over tau to tau and leaves the others
+(GQA, MLA), and a step with it leaves no logit over tau.
 """
 
 import json
@@ -163,3 +167,114 @@ def test_diagnostics_cost_no_score_memory():
     off, on = train_step_temp_bytes(False), train_step_temp_bytes(True)
     assert on <= 1.10 * off, (on, off)
     assert off <= 2.1 * train_step_temp_bytes(False, T=2048), off
+
+
+# ----- QK-clip: each head's max logit, read per layer, rescales that head's query and key weights ------
+
+CLIP_MODELS = {
+    "gqa": dict(n_heads=4, n_kv_heads=2, qkv_bias=True),  # a key head shared by two query heads; biases scale too
+    "mla": dict(attention_type="mla", mla_kv_rank=16, mla_q_rank=8, mla_rope_dim=4, mla_nope_dim=8, mla_v_dim=8),
+    "mla_no_q_latent": dict(attention_type="mla", mla_kv_rank=16, mla_q_rank=0, mla_rope_dim=4, mla_nope_dim=8,
+                            mla_v_dim=8),
+}
+
+
+def head_maxima(model, tokens):
+    """Each stack's sown max logit of each head (`model.head_logits`), from a forward pass with diagnostics."""
+    from flax import nnx
+
+    from modern_jax.model import head_logits
+
+    _, sown = nnx.capture(lambda m: m.hidden_states(tokens, diagnostics=True), nnx.Intermediate)(model)
+    return head_logits(sown)
+
+
+@pytest.mark.parametrize("name", list(CLIP_MODELS))
+def test_qk_clip_brings_each_head_over_tau_to_tau_and_leaves_the_others(name):
+    """One layer: after `clip_qk`, each head's max logit is min(its max, tau), heads below tau
+    keep theirs, and no weight grows (GQA: a key head takes its group's mildest factor, its query
+    heads the rest; MLA: Kimi K2's split, the query's rotary part by the whole factor)."""
+    from flax import nnx
+
+    from modern_jax.model import Transformer
+
+    cfg = ModelConfig(vocab_size=48, d_model=32, d_ff=64, n_layers=1, max_position_embeddings=32, init_std=0.4,
+                      **CLIP_MODELS[name])
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    attn = model.stages[0].blocks[0].self_attn
+    for proj in (getattr(attn, "q_proj", None), getattr(attn, "k_proj", None)):
+        if proj is not None and proj.bias is not None:  # biases that count (they start at zero)
+            proj.bias[...] = jnp.asarray(rng.normal(0, 1.0, proj.bias.shape), jnp.float32)
+    weights = lambda: {name: np.asarray(p) for name, p in nnx.to_flat_state(nnx.state(attn, nnx.Param))}  # noqa: E731
+    tokens = jnp.asarray(rng.integers(0, 48, (2, 16)), jnp.int32)
+    before, weights_before = np.asarray(head_maxima(model, tokens)[0][0]), weights()  # [layers = 1, N]
+    tau = float(np.median(before))  # half the heads over it, half under
+    assert (before > tau * 1.01).sum() >= 1 and (before < tau).sum() >= 1, before
+    model.clip_qk(head_maxima(model, tokens), tau)
+    after = np.asarray(head_maxima(model, tokens)[0][0])
+    np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-5)
+    for name, w in weights().items():  # every weight shrinks or stays, none grows
+        assert np.all(np.abs(w) <= np.abs(weights_before[name]) * (1 + 1e-6)), name
+
+
+def clip_run(cfg, tau, steps=1):
+    """`(each step's metrics, the parameters after them)` of a run with `qk_clip_tau=tau`, at a
+    learning rate too small to move the logits itself."""
+    tc = TrainConfig(batch_size=4, seq_len=16, grad_accum=2, warmup_steps=0, schedule="constant", lr=1e-7,
+                     qk_clip_tau=tau)
+    trainer = make_trainer(cfg, tc, one_device(), execution=ExecutionConfig(attention_impl="chunked"))
+    state, batch = trainer.states.init(0), trainer.batches.put(packed_batch(2, 2, 16, 48))
+    every = []
+    for _ in range(steps):
+        state, metrics = trainer.train_step(state, batch)
+        every.append(jax.device_get(metrics))
+    return every, jax.device_get(state["params"])
+
+
+def test_a_step_with_qk_clip_leaves_no_logit_over_tau():
+    """A model with large query and key weights: the step measures logits over tau and clips every
+    head; the next measures tau (the largest head brought to it exactly: each head's max is taken
+    over the two micro-batches, not added). Off, nothing is clipped."""
+    cfg = ModelConfig(vocab_size=48, d_model=32, d_ff=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                      max_position_embeddings=32, init_std=0.5)
+    (first, second), _ = clip_run(cfg, 5.0, steps=2)
+    assert first["max_attention_logit"] > 5.0 * 4 and first["qk_clipped_heads"] == 4, first
+    np.testing.assert_allclose(second["max_attention_logit"], 5.0, rtol=1e-5)
+    (_, off), _ = clip_run(cfg, None, steps=2)
+    assert "qk_clipped_heads" not in off and off["max_attention_logit"] > 5.0 * 4, off
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(qk_norm="head"), r"rescales the query and key weights, which model.qk_norm='head' normalises away"),
+])
+def test_qk_clip_is_refused_where_it_cannot_act(changes, message):
+    cfg = ModelConfig(vocab_size=48, d_model=32, d_ff=64, n_layers=1, n_heads=2, max_position_embeddings=32, **changes)
+    with pytest.raises(ValueError, match=rf"train.qk_clip_tau=5.0 {message}"):
+        make_trainer(cfg, TrainConfig(batch_size=4, seq_len=16, warmup_steps=0, qk_clip_tau=5.0), one_device())
+    with pytest.raises(ValueError, match=r"TrainConfig.qk_clip_tau=5.0 is invalid: QK-clip reads .* train.diagnostics"):
+        TrainConfig(qk_clip_tau=5.0, diagnostics=False)
+
+
+def test_each_heads_max_logit_on_a_mesh_equals_one_device():
+    """The heads split over `tensor` (4 devices for 2 key heads: each copied twice, its query group
+    halved) and the sequence over `context`: each head's max is maxed over the rows and the
+    sequence only, and lands back in its own place."""
+    from flax import nnx
+
+    from modern_jax.model import Transformer
+    from modern_jax.sharding import logical_rules, state_shardings
+
+    cfg = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2,
+                      max_position_embeddings=32, init_std=0.3)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 16)), jnp.int32)
+    with execution.use(ExecutionConfig(attention_impl="chunked")):
+        want = head_maxima(model, tokens)
+        mesh = make_mesh(context=2, tensor=4)
+        graphdef, state = nnx.split(model)
+        state = jax.device_put(state, state_shardings(state, mesh))
+        with logical_rules(mesh):
+            got = jax.jit(lambda s, t: head_maxima(nnx.merge(graphdef, s), t))(state, tokens)
+    assert np.asarray(want[0][0]).shape == (2, 4)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5), got, want)

@@ -6,7 +6,8 @@ Each plan here compiles a tiny model's training step for the host CPU (one devic
 - a full-weight DPO run keeps a frozen reference copy (bytes equal to the parameters, and at
   least that much more at the peak than plain training); a LoRA DPO run keeps none;
 - a LoRA run's optimiser state is its adapters' (AdamW's two moments of each, counted by hand
-  from the shapes), and a QLoRA run's base is stored quantized;
+  from the shapes), and a QLoRA run's base is stored quantized; a Muon run's holds one buffer of
+  each hidden matrix (counted by hand) where AdamW holds two;
 - shards on a mesh, the compiler's out-of-memory message, and `plan`'s own command line.
 """
 
@@ -61,6 +62,18 @@ def test_a_lora_plan_keeps_optimizer_state_for_its_adapters_only():
     assert 0 <= lora["optimizer"] - 2 * 4 * adapters <= 16  # + AdamW's step count
     assert lora["parameters"] == plain["parameters"] + 4 * adapters
     assert plain["optimizer"] > 2 * plain["parameters"] - 16  # whole-model AdamW, for comparison
+
+
+def test_a_muon_plan_keeps_one_buffer_for_its_matrices():
+    """Muon keeps one float32 momentum buffer of each matrix it moves, AdamW two moments of the rest:
+    against whole-model AdamW, the optimiser state shrinks by one copy of the L (attention + FFN)
+    matrices, L (D Nq H + 2 D Nkv H + Nq H D + 3 D F) values."""
+    L, d, Nq, Nkv, H, F = 2, 128, 4, 2, 32, 384
+    matrices = L * (d * Nq * H + 2 * d * Nkv * H + Nq * H * d + 3 * d * F)
+    adamw, muon = _plan(), _plan("train.optimizer=muon")
+    assert muon["parameters"] == adamw["parameters"]
+    assert adamw["optimizer"] - muon["optimizer"] == 4 * matrices
+    assert muon["peak"] < adamw["peak"]
 
 
 def test_a_qlora_plan_holds_its_base_quantized():

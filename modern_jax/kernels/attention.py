@@ -12,7 +12,8 @@ chunk (`q_pos // chunk == k_pos // chunk`, chunked local attention) and in the s
 (packed sequences).
 
 Asked with `return_max_logit=True`, every implementation but `cudnn` also returns the max
-of |q.k| * scale over the visible pairs (before any soft-cap; an instability diagnostic)
+of |q.k| * scale over the visible pairs of each head, `[K, G]` (before any soft-cap; an
+instability diagnostic, and what QK-clip rescales each head's weights by)
 from its own pass over the scores: the blocked ones fold each visited tile into a running
 per-row max beside the softmax's. It has no gradient, and the backward pass is the same.
 cuDNN does not expose its scores, so `cudnn` reports it as a missing feature (`default`
@@ -81,7 +82,7 @@ def attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec: AttentionSpec, 
 
     `keep_BKGTS`: attention dropout's mask (`dropout_mask`): the probabilities it keeps are
     scaled by `1 / (1 - spec.dropout_rate)`, the others dropped. With `return_max_logit`,
-    returns `(o, max |q.k| * scale over the visible pairs)`.
+    returns `(o, max |q.k| * scale over the visible pairs, per head [K, G])`.
     """
     x_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
     x_BKGTS = x_BKGTS * spec.scale
@@ -100,7 +101,8 @@ def attention_reference(q_BTKGH, k_BSKH, v_BSKU, mask_BTS, spec: AttentionSpec, 
         p_BKGTS = jnp.where(keep_BKGTS, p_BKGTS / (1.0 - spec.dropout_rate), 0.0)
     o_BTKGU = jnp.einsum("BKGTS,BSKU->BTKGU", p_BKGTS.astype(v_BSKU.dtype), v_BSKU)
     if return_max_logit:
-        return o_BTKGU, jax.lax.stop_gradient(jnp.max(jnp.where(mask_BTS[:, None, None], jnp.abs(x_BKGTS), 0.0)))
+        return o_BTKGU, jax.lax.stop_gradient(jnp.max(jnp.where(mask_BTS[:, None, None], jnp.abs(x_BKGTS), 0.0),
+                                                       axis=(0, 3, 4)))
     return o_BTKGU
 
 
@@ -184,8 +186,8 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, *, 
     `vis`: the queries' and keys' positions and segments (`masks.Visibility`). `keep_BKGTS`:
     attention dropout's mask (`dropout_mask`), or None for no dropout. With
     `return_max_logit` (static), returns `(o, max_logit)`: the max of |q.k| * scale over the
-    visible pairs (before any soft-cap), a float32 scalar without gradient, measured by the
-    implementation's own pass over the scores.
+    visible pairs of each head (before any soft-cap), float32 `[K, G]` without gradient, measured
+    by the implementation's own pass over the scores.
     """
     impl = resolve(impl, q_BTKGH, k_BSKH, v_BSKU, spec, sinks_KG, keep_BKGTS is not None, return_max_logit)
     note_kernel("attention", impl.value)

@@ -35,7 +35,7 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_K
                       block_k: int = 512, return_max_logit: bool = False):
     """Attention with an online softmax over key blocks; the contract of `kernels.attention`.
 
-    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs)`: each
+    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs, per head [K, G])`: each
     visited tile folds its logits into a running per-row max beside the softmax's.
     """
     B, T, K, G, H = q_BTKGH.shape
@@ -51,7 +51,7 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_K
     q, k, v, sinks = vary_over((q, k, v, sinks), varying_axes(q, k, v, sinks, vis))
     o, max_logit_BKGT = _chunked(call, q, k, v, sinks, vis)
     if return_max_logit:
-        return o[:, :T], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T]))
+        return o[:, :T], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T], axis=(0, 3)))
     return o[:, :T]
 
 

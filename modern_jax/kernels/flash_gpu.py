@@ -95,7 +95,7 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
                         blocks: GpuBlocks | None = None, interpret: bool = False, return_max_logit: bool = False):
     """Attention through the Pallas GPU kernels; the contract of `kernels.attention`.
 
-    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs)`: the
+    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs, per head [K, G])`: the
     forward kernel keeps a running per-row max |logit| beside the softmax's and writes it
     out as it writes the log-sum-exp.
     """
@@ -115,7 +115,7 @@ def flash_attention_gpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
     q, k, v, sinks_KG = vary_over((q, k, v, sinks_KG), varying_axes(q, k, v, sinks_KG, vis))
     o_BTKGU, max_logit_BKGT = _flash(call, q, k, v, sinks_KG, vis)
     if return_max_logit:
-        return o_BTKGU[:, :T, :, :, :U], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T]))
+        return o_BTKGU[:, :T, :, :, :U], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T], axis=(0, 3)))
     return o_BTKGU[:, :T, :, :, :U]
 
 

@@ -64,7 +64,7 @@ def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
                         blocks: TpuBlocks | None = None, interpret: bool = False, return_max_logit: bool = False):
     """Attention through the Pallas TPU kernels; the contract of `kernels.attention`.
 
-    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs)`: the
+    With `return_max_logit`, returns `(o, max |q.k| * scale over visible pairs, per head [K, G])`: the
     forward kernel keeps a running per-row max |logit| in VMEM beside the softmax's and
     writes it out as it writes the log-sum-exp.
     """
@@ -85,7 +85,7 @@ def flash_attention_tpu(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks
     o_BKGTU, max_logit_BKGT1 = _flash(call, q_BKGTH, k_BKSH, v_BKSU, sinks, vis)
     o_BTKGU = o_BKGTU[:, :, :, :T].transpose(0, 3, 1, 2, 4)
     if return_max_logit:
-        return o_BTKGU, jax.lax.stop_gradient(jnp.max(max_logit_BKGT1[:, :, :, :T]))
+        return o_BTKGU, jax.lax.stop_gradient(jnp.max(max_logit_BKGT1[:, :, :, :T], axis=(0, 3, 4)))
     return o_BTKGU
 
 

@@ -17,8 +17,8 @@ only; temperature tuning scales the queries of the layers without positions by
 `log(floor((pos + 1) / floor) + 1) * scale + 1` of their true positions (the cache's too).
 
 Called with `diagnostics=True`, a layer sows `max_attention_logit` (`nnx.Intermediate`):
-max |q.k| * scale over its visible query-key pairs, measured by the attention kernel
-itself while it computes the output (see `kernels.attention`).
+max |q.k| * scale over its visible query-key pairs for each query head, `[N]`, measured by the
+attention kernel itself while it computes the output (see `kernels.attention`).
 """
 
 from __future__ import annotations
@@ -66,12 +66,27 @@ def cache_slots(cfg: ModelConfig, spec: LayerSpec, max_len: int) -> int:
 
 
 def sow_max_logit(layer: nnx.Module, out, diagnostics: bool):
-    """The attention output; with `diagnostics`, `out` is `(o, max_logit)` and the layer sows the max."""
+    """The attention output; with `diagnostics`, `out` is `(o, max_logit)` (the kernel's, per head)
+    and the layer sows the max of each query head, `[N]`."""
     if not diagnostics:
         return out
     o, max_logit = out
-    layer.sow(nnx.Intermediate, MAX_LOGIT, max_logit)
+    layer.sow(nnx.Intermediate, MAX_LOGIT, max_logit.reshape(-1))  # [K, G] (MLA: [N, 1] or [1, N]) -> [N]
     return o
+
+
+def clip_factors(max_logit_LN, tau: float):
+    """QK-clip's factor of each head (Kimi K2's MuonClip): `gamma = min(1, tau / max logit)`, the
+    scale that brings a head's max attention logit down to `tau` (1 for a head at or below it)."""
+    return tau / jnp.maximum(max_logit_LN.astype(jnp.float32), tau)
+
+
+def scale_heads(proj: Proj, f_LXH) -> None:
+    """A stack's projection `[L, in, heads, head dim]` (and its bias `[L, heads, head dim]`)
+    multiplied by `f_LXH` (broadcast over the head dim where it is 1), in place."""
+    proj.kernel[...] = proj.kernel[...] * f_LXH[:, None].astype(proj.kernel.dtype)
+    if proj.bias is not None:
+        proj.bias[...] = proj.bias[...] * f_LXH.astype(proj.bias.dtype)
 
 
 class Attention(nnx.Module):
@@ -137,6 +152,20 @@ class Attention(nnx.Module):
                            ("activation_batch", "activation_length", "activation_heads", None))
         o_BTNH = checkpoint_name(o_BTNH, "attention_out")
         return self.o_proj("BTNH,NHD->BTD", o_BTNH), cache
+
+    def clip_qk(self, max_logit_LN, tau: float) -> None:
+        """QK-clip of a stack of these layers (weights `[L, ...]`), from each layer's max logit of
+        each query head `[L, N]`: head n's logits scale by its `gamma_n` (`clip_factors`). A key head
+        serves its group of G query heads, so it takes the square root of the group's mildest
+        factor, `sqrt(max_g gamma_g)`, and each query head the rest, `gamma_n / sqrt(max_g gamma_g)`:
+        every head's logits scale by exactly its own factor (a head within tau is unchanged), no
+        weight grows, and a group clipped alike (with K = N, every head) gets Kimi K2's
+        `sqrt(gamma)` on both sides."""
+        K, G = self.cfg.num_kv_heads, self.cfg.n_heads // self.cfg.num_kv_heads
+        gamma_LKG = clip_factors(max_logit_LN, tau).reshape(-1, K, G)
+        k_LK = jnp.sqrt(jnp.max(gamma_LKG, axis=-1))
+        scale_heads(self.q_proj, (gamma_LKG / k_LK[..., None]).reshape(-1, K * G)[..., None])
+        scale_heads(self.k_proj, k_LK[..., None])
 
 
 class MLAttention(nnx.Module):
@@ -228,3 +257,16 @@ class MLAttention(nnx.Module):
         o_BTNU = checkpoint_name(constrain(o_BTNU, ("activation_batch", "activation_length", "activation_heads", None)),
                                  "attention_out")
         return self.o_proj("BTNU,NUD->BTD", o_BTNU), cache
+
+    def clip_qk(self, max_logit_LN, tau: float) -> None:
+        """QK-clip of a stack of these layers as Kimi K2 does it for MLA, from each layer's max logit
+        of each head `[L, N]`: a head's own query and key parts (`q_nope`, `kv_b_proj`'s key half)
+        scale by `sqrt(gamma)`, its rotary query part by `gamma`, the rotary key (shared by the
+        heads) not at all, so each head's logits scale by its `gamma` (`clip_factors`)."""
+        Hn, R, U = self.cfg.mla_nope_dim, self.cfg.mla_rope_dim, self.cfg.mla_v_dim
+        gamma_LN1 = clip_factors(max_logit_LN, tau)[..., None]
+        root_LN1 = jnp.sqrt(gamma_LN1)
+        ones = lambda n: jnp.ones(gamma_LN1.shape[:-1] + (n,), jnp.float32)  # noqa: E731
+        q = self.q_b_proj if self.cfg.mla_q_rank else self.q_proj
+        scale_heads(q, jnp.concatenate([root_LN1 * ones(Hn), gamma_LN1 * ones(R)], axis=-1))
+        scale_heads(self.kv_b_proj, jnp.concatenate([root_LN1 * ones(Hn), ones(U)], axis=-1))

@@ -65,8 +65,8 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
     """`kernels.attention` with the active `execution.attention_impl`, run per device under
     shard_map when a mesh is active, the context axis as the active strategy says.
 
-    With `return_max_logit`, returns `(o, max_logit)`: each device's max, maxed over the
-    devices (`pmax`) so every device holds the global one.
+    With `return_max_logit`, returns `(o, max_logit[K, G])`: each head's max, each device's maxed
+    over the devices that split the batch and the sequence (`pmax`); the heads stay where they are.
     """
     impl = execution.current().attention_impl
     kwargs = dict(impl=impl, return_max_logit=return_max_logit)
@@ -96,7 +96,6 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
     ring = strategies().context_strategy == "ring" and ctx is not None and S == T
     if ring:
         _check_ring(impl, keep_BKGTS)
-    split = tuple(batch or ()) + tuple(heads or ()) + tuple(ctx or ())  # the axes each device's share differs over
     args = [q_BTKGH, k_BSKH, v_BSKU, vis]
     specs = [P(batch, ctx, heads, None, None), P(batch, k_ctx, heads, None), P(batch, k_ctx, heads, None),
              Visibility(P(batch, ctx), P(batch, k_ctx), *(None if x is None else P(batch, c)
@@ -119,16 +118,17 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec, vis, *, sinks_KG=None, dropout_rng=
                 vis = Visibility(vis.q_pos, gather(vis.k_pos), vis.q_seg, gather(vis.k_seg))
             out = kernels.attention(q, k, v, spec, vis, sinks_KG=extra.get("sinks"), keep_BKGTS=extra.get("keep"),
                                     **kwargs)
-        if return_max_logit:
-            return out[0], jax.lax.pmax(out[1], split) if split else out[1]
+        if return_max_logit:  # each head's max over the rows and the queries
+            rows = tuple(batch or ()) + tuple(ctx or ())
+            return out[0], jax.lax.pmax(out[1], rows) if rows else out[1]
         return out
 
     o_spec = P(batch, ctx, heads, None, None)
     out = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
-                        out_specs=(o_spec, P()) if return_max_logit else o_spec, check_vma=False)(*args)
+                        out_specs=(o_spec, P(heads, None)) if return_max_logit else o_spec, check_vma=False)(*args)
     o_BTKGU, max_logit = out if return_max_logit else (out, None)
     o_BTKGU = o_BTKGU.reshape(B, T, K, G, o_BTKGU.shape[-1])
-    return (o_BTKGU, jax.lax.stop_gradient(max_logit)) if return_max_logit else o_BTKGU
+    return (o_BTKGU, jax.lax.stop_gradient(max_logit.reshape(K, G))) if return_max_logit else o_BTKGU
 
 
 def _check_ring(impl, keep_BKGTS) -> None:
@@ -178,4 +178,4 @@ def ring_attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility
     o_BKGTU, _ = flash.finish(*state, sink)  # the sink's logit joins the denominator only
     o_BTKGU = o_BKGTU.transpose(0, 3, 1, 2, 4).astype(q_BTKGH.dtype)
     note_kernel("attention", "ring")
-    return (o_BTKGU, jnp.max(top)) if return_max_logit else o_BTKGU
+    return (o_BTKGU, jnp.max(top, axis=(0, 3, 4))) if return_max_logit else o_BTKGU

@@ -21,8 +21,8 @@ CRC-32 of each of its files (3-4 GB/s on one core), so a truncated, missing or o
 file is found and named before Orbax reads it. Resuming takes the newest step that restores
 completely; newer damaged steps are named and moved to `damaged_checkpoints/`. A resumed run
 keeps what its checkpoints were trained as (`check_objective`: its objective's section;
-`check_resume`: the model, the `lora:` section, the tokenizer; `check_base`: a base left out of
-them), and other changed settings are named.
+`check_resume`: the model, the `lora:` section, the optimiser, the tokenizer; `check_base`: a base
+left out of them), and other changed settings are named.
 
 `load_params(dir)` reads a model from a run directory (its newest step), from one step
 directory, or from a converted checkpoint (`params/` with `config.yaml` beside it): every
@@ -54,7 +54,7 @@ import orbax.checkpoint as ocp
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
 from modern_jax.multihost import distributed
-from modern_jax.training.config import RunConfig
+from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.layout import leading, same_stack
 from modern_jax.training.outputs import step_numbers
 
@@ -157,8 +157,9 @@ def check_objective(out_dir: pathlib.Path, run: RunConfig) -> None:
 
 
 def check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
-    """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout) and its
-    tokenizer (and its objective: `check_objective`, checked first); other changed settings are named."""
+    """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout), its
+    optimiser (the state its checkpoints hold) and its tokenizer (and its objective: `check_objective`,
+    checked first); other changed settings are named."""
     config_path = out_dir / CONFIG_FILE
     if not config_path.exists():
         return
@@ -175,6 +176,10 @@ def check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
         raise ValueError(f"the checkpoints in {str(out_dir)!r} were trained with other lora: settings "
                          f"({'; '.join(lora_diff)}, by its {CONFIG_FILE}): resume with the lora: section they were "
                          f"trained with, or start a new train.output_dir")
+    there, here = _optimizer_of(saved.get("train")), _optimizer_of(run.train.to_dict())
+    if there != here:
+        raise ValueError(f"the checkpoints in {str(out_dir)!r} hold the optimizer state of {there} (by its "
+                         f"{CONFIG_FILE}), not of {here}: resume with those settings, or start a new train.output_dir")
     now = run.to_dict()
     flat_saved, flat_now = distributed.flatten(saved), distributed.flatten(now)
     for field in TOKENIZER_FIELDS:
@@ -185,6 +190,14 @@ def check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
     changed = [c for c in _changes(saved, now) if not c.startswith("train.resume ")]
     if changed:
         log(f"resuming with changed settings: {'; '.join(changed)}")
+
+
+def _optimizer_of(train) -> str:
+    """What shapes a run's optimiser state, in words, from its `train:` section (absent fields: the
+    defaults): `train.optimizer`, and Muon's `train.muon_groups`."""
+    tc = {**TrainConfig().to_dict(), **(train if isinstance(train, dict) else {})}
+    groups = f" with train.muon_groups={sorted(tc['muon_groups'])}" if tc["optimizer"] == "muon" else ""
+    return f"train.optimizer={tc['optimizer']}{groups}"
 
 
 def _read_json(path: pathlib.Path):

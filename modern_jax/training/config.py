@@ -31,6 +31,9 @@ from modern_jax.sharding.config import ParallelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 NO_DECAY_GROUPS = ("embedding", "norm", "bias")
+OPTIMIZERS = ("adamw", "muon")
+MUON_GROUPS = ("attention", "mlp", "experts", "router")  # the hidden projections' groups (`optimizer.projection_groups`)
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
 SECTIONS = RUN_SECTIONS
 
 
@@ -48,7 +51,8 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step (batch_size / grad_accum sequences each)
 
-    # AdamW with warmup + cosine / WSD / constant schedule
+    # AdamW (or Muon for the hidden projections) with warmup + cosine / WSD / constant schedule
+    optimizer: str = "adamw"  # adamw, or muon: Muon for the projections of `muon_groups`, AdamW for the rest
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
     warmup_steps: int = 100
@@ -60,6 +64,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     no_decay: tuple[str, ...] = NO_DECAY_GROUPS  # parameter groups without weight decay
     clip_norm: float | None = 1.0  # global-norm clipping; null: none
+    muon_groups: tuple[str, ...] = ("attention", "mlp", "experts")  # projections Muon moves; the rest: AdamW
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_adjust_lr: str = "match_rms_adamw"  # Muon's update scale: Moonlight's (AdamW's lr carries over), or Jordan's
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    qk_clip_tau: float | None = None  # QK-clip (MuonClip): a head's max attention logit kept at most this; null: off
 
     # loss
     z_loss_weight: float = 1e-4
@@ -100,8 +109,9 @@ class TrainConfig:
     max_nonfinite_steps: int = 5  # stop after this many non-finite steps in a row
 
     def __post_init__(self):
-        if isinstance(self.no_decay, list):
-            object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        for name in ("no_decay", "muon_groups"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.harness_tasks, str):  # one name, or names separated by commas
             object.__setattr__(self, "harness_tasks", tuple(t for t in self.harness_tasks.split(",") if t))
         if isinstance(self.harness_tasks, list):
@@ -114,6 +124,7 @@ class TrainConfig:
             _fail("harness_limit", limit, "expected a whole count of documents, a fraction below 1, or null")
         if not isinstance(self.no_decay, tuple):
             _fail("no_decay", self.no_decay, f"expected a list of groups from {', '.join(NO_DECAY_GROUPS)}")
+        self._check_optimizer()
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batch_size",
                      "keep_checkpoints", "max_nonfinite_steps"):
             value = getattr(self, name)
@@ -169,6 +180,26 @@ class TrainConfig:
                 _fail("wandb_project", self.wandb_project, "W&B logging needs the wandb package: `uv sync --extra "
                       "wandb` (or pip install wandb), or leave train.wandb_project unset")
 
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            _fail("optimizer", self.optimizer, f"expected one of {', '.join(OPTIMIZERS)}")
+        if not isinstance(self.muon_groups, tuple) or set(self.muon_groups) - set(MUON_GROUPS):
+            _fail("muon_groups", self.muon_groups, f"expected a list of groups from {', '.join(MUON_GROUPS)}")
+        if self.muon_adjust_lr not in MUON_ADJUST_LR:
+            _fail("muon_adjust_lr", self.muon_adjust_lr, f"expected one of {', '.join(MUON_ADJUST_LR)}")
+        if isinstance(self.muon_momentum, bool) or not isinstance(self.muon_momentum, (int, float)) or \
+                not 0.0 <= self.muon_momentum < 1.0:
+            _fail("muon_momentum", self.muon_momentum, "expected a decay rate in [0, 1)")
+        if not isinstance(self.muon_ns_steps, int) or isinstance(self.muon_ns_steps, bool) or self.muon_ns_steps <= 0:
+            _fail("muon_ns_steps", self.muon_ns_steps, "expected a positive integer")
+        if self.qk_clip_tau is not None:
+            if isinstance(self.qk_clip_tau, bool) or not isinstance(self.qk_clip_tau, (int, float)) or \
+                    not 0 < self.qk_clip_tau < math.inf:
+                _fail("qk_clip_tau", self.qk_clip_tau, "expected a positive max attention logit, or null (off)")
+            if not self.diagnostics:
+                _fail("qk_clip_tau", self.qk_clip_tau, "QK-clip reads the max attention logits that train.diagnostics "
+                      "measures: set train.diagnostics=true, or qk_clip_tau=null")
+
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> TrainConfig:
         values = dict(values or {})
@@ -178,6 +209,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["no_decay"] = list(self.no_decay)
+        out["muon_groups"] = list(self.muon_groups)
         out["harness_tasks"] = list(self.harness_tasks)
         return out
 

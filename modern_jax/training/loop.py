@@ -654,6 +654,8 @@ def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, mes
         record[name] = float(np.mean([r[name] for r in finite_rows]))
     if "max_attention_logit" in rows[0]:  # train.diagnostics: measured by the steps' own attention
         record["max_attention_logit"] = max(r["max_attention_logit"] for r in rows)
+    if "qk_clipped_heads" in rows[0]:  # train.qk_clip_tau: the heads rescaled, over the interval's steps
+        record["qk_clipped_heads"] = int(sum(r["qk_clipped_heads"] for r in rows))
     if any(r["moe_aux_loss"] for r in rows):
         record["moe_aux_loss"] = float(np.mean([r["moe_aux_loss"] for r in rows]))
     if "moe_load_max" in rows[0]:  # a mixture of experts: per MoE layer, the loads over the mean load

@@ -66,8 +66,10 @@ class StateBuilder:
         self.shardings = {"params": params_sh, "step": replicated, "rng": replicated, "nonfinite": replicated}
         if tx is not None:
             opt_abstract = jax.eval_shape(tx.init, self.split(nnx.to_pure_dict(abstract))[0])
+            # each copy of the parameters in it sharded as they are (a partition's masked ones stay masked)
             self.shardings["opt_state"] = optax.tree_map_params(
-                tx, lambda _, s: s, opt_abstract, self.split(params_sh)[0], transform_non_params=lambda _: replicated)
+                tx, lambda v, s: v if isinstance(v, optax.MaskedNode) else s, opt_abstract, self.split(params_sh)[0],
+                transform_non_params=lambda _: replicated, is_leaf=lambda v: isinstance(v, optax.MaskedNode))
         if self.keeps_reference:
             self.shardings["reference"] = params_sh
         programs.define("init", self._init, out_shardings=self.shardings)

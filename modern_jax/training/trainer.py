@@ -29,13 +29,13 @@ from jax.sharding import Mesh
 from modern_jax.config import LayerSpec
 from modern_jax.execution import ExecutionConfig
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
-from modern_jax.model import max_attention_logit, sown_value
+from modern_jax.model import HEAD_LOGITS, abstract_model, head_logits, max_attention_logit, sown_value
 from modern_jax.sharding import check_mesh
 from modern_jax.training import one_f_one_b
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.converters import Converter, converter_of
 from modern_jax.training.objectives import Objective, objective as objective_of
-from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer
+from modern_jax.training.optimizer import global_norm, learning_rate_schedule, make_optimizer, muon_dimensions
 from modern_jax.training.placement import BatchPlacement
 from modern_jax.training.programs import programs_of
 from modern_jax.training.state import StateBuilder
@@ -95,6 +95,8 @@ class Trainer:
         if cfg.diagnostics:  # sown by the attention layers of this very forward pass
             max_logit = max_attention_logit(sown)
             sums = dict(sums, max_attention_logit=zero if max_logit is None else max_logit)
+        if cfg.qk_clip_tau is not None:  # each layer's heads, which QK-clip rescales after the step
+            aux[HEAD_LOGITS] = head_logits(sown)
         return sums, aux
 
     def _grads(self, params, frozen, batch, reference, denom, step_rng):
@@ -151,11 +153,7 @@ class Trainer:
             direction, opt_state = states.tx.update(grads, opt_state, params, grad_norm=grad_norm)  # AdamW at lr 1
             params = states.join(optax.apply_updates(params, jax.tree.map(lambda u: u * lr.astype(u.dtype),
                                                                           direction)), frozen)
-            if self.train_cfg.moe_bias_update_rate:  # auxiliary-loss-free balancing, from this step's loads
-                model = states.model(params)
-                model.balance_routers(aux[LOAD], self.train_cfg.moe_bias_update_rate)
-                params = states.laid_out(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-            return params, opt_state
+            return self._after_update(params, aux), opt_state
 
         # a non-finite step changes nothing (and costs no optimiser update)
         new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, o: (states.join(p, frozen), o), params,
@@ -163,6 +161,19 @@ class Trainer:
         new_state = {**state, "params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1,
                      "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1)}
         return new_state, self._metrics(sums, aux, denom, grad_norm, finite, lr, new_state["nonfinite"])
+
+    def _after_update(self, params, aux):
+        """What moves the model after the optimiser, from this step's measurements: auxiliary-loss-free
+        balancing (the loads) and QK-clip (each head's max attention logit)."""
+        cfg = self.train_cfg
+        if not cfg.moe_bias_update_rate and cfg.qk_clip_tau is None:
+            return params
+        model = self.states.model(params)
+        if cfg.moe_bias_update_rate:
+            model.balance_routers(aux[LOAD], cfg.moe_bias_update_rate)
+        if cfg.qk_clip_tau is not None:
+            model.clip_qk(aux[HEAD_LOGITS], cfg.qk_clip_tau)
+        return self.states.laid_out(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     def _metrics(self, sums, aux, denom, grad_norm, finite, lr, streak) -> dict:
         """A step's figures: the objective's, then the optimiser's, the mixture's and the diagnostics'."""
@@ -177,6 +188,9 @@ class Trainer:
         }
         if self.train_cfg.diagnostics:
             metrics["max_attention_logit"] = sums["max_attention_logit"]
+        if self.train_cfg.qk_clip_tau is not None:  # the heads QK-clip rescaled after this step
+            metrics["qk_clipped_heads"] = sum(jnp.sum(x > self.train_cfg.qk_clip_tau)
+                                              for x in jax.tree.leaves(aux[HEAD_LOGITS])).astype(jnp.float32)
         if self.moe:
             load_LE = aux[LOAD]
             mean_L = jnp.maximum(jnp.mean(load_LE, axis=-1), 1e-9)
@@ -233,8 +247,25 @@ def _check_run(trainer: Trainer) -> None:
             whole = f"{M}" if group == 1 else f"{M} microbatches x {group} (rows one loss term reads together)"
             raise ValueError(f"{name} = {rows} rows do not split into parallel.microbatches={M}: make it a "
                              f"multiple of {whole}")
+    if tc.qk_clip_tau is not None:
+        _check_qk_clip(trainer)
     if trainer.loss_in_stages:
         one_f_one_b.check(nnx.merge(trainer.states.graphdef, trainer.states.abstract_params), model_cfg, tc)
+
+
+def _check_qk_clip(trainer: Trainer) -> None:
+    """Refuse QK-clip where rescaling the query and key weights cannot bring the logits down, or
+    where the heads' max logits are not measured per layer."""
+    tau, model_cfg = trainer.train_cfg.qk_clip_tau, trainer.model_cfg
+    if model_cfg.qk_norm != "none":
+        raise ValueError(f"train.qk_clip_tau={tau} rescales the query and key weights, which model.qk_norm="
+                         f"{model_cfg.qk_norm!r} normalises away (it bounds the logits itself): set qk_clip_tau=null")
+    if not trainer.converter.trains_all:
+        raise ValueError(f"train.qk_clip_tau={tau} rescales the query and key weights, which a lora: run keeps "
+                         f"frozen: set qk_clip_tau=null")
+    if trainer.programs.stages > 1:
+        raise ValueError(f"train.qk_clip_tau={tau} reads each layer's max logits, which the pipeline's stages do not "
+                         f"carry out: set qk_clip_tau=null, or parallel.stage=1")
 
 
 def trainer_for(run: RunConfig, mesh: Mesh, *, objective: Objective | None = None,
@@ -249,11 +280,21 @@ def trainer_for(run: RunConfig, mesh: Mesh, *, objective: Objective | None = Non
     batches = BatchPlacement(mesh, programs.rules, run.train, run.parallel.context_layout)  # where each batch goes
     objective = objective or objective_of(run.objective, run.train)
     converter = converter_of(run)
-    tx = make_optimizer(run.train, frozen=run.model.router_selection_bias and converter.trains_all) if optimizer \
-        else None
+    tx = _optimizer(run, converter, layers) if optimizer else None
     states = StateBuilder(run.model, programs, converter, tx=tx, needs_reference=objective.needs_reference,
                           layers=layers)
     return Trainer(run.train, states, objective, batches)
+
+
+def _optimizer(run: RunConfig, converter: Converter, layers) -> optax.GradientTransformation:
+    """The run's optimiser (`training.optimizer.make_optimizer`), Muon's matrices read off its model."""
+    tc, muon = run.train, None
+    if tc.optimizer == "muon":
+        if not converter.trains_all:
+            raise ValueError("train.optimizer=muon orthogonalises whole projection matrices, and a lora: run trains "
+                             "only low-rank adapters: use train.optimizer=adamw with lora")
+        muon = muon_dimensions(abstract_model(run.model, layers), tc.muon_groups)
+    return make_optimizer(tc, frozen=run.model.router_selection_bias and converter.trains_all, muon=muon)
 
 
 _MAXIMA = ("max_abs_logit", "max_attention_logit")
@@ -265,7 +306,8 @@ def _accumulate(carry, result, n_micro, maxima=()):
     (loss, (sums, aux)), grads = result
     c_loss, c_sums, c_aux, c_grads = carry
     new_sums = {k: (jnp.maximum if k in _MAXIMA + tuple(maxima) else jnp.add)(c_sums[k], sums[k]) for k in c_sums}
-    new_aux = {k: c_aux[k] + (aux[k] if k in (DROPPED, LOAD) else aux[k] / n_micro) for k in c_aux}
+    new_aux = {k: jax.tree.map(jnp.maximum, c_aux[k], aux[k]) if k == HEAD_LOGITS else  # each head's max
+               c_aux[k] + (aux[k] if k in (DROPPED, LOAD) else aux[k] / n_micro) for k in c_aux}
     return c_loss + loss, new_sums, new_aux, jax.tree.map(jnp.add, c_grads, grads)
 
 
