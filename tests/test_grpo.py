@@ -495,12 +495,10 @@ def test_an_evaluation_counts_only_its_real_prompts(tmp_path, monkeypatch):
     means), whatever the fillers sampled."""
     from types import SimpleNamespace
 
-    from modern_jax.data.prompts import prompt_eval_batches
-
     objective = fixed_rollouts(tmp_path)
     answers = (1.0, 2.0, 6.0)
-    objective.splits["validation"] = prompts = byte_prompts("1+0", "1+1", "3+3", answers=answers)
-    items = list(prompt_eval_batches(prompts, batch_size=8, generations=2))
+    prompts = byte_prompts("1+0", "1+1", "3+3", answers=answers)
+    items = list(objective.eval_batches(prompts, max_windows=None, rows=None))  # 8 rows: 4 prompts x 2
     assert len(items) == 1
     eos = 258
     lengths = [1, 2, 3, 4, 2, 1, 4, 4]  # each row's completion, its <eos> included (4: truncated); rows 6, 7 fill
