@@ -1,8 +1,8 @@
 """Many processes, one run: `modern-jax` launched as `srun` launches it (N processes x M host CPU
 devices on localhost, the SLURM variables of each task, no code of the user's) against one process.
 
-- A dense FSDP x tensor run on 2 processes x 4 devices is one run: every step's loss equals
-  1 process x 8 devices, each record is logged once, and the checkpoint evaluates in one process
+- A dense FSDP x tensor run trained by Muon on 2 processes x 4 devices is one run: every step's
+  loss equals 1 process x 8 devices (whose Muon equals one device's, test_optimizer.py), each record is logged once, and the checkpoint evaluates in one process
   to the run's validation loss.
 - A mixture whose experts (and the context axis) span processes: killed (SIGKILL of one process)
   on 2 x 4, resumed and stopped by SIGTERM on 4 x 2 (both axes across processes), finished on 1
@@ -59,14 +59,15 @@ def _in_process(argv: list[str], capsys) -> str:
 
 
 def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys):
-    run = [*TINY, "train.steps=6", "train.checkpoint_every=3", f"--data={corpus}", "--mesh", "data=2,fsdp=2,tensor=2"]
+    run = [*TINY, "train.steps=10", "train.checkpoint_every=5", "train.optimizer=muon", f"--data={corpus}",
+           "--mesh", "data=2,fsdp=2,tensor=2"]
     _in_process(["train", *run, "--output-dir", str(tmp_path / "one")], capsys)
     launch = Launch(["train", *run, "--output-dir", str(tmp_path / "two")], n=2, devices=4, logdir=tmp_path)
     assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
     for i in range(2):  # the first line each process prints, before anything of the run
         assert launch.log(i).splitlines()[0] == f"process {i} of 2, 8 devices (4 local), launched by SLURM"
     one, two = tmp_path / "one", tmp_path / "two"
-    assert [r["step"] for r in records(two)] == list(range(1, 7))  # logged once, by process 0
+    assert [r["step"] for r in records(two)] == list(range(1, 11))  # logged once, by process 0
     assert len(records(two, "val")) == 1
     expected = _losses(one)
     for step, loss in _losses(two).items():
