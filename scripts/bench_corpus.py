@@ -6,7 +6,7 @@
 Makes, under `--root`, a corpus of each size as 64 shards of uint16 ids (a random block
 repeated, documents ending at id 258, the byte tokenizer's `<eos>`), unless it is there
 already, and a one-shard corpus of 1e5 ids (the baseline: the model, its optimizer and the
-runtime). Each corpus is trained on by `modern-jax train` (configs/tiny.yaml, a few steps, a
+runtime). After a warm-up run that fills the compilation cache, each corpus is trained on by `modern-jax train` (configs/tiny.yaml, a few steps, a
 small evaluation) in a fresh process; the script prints side by side the process's wall time
 (start-up and compilation dominate it), its peak RSS, and both as ratios to the smallest
 corpus's, and the peak RSS beyond the baseline's.
@@ -82,6 +82,7 @@ def main() -> None:
         began = time.perf_counter()
         make_corpus(args.root / f"{int(n):d}", int(n), SHARDS)
         print(f"corpus of {n:.0e} tokens in {SHARDS} shards: ready in {time.perf_counter() - began:.0f} s", flush=True)
+    train(baseline, args.root / "run-warm-up", args.steps)  # fills the compilation cache: every run below reads it
     rows = [("1e5 (1 shard, baseline)", *train(baseline, args.root / "run-baseline", args.steps))]
     for n in args.sizes:
         rows.append((f"{n:.0e}", *train(args.root / f"{int(n):d}", args.root / f"run-{int(n)}", args.steps)))

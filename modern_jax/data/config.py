@@ -27,9 +27,6 @@ def source_of_path(path) -> str:
     from modern_jax.data.shards import INDEX_FILE, expand, is_glob
 
     name = str(path)
-    if is_glob(name):
-        kinds = {source_of_path(f) for f in expand(name)}
-        return kinds.pop() if len(kinds) == 1 else "text"
     if name.endswith(".bin"):
         return "tokens"
     if ".array_record" in name:
@@ -37,6 +34,9 @@ def source_of_path(path) -> str:
     for source, extensions in EXTENSIONS.items():
         if name.endswith(extensions):
             return source
+    if is_glob(name):
+        kinds = {source_of_path(f) for f in expand(name)}
+        return kinds.pop() if len(kinds) == 1 else "text"
     directory = pathlib.Path(path)
     if "://" in name or directory.is_dir():
         from etils import epath
