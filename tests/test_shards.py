@@ -70,7 +70,7 @@ def test_a_mixture_draws_each_source_by_its_weight_and_resumes_exactly(tmp_path)
     assert train.names == ["a", "b", "c"] and val.names == ["a", "b", "c"]
     batches = TrainBatches(train, 16, 8, seed=0)
     rows = np.concatenate([batches.sources(i).ravel() for i in range(1000)])
-    np.testing.assert_allclose(np.bincount(rows) / len(rows), [0.5, 0.3, 0.2], atol=0.01)
+    np.testing.assert_allclose(np.bincount(rows) / len(rows), [0.5, 0.3, 0.2], atol=0.002)  # 1% asked; drawn rows miss 0.2%
     first = batches[4]  # the rows of source 0 are windows of source 0's stream
     for key in ("inputs",):
         from_a = first[key][batches.sources(4) == 0]

@@ -5,8 +5,9 @@ directory that `modern-jax prepare` wrote (its `index.json` lists the shards, th
 counts, the dtype, the separator and the tokenizer). The shards lie end to end as one array
 of ids (`Shards`); opening it reads only each shard's size (and the index), so a process's
 memory and start-up time do not grow with the corpus. A window is read when a batch asks for
-it: a local shard through a memory map (the pages of the window alone), a shard on object
-storage (`gs://`, `s3://`, through `etils.epath`) by a ranged read. Documents end at the
+it, by a ranged read of its bytes alone (no memory map, whose read-ahead would count the
+pages around each window in the process's memory): a local shard through `pathlib`, one on
+object storage (`gs://`, `s3://`) through `etils.epath`. Documents end at the
 separator id (`data.doc_separator_id`, a prepared corpus's `<eos>`), found inside each window.
 
 Every id a window reads is checked against the tokenizer's vocabulary, and the head of every
@@ -77,23 +78,14 @@ class Shards:
         self.files, self.dtype, self.path, self.vocab_size = list(files), np.dtype(dtype), str(path), vocab_size
         self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.lo, self.hi = lo, int(self.offsets[-1]) if hi is None else hi
-        self._maps: dict[int, object] = {}
 
     def __len__(self) -> int:
         return self.hi - self.lo
 
     def part(self, lo: int, hi: int) -> Shards:
-        """Ids `[lo, hi)` of this view (sharing its open files)."""
-        view = Shards(self.files, np.diff(self.offsets), self.dtype, self.path, self.vocab_size,
-                      self.lo + lo, self.lo + hi)
-        view._maps = self._maps
-        return view
-
-    def _shard(self, s: int):
-        if s not in self._maps:
-            file = self.files[s]
-            self._maps[s] = np.memmap(str(file), self.dtype, "r") if _is_local(file) else file
-        return self._maps[s]
+        """Ids `[lo, hi)` of this view."""
+        return Shards(self.files, np.diff(self.offsets), self.dtype, self.path, self.vocab_size, self.lo + lo,
+                      self.lo + hi)
 
     def read(self, lo: int, hi: int) -> np.ndarray:
         """Ids `[lo, hi)` of this view, checked against the vocabulary."""
@@ -103,13 +95,9 @@ class Shards:
             if self.offsets[s] >= hi:
                 break
             a, b = max(lo, self.offsets[s]) - self.offsets[s], min(hi, self.offsets[s + 1]) - self.offsets[s]
-            shard = self._shard(s)
-            if isinstance(shard, np.memmap):
-                ids = np.array(shard[a:b])
-            else:
-                with open_file(shard, shard_name(shard, self.path)) as f:
-                    f.seek(int(a) * self.dtype.itemsize)
-                    ids = np.frombuffer(f.read(int(b - a) * self.dtype.itemsize), self.dtype)
+            with open_file(self.files[s], shard_name(self.files[s], self.path)) as f:  # a ranged read: no map
+                f.seek(int(a) * self.dtype.itemsize)
+                ids = np.frombuffer(f.read(int(b - a) * self.dtype.itemsize), self.dtype)
             check_ids(ids, self.vocab_size, shard_name(self.files[s], self.path), int(a))
             pieces.append(ids)
         return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
