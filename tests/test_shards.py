@@ -204,3 +204,40 @@ def test_shards_on_object_storage_are_read_through_epath(tmp_path):
     for key, value in want.items():
         np.testing.assert_array_equal(got[key], value)
     assert any(p.startswith("gs://bucket/corpus/part-001.bin") for p in opened)
+
+
+def test_a_mixture_run_reports_each_source_and_resumes_bit_for_bit(tmp_path):
+    """4 steps straight vs 2, stop, resume for 2 on a 2-source mixture: the same losses bit for
+    bit; metrics.jsonl holds each source's validation loss, the mixture's as their mean by weight,
+    and each source's share of the tokens."""
+    from common import one_device
+    from modern_jax.training import run_config_from_dict, train
+    from modern_jax.training.metrics import read_metrics
+
+    paths = [write_shards(tmp_path / name, corpus(k, 1500), []) for k, name in enumerate(("web", "code"))]
+
+    def run(out):
+        settings = {"steps": 4, "batch_size": 4, "seq_len": 16, "warmup_steps": 1, "log_every": 2, "eval_every": 2,
+                    "eval_windows": 4, "eval_batch_size": 4, "final_eval_windows": 4, "checkpoint_every": 0,
+                    "samples": 0, "progress": False, "plot": False, "output_dir": str(tmp_path / out)}
+        return run_config_from_dict({
+            "model": {"vocab_size": "auto", "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32,
+                      "max_position_embeddings": 16},
+            "train": settings,
+            "data": {"sources": [{"path": str(paths[0]), "weight": 0.75}, {"path": str(paths[1]), "weight": 0.25}],
+                     "doc_separator_id": SEP}})
+
+    quiet = {"mesh": one_device(), "log": lambda *_: None}
+    straight = train(run("a"), **quiet)
+    first = train(run("b"), stop_after=2, **quiet)
+    second = train(run("b"), **quiet)
+    assert first.interrupted and [h["loss"] for h in first.history + second.history] == \
+        [h["loss"] for h in straight.history]
+    records = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    final = {r["split"]: r for r in records if r["step"] == 4 and r["split"].startswith("val")}
+    assert sorted(final) == ["val", "val/code", "val/web"]
+    assert final["val"]["loss"] == pytest.approx(0.75 * final["val/web"]["loss"] + 0.25 * final["val/code"]["loss"])
+    assert final["val/web"]["loss"] != final["val/code"]["loss"]
+    assert final["val"]["tokens"] == final["val/web"]["tokens"] + final["val/code"]["tokens"]
+    shares = [r for r in records if r["split"] == "data"]
+    assert [r["step"] for r in shares] == [2, 4] and all(r["share/web"] + r["share/code"] == 1 for r in shares)

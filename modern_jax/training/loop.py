@@ -241,8 +241,8 @@ class _Session:
             per = {name: self.evaluate(None, step, part, progress, f"{what}: {name}") for name, part in batches.items()}
             weights = dict(zip(self.val_stream.names, self.val_stream.weights))
             first = next(iter(per.values()))
-            values = {k: sum(weights[name] * v[k] for name, v in per.items()) for k in first
-                      if isinstance(first[k], float)}
+            values = {k: sum(weights[name] * v[k] for name, v in per.items()) if isinstance(first[k], float) else
+                      sum(v[k] for v in per.values()) for k in first}  # counts (tokens) add up
             if metrics_log is not None:
                 for name, v in per.items():
                     metrics_log.write(step, f"val/{name}", v)
