@@ -95,7 +95,8 @@ def test_a_mixture_draws_each_source_by_its_weight_and_resumes_exactly(tmp_path)
     ("empty_source", r"data.path='.*empty' \(part-000.bin\) is empty: no tokens"),
     ("weights", r"DataConfig.sources=\[0, 0.0\] is invalid: the weights do not sum to a positive number"),
     ("negative", r"DataConfig.sources\[1\].weight=-1 is invalid: expected a number >= 0"),
-], ids=["missing", "truncated", "no_match", "empty_source", "weights", "negative"])
+    ("objective", r"data.sources \(a mixture\) feeds the next-token objective, not dpo: give its data as data.path"),
+], ids=["missing", "truncated", "no_match", "empty_source", "weights", "negative", "objective"])
 def test_bad_corpora_are_refused_by_name(tmp_path, case, message):
     prepared = tmp_path / "prepared"
     jsonl = tmp_path / "c.jsonl"
@@ -113,6 +114,11 @@ def test_bad_corpora_are_refused_by_name(tmp_path, case, message):
     with pytest.raises(ValueError, match=message):
         if case in ("weights", "negative"):
             DataConfig(sources=[{"path": "a", "weight": 0}, {"path": "b", "weight": -1 if case == "negative" else 0.0}])
+        elif case == "objective":
+            from modern_jax.training import run_config_from_dict
+
+            run_config_from_dict({"model": {"vocab_size": "auto"}, "dpo": {},
+                                  "data": {"sources": [{"path": str(prepared), "weight": 1}]}})
         elif case == "empty_source":
             load_splits(DataConfig(sources=[{"path": str(prepared), "weight": 1}, {"path": str(paths[case]),
                                                                                    "weight": 1}]))
