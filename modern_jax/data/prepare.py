@@ -147,7 +147,8 @@ def _claim(out: epath.Path, settings: dict) -> None:
 
 
 def _write_bytes(path: epath.Path, data: bytes) -> None:
-    """`data` at `path`, whole or not at all: written under a hidden name, then renamed."""
+    """`data` at `path`, whole or not at all: written under a hidden name, then renamed over any
+    copy another process wrote at the same time (the same bytes)."""
     partial = path.parent / f".{path.name}.partial-{os.getpid()}"
     partial.write_bytes(data)
-    partial.rename(path)
+    partial.replace(path)
