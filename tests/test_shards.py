@@ -190,6 +190,8 @@ def test_shards_on_object_storage_are_read_through_epath(tmp_path):
 
     ids = corpus(5, 2000)
     write_shards(tmp_path / "bucket" / "corpus", ids, [1000])
+    prepare(DataConfig(path=str(jsonl_corpus(tmp_path / "c.jsonl"))), tmp_path / "bucket" / "prepared",
+            documents_per_shard=4, log=lambda _: None)
     opened = []
 
     def local(path):
@@ -206,10 +208,14 @@ def test_shards_on_object_storage_are_read_through_epath(tmp_path):
     with testing.mock_epath(**{name: mapped(name) for name in names}):
         _, train, _ = load_splits(DataConfig(path="gs://bucket/corpus", source="tokens", doc_separator_id=SEP))
         got = TrainBatches(train, 32, 4, seed=1)[2]
+        tokenizer, prepared, _ = load_splits(DataConfig(path="gs://bucket/prepared", val_fraction=0.2))
+        first = np.asarray(prepared.tokens[:40])
     want = TrainBatches(reference(ids[:1800]), 32, 4, seed=1)[2]
     for key, value in want.items():
         np.testing.assert_array_equal(got[key], value)
     assert any(p.startswith("gs://bucket/corpus/part-001.bin") for p in opened)
+    assert any(p.startswith("gs://bucket/prepared/shard-00000.bin") for p in opened)
+    assert tokenizer.decode(first).startswith("document 0: ")  # through its index and tokenizer
 
 
 def test_a_mixture_run_reports_each_source_and_resumes_bit_for_bit(tmp_path):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import pathlib
 import sysconfig
+import tempfile
 import zlib
 from dataclasses import dataclass
 
@@ -540,7 +541,12 @@ def load_tokenizer_for_tokens(cfg: DataConfig, index: dict | None = None) -> Tok
     if cfg.tokenizer_path:
         return load_tokenizer(cfg.tokenizer_path)
     if index is not None:
-        return load_tokenizer(str(epath.Path(cfg.path) / index["tokenizer"]))
+        saved = epath.Path(cfg.path) / index["tokenizer"]
+        if "://" in str(saved):  # on object storage: a local copy for the tokenizer libraries, which read files
+            local = pathlib.Path(tempfile.mkdtemp()) / saved.name
+            local.write_bytes(saved.read_bytes())
+            saved = local
+        return load_tokenizer(str(saved))
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     raise ValueError("a token file needs the tokenizer that made it: set data.tokenizer_path (or tokenizer: byte)")
