@@ -1,5 +1,6 @@
 """The `modern-jax` command.
 
+    modern-jax prepare --data corpus/*.jsonl --out shards/ [--documents-per-shard 10000] [data.text_field=...]
     modern-jax train [--config configs/tiny.yaml] [--data PATH] [train.steps=500 model.n_layers=2 ...]
     modern-jax train --init-from-hf HF_DIR --data chats.jsonl [--config configs/finetune_chat.yaml] [...]
     modern-jax evaluate --checkpoint runs/tiny [--split val | --data FILE] [--max-windows N|all]
@@ -27,10 +28,10 @@ import os
 import sys
 import traceback
 
-from modern_jax.cli import convert, evaluate, generate, harness, info, launch, plan, train
+from modern_jax.cli import convert, evaluate, generate, harness, info, launch, plan, prepare, train
 from modern_jax.cli.shared import COMPUTING, _check_flags, _compile_cache, _launch_flags, _positive
 
-COMMANDS = (info, train, evaluate, generate, harness, convert, plan, launch)  # in the order --help lists them
+COMMANDS = (info, prepare, train, evaluate, generate, harness, convert, plan, launch)  # in the order --help lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

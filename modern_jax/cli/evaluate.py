@@ -225,9 +225,12 @@ def _checkpoint_data(args, raw: dict, run_dir, cfg):
     tokenizer = _checkpoint_tokenizer(run_dir, cfg)
     data_cfg = DataConfig.from_dict(raw.get("data"))
     if args.data:
-        file_cfg = data_cfg.replace(source="auto", path=args.data, streaming=False, max_documents=None)
+        file_cfg = data_cfg.replace(source="auto", path=args.data, sources=None, streaming=False, max_documents=None)
         return tokenizer, _read_file(args, run_dir, lambda: load_stream(file_cfg, tokenizer))
     _check_run_data(data_cfg, run_dir)
+    if data_cfg.sources is not None:
+        raise ValueError(f"the run mixes data.sources ({', '.join(data_cfg.source_names)}), whose validation losses "
+                         f"it logged each (metrics.jsonl, split val/<source>): give --data PATH to evaluate one")
     _, train_stream, val_stream = load_splits(data_cfg, tokenizer)
     return tokenizer, {"train": train_stream, "val": val_stream}[args.split]
 
@@ -247,7 +250,9 @@ def _read_file(args, run_dir, read):
 
 
 def _check_run_data(data_cfg, run_dir) -> None:
-    if data_cfg.path and not pathlib.Path(data_cfg.path).exists() and data_cfg.resolved_source != "hf":
+    from modern_jax.data.shards import expand
+
+    if data_cfg.path and not expand(data_cfg.path) and data_cfg.resolved_source != "hf":
         raise ValueError(f"the run's data.path={data_cfg.path!r} (in {run_dir / 'config.yaml'}) does not exist: "
                          f"give --data FILE to evaluate a file instead")
 

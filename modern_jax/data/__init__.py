@@ -1,7 +1,8 @@
-"""Input data: corpora and records, conversations, tokenizers and the grain pipeline (packing, per-host shards)."""
+"""Input data: corpora and records, token shards and mixtures, conversations, tokenizers and the grain pipeline
+(packing, per-host shards)."""
 
 from modern_jax.data.config import DataConfig
-from modern_jax.data.corpora import TokenStream, embedded_documents, load_splits, load_stream, split_documents
+from modern_jax.data.corpora import Mixture, TokenStream, embedded_documents, load_splits, load_stream, split_documents
 from modern_jax.data.batches import BATCH_KEYS, eval_batches, pack_windows, train_iterator
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -11,6 +12,7 @@ __all__ = [
     "CharTokenizer",
     "DataConfig",
     "HFTokenizer",
+    "Mixture",
     "TokenStream",
     "Tokenizer",
     "embedded_documents",

@@ -33,7 +33,7 @@ import warnings
 import grain
 import numpy as np
 
-from modern_jax.data.corpora import TokenStream
+from modern_jax.data.corpora import Mixture, TokenStream
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
 UNBOUNDED = 2**62
@@ -48,9 +48,16 @@ def pack_windows(stream: TokenStream, starts: np.ndarray, seq_len: int, pad_id: 
     idx_BT = np.asarray(starts, np.int64)[:, None] + np.arange(seq_len + 1)  # T + 1 here: inputs and targets
     valid_BT = idx_BT < len(stream)
     idx_BT = np.minimum(idx_BT, len(stream) - 1)
-    tokens_BT = np.where(valid_BT, stream.tokens[idx_BT].astype(np.int32), pad_id)
-    doc_BT = np.searchsorted(stream.doc_starts, idx_BT, side="right") - 1
-    doc_start_BT = np.maximum(stream.doc_starts[doc_BT], idx_BT[:, :1])  # a window starts a sequence
+    read_BT = stream.tokens[idx_BT]
+    tokens_BT = np.where(valid_BT, read_BT.astype(np.int32), pad_id)
+    if stream.doc_starts is not None:
+        doc_BT = stream.doc_starts.searchsorted(idx_BT, side="right") - 1
+        doc_start_BT = np.maximum(stream.doc_starts[doc_BT], idx_BT[:, :1])  # a window starts a sequence
+    else:  # a document starts after each separator: counted inside the window
+        ends_BT = read_BT == stream.separator if stream.separator is not None else np.zeros(idx_BT.shape, bool)
+        starts_BT = np.concatenate([np.ones_like(ends_BT[:, :1]), ends_BT[:, :-1]], axis=1)
+        doc_BT = np.cumsum(starts_BT, axis=1) - 1
+        doc_start_BT = np.maximum.accumulate(np.where(starts_BT, idx_BT, 0), axis=1)
     segment_BT = np.where(valid_BT, doc_BT - doc_BT[:, :1] + 1, 0)
     positions_BT = np.where(valid_BT, idx_BT - doc_start_BT, 0)
     same_doc_BT = (doc_BT[:, :-1] == doc_BT[:, 1:]) & valid_BT[:, 1:]
@@ -66,31 +73,53 @@ def pack_windows(stream: TokenStream, starts: np.ndarray, seq_len: int, pad_id: 
 
 
 class TrainBatches:
-    """Random-access grain source: record `i` is this process's rows of global batch `i`."""
+    """Random-access grain source: record `i` is this process's rows of global batch `i`.
 
-    def __init__(self, stream: TokenStream, seq_len: int, batch_size: int, grad_accum: int = 1, seed: int = 0,
-                 rows: slice | None = None):
+    A `Mixture`'s rows come from its sources by weight (`Mixture.sources_of_rows`); source `s`
+    draws its starts from `default_rng([seed, i, s])` (source 0, and a single stream, from
+    `default_rng([seed, i])`)."""
+
+    def __init__(self, stream: TokenStream | Mixture, seq_len: int, batch_size: int, grad_accum: int = 1,
+                 seed: int = 0, rows: slice | None = None):
         if batch_size % grad_accum:
             raise ValueError(f"batch_size={batch_size} is not a multiple of grad_accum={grad_accum}")
-        self.stream, self.seq_len, self.seed = stream, seq_len, seed
+        self.mixture = stream if isinstance(stream, Mixture) else None
+        self.streams = stream.streams if self.mixture is not None else [stream]
+        self.seq_len, self.seed = seq_len, seed
         self.shape = (grad_accum, batch_size // grad_accum)
         self.rows = slice(None) if rows is None else rows
-        if len(stream) <= seq_len + 1:  # one start only: a window takes T + 1 tokens
-            padded = ", padded" if len(stream) <= seq_len else ""
-            warnings.warn(f"train.seq_len={seq_len} is as long as the training split ({len(stream):,} tokens): "
-                          f"every row of every batch is the whole split from its start{padded}; lower "
-                          f"train.seq_len to at most {max(len(stream) - 2, 1):,} for windows at random starts",
-                          stacklevel=2)
-        self.high = max(1, len(stream) - seq_len)  # windows of T + 1 tokens fit below this start
+        for stream in self.streams:
+            if len(stream) <= seq_len + 1:  # one start only: a window takes T + 1 tokens
+                padded = ", padded" if len(stream) <= seq_len else ""
+                warnings.warn(f"train.seq_len={seq_len} is as long as the training split ({len(stream):,} tokens): "
+                              f"every row of every batch is the whole split from its start{padded}; lower "
+                              f"train.seq_len to at most {max(len(stream) - 2, 1):,} for windows at random starts",
+                              stacklevel=2)
+        self.highs = [max(1, len(stream) - seq_len) for stream in self.streams]  # windows of T + 1 tokens fit below
 
     def __len__(self) -> int:
         return UNBOUNDED
 
+    def sources(self, i: int) -> np.ndarray:
+        """`[A, B]`: the source of each row of global batch `i`."""
+        if self.mixture is None:
+            return np.zeros(self.shape, np.int64)
+        n = self.shape[0] * self.shape[1]
+        return self.mixture.sources_of_rows(int(i) * n, n).reshape(self.shape)
+
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        starts_AB = np.random.default_rng([self.seed, int(i)]).integers(0, self.high, size=self.shape)
-        mine_AB = starts_AB[:, self.rows]  # this process's rows: a chunk of B
-        batch = pack_windows(self.stream, mine_AB.reshape(-1), self.seq_len)
-        return {k: v.reshape(*mine_AB.shape, self.seq_len) for k, v in batch.items()}
+        sources_AB = self.sources(i)[:, self.rows]  # this process's rows: a chunk of B
+        out = None
+        for s in np.unique(sources_AB):
+            key = [self.seed, int(i)] + ([int(s)] if s else [])
+            starts_AB = np.random.default_rng(key).integers(0, self.highs[s], size=self.shape)[:, self.rows]
+            mine = sources_AB == s
+            batch = pack_windows(self.streams[s], starts_AB[mine], self.seq_len)
+            if out is None:
+                out = {k: np.zeros((*sources_AB.shape, self.seq_len), v.dtype) for k, v in batch.items()}
+            for k, v in batch.items():
+                out[k][mine] = v
+        return out
 
 
 def grain_iterator(source, state: dict | None = None, options=None):
@@ -125,10 +154,18 @@ def train_iterator(stream: TokenStream, *, seq_len: int, batch_size: int, grad_a
                           grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch))
 
 
+def n_eval_windows(stream: TokenStream, seq_len: int) -> int:
+    """How many non-overlapping windows cover the stream."""
+    return -(-max(len(stream) - 1, 1) // seq_len)
+
+
 def eval_windows(stream: TokenStream, seq_len: int, max_windows: int | None = None) -> np.ndarray:
     """Starts of the non-overlapping windows that cover the stream (every target once), or
     `max_windows` of them spread evenly over it."""
-    return spread(np.arange(0, max(len(stream) - 1, 1), seq_len, dtype=np.int64), max_windows)
+    n = n_eval_windows(stream, seq_len)
+    if max_windows is None or max_windows >= n:
+        return np.arange(n, dtype=np.int64) * seq_len
+    return np.linspace(0, n - 1, max_windows).round().astype(np.int64) * seq_len  # `spread`, without the n starts
 
 
 class Batches:

@@ -21,8 +21,11 @@ SAVED_DATASET = ("dataset_dict.json", "state.json")  # what `datasets`' save_to_
 
 
 def source_of_path(path) -> str:
-    """What `source: auto` reads at `path`: by extension, and for a directory a dataset saved by
-    `save_to_disk`, or files that are all `.jsonl(.gz)` / all `.parquet`; else text."""
+    """What `source: auto` reads at `path`: by extension (a glob: of what it matches), and for a
+    directory a corpus written by `modern-jax prepare`, a dataset saved by `save_to_disk`, or
+    files that are all token files / all `.jsonl(.gz)` / all `.parquet`; else text."""
+    from modern_jax.data.shards import INDEX_FILE, expand, is_glob
+
     name = str(path)
     if name.endswith(".bin"):
         return "tokens"
@@ -31,12 +34,20 @@ def source_of_path(path) -> str:
     for source, extensions in EXTENSIONS.items():
         if name.endswith(extensions):
             return source
+    if is_glob(name):
+        kinds = {source_of_path(f) for f in expand(name)}
+        return kinds.pop() if len(kinds) == 1 else "text"
     directory = pathlib.Path(path)
-    if directory.is_dir():
+    if "://" in name or directory.is_dir():
+        from etils import epath
+
+        directory = epath.Path(path)
+        if (directory / INDEX_FILE).is_file():
+            return "tokens"
         if any((directory / marker).is_file() for marker in SAVED_DATASET):
             return "hf"
-        kinds = {source_of_path(f) for f in data_files(directory)}
-        if len(kinds) == 1 and kinds <= set(EXTENSIONS):
+        kinds = {source_of_path(f) for f in expand(directory)}
+        if len(kinds) == 1 and kinds <= {"tokens", "arrayrecord", *EXTENSIONS}:
             return kinds.pop()
     return "text"
 
@@ -58,7 +69,8 @@ class DataConfig:
     `*.parquet` -> parquet, a `save_to_disk` directory -> hf, else text."""
 
     source: str = "auto"
-    path: str | None = None  # hf: a save_to_disk directory, local data files, or a hub name
+    path: str | None = None  # a file, directory or glob of shards; hf: also a save_to_disk directory or a hub name
+    sources: list | None = None  # a mixture, in place of `path`: [{path: ..., weight: ..., name: ...}, ...]
     format: str = "text"  # records: `text` (one document per record) or `chat` (conversations)
     text_field: str = "text"  # format text: the field of each record that holds its text
     messages_field: str = "messages"  # format chat: the field holding the list of {role, content}
@@ -83,7 +95,9 @@ class DataConfig:
                 _fail(name, getattr(self, name), f"expected one of {', '.join(choices)}")
         if self.format not in FORMATS:
             _fail("format", self.format, f"expected one of {', '.join(FORMATS)}")
-        if self.source not in ("auto", "embedded") and not self.path:
+        if self.sources is not None:
+            self._check_sources()
+        elif self.source not in ("auto", "embedded") and not self.path:
             _fail("path", self.path, f"source={self.source!r} needs a path (--data PATH)")
         if self.format == "chat" and self.source not in ("auto", *RECORD_SOURCES):
             _fail("format", self.format, f"conversations are records with a {self.messages_field!r} field: use "
@@ -103,6 +117,37 @@ class DataConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 _fail(name, value, "expected a non-negative integer")
+
+    def _check_sources(self) -> None:
+        """A mixture: a list of {path, weight[, name]}, weights >= 0 summing to a positive number,
+        names (given, or each path's last part) unique."""
+        if self.path:
+            _fail("sources", "...", f"give data.path={self.path!r} or data.sources (a mixture), not both")
+        if not isinstance(self.sources, (list, tuple)) or not self.sources:
+            _fail("sources", self.sources, "expected a list of {path: ..., weight: ...}")
+        for i, source in enumerate(self.sources):
+            if not isinstance(source, dict) or not isinstance(source.get("path"), str) or not source["path"]:
+                _fail(f"sources[{i}]", source, "expected {path: ..., weight: ...} with a path")
+            unknown = sorted(set(source) - {"path", "weight", "name"})
+            if unknown:
+                _fail(f"sources[{i}]", source, f"unknown key {unknown[0]!r}: expected path, weight, name")
+            weight = source.get("weight")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
+                _fail(f"sources[{i}].weight", weight, "expected a number >= 0")
+        total = sum(source["weight"] for source in self.sources)
+        if not total > 0:
+            _fail("sources", [source["weight"] for source in self.sources],
+                  "the weights do not sum to a positive number: give at least one source a weight above 0")
+        names = self.source_names
+        for name in names:
+            if names.count(name) > 1:
+                _fail("sources", name, "two sources have this name: give each a distinct name: ...")
+
+    @property
+    def source_names(self) -> list[str]:
+        """Each mixture source's name: its `name`, else the last part of its path."""
+        return [str(s.get("name") or pathlib.PurePosixPath(s["path"].rstrip("/")).name.split(".")[0])
+                for s in self.sources or ()]
 
     @property
     def resolved_source(self) -> str:

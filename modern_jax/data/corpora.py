@@ -25,17 +25,19 @@ mismatched tokenizer fails here, by name, instead of training on clamped ids.
 
 from __future__ import annotations
 
-import codecs
 import pathlib
 import sysconfig
+import tempfile
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from etils import epath
 
 from modern_jax.data import chat
 from modern_jax.data.config import EXTENSIONS, RECORD_SOURCES, DataConfig, data_files
 from modern_jax.data.records import record_documents
+from modern_jax.data.shards import HEAD_IDS, Shards, is_glob, open_file, open_shards, read_index, shard_name, text_hint
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 SKIPPED_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -44,12 +46,14 @@ MIN_DOCS_FOR_DOCUMENT_SPLIT = 10
 
 @dataclass
 class TokenStream:
-    """Documents laid end to end: `tokens[N]`, the index where each document starts, and, for
+    """Documents laid end to end: `tokens[N]` (an array, or `Shards` read a window at a time),
+    where each document starts (`doc_starts`, or after each `separator` id), and, for
     conversations, whether each token is a training target (None: every token is)."""
 
-    tokens: np.ndarray
-    doc_starts: np.ndarray  # int64, sorted, starts with 0
+    tokens: np.ndarray | Shards
+    doc_starts: np.ndarray | None  # int64, sorted, starts with 0; None: documents end at `separator`
     trained: np.ndarray | None = None  # bool [N]
+    separator: int | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -65,6 +69,34 @@ class TokenStream:
         pieces, marks = document_pieces(docs, bos_id, eos_id, trained, dtype)
         starts = np.cumsum([0] + [len(piece) for piece in pieces[:-1]], dtype=np.int64)
         return cls(np.concatenate(pieces), starts, np.concatenate(marks) if trained is not None else None)
+
+
+GOLDEN = (5 ** 0.5 - 1) / 2  # the Kronecker sequence frac((g + 1/2) * GOLDEN) spreads any weights evenly
+
+
+@dataclass
+class Mixture:
+    """Sources drawn by weight: row `g` of the run's batches (counted from the first batch) comes
+    from the source its point `frac((g + 1/2) * GOLDEN)` falls in on the weights' cumulative
+    sum, so every stretch of rows holds each source in proportion to its weight (to within a
+    few rows), and row `g`'s source is a function of `g` alone."""
+
+    names: list[str]
+    streams: list[TokenStream]
+    weights: np.ndarray  # float64, summing to 1
+
+    def __len__(self) -> int:
+        return sum(len(stream) for stream in self.streams)
+
+    def sources_of_rows(self, first: int, count: int) -> np.ndarray:
+        """The source index of each of rows `first .. first + count`."""
+        points = ((np.arange(first, first + count, dtype=np.float64) + 0.5) * GOLDEN) % 1.0
+        return np.minimum(np.searchsorted(np.cumsum(self.weights), points, side="right"), len(self.streams) - 1)
+
+    def shares(self, first: int, count: int) -> dict[str, float]:
+        """Each source's share of rows (and of tokens: every row is a window) `first .. first + count`."""
+        counts = np.bincount(self.sources_of_rows(first, count), minlength=len(self.streams))
+        return {name: float(c) / max(count, 1) for name, c in zip(self.names, counts)}
 
 
 def document_pieces(docs, bos_id, eos_id, trained, dtype) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -154,9 +186,12 @@ def arrayrecord_documents(path, record_format: str, token_dtype: str):
     """Each record one document: UTF-8 text, or token ids of `token_dtype`."""
     import grain
 
-    files = sorted(str(p) for p in pathlib.Path(path).parent.glob(pathlib.Path(path).name)) or [str(path)]
-    if not all(pathlib.Path(f).exists() for f in files):
-        raise ValueError(f"data.path={str(path)!r} does not exist")
+    from modern_jax.data.shards import expand
+
+    files = [str(f) for f in expand(path) if ".array_record" in f.name]  # a file, a directory or a glob of shards
+    if not files:
+        raise ValueError(f"data.path={str(path)!r} does not exist" if not is_glob(path) else
+                         f"data.path={str(path)!r} matches no .array_record files")
     source = grain.sources.ArrayRecordDataSource(files)
     docs = []
     for i in range(len(source)):
@@ -372,6 +407,8 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
     `shared`: in a launch of several processes, a directory they all see, where they build the
     streams together (`_shared_stream`) and process 0 alone builds a tokenizer from the text.
     """
+    if cfg.sources is not None:
+        return _mixture_splits(cfg, tokenizer, vocab_size, shared)
     source = cfg.resolved_source
     if source == "tokens":
         return _token_file_splits(cfg, tokenizer)
@@ -420,6 +457,21 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
     return tokenizer, *splits
 
 
+def _mixture_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int | None,
+                    shared: pathlib.Path | None) -> tuple[Tokenizer, Mixture, Mixture]:
+    """Each source of `data.sources` read as its own `data.path` (every one with the first's
+    tokenizer), split, and mixed by weight."""
+    weights = np.asarray([source["weight"] for source in cfg.sources], np.float64)
+    splits = []
+    for name, source in zip(cfg.source_names, cfg.sources):
+        part = cfg.replace(sources=None, path=source["path"])
+        tokenizer, train, val = load_splits(part, tokenizer, vocab_size, None if shared is None else shared / name)
+        splits.append((train, val))
+    names = cfg.source_names
+    return (tokenizer, Mixture(names, [t for t, _ in splits], weights / weights.sum()),
+            Mixture(names, [v for _, v in splits], weights / weights.sum()))
+
+
 def load_stream(cfg: DataConfig, tokenizer: Tokenizer) -> TokenStream:
     """Every document of `cfg` (no split) as one stream, encoded by `tokenizer` (evaluating a file)."""
     source = cfg.resolved_source
@@ -446,17 +498,7 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, where: str, cfg: DataConfi
     position = int(np.argmax(np.asarray(ids) == bad))
     raise ValueError(f"{where}: token id {bad} at position {position} is outside the tokenizer's vocabulary "
                      f"[0, {vocab_size}): set data.token_dtype (now {cfg.token_dtype}) to the dtype that wrote "
-                     f"the ids, or data.tokenizer_path to the tokenizer that made them{_text_hint(head)}")
-
-
-def _text_hint(head: bytes) -> str:
-    """A hint when binary data looks like UTF-8 text (printable, no NULs)."""
-    try:
-        text = codecs.getincrementaldecoder("utf-8")().decode(head[:65536])
-    except UnicodeDecodeError:
-        return ""
-    printable = sum(c.isprintable() or c in "\n\r\t" for c in text)
-    return "; it looks like UTF-8 text: use source: text" if text and printable >= 0.95 * len(text) else ""
+                     f"the ids, or data.tokenizer_path to the tokenizer that made them{text_hint(head)}")
 
 
 def _stream_dtype(vocab_size: int):
@@ -464,50 +506,47 @@ def _stream_dtype(vocab_size: int):
 
 
 def _token_file_splits(cfg: DataConfig, tokenizer: Tokenizer | None):
-    """A flat binary file of token ids; documents end at `doc_separator_id` (if given)."""
-    path = pathlib.Path(cfg.path)
-    if not path.is_file():
-        raise ValueError(f"data.path={str(path)!r} does not exist")
-    where, size, itemsize = f"data.path={str(path)!r}", path.stat().st_size, np.dtype(cfg.token_dtype).itemsize
-    try:
-        with path.open("rb") as f:
-            head = f.read(65536)
-    except OSError as e:
-        raise ValueError(f"{where} cannot be read ({e.strerror or e}): check its permissions") from None
-    if size == 0:
-        raise ValueError(f"{where} is empty: no tokens")
-    if size % itemsize:
-        raise ValueError(f"{where} holds {size} bytes, not a whole number of data.token_dtype={cfg.token_dtype} "
-                         f"ids ({itemsize} bytes each): set data.token_dtype to the dtype that wrote it"
-                         f"{_text_hint(head)}")
-    tokens = np.memmap(path, dtype=cfg.token_dtype, mode="r")
+    """Token shards (one file, a directory or glob of them, or a prepared corpus: `shards`),
+    cut at `1 - val_fraction` of their ids; documents end at the separator id."""
+    index = read_index(cfg.path)
+    files, counts, dtype = open_shards(cfg.path, cfg.token_dtype, index)
+    if tokenizer is None:
+        tokenizer = load_tokenizer_for_tokens(cfg, index)
+    cfg = cfg.replace(token_dtype=dtype)
+    for file in files:  # the head of each shard: a wrong dtype or tokenizer fails before any step
+        with open_file(file, shard_name(file, cfg.path)) as f:
+            head = f.read(HEAD_IDS * np.dtype(dtype).itemsize)
+        check_token_ids(np.frombuffer(head, dtype), tokenizer.vocab_size, shard_name(file, cfg.path), cfg, head)
+    tokens = Shards(files, counts, dtype, cfg.path, tokenizer.vocab_size)
+    where = f"data.path={str(cfg.path)!r}"
     if len(tokens) < 4:
         raise ValueError(f"{where} holds fewer than 4 tokens")
     cut = int(len(tokens) * (1.0 - cfg.val_fraction))
-    if tokenizer is None:
-        tokenizer = load_tokenizer_for_tokens(cfg)
-    check_token_ids(tokens, tokenizer.vocab_size, where, cfg, head)
+    separator = index["separator"] if index is not None else cfg.doc_separator_id
 
     def stream(lo, hi):
         if hi <= lo:
             name = "training" if lo == 0 else "validation"
             raise ValueError(f"the {name} split of {where} is empty: 0 of its {len(tokens)} tokens with "
                              f"data.val_fraction={cfg.val_fraction}: use a longer file or change val_fraction")
-        part = np.asarray(tokens[lo:hi])
-        starts = [0]
-        if cfg.doc_separator_id is not None:
-            ends = np.flatnonzero(part == cfg.doc_separator_id) + 1
-            starts += [int(e) for e in ends if e < len(part)]
-        return TokenStream(part, np.asarray(starts, np.int64))
+        return TokenStream(tokens.part(lo, hi), None, separator=separator)
 
     return tokenizer, stream(0, cut), stream(cut, len(tokens))
 
 
-def load_tokenizer_for_tokens(cfg: DataConfig) -> Tokenizer:
-    if cfg.tokenizer_path:
-        from modern_jax.data.tokenizers import load_tokenizer
+def load_tokenizer_for_tokens(cfg: DataConfig, index: dict | None = None) -> Tokenizer:
+    """The tokenizer of token ids: `data.tokenizer_path`, else a prepared corpus's own, else bytes."""
+    from modern_jax.data.tokenizers import load_tokenizer
 
+    if cfg.tokenizer_path:
         return load_tokenizer(cfg.tokenizer_path)
+    if index is not None:
+        saved = epath.Path(cfg.path) / index["tokenizer"]
+        if "://" in str(saved):  # on object storage: a local copy for the tokenizer libraries, which read files
+            local = pathlib.Path(tempfile.mkdtemp()) / saved.name
+            local.write_bytes(saved.read_bytes())
+            saved = local
+        return load_tokenizer(str(saved))
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     raise ValueError("a token file needs the tokenizer that made it: set data.tokenizer_path (or tokenizer: byte)")

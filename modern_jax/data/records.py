@@ -37,23 +37,28 @@ HF_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".jsonl.gz": "json", ".j
 
 
 def record_documents(cfg: DataConfig, source: str) -> list[tuple[str, object]]:
-    """`(name, value)` of the chosen field of every record (at most `data.max_documents`); text
-    values are checked to be strings here, conversations when they are rendered."""
+    """`(name, value)` of the chosen field of every record (at most `data.max_documents`)."""
+    return list(iter_record_documents(cfg, source))
+
+
+def iter_record_documents(cfg: DataConfig, source: str) -> Iterator[tuple[str, object]]:
+    """`(name, value)` of the chosen field of each record as it is read; text values are checked
+    to be strings here, conversations when they are rendered."""
     chat = cfg.format == "chat"
     field, setting = (cfg.messages_field, "messages_field") if chat else (cfg.text_field, "text_field")
     reader = {"jsonl": _jsonl, "parquet": _parquet, "hf": _hf}[source]
-    docs = []
+    n = 0
     for name, where, value in reader(cfg, field, setting):
         if not chat and not isinstance(value, str):
             raise ValueError(f"{where}: field {field!r} (data.{setting}) holds {type(value).__name__} "
                              f"{str(value)[:60]!r}, not text: point data.{setting} at a text field"
                              + ("; for conversations set data.format: chat" if isinstance(value, list) else ""))
-        docs.append((name, value))
-        if cfg.max_documents is not None and len(docs) >= cfg.max_documents:
+        yield name, value
+        n += 1
+        if cfg.max_documents is not None and n >= cfg.max_documents:
             break
-    if not docs:
+    if not n:
         raise ValueError(f"data.path={str(cfg.path)!r} holds no records")
-    return docs
 
 
 def _missing(where: str, field: str, setting: str, fields) -> ValueError:
@@ -64,6 +69,13 @@ def _missing(where: str, field: str, setting: str, fields) -> ValueError:
 
 def _files(cfg: DataConfig, source: str) -> list[tuple[pathlib.Path, str]]:
     """`(file, name)` of a file or of every file of the source's extensions under a directory."""
+    from modern_jax.data.shards import expand, is_glob
+
+    if is_glob(cfg.path):  # shards: each named by its file
+        files = [pathlib.Path(f) for f in expand(cfg.path, EXTENSIONS[source])]
+        if not files:
+            raise ValueError(f"data.path={str(cfg.path)!r} matches no {' / '.join(EXTENSIONS[source])} files")
+        return [(f, f.name) for f in files]
     path = pathlib.Path(cfg.path)
     if not path.exists():
         raise ValueError(f"data.path={str(path)!r} does not exist")

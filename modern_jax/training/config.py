@@ -291,8 +291,11 @@ def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
     if model_cfg.position_embedding == "learned" and train.seq_len > P:
         raise ValueError(f"{where}: train.seq_len={train.seq_len} exceeds model.max_position_embeddings={P} "
                          f"(learned positions have no row past it): lower train.seq_len")
-    return RunConfig(model, train, data, parallel, execution, LoRAConfig.of_run(raw),
-                     objectives.config_of(raw, train, where))
+    objective = objectives.config_of(raw, train, where)
+    if data.sources is not None and objective.section is not None:
+        raise ValueError(f"{where}: data.sources (a mixture) feeds the next-token objective, not "
+                         f"{objective.section}: give its data as data.path")
+    return RunConfig(model, train, data, parallel, execution, LoRAConfig.of_run(raw), objective)
 
 
 def _check_sections(raw: dict, where: str) -> None:

@@ -47,6 +47,7 @@ import yaml
 
 from modern_jax import execution
 from modern_jax.accounting import flops_per_token
+from modern_jax.data.corpora import Mixture
 from modern_jax.data.tokenizers import TOKENIZER_FILE, load_tokenizer
 from modern_jax.multihost import distributed
 from modern_jax.training import outputs
@@ -197,6 +198,7 @@ class _Session:
     saved_step: int | None
     compile_s: float
     benchmarks: object = None  # train.harness_tasks on the parameters, made by `train`'s `benchmarks`
+    mixture: Mixture | None = None  # data.sources: the training split's sources, whose shares are logged
 
     @property
     def out_dir(self) -> pathlib.Path:
@@ -232,10 +234,22 @@ class _Session:
 
     def evaluate(self, metrics_log: MetricsLog | None, step: int, batches, progress: Progress,
                  what: str = "validation") -> dict:
-        """The validation figures over `batches` (logged at `step`), a bar `what` of them on `progress`."""
-        with progress.phase(what, len(batches), "batches") as advance:
-            values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
-                                      self.run.train.eval_batch_size, advance, self.state.get("reference"))
+        """The validation figures over `batches` (logged at `step`), a bar `what` of them on `progress`.
+        A mixture's `batches` are each source's: its figures are logged as `val/<source>`, and the
+        mixture's (`val`) are their means by weight."""
+        if isinstance(batches, dict):
+            per = {name: self.evaluate(None, step, part, progress, f"{what}: {name}") for name, part in batches.items()}
+            weights = dict(zip(self.val_stream.names, self.val_stream.weights))
+            first = next(iter(per.values()))
+            values = {k: sum(weights[name] * v[k] for name, v in per.items()) if isinstance(first[k], float) else
+                      sum(v[k] for v in per.values()) for k in first}  # counts (tokens) add up
+            if metrics_log is not None:
+                for name, v in per.items():
+                    metrics_log.write(step, f"val/{name}", v)
+        else:
+            with progress.phase(what, len(batches), "batches") as advance:
+                values = evaluate_batches(self.trainer, self.state["params"], batches, self.token_bytes,
+                                          self.run.train.eval_batch_size, advance, self.state.get("reference"))
         if metrics_log is not None:
             metrics_log.write(step, "val", values)
         return values
@@ -251,6 +265,9 @@ class _Session:
     def eval_batches(self, max_windows):
         tc = self.run.train
         rows, _ = self.trainer.batches.local_slices(tc.eval_batch_size)
+        if isinstance(self.val_stream, Mixture):  # each source's, evaluated on its own
+            return {name: self.trainer.objective.eval_batches(stream, max_windows=max_windows, rows=rows)
+                    for name, stream in zip(self.val_stream.names, self.val_stream.streams)}
         return self.trainer.objective.eval_batches(self.val_stream, max_windows=max_windows, rows=rows)
 
 
@@ -276,14 +293,16 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
     session = _Session(run, directory, checkpointer, trainer, tokenizer, val_stream, iterator,
                        jax.device_put(tokenizer.token_bytes(), trainer.programs.replicated), [], state,
                        iterator.get_state(), {}, start, latest, 0.0, tasks)
-    session.periodic_eval = list(session.eval_batches(tc.eval_windows))
+    periodic = session.eval_batches(tc.eval_windows)
+    session.periodic_eval = {k: list(v) for k, v in periodic.items()} if isinstance(periodic, dict) else list(periodic)
+    session.mixture = train_stream if isinstance(train_stream, Mixture) else None
     _note_eval_size(objective, val_stream, tc, log)
     # compile everything before the clock starts (a pulled-ahead batch is not counted in data_state)
     try:
         session.next_batch = session.batch(next(iterator), tc.batch_size // tc.grad_accum, start)
         with progress.phase("compiling the training and evaluation steps"):
             session.compile_s = trainer.compile(state, session.next_batch,
-                                                eval_batch(trainer, state["params"], session.periodic_eval[0],
+                                                eval_batch(trainer, state["params"], _first(session.periodic_eval),
                                                            tc.eval_batch_size, 0), session.token_bytes)
     except BatchFailed as e:
         raise session.kept(e) from None
@@ -293,6 +312,11 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
     distributed.note(step=start, resume=session.resume_hint())
     _report_model(session, objective, train_stream, log)
     return session
+
+
+def _first(batches: list | dict) -> dict:
+    """The first evaluation batch (of the first source of a mixture)."""
+    return next(iter(batches.values()))[0] if isinstance(batches, dict) else batches[0]
 
 
 def _checked_start(run: RunConfig, out_dir: pathlib.Path, mesh, steps: list[int],
@@ -551,6 +575,11 @@ def _log(s: _Session, book: _Logbook, step: int) -> None:
                        book.message, s.trainer.objective.metric_names)
     if book.metrics_log is not None:
         book.metrics_log.write(step, "train", record)
+        if s.mixture is not None:  # each source's share of the tokens of the steps since the last log
+            rows = tc.batch_size
+            first = book.pending[0][0] - 1  # step k trains on batch k - 1
+            book.metrics_log.write(step, "data", {f"share/{name}": share for name, share in
+                                                  s.mixture.shares(first * rows, (step - first) * rows).items()})
         _write_samples(s.out_dir, step, s.trainer.objective.samples())
     book.progress.update(step, record["loss"], rate, s.trainer.objective.display.line(record))
     book.pending.clear()

@@ -217,6 +217,11 @@ def loss_figure(records: list[dict], shown: Shown, title: str = ""):
             if val:  # beside the loss's `train`, `validation`; else in its train line's colour
                 ax.plot(*zip(*val), "o-" if legend == "train" else "o--", **({} if legend == "train" else colour),
                         label="validation" if legend == "train" else f"{legend} (validation)")
+        if ax is axes[0]:  # a mixture: each source's validation loss
+            for split in sorted({r["split"] for r in records if r.get("split", "").startswith("val/")}):
+                points = _series(records, split, "loss")
+                if points:
+                    ax.plot(*zip(*points), "o:", label=f"validation: {split[4:]}")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if ax.lines:

@@ -13,7 +13,7 @@ import math
 import jax.numpy as jnp
 
 from modern_jax.data.corpora import load_splits, load_stream
-from modern_jax.data.batches import eval_batches, eval_windows, train_iterator
+from modern_jax.data.batches import eval_batches, n_eval_windows, train_iterator
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.metrics import Shown
 from modern_jax.training.objectives import base
@@ -45,7 +45,7 @@ class NextToken(base.Objective):
                             rows=rows)
 
     def eval_size(self, split) -> int:
-        return len(eval_windows(split, self.train.seq_len))
+        return n_eval_windows(split, self.train.seq_len)
 
     def sums(self, model, batch, prepared, *, chunk, dropout_rng, diagnostics):
         return model_loss_sums(model, batch, chunk=chunk, dropout_rng=dropout_rng, diagnostics=diagnostics)

@@ -1,0 +1,99 @@
+"""Benchmark training on token shards: start-up time and peak RSS against the corpus's size.
+
+    uv run python scripts/bench_corpus.py                        # 1e8, 1e9, 1e10 tokens (about 20 GB under /tmp)
+    uv run python scripts/bench_corpus.py --sizes 1e6 1e8 --root /tmp/corpus_bench
+
+Makes, under `--root`, a corpus of each size as 64 shards of uint16 ids (a random block
+repeated, documents ending at id 258, the byte tokenizer's `<eos>`), unless it is there
+already, and a one-shard corpus of 1e5 ids (the baseline: the model, its optimizer and the
+runtime). After a warm-up run that fills the compilation cache, each corpus is trained on by `modern-jax train` (configs/tiny.yaml, a few steps, a
+small evaluation) in a fresh process; the script prints side by side the process's wall time
+(start-up and compilation dominate it), its peak RSS, and both as ratios to the smallest
+corpus's, and the peak RSS beyond the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHARDS, BLOCK, SEPARATOR = 64, 1 << 22, 258
+
+
+def make_corpus(directory: pathlib.Path, n_tokens: int, shards: int) -> None:
+    """`shards` files of uint16 ids, `n_tokens` in all: a random block (documents of about 1,000
+    ids ending at SEPARATOR) written again and again."""
+    done = directory / ".complete"
+    if done.exists():
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    block = rng.integers(0, 256, BLOCK, dtype=np.uint16)
+    block[rng.integers(0, BLOCK, BLOCK // 1000)] = SEPARATOR
+    per_shard = [n_tokens // shards + (i < n_tokens % shards) for i in range(shards)]
+    for i, n in enumerate(per_shard):
+        with open(directory / f"part-{i:05d}.bin", "wb") as f:
+            for at in range(0, n, BLOCK):
+                f.write(block[: min(BLOCK, n - at)].tobytes())
+    done.write_text("")
+
+
+def train(data: pathlib.Path, out: pathlib.Path, steps: int) -> tuple[float, float]:
+    """(wall seconds, peak RSS in GiB) of `modern-jax train` on `data` in a fresh process."""
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, "-m", "modern_jax.cli", "train", "--config", str(ROOT / "configs/tiny.yaml"),
+               "--data", str(data), "--output-dir", str(out), f"train.steps={steps}", "train.eval_every=0",
+               "train.final_eval_windows=64", "train.warmup_steps=1", "train.plot=false", "train.samples=0", "train.progress=false",
+               f"data.doc_separator_id={SEPARATOR}", "train.checkpoint_every=0"]
+    start = time.perf_counter()
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "MODERN_JAX_ALONE": "1"})
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - start
+    if status:
+        raise SystemExit(f"training on {data} failed:\n{child.stderr.read().decode()[-3000:]}")
+    return wall, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", type=float, default=[1e8, 1e9, 1e10], help="tokens of each corpus")
+    parser.add_argument("--root", type=pathlib.Path, default=pathlib.Path("/tmp/corpus_bench"))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--keep", action="store_true", help="keep the corpora (default: removed at the end)")
+    args = parser.parse_args()
+    free = shutil.disk_usage(args.root.parent).free
+    need = sum(2 * int(n) for n in args.sizes)
+    if need > free:
+        raise SystemExit(f"the corpora take {need / 1e9:.1f} GB and {args.root.parent} has {free / 1e9:.1f} GB free: "
+                         f"give smaller --sizes")
+    baseline = args.root / "baseline"
+    make_corpus(baseline, 100_000, 1)
+    for n in args.sizes:
+        began = time.perf_counter()
+        make_corpus(args.root / f"{int(n):d}", int(n), SHARDS)
+        print(f"corpus of {n:.0e} tokens in {SHARDS} shards: ready in {time.perf_counter() - began:.0f} s", flush=True)
+    train(baseline, args.root / "run-warm-up", args.steps)  # fills the compilation cache: every run below reads it
+    rows = [("1e5 (1 shard, baseline)", *train(baseline, args.root / "run-baseline", args.steps))]
+    for n in args.sizes:
+        rows.append((f"{n:.0e}", *train(args.root / f"{int(n):d}", args.root / f"run-{int(n)}", args.steps)))
+    first_wall, first_rss = rows[1][1], rows[1][2]
+    print(f"\n{'tokens':>24} {'wall s':>8} {'x first':>8} {'peak RSS GiB':>13} {'x first':>8} {'beyond baseline GiB':>20}")
+    for name, wall, rss in rows:
+        print(f"{name:>24} {wall:8.1f} {wall / first_wall:8.2f} {rss:13.2f} {rss / first_rss:8.2f} "
+              f"{rss - rows[0][2]:20.2f}")
+    if not args.keep:
+        shutil.rmtree(args.root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
