@@ -157,8 +157,8 @@ def footprints() -> None:
     gib = 2**30
     plans = [("Llama 3.1 405B", "configs/llama3_1_405b.yaml", "llama", {"stage": 2, "fsdp": 16, "tensor": 8}, 64),
              ("DeepSeek-V3 671B", "configs/deepseek_v3.yaml", "deepseek_v3", {"fsdp": 16, "expert": 16}, 64)]
-    print("| model | mesh (256 v5p chips, 64 hosts of 4) | checkpoint (bf16) | read per process | on its chips | "
-          "host beside them |")
+    print("| model | mesh (256 v5p chips, 64 processes of 4) | checkpoint (bfloat16) | read by a process | held by its "
+          "4 chips | host memory beside them |")
     print("|---|---|---|---|---|---|")
     for name, config, model_type, mesh, processes in plans:
         cfg = ModelConfig.from_dict(read_yaml(REPO / config)["model"])

@@ -1,8 +1,8 @@
 """Quantised Hugging Face checkpoints, dequantised as they load: block-fp8 and mxfp4.
 
-    quant = quantisation_of(config_json)        # None for an unquantised checkpoint
-    w = quant.dequantize(values, scales)        # float32: the tensor a quantised one stands for
-    w = quant.read(index, values_slice, scales_slice)   # a slice of it, reading the blocks it touches
+    scheme = quantisation_of(config_json)        # None for an unquantised checkpoint
+    w = scheme.dequantize(values, scales)        # float32: the tensor a quantised one stands for
+    w = scheme.read(index, read_values, read_scales)   # a slice of it, from the blocks it touches
 
 The two published layouts, by `quantization_config.quant_method`:
 
