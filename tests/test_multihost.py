@@ -85,6 +85,17 @@ def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys
     assert re.findall(r"^\[(\d)\] loss: (\S+)$", out, re.M) == [("0", f"{evaluated:.4f}")], out
     assert "[1] process 1 of 2, 4 devices (2 local), launched by environment" in out
     assert "Gloo" not in out and "peer ranks" not in out, out  # the CPU collectives' set-up is not relayed
+    # exported to Hugging Face by two processes, each reading and writing its share: what one process writes
+    from safetensors.numpy import load_file
+
+    convert = ["convert", "--to-hf", str(two), "--model-type", "qwen3", "--out"]
+    _in_process([*convert, str(tmp_path / "hf1")], capsys)
+    launch = Launch([*convert, str(tmp_path / "hf2")], n=2, devices=4, logdir=tmp_path)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    one, two_hf = ({k: v for f in sorted((tmp_path / d).glob("*.safetensors")) for k, v in load_file(f).items()}
+                   for d in ("hf1", "hf2"))
+    assert sorted(one) == sorted(two_hf) and all(one[k].tobytes() == two_hf[k].tobytes() for k in one)
+    assert len(list((tmp_path / "hf2").glob("*.safetensors"))) > 1  # each process wrote its shard
 
 
 SHARDED_LOAD = textwrap.dedent("""

@@ -51,7 +51,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from flax.nnx import traversals
-from safetensors import safe_open
 
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_json
@@ -215,14 +214,12 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def open_safetensors(file: Path, fix: str = "download it again"):
-    """`safe_open`, with a damaged file (truncated, bad header) reported as a CheckpointError naming it."""
+    """One safetensors file's tensors (`keys()`, `get_tensor(name)`), by the one reader
+    (`SafetensorsFiles`); a damaged or truncated file is a CheckpointError naming it."""
     try:
-        f = safe_open(file, framework="np")
-    except Exception as e:  # safetensors raises its own error types (not ValueError)
-        raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e}): "
-                              f"the file is damaged or truncated; {fix}") from None
-    with f:
-        yield f
+        yield SafetensorsFiles([file], fix)
+    except DamagedFile as e:
+        raise CheckpointError(str(e)) from None
 
 
 def nonfinite(x) -> str | None:

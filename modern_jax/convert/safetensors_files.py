@@ -51,8 +51,9 @@ class Entry:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
-def read_header(file: Path) -> list[Entry]:
-    """The tensors of safetensors `file`, in header order; a damaged or truncated file raises `DamagedFile`."""
+def read_header(file: Path, fix: str = "download it again") -> list[Entry]:
+    """The tensors of safetensors `file`, in header order; a damaged or truncated file raises `DamagedFile`
+    (its message ends with `fix`)."""
     size = file.stat().st_size
     try:
         with open(file, "rb") as f:
@@ -71,19 +72,17 @@ def read_header(file: Path) -> list[Entry]:
             entries.append(entry)
             end = max(end, 8 + n + stop)
     except (ValueError, KeyError, TypeError) as e:
-        raise DamagedFile(f"{file}: not a readable safetensors file ({e}): the file is damaged; download it "
-                          f"again") from None
+        raise DamagedFile(f"{file}: not a readable safetensors file ({e}): the file is damaged; {fix}") from None
     if end > size:
-        raise DamagedFile(f"{file}: truncated: its header describes {end:,} bytes, the file holds {size:,}: download "
-                          f"it again")
+        raise DamagedFile(f"{file}: truncated: its header describes {end:,} bytes, the file holds {size:,}: {fix}")
     return entries
 
 
 class SafetensorsFiles:
     """The tensors of a set of safetensors files, by name (the first file holding a name wins), read by slices."""
 
-    def __init__(self, files: list[Path]):
-        self.headers = {file: read_header(file) for file in files}
+    def __init__(self, files: list[Path], fix: str = "download it again"):
+        self.headers = {file: read_header(file, fix) for file in files}
         self.entries: dict[str, Entry] = {}
         for entries in self.headers.values():
             for entry in entries:
@@ -104,6 +103,13 @@ class SafetensorsFiles:
             del whole  # released before the mapping closes
         self.requested += out.nbytes
         return out
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        """Tensor `name`, whole."""
+        return self.read(self.entries[name])
 
 
 def normalised(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
