@@ -3,7 +3,10 @@ devices on localhost, the SLURM variables of each task, no code of the user's) a
 
 - A dense FSDP x tensor run on 2 processes x 4 devices is one run: every step's loss equals
   1 process x 8 devices, each record is logged once, and the checkpoint evaluates in one process
-  to the run's validation loss.
+  to the run's validation loss, and `convert --to-hf` of it on 2 processes (each reading and
+  writing its share) writes the tensors 1 process writes.
+- A Hugging Face checkpoint loaded on 2 x 4 (fsdp 8): each process reads about half its bytes,
+  every slice equals one whole load, and the two write back what one process writes.
 - A mixture whose experts (and the context axis) span processes: killed (SIGKILL of one process)
   on 2 x 4, resumed and stopped by SIGTERM on 4 x 2 (both axes across processes), finished on 1
   process: every step's loss, each time it ran, equals one uninterrupted process.
