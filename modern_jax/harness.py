@@ -91,7 +91,10 @@ class Scorer:
             raise ValueError(f"--batch-size {batch_size} does not split over the mesh's {shards} data shards "
                              f"({dict(self.programs.mesh.shape)}): give a multiple of {shards}")
         self.params_sharding = states.shardings["params"]
-        self.params = None if params is None else jax.device_put(  # None: set later (a training state's)
+        leaves, shardings = jax.tree.leaves(params), jax.tree.leaves(self.params_sharding)
+        placed = params is not None and len(leaves) == len(shardings) and all(  # read into them (a Hugging Face model)
+            isinstance(x, jax.Array) and x.sharding == s for x, s in zip(leaves, shardings))
+        self.params = params if params is None or placed else jax.device_put(  # None: set later (a training state's)
             jax.tree.map(np.asarray, params) if jax.process_count() > 1 else params, self.params_sharding)
         self.batches_run = 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from safetensors.numpy import save_file
 
 from modern_jax.convert import (CheckpointError, config_from_hf, convert_from_hf, convert_to_hf, from_hf,
                                 load_checkpoint, to_hf)
-from modern_jax.convert.hf_checkpoint import Target, fill, hf_tensor, plan
+from modern_jax.convert.hf_checkpoint import Target, hf_tensor, place, plan
 from modern_jax.convert.hf_config import architecture
 from modern_jax.convert.hf_families import FAMILIES
 from modern_jax.convert.hf_weights import Rule
@@ -469,10 +470,12 @@ def test_expert_rules_split_a_stacked_parameter_and_put_it_back_bit_identical():
     for name, x in hf.items():
         for src in back[name]:
             assert src.rule.hf_shape(src.shape) == x.shape  # the header check
-            fill(src, x)
     for target in {src.target.name: src.target for srcs in back.values() for src in srcs}.values():
+        names, shape = target.slots(), tuple(target.variable.shape)[len(target.rule.variables()):]
+        target.variable.set_value(place(target, lambda slot, index, t=target, n=names, s=shape: t.rule.read(
+            index, s, None, lambda i, x=hf[n[slot]]: x[i])))
         w = rules[target.name][0]
-        assert target.buffer is None and np.asarray(target.variable[...]).tobytes() == w.tobytes(), target.name
+        assert np.asarray(target.variable[...]).tobytes() == w.tobytes(), target.name
     with pytest.raises(ValueError, match=r"cannot index a parameter of shape \(3, 4, 5, 6\) by \('e', 'i'\)"):
         Rule("model.experts.{e}.layers.{i}.weight", "F D", "D F").tensors((L, E, D, F), i=layers)
 
@@ -480,32 +483,16 @@ def test_expert_rules_split_a_stacked_parameter_and_put_it_back_bit_identical():
 # ----- streaming --------------------------------------------------------------------------
 
 def test_each_tensor_is_read_once_and_only_after_the_checks(tmp_path, monkeypatch):
-    from modern_jax.convert import hf_checkpoint
+    from modern_jax.convert.safetensors_files import SafetensorsFiles
 
     reads = []
+    read = SafetensorsFiles.read
 
-    class Counting:
-        def __init__(self, *args, **kwargs):
-            self.inner = safe_open(*args, **kwargs)
+    def counting(self, entry, index=()):
+        reads.append(entry.name)
+        return read(self, entry, index)
 
-        def __enter__(self):
-            self.f = self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.f.keys()
-
-        def get_slice(self, name):
-            return self.f.get_slice(name)
-
-        def get_tensor(self, name):
-            reads.append(name)
-            return self.f.get_tensor(name)
-
-    monkeypatch.setattr(hf_checkpoint, "safe_open", Counting)
+    monkeypatch.setattr(SafetensorsFiles, "read", counting)
     from_hf(FIXTURES / "qwen2")  # sharded
     assert sorted(reads) == sorted(set(reads)) == sorted(hf_tensors(FIXTURES / "qwen2"))
     reads.clear()
@@ -616,3 +603,61 @@ def test_a_training_run_converts_to_hf(tmp_path):
     assert sorted(written) == sorted(original)
     for key in original:
         np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+
+
+# ----- by shard ------------------------------------------------------------------------------
+
+QUANTISED = Path(__file__).parent / "fixtures" / "hf_quantised"
+
+
+@pytest.mark.parametrize("directory", [FIXTURES / "qwen2", FIXTURES / "gpt_oss", QUANTISED / "deepseek_v3_fp8",
+                                       QUANTISED / "gpt_oss_mxfp4"], ids=lambda d: d.name)
+def test_each_device_reads_its_slice_and_the_model_equals_the_whole_load(directory):
+    """On 8 devices (fsdp 8; fsdp 2 x tensor 4), every parameter's slices, read from the files slice
+    by slice (q/k/v split into heads, stacked layers and experts, fused gate_up parts, fp8 blocks and
+    mxfp4 groups cut mid-way), equal the one-device load of the whole tensors, bit for bit."""
+    _, whole = from_hf(directory)
+    want = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(whole, nnx.Param))}
+    for shape in ({"fsdp": 8}, {"fsdp": 2, "tensor": 4}):
+        mesh = jax.make_mesh(tuple(shape.values()), tuple(shape))
+        _, model = from_hf(directory, mesh=mesh)
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            x = v[...]
+            assert x.sharding.mesh.shape == mesh.shape, path
+            for shard in x.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), want[path][shard.index], err_msg=f"{path} {shape}")
+
+
+def test_the_bytes_read_are_the_devices_share_as_the_accounting_says(monkeypatch):
+    """What `from_hf` requests from the files is what `load_footprint` counts: with every device on
+    one process, each distinct slice once (the whole checkpoint); split over 2 processes, half each."""
+    from modern_jax.convert.hf_checkpoint import load_footprint
+    from modern_jax.convert.safetensors_files import SafetensorsFiles
+
+    requested = []
+    read = SafetensorsFiles.read
+
+    def counting(self, entry, index=()):
+        x = read(self, entry, index)
+        requested.append(x.nbytes)
+        return x
+
+    monkeypatch.setattr(SafetensorsFiles, "read", counting)
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    cfg, _ = from_hf(FIXTURES / "llama", mesh=mesh)
+    stored = sum(x.nbytes for x in hf_tensors(FIXTURES / "llama").values())
+    one = load_footprint(cfg, "llama", {"fsdp": 2, "tensor": 4}, 1, stored_dtype="float32")
+    two = load_footprint(cfg, "llama", {"fsdp": 2, "tensor": 4}, 2, stored_dtype="float32")
+    assert sum(requested) == one["read"] == stored
+    assert stored / 2 <= two["read"] < 0.51 * stored  # the norms, which every device holds whole, read by both
+    assert two["held"] == one["held"] // 2
+
+
+def test_a_truncated_shard_is_refused_in_one_line_naming_it(tmp_path):
+    directory = copy_fixture("qwen2", tmp_path)
+    shard = directory / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError) as e:
+        from_hf(directory)
+    assert re.fullmatch(rf"{re.escape(str(shard))}: truncated: its header describes [\d,]+ bytes, the file holds "
+                        rf"[\d,]+: download it again", str(e.value))

@@ -19,11 +19,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from modern_jax.convert import CheckpointError, from_hf
-from modern_jax.convert.hf_quantised import MXFP4, BlockFP8, dequantize_fp8, dequantize_mxfp4, read_raw
+from modern_jax.convert.hf_quantised import MXFP4, BlockFP8, dequantize_fp8, dequantize_mxfp4
+from modern_jax.convert.safetensors_files import SafetensorsFiles
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_quantised"
 NAMES = ("deepseek_v3_fp8", "gpt_oss_mxfp4")
@@ -32,13 +32,8 @@ LOGIT_TOL = 1e-5
 
 def tensors(directory: Path) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint, float8 ones included."""
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(file, framework="np") as f:
-            for name in f.keys():
-                raw = f.get_slice(name).get_dtype().startswith("F8")
-                out[name] = read_raw(file, name) if raw else f.get_tensor(name)
-    return out
+    files = SafetensorsFiles(sorted(directory.glob("*.safetensors")))
+    return {name: files.read(entry) for name, entry in files.entries.items()}
 
 
 def rewrite(name: str, dst: Path, change) -> Path:

@@ -2,8 +2,12 @@
 devices on localhost, the SLURM variables of each task, no code of the user's) against one process.
 
 - A dense FSDP x tensor run trained by Muon on 2 processes x 4 devices is one run: every step's
-  loss equals 1 process x 8 devices (whose Muon equals one device's, test_optimizer.py), each record is logged once, and the checkpoint evaluates in one process
-  to the run's validation loss.
+  loss equals 1 process x 8 devices (whose Muon equals one device's, test_optimizer.py), each
+  record is logged once, and the checkpoint evaluates in one process to the run's validation
+  loss, and `convert --to-hf` of it on 2 processes (each reading and writing its share) writes
+  the tensors 1 process writes.
+- A Hugging Face checkpoint loaded on 2 x 4 (fsdp 8): each process reads about half its bytes,
+  every slice equals one whole load, and the two write back what one process writes.
 - A mixture whose experts (and the context axis) span processes: killed (SIGKILL of one process)
   on 2 x 4, resumed and stopped by SIGTERM on 4 x 2 (both axes across processes), finished on 1
   process: every step's loss, each time it ran, equals one uninterrupted process.
@@ -13,6 +17,7 @@ devices on localhost, the SLURM variables of each task, no code of the user's) a
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 import re
@@ -85,6 +90,68 @@ def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys
     assert re.findall(r"^\[(\d)\] loss: (\S+)$", out, re.M) == [("0", f"{evaluated:.4f}")], out
     assert "[1] process 1 of 2, 4 devices (2 local), launched by environment" in out
     assert "Gloo" not in out and "peer ranks" not in out, out  # the CPU collectives' set-up is not relayed
+    # exported to Hugging Face by two processes, each reading and writing its share: what one process writes
+    from safetensors.numpy import load_file
+
+    convert = ["convert", "--to-hf", str(two), "--model-type", "qwen3", "--out"]
+    _in_process([*convert, str(tmp_path / "hf1")], capsys)
+    launch = Launch([*convert, str(tmp_path / "hf2")], n=2, devices=4, logdir=tmp_path)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    one, two_hf = ({k: v for f in sorted((tmp_path / d).glob("*.safetensors")) for k, v in load_file(f).items()}
+                   for d in ("hf1", "hf2"))
+    assert sorted(one) == sorted(two_hf) and all(one[k].tobytes() == two_hf[k].tobytes() for k in one)
+    assert len(list((tmp_path / "hf2").glob("*.safetensors"))) > 1  # each process wrote its shard
+
+
+SHARDED_LOAD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from flax import nnx
+    from modern_jax.multihost import distributed
+    distributed.start(distributed.detect(), "convert")
+    import jax
+    from modern_jax.convert import from_hf, to_hf
+    from modern_jax.convert.conversions import launch_mesh
+    from modern_jax.convert.safetensors_files import SafetensorsFiles
+    read, requested = SafetensorsFiles.read, []
+    SafetensorsFiles.read = lambda self, entry, index=(): requested.append(read(self, entry, index)) or requested[-1]
+    _, model = from_hf(sys.argv[1], mesh=launch_mesh())
+    mine = sum(x.nbytes for x in requested)
+    _, whole = from_hf(sys.argv[1])  # on this process's first device
+    want = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(whole, nnx.Param))}
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        for shard in v[...].addressable_shards:
+            assert np.array_equal(np.asarray(shard.data), want[path][shard.index]), path
+    to_hf(model, sys.argv[2], model_type="llama", max_shard_bytes=1 << 30)
+    print(f"read {mine} of {sum(x.nbytes for x in requested) - mine}", flush=True)
+    distributed.finish()
+""")
+
+
+def test_two_processes_read_half_the_checkpoint_each_and_write_what_one_writes(tmp_path):
+    """A Hugging Face checkpoint loaded on 2 processes x 4 devices (fsdp 8) is read slice by slice,
+    each process about half its bytes, into the same parameters as one whole load; the two write it
+    back, each its own shard file, as the tensors one process writes from the whole model."""
+    from modern_jax.convert import from_hf, to_hf
+
+    fixture = REPO / "tests" / "fixtures" / "hf" / "llama"
+    launch = Launch([str(fixture), str(tmp_path / "two")], n=2, devices=4, logdir=tmp_path, script=SHARDED_LOAD)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    for i in range(2):
+        mine, whole = map(int, re.search(r"^read (\d+) of (\d+)$", launch.log(i), re.M).groups())
+        assert 0.5 <= mine / whole < 0.55, (i, mine, whole)  # the norms, which every device holds whole, by both
+    _, model = from_hf(fixture)
+    to_hf(model, tmp_path / "one", model_type="llama")
+    from safetensors.numpy import load_file
+
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    files = sorted((tmp_path / "two").glob("*.safetensors"))  # shards of at most half the model, 1 and 3 process 0's
+    index = json.loads((tmp_path / "two" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(files) > 1 and sorted(set(index.values())) == [f.name for f in files]
+    two = {k: v for f in files for k, v in load_file(f).items()}
+    assert sorted(two) == sorted(one)
+    for name in one:
+        assert two[name].tobytes() == one[name].tobytes(), name
 
 
 def test_experts_and_context_across_processes_survive_a_kill_and_a_stop(tmp_path, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 import zlib
 
@@ -86,16 +87,16 @@ def test_a_peft_adapter_whose_initialisation_rewrote_its_base_is_refused(init, t
 
 
 @pytest.mark.parametrize("damage, error", [
-    (lambda data: data[:5000], "incomplete metadata, file not fully covered"),
-    (lambda data: bytes(range(256)) * 8, "header too large"),
+    (lambda data: data[:5000], r"truncated: its header describes [\d,]+ bytes, the file holds 5,000"),
+    (lambda data: bytes(range(256)) * 8, r"not a readable safetensors file \(a header of \d+ bytes in a file of 2048\): "
+                                         r"the file is damaged"),
 ], ids=["truncated", "garbage"])
 def test_a_damaged_peft_adapter_file_is_named(damage, error, tmp_path, capsys):
     adapter = adapter_copy(tmp_path)
     weights = adapter / "adapter_model.safetensors"
     weights.write_bytes(damage(weights.read_bytes()))
     line = refused(init_adapter(adapter, tmp_path), capsys)
-    assert line.endswith(f"{weights}: not a readable safetensors file (SafetensorError: Error while deserializing "
-                         f"header: {error}): the file is damaged or truncated; download or export the adapter again")
+    assert re.search(rf"{re.escape(str(weights))}: {error}[:;] download or export the adapter again$", line), line
     assert not (tmp_path / "run").exists()
 
 

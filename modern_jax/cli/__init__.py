@@ -15,7 +15,8 @@
 
 Under a cluster launcher (srun, mpirun, a Cloud TPU pod's workers) or with --coordinator /
 --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID),
-train, evaluate, generate, harness and plan join the other processes first (`multihost.distributed`).
+train, evaluate, generate, harness, plan and convert join the other processes first
+(`multihost.distributed`).
 Each command is a module here that owns its parser (`add_parser`) and runs it (`run`); what more
 than one command uses is `shared`'s.
 """

@@ -38,5 +38,8 @@ def run(args) -> int:
     else:
         convert_to_hf(args.to_hf, args.out, model_type=args.model_type, dtype=args.dtype, overwrite=args.overwrite,
                       log=_note)
-    print(f"wrote {args.out}")
+    from modern_jax.multihost import distributed
+
+    if distributed.is_main():  # of a launch of several processes, said once
+        print(f"wrote {args.out}")
     return 0

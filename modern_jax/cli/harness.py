@@ -68,6 +68,7 @@ def run(args) -> int:
         harness.load_tasks(manager, tasks)  # a task whose data cannot be read is refused before the model is
         cfg, params, raw, tokenizer, source = _harness_model(args, note)
         trainer = _harness_trainer(cfg, raw, args)
+        params = params(trainer.states.shardings["params"])  # a Hugging Face model: each process reads its share
     lm = harness.HarnessLM(harness.Scorer(trainer.states, params, args.batch_size, chunk=trainer.train_cfg.loss_vocab_chunk), tokenizer, seed=args.seed,
                            name=source)
     tracker = None
@@ -99,7 +100,8 @@ def run(args) -> int:
 
 
 def _harness_model(args, note):
-    """`(config, parameters, run config, tokenizer, name)` of --checkpoint or --hf."""
+    """`(config, parameters, run config, tokenizer, name)` of --checkpoint or --hf; the parameters are
+    a function of the scoring state's shardings, which a Hugging Face model is read into."""
     if args.hf:
         from modern_jax.convert.conversions import initial_weights
 
@@ -108,11 +110,11 @@ def _harness_model(args, note):
             raise ValueError(f"--hf {args.hf} has no tokenizer.json: lm-eval's tasks are text, and the model's "
                              f"token ids mean nothing to another tokenizer: put its tokenizer files beside it")
         note(f"converting {init.source}")
-        return cfg, init.params(), {}, init.tokenizer, str(args.hf)
+        return cfg, init.params, {}, init.tokenizer, str(args.hf)
     from modern_jax.convert.conversions import load_model_params
 
     cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=note)
-    return cfg, params, raw, _checkpoint_tokenizer(run_dir, cfg), str(args.checkpoint)
+    return cfg, lambda _: params, raw, _checkpoint_tokenizer(run_dir, cfg), str(args.checkpoint)
 
 
 def _harness_trainer(cfg, raw: dict, args):

@@ -29,7 +29,7 @@ def _overrides(parser: argparse.ArgumentParser, example: str) -> None:
     parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
 
 
-COMPUTING = ("train", "evaluate", "generate", "harness", "plan")  # the commands that join a launch
+COMPUTING = ("train", "evaluate", "generate", "harness", "plan", "convert")  # the commands that join a launch
 
 
 def _launch_flags(sub: argparse.ArgumentParser) -> None:

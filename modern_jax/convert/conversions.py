@@ -25,6 +25,7 @@ trained from a Hugging Face source keeps its config.json and tokenizer files in 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -59,6 +60,13 @@ HF_ASSETS = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
 CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept in config.json, not in ModelConfig
 
 
+def launch_mesh() -> jax.sharding.Mesh | None:
+    """Of a launch of several processes, every device on `fsdp`: each process reads, holds and writes
+    its share of the model, none the whole; one process keeps the model on its first device."""
+    return jax.make_mesh((jax.device_count(),), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,)) \
+        if jax.process_count() > 1 else None
+
+
 def load_checkpoint(ckpt: str | os.PathLike, log=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """`(config, model)` from a converted checkpoint, a training run directory (its newest
     step) or one step directory; parameters come back in their saved dtype."""
@@ -71,18 +79,18 @@ def _model(cfg: ModelConfig, params: dict, converter) -> Transformer:
     return nnx.merge(abstract_converted(cfg, converter)[0], params)
 
 
-def _plain(ckpt, log=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
+def _plain(ckpt, log=None, mesh=None, **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """`load_checkpoint`, as a plain model of its config: a LoRA run's adapters merged into its base."""
-    cfg, params, raw, _ = load_model_params(ckpt, log=log, **overrides)
+    cfg, params, raw, _ = load_model_params(ckpt, log=log, mesh=mesh, **overrides)
     converter = saved_converter(raw)
     return cfg, converter.merged(_model(cfg, params, converter))
 
 
-def load_model_params(ckpt: str | os.PathLike, log=None, **overrides: Any):
+def load_model_params(ckpt: str | os.PathLike, log=None, mesh=None, **overrides: Any):
     """`load_params`, with the frozen base of a LoRA run whose checkpoints hold only its adapters
     (`lora.save_base: false`) read again from where it started (its `base.json`) and quantized
-    as the run does: `(config, every parameter, raw config, run directory)`."""
-    cfg, params, raw, home = load_params(ckpt, log=log, **overrides)
+    as the run does: `(config, every parameter, raw config, run directory)`; `mesh`: as `load_params`."""
+    cfg, params, raw, home = load_params(ckpt, log=log, mesh=mesh, **overrides)
     lora = LoRAConfig.of_run(raw)
     if lora is None or lora.save_base:
         return cfg, params, raw, home
@@ -112,13 +120,14 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str =
     `log` is told of skipped tensors (`from_hf`)."""
     outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite, dry_run=True)  # before reading
     src = resolve_hf(src)
-    _, model = from_hf(src, dtype=dtype, log=log)
+    _, model = from_hf(src, dtype=dtype, mesh=launch_mesh(), log=log)
     out = save_checkpoint(model, out, overwrite=overwrite)
-    (out / HF).mkdir(exist_ok=True)
-    for name in HF_ASSETS:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / HF / name)
-    write_checksums(out)
+    if jax.process_index() == 0:  # of several processes, process 0 writes what is not a share of the model
+        (out / HF).mkdir(exist_ok=True)
+        for name in HF_ASSETS:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / HF / name)
+        write_checksums(out)
     return out
 
 
@@ -148,9 +157,9 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, model_type: s
     if source is not None:
         text = source.get("text_config") or {}
         extra = {k: source.get(k, text.get(k)) for k in CARRIED_KEYS if k in source or k in text}
-    _, model = _plain(ckpt, log=log)  # a LoRA run: its adapters added into the base
+    _, model = _plain(ckpt, log=log, mesh=launch_mesh())  # a LoRA run: its adapters added into the base
     files = to_hf(model, out, model_type=model_type, dtype=dtype, extra_config=extra, overwrite=overwrite)
-    for name in HF_ASSETS:
+    for name in HF_ASSETS if jax.process_index() == 0 else ():  # of several processes, process 0 copies them
         if name != "config.json" and (home / HF / name).is_file():
             shutil.copy2(home / HF / name, Path(out) / name)
             files.append(name)
@@ -171,16 +180,20 @@ def convert_to_peft(ckpt: str | os.PathLike, out: str | os.PathLike, model_type:
             raise ValueError(f"{ckpt} was not started from a Hugging Face model: name the base's family with "
                              f"--model-type")
         model_type = model_type_of(source)
-    cfg, params, raw, _ = load_model_params(ckpt, log=log)
+    cfg, params, raw, _ = load_model_params(ckpt, log=log, mesh=launch_mesh())
     lora = LoRAConfig.of_run(raw)
     if lora is None:
         raise ValueError(f"{ckpt} is not a LoRA run (its config.yaml has no lora: section): convert --to-hf "
                          f"writes the whole model")
     model = _model(cfg, params, LoRA(lora))
-    outputs.claim(out, outputs.PEFT, "output directory", overwrite=overwrite)
-    with outputs.RunLock(Path(out), "output directory", command="convert --to-peft").acquire():
+    main = jax.process_index() == 0  # of a launch of several processes, process 0 writes the adapters
+    if main:
+        outputs.claim(out, outputs.PEFT, "output directory", overwrite=overwrite)
+    with outputs.RunLock(Path(out), "output directory", command="convert --to-peft").acquire() if main else \
+            contextlib.nullcontext():
         files = write_peft(model, lora, out, model_type, base=(source or {}).get("_name_or_path", ""))
-        outputs.mark(out, outputs.PEFT, f"modern-jax convert --to-peft (model_type {model_type})")
+        if main:
+            outputs.mark(out, outputs.PEFT, f"modern-jax convert --to-peft (model_type {model_type})")
     return files
 
 
@@ -209,7 +222,7 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
         tokenizer = checkpoint_tokenizer(home)
         assets = tuple(home / HF / name for name in HF_ASSETS if (home / HF / name).is_file())
 
-        def ours() -> dict:  # a LoRA run's: its adapters merged into its base
+        def ours(shardings=None) -> dict:  # a LoRA run's: its adapters merged into its base
             _, model = _plain(path, log=log, **overrides)
             params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
             flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -230,8 +243,8 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
     tokenizer = load_tokenizer(path / TOKENIZER_FILE) if (path / TOKENIZER_FILE).is_file() else None
     rest = {k: v for k, v in overrides.items() if k not in ("dtype", "param_dtype")}
 
-    def params() -> dict:
-        _, model = from_hf(path, dtype=cfg.dtype, param_dtype=cfg.param_dtype, log=log, **rest)
+    def params(shardings=None) -> dict:  # placed as `shardings` (of the run) as they are read
+        _, model = from_hf(path, dtype=cfg.dtype, param_dtype=cfg.param_dtype, shardings=shardings, log=log, **rest)
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     assets = tuple(path / name for name in HF_ASSETS if (path / name).is_file())

@@ -11,44 +11,56 @@ Loading builds the model abstractly (no random initialisation), checks the check
 against it before reading any data (every expected tensor present, no tensor left over but
 those the family says its network does not use, such as DeepSeek's multi-token-prediction
 layer, which are skipped and logged; every shape right; errors name the tensors and both
-shapes; a quantised tensor without its scales is refused, naming both), then streams the
-tensors from the (possibly sharded) safetensors files into one preallocated array per stacked
-parameter (a tensor holding NaN or infinite values is refused, naming it and its file). The
-tensors of a quantised checkpoint (block-fp8, mxfp4: `hf_quantised`) are dequantised as they
-arrive, each with its scales, which are not parameters of their own. A
-parameter is handed to JAX as soon as its last layer is filled, so the host holds about one
-copy of the model, never two. Writing fetches one slot (a layer, an expert) of a parameter
-at a time from the devices and holds at most one safetensors shard, so the host never holds
-a whole stacked parameter.
+shapes; a quantised tensor without its scales is refused, naming both; a file shorter than its
+header says is refused, naming it), then builds each parameter on each of this process's devices
+from the slice that device holds (`place`): the slice of each slot (layer, expert) it spans is
+mapped back through the family's rule to the rows of the Hugging Face tensor that hold it
+(`Rule.read`: q/k/v's heads, a fused tensor's part, the true vocabulary rows) and read from the
+file alone (`safetensors_files`), cast as it arrives into a host buffer of that device's slice,
+which goes to the device before the next is read. A quantised tensor (block-fp8, mxfp4:
+`hf_quantised`) is read as the blocks the slice touches and their scales, and dequantised there.
+So each process reads only its devices' share of the files, and holds, beside what its devices
+hold, one device's slice of one parameter (`load_footprint` counts both for a mesh, without the
+devices); the whole-tensor load of one device is the case of one slice per parameter. A tensor
+holding NaN or infinite values is refused, naming it and its file.
+
+Writing fetches one slot of a parameter at a time from the devices (gathered to every process of
+a launch, which all fetch the same slots in the same order) and streams it into its safetensors
+file, whose header is written first: each process writes the files it owns (`_write_hf`), and no
+process holds more than one tensor of the model on the host.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import math
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
+from flax.nnx import traversals
 
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_json
 from modern_jax.convert.hf_config import config_from_hf, config_to_hf, family_of
 from modern_jax.convert.hf_families import FAMILIES, Family
 from modern_jax.convert.hf_keys import Reader
-from modern_jax.convert.hf_quantised import RAW_DTYPES, Quantisation, quantisation_of, read_raw
+from modern_jax.convert.hf_quantised import Quantisation, quantisation_of
 from modern_jax.convert.hf_weights import Rule
+from modern_jax.convert.safetensors_files import (DamagedFile, Entry, SafetensorsFiles, SafetensorsWriter, dtype_name,
+                                                  normalised)
 from modern_jax.model import Transformer, abstract_model
 
 INDEX = "model.safetensors.index.json"
@@ -64,30 +76,39 @@ class CheckpointError(ValueError):
 
 @dataclass
 class Target:
-    """One of our parameters (a stacked one: all its layers), filled slice by slice."""
+    """One of our parameters (a stacked one: all its layers), read slice by slice."""
 
     path: tuple
     variable: Any  # the nnx.Param in the model's state
     rule: Rule  # how Hugging Face tensors hold it
     layers: tuple[int, ...] | None  # stacked: the layer of each index along its first axis; None: not per layer
-    buffer: np.ndarray | None = None
-    filled: set = field(default_factory=set)
-    sharding: Any = None  # where the finished parameter goes (None: the default device)
+    sharding: Any = None  # where it goes (None: the default device)
 
     @property
     def name(self) -> str:
         return ".".join(map(str, self.path))
 
+    def slots(self) -> dict[tuple[int, ...], str]:
+        """The Hugging Face tensor holding each slot (layer, expert, ...; `()`: the whole parameter)."""
+        numbering = {} if self.layers is None else {"i": self.layers}
+        return {slot: name for name, slot in self.rule.tensors(tuple(self.variable.shape), **numbering)}
+
 
 @dataclass(frozen=True)
 class Stored:
-    """Where a Hugging Face tensor the model reads is: its file, name and dtype (as safetensors names it),
-    and for a quantised one the file and name of its scales."""
+    """Where a Hugging Face tensor the model reads is (its header entry), and for a quantised one the
+    entry of its scales."""
 
-    file: Path
-    name: str
-    dtype: str
-    scales: tuple[Path, str] | None = None
+    entry: Entry
+    scales: Entry | None = None
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def file(self) -> Path:
+        return self.entry.file
 
 
 @dataclass(frozen=True)
@@ -129,8 +150,7 @@ def plan(params: Iterable[Target]) -> dict[str, list[Source]]:
     (the parts of a fused tensor fill several)."""
     sources: dict[str, list[Source]] = {}
     for target in params:
-        numbering = {} if target.layers is None else {"i": target.layers}
-        for name, slot in target.rule.tensors(tuple(target.variable.shape), **numbering):
+        for slot, name in target.slots().items():
             sources.setdefault(name, []).append(Source(target, slot))
     return sources
 
@@ -194,14 +214,12 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def open_safetensors(file: Path, fix: str = "download it again"):
-    """`safe_open`, with a damaged file (truncated, bad header) reported as a CheckpointError naming it."""
+    """One safetensors file's tensors (`keys()`, `get_tensor(name)`), by the one reader
+    (`SafetensorsFiles`); a damaged or truncated file is a CheckpointError naming it."""
     try:
-        f = safe_open(file, framework="np")
-    except Exception as e:  # safetensors raises its own error types (not ValueError)
-        raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e}): "
-                              f"the file is damaged or truncated; {fix}") from None
-    with f:
-        yield f
+        yield SafetensorsFiles([file], fix)
+    except DamagedFile as e:
+        raise CheckpointError(str(e)) from None
 
 
 def nonfinite(x) -> str | None:
@@ -227,27 +245,42 @@ def _listed(names) -> str:
 
 
 def from_hf(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None, *,
-            mesh: jax.sharding.Mesh | None = None, rules=None, log=None,
+            mesh: jax.sharding.Mesh | None = None, rules=None, shardings: dict | None = None, log=None,
             **overrides: Any) -> tuple[ModelConfig, Transformer]:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as `(config, model)`.
 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameters' dtype;
     tensors are cast as they stream in. With a `mesh`, each parameter is placed sharded by
-    the logical-axis `rules` (default `sharding.RULES`) as soon as it is complete.
+    the logical-axis `rules` (default `sharding.RULES`); `shardings` (a pure dict of the model's
+    parameters, each a sharding or anything with a `.sharding`) places them as a run does. Each
+    process reads only the slices of the checkpoint its own devices hold.
     `overrides` set other fields that are not the network itself (vocab_pad_to, dropout, ...).
     `log(message)` is told of tensors the model does not use that are skipped (DeepSeek-V3's
-    multi-token-prediction layer); without it they go to the `logging` module at INFO.
-    `path` may be a hub name (`org/name`), read from the Hugging Face cache (`resolve_hf`).
+    multi-token-prediction layer); without it they go to the `logging` module at INFO, as the
+    bytes read always do. `path` may be a hub name (`org/name`), read from the Hugging Face cache (`resolve_hf`).
     """
     path = resolve_hf(path)
     hf, family, cfg, quant = _read_config(path, dtype, param_dtype or dtype, overrides)
-    graphdef, state, rest, params = _build_targets(cfg, family, mesh, rules)
-    sources = plan(params)
-    found = _check_headers(path, hf, family, cfg, sources, quant, log)
-    _stream(path, found, sources, cfg, quant)
-    unfilled = {target.name for target in params if target.buffer is not None}
-    assert not unfilled, f"parameters left unfilled: {sorted(unfilled)}"
+    graphdef, state, rest, params = _build_targets(cfg, family, mesh, rules, shardings)
+    files = _open_files(path)
+    found = _check_headers(path, hf, family, cfg, plan(params), quant, log, files)
+    bad: dict[str, list[int]] = {}
+    for target in params:
+        names = target.slots()
+        target.variable.set_value(place(target, lambda slot, index, t=target, n=names: _read_slot(
+            files, found[n[slot]], t, index, cfg.vocab_size, quant, bad)))
+    refuse_nonfinite(str(path), [f"{name} in {found_by_name.file.name} ({nan:,} NaN, {inf:,} inf of {n:,} values)"
+                                 for name, (found_by_name, nan, inf, n) in bad.items()])
+    logger.info(f"{path}: read {files.requested / 2**20:,.1f} MiB of the checkpoint's "
+               f"{sum(f.stat().st_size for f in files.headers) / 2**20:,.1f} MiB for this process's devices")
     return cfg, nnx.merge(graphdef, state, rest)
+
+
+def _tell(log, message: str) -> None:
+    if log is None:
+        logger.info(message)
+    else:
+        log(message)
 
 
 def _read_config(path: Path, dtype: str, param_dtype: str, overrides: dict
@@ -268,10 +301,10 @@ def _read_config(path: Path, dtype: str, param_dtype: str, overrides: dict
     return hf, family, cfg, quant
 
 
-def _build_targets(cfg: ModelConfig, family: Family, mesh, rules):
+def _build_targets(cfg: ModelConfig, family: Family, mesh, rules, shardings=None):
     """`(graphdef, state, rest, targets)` of the abstract model: each parameter a `Target` to fill,
-    with its sharding when there is a `mesh` (so a mesh that cannot split the model fails before
-    any reading)."""
+    with its sharding when there is a `mesh` or `shardings` (so a mesh that cannot split the model
+    fails before any reading)."""
     abstract = abstract_model(cfg)
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
@@ -281,25 +314,25 @@ def _build_targets(cfg: ModelConfig, family: Family, mesh, rules):
     if mesh is not None:
         from modern_jax.sharding import RULES, state_shardings
 
-        shardings = dict(nnx.to_flat_state(state_shardings(state, mesh, rules or RULES)))
-        for target in params:
-            target.sharding = shardings[target.path]
+        shardings = nnx.to_pure_dict(state_shardings(state, mesh, rules or RULES))
+    if shardings is not None:
+        flat = traversals.flatten_mapping(shardings)
+        for target in params:  # one the run does not place (not in `shardings`) goes to the default device
+            where = flat.get(target.path)
+            target.sharding = getattr(where, "sharding", where)
     return graphdef, state, rest, params
 
 
-def _headers(path: Path) -> list[tuple[Path, str, str, tuple[int, ...]]]:
-    """`(file, name, dtype, shape)` of every tensor in the checkpoint, in file order, from the headers."""
-    out = []
-    for file in checkpoint_files(path):
-        with open_safetensors(file) as f:
-            for name in f.keys():
-                view = f.get_slice(name)
-                out.append((file, name, view.get_dtype(), tuple(view.get_shape())))
-    return out
+def _open_files(path: Path) -> SafetensorsFiles:
+    """The headers of the checkpoint's files; a damaged or truncated one is refused, naming it."""
+    try:
+        return SafetensorsFiles(checkpoint_files(path))
+    except DamagedFile as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sources, quant: Quantisation | None,
-                   log) -> dict[str, Stored]:
+                   log, files: SafetensorsFiles) -> dict[str, Stored]:
     """Where each tensor the model reads is (`{canonical name: Stored}`), from the headers only: a
     missing, unused, doubled or misshapen tensor, or a quantised one without its scales, fails here,
     before any data is read; tensors the family skips are logged. A quantised tensor stands for the
@@ -307,10 +340,8 @@ def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sourc
     table = family.weights
     skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(family.model_type, hf, family.defaults))}
     tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
-    headers = _headers(path)
-    where: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    for file, name, _, shape in headers:
-        where.setdefault(name, (file, shape))
+    headers = [(e.file, e.name, e.dtype, e.shape) for entries in files.headers.values() for e in entries]
+    where = files.entries
 
     found: dict[str, Stored] = {}
     scaled, unused, twice, wrong, unscaled = set(), [], [], [], []
@@ -339,13 +370,13 @@ def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sourc
             if scales_name not in where:
                 unscaled.append(f"{name} in {file.name} (no {scales_name})")
             else:
-                scales = (where[scales_name][0], scales_name)
-                if where[scales_name][1] != need:
-                    wrong.append(f"{scales_name}: the checkpoint has {list(where[scales_name][1])}, its quantised "
+                scales = where[scales_name]
+                if scales.shape != need:
+                    wrong.append(f"{scales_name}: the checkpoint has {list(scales.shape)}, its quantised "
                                  f"tensor {list(shape)} needs {list(need)}")
             scaled.add(scales_name)
             shape = quant.shape(shape)
-        found[canonical] = Stored(file, name, dtype, scales)
+        found[canonical] = Stored(next(e for e in files.headers[file] if e.name == name), scales)
         src = sources[canonical][0]
         want = src.rule.hf_shape(src.shape, cfg.vocab_size)
         if shape != want:
@@ -358,11 +389,8 @@ def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sourc
     _refuse_misfit(path, family.model_type, missing, unused, twice, wrong, unscaled)
     for what, names in skipped.values():
         if names:
-            message = f"{path}: skipping {len(names)} tensor(s) of {what}, which the model does not use: {_listed(names)}"
-            if log is None:
-                logger.info(message)
-            else:
-                log(message)
+            _tell(log, f"{path}: skipping {len(names)} tensor(s) of {what}, which the model does not use: "
+                       f"{_listed(names)}")
     return found
 
 
@@ -383,59 +411,97 @@ def _refuse_misfit(path: Path, model_type: str, missing, unused, twice, wrong, u
         raise CheckpointError(f"{path} does not fit the {model_type} model of its config.json: " + ". ".join(problems))
 
 
-def _read(f, file: Path, name: str, dtype: str) -> np.ndarray:
-    """Tensor `name` of the open safetensors `file` (`f`); a damaged file is a CheckpointError naming it."""
-    try:
-        return read_raw(file, name) if dtype in RAW_DTYPES else f.get_tensor(name)
-    except Exception as e:  # safetensors raises its own error types on a damaged file
-        raise CheckpointError(f"{file}: cannot read tensor {name} ({type(e).__name__}: {e}): "
-                              f"the file is damaged or truncated") from None
+def place(target: Target, read: Callable[[tuple[int, ...], tuple[slice, ...]], np.ndarray]) -> jax.Array:
+    """Our parameter, built on each of this process's devices from the slice it holds: the slice of
+    each slot (layer, expert) it spans is `read(slot, index)` (the index within the slot), cast into a
+    host buffer of the device's slice alone, which goes to the device before the next one is read
+    (devices holding the same slice share one read)."""
+    shape, dtype = tuple(target.variable.shape), np.dtype(target.variable.dtype)
+    sharding = target.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    slotted = len(target.rule.variables())
+    indices = sharding.addressable_devices_indices_map(shape)
+    by_index: dict[tuple, list] = {}
+    for device, index in indices.items():
+        by_index.setdefault(tuple((s.start, s.stop) for s in normalised(index, shape)), []).append(device)
+    arrays = {}
+    for bounds, devices in by_index.items():
+        index = tuple(slice(*b) for b in bounds)
+        host = np.empty([s.stop - s.start for s in index], dtype)
+        for slot in itertools.product(*(range(s.start, s.stop) for s in index[:slotted])):
+            host[tuple(k - s.start for k, s in zip(slot, index))] = read(slot, index[slotted:])
+        for device in devices:
+            arrays[device] = jax.device_put(host, device)
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, [arrays[d] for d in indices])
 
 
-def _stream(path: Path, found: dict[str, Stored], sources, cfg: ModelConfig, quant: Quantisation | None) -> None:
-    """The data, file by file, into one preallocated buffer per parameter (`fill`), a quantised tensor
-    dequantised with its scales (float32) as it arrives; a tensor holding NaN or infinite values is
-    refused, by name."""
-    by_file: dict[Path, list[tuple[str, Stored]]] = {}
-    for canonical, stored in found.items():
-        by_file.setdefault(stored.file, []).append((canonical, stored))
-    bad = []
-    for file, tensors in by_file.items():
-        with open_safetensors(file) as f:
-            for canonical, stored in tensors:
-                x = _read(f, file, stored.name, stored.dtype)
-                if stored.scales is not None:
-                    scales_file, scales_name = stored.scales
-                    with contextlib.ExitStack() as other:
-                        g = f if scales_file == file else other.enter_context(open_safetensors(scales_file))
-                        x = quant.dequantize(x, _read(g, scales_file, scales_name, ""))
-                count = nonfinite(x)
-                if count is not None:
-                    bad.append(f"{stored.name} in {file.name} ({count})")
-                for src in sources[canonical]:
-                    fill(src, x, cfg.vocab_size)
-                del x
-    refuse_nonfinite(str(path), bad)
+def _read_slot(files: SafetensorsFiles, stored: Stored, target: Target, index: tuple[slice, ...], vocab: int,
+               quant: Quantisation | None, bad: dict[str, list]) -> np.ndarray:
+    """Slice `index` of one slot of `target` from Hugging Face tensor `stored`: a quantised one
+    dequantised from the blocks the slice touches and their scales; NaN and infinite values are
+    counted into `bad` by tensor name."""
+    shape = tuple(target.variable.shape)[len(target.rule.variables()):]
+
+    def read(hf_index: tuple[slice, ...]) -> np.ndarray:
+        try:
+            if stored.scales is None:
+                x = files.read(stored.entry, hf_index)
+            else:
+                x = quant.read(normalised(hf_index, quant.shape(stored.entry.shape)),
+                               lambda i: files.read(stored.entry, i), lambda i: files.read(stored.scales, i))
+        except (OSError, ValueError) as e:  # the file changed since its header was read
+            raise CheckpointError(f"{stored.file}: cannot read tensor {stored.name} ({e}): the file is damaged or "
+                                  f"truncated; download it again") from None
+        if x.dtype.kind == "f" or x.dtype == ml_dtypes.bfloat16:
+            finite = np.isfinite(x)
+            if not finite.all():
+                counts = bad.setdefault(stored.name, [stored, 0, 0, 0])
+                counts[1] += int(np.isnan(x).sum())
+                counts[2] += int(np.isinf(x).sum())
+                counts[3] += x.size
+        return x
+
+    return target.rule.read(index, shape, vocab, read)
 
 
-def fill(src: Source, x: np.ndarray, vocab: int | None = None) -> None:
-    """Put Hugging Face tensor `x` into its slice of our parameter; hand the parameter to JAX once
-    every slice is filled."""
-    target = src.target
-    if target.buffer is None:
-        target.buffer = np.empty(target.variable.shape, np.dtype(target.variable.dtype))
-    target.buffer[src.slot] = src.rule.to_ours(x, src.shape, vocab)
-    target.filled.add(src.slot)
-    if len(target.filled) == math.prod(target.variable.shape[:len(src.slot)]):
-        put = jnp.asarray if target.sharding is None else (lambda a: jax.device_put(a, target.sharding))
-        target.variable.set_value(put(target.buffer))
-        target.buffer = None
+FETCH_BYTES = 4 * 2**20  # what one fetch of a slot's rows gathers onto each device
 
 
 def host_slice(src: Source) -> np.ndarray:
     """The slot (one layer, one expert) of a parameter that `src` reads, fetched to the host alone:
-    a sharded array gives up just that slice, so the host never holds a whole stacked parameter."""
-    return np.asarray(src.target.variable[...][src.slot])
+    of a sharded array, in pieces of at most `FETCH_BYTES` along an axis the mesh does not split
+    (gathered onto every device of its mesh, so every process of a launch gets each piece, all
+    fetching the same pieces in the same order), so neither the host nor a device ever holds more
+    of the parameter than the slot and one piece."""
+    x = src.target.variable[...]
+    if not isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
+        return np.asarray(x[src.slot])
+    shape, lead = tuple(x.shape[len(src.slot):]), len(src.slot)
+    spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+    free = [a for a in range(len(shape)) if spec[lead + a] is None] or [None]
+    axis = max(free, key=lambda a: -1 if a is None else shape[a])
+    rows = 1 if axis is None else shape[axis]
+    row_bytes = math.prod(shape) // max(rows, 1) * x.dtype.itemsize
+    size = max([d for d in range(1, rows + 1) if rows % d == 0 and d * row_bytes <= FETCH_BYTES] or [1])
+    whole = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+    kept = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*spec[lead:]))
+    out = np.empty(shape, np.dtype(x.dtype))
+    for start in range(0, rows, size):
+        piece = _piece(x, tuple(map(np.int32, src.slot)), np.int32(start), axis=axis, size=size, kept=kept,
+                       out_sharding=whole)
+        out[(slice(None),) * (axis or 0) + (slice(start, start + size),) if axis is not None else ()] = \
+            np.asarray(piece.addressable_data(0))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "size", "kept", "out_sharding"))
+def _piece(x, slot, start, *, axis, size, kept, out_sharding):
+    """Rows `start` to `start + size` along `axis` of slot `slot` of `x` (all of it: `axis` None), cut
+    where it lies (`kept`: the slot's sharding, as `x`'s), then whole on every device."""
+    y = x[slot] if slot else x
+    y = y if axis is None else jax.lax.dynamic_slice_in_dim(y, start, size, axis)
+    y = jax.lax.with_sharding_constraint(y, kept)
+    return jax.lax.with_sharding_constraint(y, out_sharding)  # the piece alone is gathered, not the parameter
 
 
 def hf_tensor(srcs: list[Source], piece: Callable[[Source], np.ndarray] = host_slice,
@@ -448,44 +514,6 @@ def hf_tensor(srcs: list[Source], piece: Callable[[Source], np.ndarray] = host_s
 
 # ----- writing ---------------------------------------------------------------------------
 
-class _ShardWriter:
-    """Writes tensors into safetensors shards of at most `max_bytes` (one tensor may exceed it)."""
-
-    def __init__(self, path: Path, max_bytes: int):
-        self.path, self.max_bytes = path, max_bytes
-        self.pending: dict[str, np.ndarray] = {}
-        self.pending_bytes, self.shards, self.total = 0, [], 0
-
-    def add(self, name: str, x: np.ndarray) -> None:
-        if self.pending and self.pending_bytes + x.nbytes > self.max_bytes:
-            self.flush()
-        self.pending[name] = np.ascontiguousarray(x)
-        self.pending_bytes += x.nbytes
-        self.total += x.nbytes
-
-    def flush(self) -> None:
-        file = self.path / f".shard-{len(self.shards)}.safetensors"
-        save_file(self.pending, str(file), metadata={"format": "pt"})
-        self.shards.append((file, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> list[str]:
-        if self.pending or not self.shards:
-            self.flush()
-        n = len(self.shards)
-        if n == 1:
-            self.shards[0][0].rename(self.path / SINGLE)
-            return [SINGLE]
-        weight_map = {}
-        for k, (file, names) in enumerate(self.shards):
-            final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            file.rename(self.path / final)
-            weight_map.update({name: final for name in names})
-        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        return [INDEX, *sorted(set(weight_map.values()))]
-
-
 def to_hf(model: Transformer, path: str | os.PathLike, model_type: str, *, dtype: str | None = None,
           max_shard_bytes: int = MAX_SHARD_BYTES, extra_config: dict[str, Any] | None = None,
           overwrite: bool = False) -> list[str]:
@@ -496,6 +524,7 @@ def to_hf(model: Transformer, path: str | os.PathLike, model_type: str, *, dtype
     Raises ValueError if `model_type` cannot express the model, or if `path` holds anything
     but nothing or (with `overwrite`, which replaces it) a Hugging Face model.
     """
+    from modern_jax.multihost import distributed
     from modern_jax.training import outputs
 
     cfg = model.cfg
@@ -503,16 +532,26 @@ def to_hf(model: Transformer, path: str | os.PathLike, model_type: str, *, dtype
     dtype = dtype or cfg.param_dtype
     hf.update(extra_config or {})
     hf["torch_dtype"] = dtype
-    path = Path(path)
-    outputs.claim(path, outputs.HF, "output directory", overwrite=overwrite)
-    with outputs.RunLock(path, "output directory", command="convert --to-hf").acquire():
+    path, main = Path(path), jax.process_index() == 0  # of a launch of several processes, process 0 claims it
+    if main:
+        outputs.claim(path, outputs.HF, "output directory", overwrite=overwrite)
+    with outputs.RunLock(path, "output directory", command="convert --to-hf").acquire() if main else \
+            contextlib.nullcontext():
+        distributed.barrier("to_hf/claimed")
         files = _write_hf(model, path, model_type, hf, dtype, max_shard_bytes)
-        outputs.mark(path, outputs.HF, f"modern-jax convert --to-hf (model_type {model_type})")
+        if main:
+            outputs.mark(path, outputs.HF, f"modern-jax convert --to-hf (model_type {model_type})")
     return files
 
 
 def _write_hf(model: Transformer, path: Path, model_type: str, hf: dict, dtype: str, max_shard_bytes: int
               ) -> list[str]:
+    """The safetensors files (and index) of `model`, a tensor at a time: every process of a launch
+    fetches each slot in the same order (`host_slice`), and each writes the files it owns (shard k is
+    process k's, modulo the process count: with several processes the shards are at most 1/N of the
+    model each, so each writes a share), so no process holds more than one tensor of the model."""
+    from modern_jax.multihost import distributed
+
     cfg = model.cfg
     sources = plan(targets(model, nnx.state(model, nnx.Param), FAMILIES[model_type]))
 
@@ -522,9 +561,89 @@ def _write_hf(model: Transformer, path: Path, model_type: str, hf: dict, dtype: 
             -1 if "embed" in src.target.name else 1 << 30)
         return layer, name
 
-    writer = _ShardWriter(path, max_shard_bytes)  # holds at most one shard of tensors on the host
-    for name in sorted(sources, key=order):
-        writer.add(name, hf_tensor(sources[name], vocab=cfg.vocab_size).astype(np.dtype(jnp.dtype(dtype))))
-    files = writer.close()
-    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    return ["config.json", *files]
+    out, processes = np.dtype(jnp.dtype(dtype)), jax.process_count()
+    shapes = {name: sources[name][0].rule.hf_shape(sources[name][0].shape, cfg.vocab_size)
+              for name in sorted(sources, key=order)}
+    total = sum(math.prod(shape) for shape in shapes.values()) * out.itemsize
+    shards = _shards(shapes, out.itemsize, min(max_shard_bytes, -(-total // processes)))
+    files = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for k in range(len(shards))]
+    for k, names in enumerate(shards):
+        writer = SafetensorsWriter(path / files[k], {n: (shapes[n], dtype_name(out)) for n in names}) \
+            if k % processes == jax.process_index() else None
+        for name in names:
+            x = hf_tensor(sources[name], vocab=cfg.vocab_size)  # every process takes part in fetching it
+            if writer is not None:
+                writer.write(name, x.astype(out, copy=False))
+            del x
+        if writer is not None:
+            writer.close()
+    distributed.barrier("to_hf/shards")
+    if jax.process_index() == 0:
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: files[k] for k, names in enumerate(shards) for name in names}}
+            (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return ["config.json", *([INDEX] if len(shards) > 1 else []), *files]
+
+
+def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: int) -> list[list[str]]:
+    """Tensor names in order, cut into shards of at most `max_bytes` (one tensor may exceed it)."""
+    shards, size = [[]], 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+# ----- accounting --------------------------------------------------------------------------
+
+def load_footprint(cfg: ModelConfig, model_type: str, mesh_shape: dict[str, int], processes: int,
+                   stored_dtype: str = "bfloat16", rules=None) -> dict[str, int]:
+    """The bytes one process of a launch deals in while `from_hf` loads `cfg` (a `model_type`
+    checkpoint stored in `stored_dtype`) onto a mesh of `mesh_shape` (its devices in row-major
+    order, `processes` consecutive groups of them, as a pod slice's hosts hold them), the largest
+    over the processes, found from the shapes alone (no devices needed):
+
+    - `held`: what its devices hold, in the parameters' dtype (on a host whose devices are its own
+      CPUs, host memory);
+    - `read`: the bytes it reads from the files (each distinct slice its devices hold, once);
+    - `slice`: the most it holds on the host beside that at any moment: one device's slice of one
+      parameter being filled, plus the Hugging Face slot slice being read into it (read, and cast
+      to float32 where the reshaping copies it).
+    """
+    from modern_jax.sharding import RULES, logical_to_spec
+
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    devices = math.prod(sizes)
+    if devices % processes:
+        raise ValueError(f"{devices} devices cannot be split over {processes} processes")
+    per_process, stored = devices // processes, np.dtype(jnp.dtype(stored_dtype)).itemsize
+    coords = np.stack(np.unravel_index(np.arange(devices), sizes), axis=-1)  # [device, mesh axis]
+    mesh = type("MeshShape", (), {"shape": dict(mesh_shape)})()
+    abstract = abstract_model(cfg)
+    held, read, largest = np.zeros(processes), np.zeros(processes), 0
+    for target in targets(abstract, nnx.state(abstract, nnx.Param), FAMILIES[model_type]):
+        shape, itemsize = tuple(target.variable.shape), np.dtype(target.variable.dtype).itemsize
+        axes = target.variable.get_metadata().get("out_sharding") or (None,) * len(shape)
+        spec = logical_to_spec(axes, rules or RULES, mesh, shape)
+        groups = [() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec]
+        groups += [()] * (len(shape) - len(groups))
+        splits = [math.prod(mesh_shape[a] for a in g) for g in groups]
+        piece = [n // k for n, k in zip(shape, splits)]
+        shard = math.prod(piece)
+        slotted = len(target.rule.variables())
+        index = np.stack([np.ravel_multi_index(tuple(coords[:, names.index(a)] for a in g), [mesh_shape[a] for a in g])
+                          if g else np.zeros(devices, int) for g in groups], axis=-1)
+        for p in range(processes):
+            mine = index[p * per_process:(p + 1) * per_process]
+            held[p] += per_process * shard * itemsize
+            read[p] += len({tuple(row) for row in mine}) * shard * stored
+        slot_slice = math.prod(piece[slotted:])
+        largest = max(largest, shard * itemsize + slot_slice * (stored + 4))
+    return {"held": int(held.max()), "read": int(read.max()), "slice": int(largest)}

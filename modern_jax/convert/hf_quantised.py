@@ -1,7 +1,8 @@
 """Quantised Hugging Face checkpoints, dequantised as they load: block-fp8 and mxfp4.
 
-    quant = quantisation_of(config_json)        # None for an unquantised checkpoint
-    w = quant.dequantize(values, scales)        # float32: the tensor a quantised one stands for
+    scheme = quantisation_of(config_json)        # None for an unquantised checkpoint
+    w = scheme.dequantize(values, scales)        # float32: the tensor a quantised one stands for
+    w = scheme.read(index, read_values, read_scales)   # a slice of it, from the blocks it touches
 
 The two published layouts, by `quantization_config.quant_method`:
 
@@ -30,11 +31,9 @@ ceil(c1 / b1)]`, give the same slice of the dequantised tensor.
 
 from __future__ import annotations
 
-import functools
-import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes  # numpy's float8 types (a dependency of jax)
@@ -45,8 +44,9 @@ FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
                     np.float32)
 E8M0_BIAS = 127  # an e8m0 scale byte s is 2^(s - 127)
 MXFP4_BLOCK = 32  # values per scale
-# safetensors dtypes whose tensors its numpy reader cannot give (numpy has no such type): read by offsets
+# the safetensors dtypes of block-fp8's quantised tensors
 RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+Read = Callable[[tuple[slice, ...]], np.ndarray]  # a stored tensor's slice, by index
 # how transformers dequantises a checkpoint of each `quant_method` on loading (for those read here: a
 # layout they may hold that is not)
 TRANSFORMERS_DEQUANTISE = {"mxfp4": "Mxfp4Config(dequantize=True)", "fp8": "FineGrainedFP8Config(dequantize=True)"}
@@ -109,6 +109,15 @@ class BlockFP8:
     def dequantize(self, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
         return dequantize_fp8(values, scales, self.block)
 
+    def read(self, index: tuple[slice, ...], values: Read, scales: Read) -> np.ndarray:
+        """Slice `index` (concrete bounds) of the dequantised tensor, from the values of the blocks it
+        touches and their scales: a slice not on the blocks' edges reads its partial blocks whole."""
+        *lead, rows, cols = index
+        (b0, b1), r, c = self.block, rows.start // self.block[0], cols.start // self.block[1]
+        w = self.dequantize(values((*lead, slice(r * b0, rows.stop), slice(c * b1, cols.stop))),
+                            scales((*lead, slice(r, -(-rows.stop // b0)), slice(c, -(-cols.stop // b1)))))
+        return w[..., rows.start - r * b0:, cols.start - c * b1:]
+
 
 @dataclass(frozen=True)
 class MXFP4:
@@ -137,6 +146,14 @@ class MXFP4:
         are its columns."""
         return np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2)
 
+    def read(self, index: tuple[slice, ...], values: Read, scales: Read) -> np.ndarray:
+        """Slice `index` (concrete bounds) of the dequantised [..., 32 G, R] tensor, from the blocks of
+        32 it touches ([..., R, G, 16]) and their scales."""
+        *lead, cols, rows = index
+        g0, g1 = cols.start // MXFP4_BLOCK, -(-cols.stop // MXFP4_BLOCK)
+        w = self.dequantize(values((*lead, rows, slice(g0, g1))), scales((*lead, rows, slice(g0, g1))))
+        return w[..., cols.start - g0 * MXFP4_BLOCK:cols.stop - g0 * MXFP4_BLOCK, :]
+
 
 Quantisation = BlockFP8 | MXFP4
 
@@ -163,25 +180,3 @@ def quantisation_of(hf: dict[str, Any]) -> Quantisation | None:
     raise ValueError(f"quantization_config.quant_method={method!r}: from_hf dequantises fp8 (in blocks) and mxfp4 "
                      f"checkpoints only; {fix}")
 
-
-@functools.lru_cache(maxsize=8)
-def _header(file: Path, stamp: tuple[int, int]) -> tuple[int, dict]:
-    """(where the data starts, the header) of a safetensors file; `stamp` (size, mtime) keys the cache."""
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return 8 + n, json.loads(f.read(n))
-
-
-def read_raw(file: Path, name: str) -> np.ndarray:
-    """Tensor `name` of safetensors `file`, of a dtype safetensors' numpy reader cannot give (float8),
-    read from the offsets its header gives."""
-    stat = file.stat()
-    start, header = _header(file, (stat.st_size, stat.st_mtime_ns))
-    entry = header[name]
-    begin, end = entry["data_offsets"]
-    with open(file, "rb") as f:
-        f.seek(start + begin)
-        data = f.read(end - begin)
-    if len(data) != end - begin:
-        raise ValueError(f"{name}: {len(data)} of its {end - begin} bytes are in the file")
-    return np.frombuffer(data, np.uint8).view(RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])

@@ -28,7 +28,7 @@ import itertools
 import math
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,16 +84,34 @@ class Rule:
         sizes = self.sizes(shape, vocab)
         return tuple(math.prod(sizes[a] for a in g) for g in groups)
 
-    def to_ours(self, x: np.ndarray, shape: tuple[int, ...], vocab: int | None = None) -> np.ndarray:
+    def read(self, index: tuple[slice, ...], shape: tuple[int, ...], vocab: int | None,
+             read: Callable[[tuple[slice, ...]], np.ndarray]) -> np.ndarray:
+        """Slice `index` (concrete bounds, one per axis) of our parameter's slot of `shape`, from the
+        Hugging Face tensor's slices `read(hf_index)` gives: along each flattened group, the rows of its
+        outer axis that the slice touches (an inner axis is cut after reading: heads are split, a head's
+        dimension never is); of a fused tensor, only the part's rows; past the true vocabulary, zeros."""
         groups, ours = self.axes()
         sizes, flat = self.sizes(shape, vocab), [a for g in groups for a in g]
-        x = x.reshape([sizes[a] for a in flat])
+        want = dict(zip(ours, index))
+        if self.part is not None:
+            want.update({a: slice(self.part, self.part + 1) for a in flat if a.isdigit()})
+        have = {a: slice(min(s.start, sizes[a]), min(s.stop, sizes[a])) for a, s in want.items()}  # V: true rows
+        hf_index = tuple(slice(have[g[0]].start * math.prod(sizes[a] for a in g[1:]),
+                               have[g[0]].stop * math.prod(sizes[a] for a in g[1:])) for g in groups)
+        x = read(hf_index).reshape([len(range(have[a].start, have[a].stop)) if a == g[0] else sizes[a]
+                                    for g in groups for a in g])
+        x = x[tuple(slice(None) if a in (g[0] for g in groups) else have[a] for a in flat)]
         fused = [flat.index(a) for a in flat if a.isdigit()]
         x = x.transpose(fused + [flat.index(a) for a in ours])
-        x = x[self.part] if self.part is not None else x
-        if x.shape != tuple(shape):  # our vocabulary rows are padded: zeros past the real ones
-            x = np.pad(x, [(0, want - have) for have, want in zip(x.shape, shape)])
+        x = x[0] if self.part is not None else x
+        lengths = [s.stop - s.start for s in (want[a] for a in ours)]
+        if x.shape != tuple(lengths):  # our vocabulary rows are padded: zeros past the real ones
+            x = np.pad(x, [(0, want - have) for have, want in zip(x.shape, lengths)])
         return x
+
+    def to_ours(self, x: np.ndarray, shape: tuple[int, ...], vocab: int | None = None) -> np.ndarray:
+        """Our parameter's slot of `shape` from the whole Hugging Face tensor `x`: `read` of it all."""
+        return self.read(tuple(slice(0, n) for n in shape), shape, vocab, lambda index: x[index])
 
     def to_hf(self, parts: list[np.ndarray], vocab: int | None = None) -> np.ndarray:
         """The Hugging Face tensor from our parameter, or from the parts of a fused tensor in order."""

@@ -92,12 +92,17 @@ def write_peft(model: Transformer, lora: LoRAConfig, path, model_type: str, base
     returns the files written."""
     if not LoRA.adapted(model):
         raise ValueError("the model has no adapters: convert --to-peft needs a LoRA run (a `lora:` section)")
+    from jax.experimental import multihost_utils
+
     tensors, modules = {}, []
     for path_, rule, names, variable in adapter_tensors(model, model_type):
-        x = np.asarray(jax.device_get(variable[...]), np.float32)
+        x = variable[...]  # an adapter of a launch of several processes: gathered (the adapters are small)
+        x = np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True), np.float32)
         for name, slot in names:
             tensors[name] = np.ascontiguousarray(rule.to_hf([x[slot]]))
             modules.append(name[len(PREFIX):].rsplit(".", 2)[0])
+    if jax.process_index() != 0:  # process 0 writes them
+        return [CONFIG, WEIGHTS]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})

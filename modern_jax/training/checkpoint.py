@@ -619,21 +619,29 @@ def save_checkpoint(model, out, overwrite: bool = False) -> pathlib.Path:
 
     from modern_jax.training import outputs
 
-    out = pathlib.Path(out).absolute()
-    outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite)
-    with outputs.RunLock(out, "output directory", command="convert").acquire(), ocp.StandardCheckpointer() as saver:
+    from modern_jax.multihost import distributed
+
+    out, main = pathlib.Path(out).absolute(), jax.process_index() == 0  # of several processes, each saves its share
+    if main:
+        outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite)
+    with outputs.RunLock(out, "output directory", command="convert").acquire() if main else \
+            contextlib.nullcontext(), ocp.StandardCheckpointer() as saver:
+        distributed.barrier("save_checkpoint/claimed")
         saver.save(out / "params", nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         saver.wait_until_finished()
-        (out / CONFIG_FILE).write_text(yaml.safe_dump(model.cfg.to_dict(), sort_keys=False))
-    write_checksums(out)
+        if main:
+            (out / CONFIG_FILE).write_text(yaml.safe_dump(model.cfg.to_dict(), sort_keys=False))
+    if main:
+        write_checksums(out)
     return out
 
 
-def load_params(path, log=None, **overrides):
+def load_params(path, log=None, mesh=None, **overrides):
     """`(ModelConfig, params pure dict, raw config dict, run directory)` from a checkpoint
     directory; `overrides` replace ModelConfig fields (e.g. `dtype`). `log` is told which
     step is loaded; a damaged one raises `CheckpointDamaged` naming the file, one of another
-    model shape than its config a ValueError naming what differs. The parameters land on the
+    model shape than its config a ValueError naming what differs. The parameters land sharded on
+    `mesh` by the logical-axis rules (each process reading only its devices' shards), else on the
     first device, or replicated on every device of a launch of several processes."""
     from flax import nnx
 
@@ -651,13 +659,16 @@ def load_params(path, log=None, **overrides):
         if not converter.saves_base:  # the trained only (convert.load_checkpoint adds the base)
             abstract = nnx.from_flat_state([(path, v) for path, v in nnx.to_flat_state(abstract)
                                             if converter.trains(v)])
-        if jax.process_count() > 1:
-            sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
-                                                  jax.sharding.PartitionSpec())
+        if mesh is not None:
+            from modern_jax.sharding import state_shardings
+
+            shardings = nnx.to_pure_dict(state_shardings(abstract, mesh))
         else:
-            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                              nnx.to_pure_dict(abstract))
+            sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)), jax.sharding.PartitionSpec()) \
+                if jax.process_count() > 1 else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: sharding, nnx.to_pure_dict(abstract))
+        target = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                              nnx.to_pure_dict(abstract), shardings)
         other = shape_problem(directory, target, ModelConfig.from_dict(raw["model"]))
         if other is not None:
             raise ValueError(f"checkpoint {what} {other}")

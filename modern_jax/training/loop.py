@@ -74,7 +74,8 @@ class Initial:
     """The parameters a new run starts from instead of random ones (fine-tuning)."""
 
     source: str  # what they are, for the log and errors
-    params: Callable[[], dict]  # reads them (a pure dict), only when a new run starts
+    params: Callable[..., dict]  # reads them (a pure dict), only when a new run starts; given the run's
+    # abstract parameters (with their shardings), a Hugging Face source places each process's share as it reads
     tokenizer: object | None = None  # their tokenizer; None: the one `data:` describes
     assets: tuple[pathlib.Path, ...] = ()  # files copied into the run's hf/: config.json, tokenizer files
     adapters: Callable[[], dict] | None = None  # a LoRA run's adapters (a PEFT adapter's), read like `params`
@@ -444,7 +445,7 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
     """`init`'s parameters, checked against the run's model and placed with its shardings (a LoRA
     run's: its base, then its adapters added and its frozen projections quantized)."""
     abstract = trainer.states.abstract_base()
-    params = init.params()
+    params = init.params(abstract)
     want = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     got = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     wrong = [f"{k}: {list(got.get(k, ()))} (the model: {list(want[k])})" for k in want if got.get(k) != want[k]]
@@ -452,14 +453,20 @@ def _initial_params(trainer: Trainer, init: Initial, log) -> dict:
         raise ValueError(f"{init.source} does not fit the run's model: " + "; ".join(wrong[:4] or sorted(
             set(got) - set(want))[:4]))
     log(f"initialised from {init.source}")
-    params = trainer.states.from_base(jax.tree.map(lambda x, s: from_whole(np.asarray(x, s.dtype), s.sharding), params,
-                                            abstract), trainer.train_cfg.seed)
+    params = trainer.states.from_base(jax.tree.map(_placed, params, abstract), trainer.train_cfg.seed)
     if init.adapters is None:
         return params
     trained, frozen = trainer.states.split(params)
     adapters = init.adapters()
     return trainer.states.join(jax.tree.map(lambda x, a: from_whole(np.asarray(x, a.dtype), a.sharding), adapters, trained),
                         frozen)
+
+
+def _placed(x, s) -> jax.Array:
+    """`x` as abstract parameter `s` (its dtype and sharding): as it is when already so placed."""
+    if isinstance(x, jax.Array) and x.dtype == s.dtype and x.sharding == s.sharding:
+        return x
+    return from_whole(np.asarray(x, s.dtype), s.sharding)
 
 
 @dataclasses.dataclass
