@@ -92,11 +92,12 @@ def test_a_mixture_draws_each_source_by_its_weight_and_resumes_exactly(tmp_path)
     ("missing", r"data.path='.*prepared' \(shard-00001.bin\) is missing"),
     ("truncated", r"data.path='.*prepared' \(shard-00001.bin\) is truncated: \d+ of the \d+ ids"),
     ("no_match", r"data.path='.*nothing-\*.bin' matches no files"),
-    ("empty_source", r"data.path='.*empty' \(part-000.bin\) is empty: no tokens"),
+    ("empty_source", r"data.sources\[1\].path='.*empty' \(part-000.bin\) is empty: no tokens"),
+    ("missing_source", r"data.sources\[1\].path='.*nowhere' does not exist"),
     ("weights", r"DataConfig.sources=\[0, 0.0\] is invalid: the weights do not sum to a positive number"),
     ("negative", r"DataConfig.sources\[1\].weight=-1 is invalid: expected a number >= 0"),
     ("objective", r"data.sources \(a mixture\) feeds the next-token objective, not dpo: give its data as data.path"),
-], ids=["missing", "truncated", "no_match", "empty_source", "weights", "negative", "objective"])
+], ids=["missing", "truncated", "no_match", "empty_source", "missing_source", "weights", "negative", "objective"])
 def test_bad_corpora_are_refused_by_name(tmp_path, case, message):
     prepared = tmp_path / "prepared"
     jsonl = tmp_path / "c.jsonl"
@@ -105,7 +106,7 @@ def test_bad_corpora_are_refused_by_name(tmp_path, case, message):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "part-000.bin").write_bytes(b"")
     paths = {"missing": prepared, "truncated": prepared, "no_match": f"{tmp_path}/nothing-*.bin",
-             "empty_source": tmp_path / "empty"}
+             "empty_source": tmp_path / "empty", "missing_source": tmp_path / "nowhere"}
     if case == "missing":
         (prepared / "shard-00001.bin").unlink()
     if case == "truncated":
@@ -119,7 +120,7 @@ def test_bad_corpora_are_refused_by_name(tmp_path, case, message):
 
             run_config_from_dict({"model": {"vocab_size": "auto"}, "dpo": {},
                                   "data": {"sources": [{"path": str(prepared), "weight": 1}]}})
-        elif case == "empty_source":
+        elif case in ("empty_source", "missing_source"):
             load_splits(DataConfig(sources=[{"path": str(prepared), "weight": 1}, {"path": str(paths[case]),
                                                                                    "weight": 1}]))
         else:

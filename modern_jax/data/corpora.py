@@ -463,9 +463,12 @@ def _mixture_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: in
     tokenizer), split, and mixed by weight."""
     weights = np.asarray([source["weight"] for source in cfg.sources], np.float64)
     splits = []
-    for name, source in zip(cfg.source_names, cfg.sources):
+    for i, (name, source) in enumerate(zip(cfg.source_names, cfg.sources)):
         part = cfg.replace(sources=None, path=source["path"])
-        tokenizer, train, val = load_splits(part, tokenizer, vocab_size, None if shared is None else shared / name)
+        try:
+            tokenizer, train, val = load_splits(part, tokenizer, vocab_size, None if shared is None else shared / name)
+        except ValueError as e:  # said of the source, whose path the user wrote, not of data.path
+            raise ValueError(str(e).replace("data.path=", f"data.sources[{i}].path=")) from None
         splits.append((train, val))
     names = cfg.source_names
     return (tokenizer, Mixture(names, [t for t, _ in splits], weights / weights.sum()),
