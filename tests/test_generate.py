@@ -174,12 +174,9 @@ def test_compacting_finished_rows_keeps_each_rows_tokens(tiny, monkeypatch):
     rows, lengths = generation.left_padded(prompts, 3)
     N = generation.COMPACT_FROM
     for temperature in (0.0, 1.0):
-        free = np.asarray(_decoder(model, max_new_tokens=N, temperature=temperature, eos_id=None)(
-            rows, lengths, jax.random.key(0)))
-        eos = int(np.argmax([sum(t in r for r in free[:, :N // 2]) for t in range(260)]))  # in the most rows
-        kw = dict(max_new_tokens=N, temperature=temperature, eos_id=eos)
+        kw = dict(max_new_tokens=N, temperature=temperature, eos_id=15)  # a token half the rows emit early
         got = np.asarray(_decoder(model, **kw)(rows, lengths, jax.random.key(0)))
-        ends = [(np.flatnonzero(r == eos).tolist() or [N])[0] for r in got]
+        ends = [(np.flatnonzero(r == 15).tolist() or [N])[0] for r in got]
         assert sorted(ends)[3] < N - 1 and max(ends) > sorted(ends)[3]  # compacted, with rows left to decode
         if temperature == 0.0:
             alone = _decoder(model, **kw)
