@@ -3,9 +3,12 @@
     tokens = generate(graphdef, params, prompt_BT, max_new_tokens=100, rng=jax.random.key(0),
                       temperature=0.8, top_k=50, top_p=0.95, eos_id=tok.eos_id)
 
-The prompt is prefilled in one call, then one token per step inside a loop, all in one jit.
-After a sequence emits `eos_id` it keeps emitting it (callers cut there), and the loop stops
-once every sequence has. Prompts of different lengths share a batch right-aligned
+The prompt is prefilled in one call (once per prompt when rows share it: `decode(group=)`), then
+one token per step inside a loop, all in one jit; attention reads the cache only up to its
+filled part (`kernels.chunked.attention_decode`). After a sequence emits `eos_id` it keeps
+emitting it (callers cut there); the rows that have stop costing (the batch is compacted as they
+finish), and the loop stops once every sequence has. `generate`, GRPO's rollouts and the
+harness's generation tasks all sample through `decode`. Prompts of different lengths share a batch right-aligned
 (`left_padded`, then `decode(..., length_B=)`, traceable inside any jit): the pads get negative
 positions, which no query sees.
 
@@ -17,7 +20,8 @@ and the step, by XLA's count) checked against what the device has free, so a req
 large is refused with the largest `max_new_tokens` that fits (`accounting.check_fits`)
 before anything is allocated.
 
-Letters as in `modern_jax`: B batch, T prompt or generated length, V vocabulary.
+Letters as in `modern_jax`: B batch, P prompts (one a group), R the rows of a compacted batch, T prompt or
+generated length, V vocabulary.
 """
 
 from __future__ import annotations
@@ -51,11 +55,17 @@ def filter_logits(logits_BV, *, temperature: float = 1.0, top_k: int | None = No
     return logits_BV
 
 
-def sample_token(logits_BV, rng, *, temperature: float, top_k: int | None, top_p: float | None):
+def sample_token(logits_BV, rng, *, temperature: float, top_k: int | None, top_p: float | None, rows_B=None,
+                 batch: int | None = None):
+    """One token a row. `rows_B`: the rows' places in a batch of `batch` rows (a compacted one),
+    each row drawing the noise of its place there, so it samples what it would in the whole batch."""
     if temperature == 0.0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     filtered_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.random.categorical(rng, filtered_BV, axis=-1).astype(jnp.int32)
+    if rows_B is None:
+        return jax.random.categorical(rng, filtered_BV, axis=-1).astype(jnp.int32)
+    noise_BV = jax.random.gumbel(rng, (batch, filtered_BV.shape[-1]), jnp.float32)[rows_B]  # categorical's own draw
+    return jnp.argmax(filtered_BV + noise_BV, axis=-1).astype(jnp.int32)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "run"))
@@ -65,46 +75,78 @@ def _generate(graphdef, params, prompt_BT, rng, *, max_new_tokens, temperature, 
                       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
 
 
+COMPACT_FROM = 32  # new tokens from which finished rows are compacted away (shorter: not worth the programs)
+COMPACTIONS = 2  # at most: the batch halves at most this many times
+
+
+def batch_sizes(B: int, max_new_tokens: int) -> list[int]:
+    """The batch sizes a decoding with eos runs through: B, then halves while even."""
+    sizes = [B]
+    while max_new_tokens >= COMPACT_FROM and len(sizes) <= COMPACTIONS and sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
 def decode(model, prompt_BT, rng, *, max_new_tokens: int, temperature: float, top_k: int | None,
-           top_p: float | None, eos_id: int | None, length_B=None):
+           top_p: float | None, eos_id: int | None, length_B=None, group: int = 1):
     """`[B, max_new_tokens]` tokens sampled after each prompt row (traceable: call it inside jit).
 
     `length_B`: each row's prompt length in a left-padded `prompt_BT` (its last `length` tokens
     are the prompt; the pads before them get negative positions, which no query sees); None:
-    every row is a whole prompt."""
+    every row is a whole prompt. `group`: the rows come in runs of `group` copies of one prompt
+    (GRPO's groups): each prompt is prefilled once, and its cache rows are copied to its group's
+    rows by index. With `eos_id`, finished rows stop costing: once at most half the batch is live
+    (`batch_sizes`), the live rows move into a batch half as large."""
     B, T = prompt_BT.shape
+    if group < 1 or B % group:
+        raise ValueError(f"group={group} must divide the batch of {B} rows")
     sample = partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
-    cache = model.init_cache(B, T + max_new_tokens)
     positions = None if length_B is None else (jnp.arange(T, dtype=jnp.int32)[None] - (T - length_B)[:, None])
-    h_BTD, cache = model.hidden_states(prompt_BT, positions=positions, cache=cache)
-    first_B = sample(model.logits(h_BTD[:, -1:])[:, 0], jax.random.fold_in(rng, 0))  # the last position's only
+    cache = model.init_cache(B // group, T + max_new_tokens)
+    h_PTD, cache = model.hidden_states(prompt_BT[::group], positions=None if positions is None else positions[::group],
+                                       cache=cache)  # once per prompt
+    logits_BV = model.logits(h_PTD[:, -1:])[:, 0]  # the last position's only
+    if group > 1:
+        rows_B = jnp.arange(B) // group
+        cache, logits_BV = model.cache_rows(cache, rows_B), logits_BV[rows_B]
+    first_B = sample(logits_BV, jax.random.fold_in(rng, 0))
     done_B = jnp.zeros((B,), bool) if eos_id is None else first_B == eos_id
 
-    def step(carry, i):
-        token_B, done_B, cache = carry
-        logits_B1V, cache = model(token_B[:, None], cache=cache)
-        next_B = sample(logits_B1V[:, 0], jax.random.fold_in(rng, i))
+    def step(carry, i, rows_R=None):
+        token_R, done_R, cache = carry
+        logits_R1V, cache = model(token_R[:, None], cache=cache)
+        next_R = sample(logits_R1V[:, 0], jax.random.fold_in(rng, i), rows_B=rows_R, batch=B)
         if eos_id is not None:
-            next_B = jnp.where(done_B, eos_id, next_B)
-            done_B = done_B | (next_B == eos_id)
-        return (next_B, done_B, cache), next_B
+            next_R = jnp.where(done_R, eos_id, next_R)
+            done_R = done_R | (next_R == eos_id)
+        return (next_R, done_R, cache), next_R
 
     if eos_id is None:
         _, rest_TB = jax.lax.scan(step, (first_B, done_B, cache), jnp.arange(1, max_new_tokens))
         return jnp.concatenate([first_B[:, None], rest_TB.T], axis=1)
 
     # with eos: the steps stop once every row has emitted it (the tokens left are eos, as they would be)
-    def more(carry):
-        i, _, done_B, _, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(done_B)
+    def write(carry, compacted: bool):
+        i, token_R, done_R, rows_R, cache, out_BN = carry
+        (token_R, done_R, cache), next_R = step((token_R, done_R, cache), i, rows_R if compacted else None)
+        return i + 1, token_R, done_R, rows_R, cache, out_BN.at[rows_R, i].set(next_R)
 
-    def write(carry):
-        i, token_B, done_B, cache, out_BN = carry
-        (token_B, done_B, cache), next_B = step((token_B, done_B, cache), i)
-        return i + 1, token_B, done_B, cache, jax.lax.dynamic_update_slice_in_dim(out_BN, next_B[:, None], i, axis=1)
+    def compact(carry, R: int):  # the live rows first (a stable order), R of them
+        i, token_R, done_R, rows_R, cache, out_BN = carry
+        keep_R = jnp.argsort(done_R, stable=True)[:R]
+        return i, token_R[keep_R], done_R[keep_R], rows_R[keep_R], model.cache_rows(cache, keep_R), out_BN
 
     out_BN = jnp.full((B, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first_B)
-    return jax.lax.while_loop(more, write, (jnp.int32(1), first_B, done_B, cache, out_BN))[-1]
+    carry = (jnp.int32(1), first_B, done_B, jnp.arange(B), cache, out_BN)
+    sizes = batch_sizes(B, max_new_tokens)
+    for j, R in enumerate(sizes):
+        floor = sizes[j + 1] if j + 1 < len(sizes) else 0  # live rows at which this batch size ends
+
+        def more(carry, floor=floor):
+            return (carry[0] < max_new_tokens) & (jnp.sum(~carry[2]) > floor)
+
+        carry = jax.lax.while_loop(more, partial(write, compacted=j > 0), compact(carry, R) if j else carry)
+    return carry[-1]
 
 
 def left_padded(prompts, width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

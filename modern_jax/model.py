@@ -323,6 +323,12 @@ class Transformer(nnx.Module):
         return {"index": jnp.zeros((batch,), jnp.int32),
                 "stages": [stack.init_cache(batch, max_len, dtype) for stack in self.stages]}
 
+    @staticmethod
+    def cache_rows(cache: dict, rows_R) -> dict:
+        """The cache of rows `rows_R` of `cache` (copied by index; a row may be taken several times)."""
+        stages = jax.tree.map(lambda a: jnp.take(a, rows_R, axis=1), cache["stages"])  # [repeats, B, S, ...]
+        return {"index": cache["index"][rows_R], "stages": stages}
+
     def cache_length(self, cache: dict) -> int | None:
         """The most tokens `cache` holds: the slots of its global layers (and of any ring shorter
         than its window or chunk); None when every layer is a full ring (a `sliding_window` or an

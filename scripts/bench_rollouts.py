@@ -8,8 +8,9 @@ lengths and CPU, side by side, with their ratio.
 Both sides sample `--prompts` x `--generations` rows (prompts of 6 to 14 random tokens,
 left-padded, each repeated once per generation, as a GRPO step's batch) for exactly
 `--new-tokens` tokens each (no early stop: the same work on both sides) at temperature 1 with
-the KV cache: ours is `generate.decode` as the rollouts call it (one jit-compiled program:
-prefill, then a `lax.scan` of single-token steps), theirs transformers' `generate(do_sample=True)` in
+the KV cache: ours is `generate.decode` as the rollouts call it (one jit-compiled program: each
+prompt prefilled once for its group, then a `lax.scan` of single-token steps reading the filled
+part of the cache), theirs transformers' `generate(do_sample=True)` in
 float32 eager PyTorch. Compilation and the first call are left out; the best of `--repeats` of
 each is printed. The reference interpreter needs torch and transformers (see
 scripts/make_hf_fixtures.py); `--threads` sets PyTorch's threads (XLA uses every core; the
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
     @jax.jit
     def rollout(params, prompt, length, key):
         return decode(nnx.merge(graphdef, params), prompt, key, max_new_tokens=args.new_tokens, temperature=1.0,
-                      top_k=None, top_p=None, eos_id=None, length_B=length)
+                      top_k=None, top_p=None, eos_id=None, length_B=length, group=args.generations)
 
     best = float("inf")
     for i in range(args.repeats + 1):

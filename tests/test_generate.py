@@ -137,3 +137,52 @@ def test_left_padded_rows_sample_what_each_prompt_samples_alone(kind):
     assert len({tuple(r) for r in together.tolist()}) == 3  # the rows differ: padding leaking in would show
     with pytest.raises(ValueError, match="1 to 8 tokens"):
         left_padded([[1] * 9], 8)
+
+
+def _decoder(model, **kw):
+    from modern_jax.generate import decode
+
+    return jax.jit(lambda p, n, key: decode(model, p, key, top_k=None, top_p=None, length_B=n, **kw))
+
+
+def test_a_group_prefilled_once_samples_what_each_row_prefilled_samples(tiny):
+    """Three prompts of different lengths, each four times (GRPO's groups): `group=4` prefills each
+    prompt once and copies its cache rows to its group; greedy tokens and the tokens sampled with
+    the same key equal those of every row prefilled on its own."""
+    from modern_jax.generate import left_padded
+
+    model = tiny[0]
+    rows, lengths = left_padded([p for p in ([257, 5, 6, 7, 8], [257, 40], [257, 70, 71]) for _ in range(4)], 6)
+    for temperature in (0.0, 1.0):
+        kw = dict(max_new_tokens=6, temperature=temperature, eos_id=None)
+        shared = np.asarray(_decoder(model, group=4, **kw)(rows, lengths, jax.random.key(3)))
+        alone = np.asarray(_decoder(model, **kw)(rows, lengths, jax.random.key(3)))
+        np.testing.assert_array_equal(shared, alone)
+        assert len({tuple(r) for r in shared.tolist()}) == (3 if temperature == 0.0 else 12)  # groups differ
+    with pytest.raises(ValueError, match="group=5 must divide the batch of 12 rows"):
+        _decoder(model, group=5, **kw)(rows, lengths, jax.random.key(3))
+
+
+def test_compacting_finished_rows_keeps_each_rows_tokens(tiny, monkeypatch):
+    """With eos, once half the rows have ended the live ones move into a batch half as large (twice
+    at most): greedy, each row's tokens equal its prompt decoded alone; sampled, the tokens equal those
+    of the same batch decoded without compaction (each row draws its own row's noise)."""
+    from modern_jax import generate as generation
+
+    model = tiny[0]
+    prompts = [[257, 3 + 7 * i, 4 + 5 * i] for i in range(8)]
+    rows, lengths = generation.left_padded(prompts, 3)
+    N = generation.COMPACT_FROM
+    for temperature in (0.0, 1.0):
+        kw = dict(max_new_tokens=N, temperature=temperature, eos_id=15)  # a token half the rows emit early
+        got = np.asarray(_decoder(model, **kw)(rows, lengths, jax.random.key(0)))
+        ends = [(np.flatnonzero(r == 15).tolist() or [N])[0] for r in got]
+        assert sorted(ends)[3] < N - 1 and max(ends) > sorted(ends)[3]  # compacted, with rows left to decode
+        if temperature == 0.0:
+            alone = _decoder(model, **kw)
+            want = np.concatenate([np.asarray(alone(rows[i:i + 1], lengths[i:i + 1], jax.random.key(0)))
+                                   for i in range(8)])
+        else:
+            monkeypatch.setattr(generation, "COMPACTIONS", 0)
+            want = np.asarray(_decoder(model, **kw)(rows, lengths, jax.random.key(0)))
+        np.testing.assert_array_equal(got, want)

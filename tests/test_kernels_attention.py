@@ -455,3 +455,30 @@ def test_cudnn_takes_the_chunk_rule_in_its_dense_mask(monkeypatch):
     ok = chunk_rule(vis, spec.chunk)
     np.testing.assert_array_equal(np.asarray(seen["mask"])[:, 0], ok)
     assert_close("o", o, dense_attention(q, k, v, None, ok, spec.scale), TOL["bfloat16"])
+
+
+def test_decoding_reads_only_the_blocks_of_the_cache_the_rows_see():
+    """One query a row against a cache of 48 slots in blocks of 8, rows filled to different
+    lengths, a left-padded row's pads (negative positions) in the last slots: the output and the
+    max logit equal the reference's over the whole cache (window, soft-cap and sinks on), and the
+    blocks before the first and past the last that any row sees are never read (NaN there changes
+    nothing; a block that is read spreads its NaN)."""
+    from modern_jax.kernels.chunked import attention_decode
+
+    B, S, K, G, H = 3, 48, 2, 2, 16
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))  # noqa: E731
+    q, k, v = normal(B, 1, K, G, H), normal(B, S, K, H), normal(B, S, K, H)
+    filled = np.array([20, 17, 15])  # positions 0 .. filled - 1 in slots 0 .. filled - 1; the rest empty
+    k_pos = np.where(np.arange(S)[None] < filled[:, None], np.arange(S)[None], -1)
+    k_pos[2, -3:] = [-3, -2, -1]  # a padded prompt's pads
+    vis = Visibility(jnp.asarray(filled - 1)[:, None], jnp.asarray(k_pos, jnp.int32))
+    spec = AttentionSpec(scale=H**-0.5, window=6, softcap=5.0)
+    sinks_KG = normal(K, G)
+    want = attention_reference(q, k, v, vis.mask(causal=True, window=6), spec, sinks_KG, return_max_logit=True)
+    unread = (np.arange(S) < 8) | (np.arange(S) >= 24)  # the rows see keys 9 .. 19: blocks 1 and 2 only
+    k, v = (jnp.where(unread[None, :, None, None], jnp.nan, x) for x in (k, v))
+    got = jax.jit(lambda q, k, v: attention_decode(q, k, v, spec, vis, sinks_KG=sinks_KG, block_k=8,
+                                                   return_max_logit=True))(q, k, v)
+    for name, g, w in zip(("o", "max_logit"), got, want):
+        assert_close(name, g, w, TOL["float32"])

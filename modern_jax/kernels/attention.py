@@ -40,7 +40,8 @@ oracle; name `chunked` for its O(T) memory on long sequences).
 An explicit choice that cannot run the call raises `UnsupportedFeatureError` naming
 what is missing. Attention dropout exists only in `reference`. A single query (decoding
 one token against the cache) always runs `chunked` (or `reference` with dropout): a
-kernel tiled for long sequences has nothing to tile there.
+kernel tiled for long sequences has nothing to tile there; against a longer cache, `chunked`
+reads it block by block up to the last block any row sees (`chunked.attention_decode`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import jax.numpy as jnp
 from modern_jax.execution import ATTENTION_IMPLS
 from modern_jax.sharding.devices import platform
 from modern_jax.kernels.backend import UnsupportedFeatureError, can_run_pallas, interpret_target, note_kernel
-from modern_jax.kernels.chunked import attention_chunked
+from modern_jax.kernels.chunked import attention_chunked, attention_decode
 from modern_jax.kernels.flash_gpu import flash_attention_gpu
 from modern_jax.kernels.flash_tpu import flash_attention_tpu
 from modern_jax.kernels.masks import MASK_VALUE, Visibility, softcap
@@ -194,6 +195,8 @@ def attention(q_BTKGH, k_BSKH, v_BSKU, spec: AttentionSpec, vis: Visibility, *, 
     kwargs = dict(sinks_KG=sinks_KG, return_max_logit=return_max_logit)
     interpret = interpret_target() is not None
     match impl:
+        case AttentionImpl.CHUNKED if q_BTKGH.shape[1] == 1 < k_BSKH.shape[1]:  # decoding against a cache
+            return attention_decode(q_BTKGH, k_BSKH, v_BSKU, spec, vis, **kwargs)
         case AttentionImpl.CHUNKED:
             return attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis, **kwargs)
         case AttentionImpl.PALLAS_GPU:

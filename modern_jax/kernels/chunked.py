@@ -11,6 +11,10 @@ and, inside, over query blocks (carrying dk, dv), recomputing the probabilities 
 saved log-sum-exp. Only `[B, K, G, T, S]` tiles ever exist, so memory grows linearly
 with T. Blocks that no query of a block can see (causal, window, chunks, segments; see
 `Visibility.tiles`) are skipped with `lax.cond`.
+
+Decoding (`attention_decode`: one query a row against a KV cache) reads the cache in place, one
+block of `DECODE_BLOCK` keys at a time, and only the blocks from the first to the last any row
+sees: its cost follows the filled part of the cache (and a window's), not its length.
 """
 
 from __future__ import annotations
@@ -53,6 +57,48 @@ def attention_chunked(q_BTKGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_K
     if return_max_logit:
         return o[:, :T], jax.lax.stop_gradient(jnp.max(max_logit_BKGT[..., :T], axis=(0, 3)))
     return o[:, :T]
+
+
+DECODE_BLOCK = 128  # the keys of the cache read at a time when decoding
+
+
+def attention_decode(q_B1KGH, k_BSKH, v_BSKU, spec, vis: Visibility, *, sinks_KG=None, block_k: int = DECODE_BLOCK,
+                     return_max_logit: bool = False):
+    """One query a row against a KV cache: the contract of `kernels.attention`, with a loop over
+    the cache's key blocks from the first to the last block any row sees (the slots past the
+    filled part hold position -1; a window leaves the first ones behind). Forward only (decoding
+    takes no gradient)."""
+    B, T, K, G, H = q_B1KGH.shape
+    S = k_BSKH.shape[1]
+    tile_s = min(block_k, round_up(S, 8))
+    Sp = round_up(S, tile_s)
+    dtype = q_B1KGH.dtype
+    k, v = pad_axis(k_BSKH.astype(dtype), 1, Sp), pad_axis(v_BSKU.astype(dtype), 1, Sp)
+    vis = vis.padded(T, Sp)
+    sinks = None if sinks_KG is None else sinks_KG.astype(jnp.float32)
+    call = _Call.of(spec, return_max_logit, T, tile_s)
+    q, k, v, sinks = vary_over((q_B1KGH, k, v, sinks), varying_axes(q_B1KGH, k, v, sinks, vis))
+    vis_J = vis.tiles(**call.rule, block_q=T, block_k=tile_s).any((0, 1))
+    J = jnp.arange(Sp // tile_s)
+    first, end = jnp.min(jnp.where(vis_J, J, J.size)), jnp.max(jnp.where(vis_J, J + 1, 0))  # the blocks rows see
+
+    def key_block(j, state):
+        tile = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * tile_s, tile_s, axis=1)  # noqa: E731
+        mask = tile_mask(call, vis.q_pos, tile(vis.k_pos), vis.q_seg, tile(vis.k_seg))
+        x_BKGTS = logits(call, q, tile(k))
+        softmax = flash.forward_step(softcap(x_BKGTS, call.softcap), mask, tile(v), *state[:3], pv=pv)
+        return softmax if not call.max_logit else (*softmax, flash.fold_max_logit(state[3], x_BKGTS, mask))
+
+    init = flash.init_state((B, K, G, T), v.shape[-1])
+    if call.max_logit:
+        init += (jnp.zeros((B, K, G, T, 1), jnp.float32),)
+    state = jax.lax.fori_loop(first, end, key_block, vary_over(init, varying_axes(q, k, v, sinks, vis)))
+    sink = None if sinks is None else sinks[None, :, :, None, None]
+    o_BKGTU, _ = flash.finish(*state[:3], sink)
+    o_BTKGU = o_BKGTU.transpose(0, 3, 1, 2, 4).astype(dtype)
+    if return_max_logit:
+        return o_BTKGU, jnp.max(state[3][..., 0], axis=(0, 3))
+    return o_BTKGU
 
 
 def _blocks(x, size: int):

@@ -368,7 +368,7 @@ class GRPO(base.Objective):
         tokens = decode(model, prompt_ABW.reshape(A * B, W), key, max_new_tokens=c.max_completion_length,
                         temperature=c.temperature, top_k=c.top_k or None, top_p=c.top_p if c.top_p < 1 else None,
                         eos_id=None if self.tokenizer is None else self.tokenizer.eos_id,  # None: a plan's
-                        length_B=length_AB.reshape(A * B))
+                        length_B=length_AB.reshape(A * B), group=c.num_generations)  # a group's prompt prefilled once
         return tokens.reshape(A, B, -1)
 
     def _rows(self, prompts, index, tokens, real, first_step: int | None) -> dict:
