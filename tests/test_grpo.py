@@ -508,7 +508,7 @@ def test_an_evaluation_counts_only_its_real_prompts(tmp_path, monkeypatch):
         if n < 4:
             tokens[0, r, n - 1] = eos
     monkeypatch.setattr(objective, "_sample", lambda *args: tokens)
-    trainer = SimpleNamespace(batches=SimpleNamespace(put=lambda batch, rows: batch))
+    trainer = SimpleNamespace(batches=SimpleNamespace(put=lambda batch, rows: batch, width=lambda tokens: 64))
     batch = objective.place_batch(items[0], trainer=trainer, params=None, rows=None, step=0, key=jax.random.key(0))
     cfg = ModelConfig(vocab_size=260, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_position_embeddings=8)
 

@@ -271,6 +271,15 @@ def old_logps(model_of, params, batch, *, chunk: int, temperature: float):
     return logps.reshape(batch["inputs"].shape)
 
 
+def completion_width(tokens, eos: int | None) -> int:
+    """The most tokens a completion of `tokens` `[..., max_completion_length]` holds, its <eos> included."""
+    tokens = np.asarray(tokens).reshape(-1, np.shape(tokens)[-1])
+    if eos is None or not tokens.size:
+        return tokens.shape[-1]
+    ended = tokens == eos
+    return int(np.max(np.where(ended.any(-1), ended.argmax(-1) + 1, tokens.shape[-1])))
+
+
 class GRPO(base.Objective):
     unit, eval_unit = "prompts", "prompt"
 
@@ -335,9 +344,13 @@ class GRPO(base.Objective):
         prompt_NW, length_N = left_padded([prompts.ids[i] for i in index.reshape(-1)], width)
         prompt_AR, length_AR = prompt_NW.reshape(A, R, width), length_N.reshape(A, R)
         tokens = self._sample(trainer, params, prompt_AR, length_AR, rows, jax.random.fold_in(
-            key, EVALUATION if evaluation else SAMPLING))
+            key, EVALUATION if evaluation else SAMPLING))  # every process's rows
+        # the rows' width: the longest prompt and completion of every process's rows, bucketed
+        width = trainer.batches.width(int(item["width"]) + completion_width(tokens, self.tokenizer.eos_id))
+        if rows is not None:
+            tokens = tokens[:, trainer.batches.local_slices(rows)[0]]
         real = np.asarray(item["real"], bool) if evaluation else np.ones((A, R), bool)
-        batch = self._rows(prompts, index, tokens, real, None if evaluation else step + 1)
+        batch = self._rows(prompts, index, tokens, real, None if evaluation else step + 1, width)
         placed = trainer.batches.put(batch, rows)
         if c.num_iterations > 1 and not evaluation:  # the sampling weights' log-probabilities, kept for the steps
             placed["old_logps"] = trainer.programs.program("grpo_old_logps", functools.partial(
@@ -347,8 +360,8 @@ class GRPO(base.Objective):
         return placed
 
     def _sample(self, trainer, params, prompt_AR, length_AR, rows, key) -> np.ndarray:
-        """`[A, R, max_completion_length]` tokens sampled after this process's prompts (all rows of
-        the step sampled at once, on the mesh; every process receives them all and keeps its rows)."""
+        """`[A, rows, max_completion_length]` tokens sampled after the prompts (all rows of the step
+        sampled at once, on the mesh; every process passes its prompts and receives every row)."""
         mesh = trainer.mesh
         A, R = length_AR.shape
         shape = (A, rows if rows is not None else R)
@@ -359,7 +372,7 @@ class GRPO(base.Objective):
 
         out = trainer.programs.program(f"grpo_rollout_{prompt_AR.shape[-1]}", functools.partial(self._rollout, trainer.states.model),
                               params, put(prompt_AR), put(length_AR), key, out_shardings=trainer.programs.replicated)
-        return np.asarray(out)[:, slice(None) if rows is None else trainer.batches.local_slices(rows)[0]]
+        return np.asarray(out)
 
     def _rollout(self, model_of, params, prompt_ABW, length_AB, key):
         c = self.config
@@ -371,10 +384,11 @@ class GRPO(base.Objective):
                         length_B=length_AB.reshape(A * B))
         return tokens.reshape(A, B, -1)
 
-    def _rows(self, prompts, index, tokens, real, first_step: int | None) -> dict:
-        """The `[A, R, T]` rows (prompt, completion, padding) of this process's rollouts, scored (a few
-        kept for completions.jsonl, with `first_step`, the first step they train; None: an evaluation's)."""
-        c, eos, T = self.config, self.tokenizer.eos_id, self.train.seq_len
+    def _rows(self, prompts, index, tokens, real, first_step: int | None, width: int | None = None) -> dict:
+        """The `[A, R, width]` rows (prompt, completion, padding; None: `seq_len` wide) of this process's
+        rollouts, scored (a few kept for completions.jsonl, with `first_step`, the first step they
+        train; None: an evaluation's)."""
+        c, eos, T = self.config, self.tokenizer.eos_id, width or self.train.seq_len
         A, R = index.shape
         completions = [cut_at_eos(row, eos) for row in tokens.reshape(A * R, -1)]  # without the <eos>
         ended = np.asarray([len(ids) < tokens.shape[-1] for ids in completions])  # it sampled an <eos>
