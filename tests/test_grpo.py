@@ -452,6 +452,63 @@ def byte_prompts(*texts: str, answers=None):
                    {"answer": tuple(answers or range(len(texts)))}, tuple(f"line {i}" for i in range(len(texts))))
 
 
+def test_a_step_over_its_bucketed_width_equals_the_full_width(reward_file):
+    """TRL's fixed batch (rows of at most 11 tokens) as 16 columns, the bucket that holds it, and as
+    train.seq_len=32: the same loss, sums and gradients of the adapters (float32, summed in other
+    orders: within 1e-6 relative), the reference's forward (beta > 0) included."""
+    from modern_jax.training.trainer import Trainer
+
+    config, _, _ = setting("dr_grpo", reward_file)
+    with np.load(FIXTURE / "grpo" / "batch.npz") as z:
+        rows = {T: trl_rows(dict(z), z["rewards"], seq_len=T) for T in (16, 32)}
+    trainer, state = lora_trainer(config, seq_len=32)
+    assert trainer.batches.width(11) == 16
+
+    @jax.jit
+    def grads(batch):
+        params, frozen = trainer.states.split(state["params"])
+        reference = trainer.states.reference(state["params"], state.get("reference"))
+        batch = trainer.objective.complete(batch)
+        denom = trainer.objective.denominator(batch)
+        loss, sums, _, grads = Trainer._grads(trainer, params, frozen, batch, reference, denom, jax.random.key(0))
+        return loss, sums, grads
+
+    narrow, full = (jax.device_get(grads(trainer.batches.put(rows[T]))) for T in (16, 32))
+    assert config.beta > 0 and narrow[1]["kl"] > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), narrow, full)
+
+
+def test_rollout_rows_take_the_bucket_that_holds_their_longest_prompt_and_completion(tmp_path):
+    """A batch's rows are as wide as the least bucket that holds its longest prompt and completion,
+    the <eos> included (13 + 4 tokens: 24 of train.seq_len=64), and equal the full-width rows cut there."""
+    from types import SimpleNamespace
+
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.sharding import RULES
+    from modern_jax.training.placement import BatchPlacement
+
+    eos = 258
+    (tmp_path / "answer.py").write_text(ROWS_REWARDS)
+    tc = TrainConfig(batch_size=4, eval_batch_size=4, seq_len=64)
+    objective = GRPO(GRPOConfig(rewards=(f"{tmp_path / 'answer.py'}:answer",), num_generations=2,
+                                max_completion_length=6), tc)
+    objective.tokenizer = ByteTokenizer()
+    objective.splits["train"] = prompts = byte_prompts("ABCDEFGHIJKL", "C")  # 13 and 2 tokens with <bos>
+    tokens = np.asarray([[[10, eos, 0, 0, 0, 0], [16, 17, 18, eos, 0, 0], [11, 12, eos, 0, 0, 0],
+                          [eos, 0, 0, 0, 0, 0]]], np.int32)
+    objective._sample = lambda *args: tokens
+    placement = BatchPlacement(one_device(), RULES, tc)
+    assert placement.widths() == (16, 24, 32, 48, 64)
+    index = np.asarray([[0, 0, 1, 1]])
+    placed = objective.place_batch({"index": index, "width": np.asarray(13)}, trainer=SimpleNamespace(
+        batches=placement), params=None, rows=None, step=0, key=jax.random.key(0))
+    full = objective._rows(prompts, index, tokens, np.ones((1, 4), bool), None)
+    assert placed["inputs"].shape == (1, 4, 24)
+    assert not full["segment_ids"][..., 24:].any()
+    for name, value in full.items():
+        np.testing.assert_array_equal(np.asarray(placed[name]), value[..., :24], err_msg=name)
+
+
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_rollout_rows_weight_each_completion_token_and_its_eos_and_no_other(tmp_path, mask_truncated):
     """Fixed sampled tokens (`<eos>` = 258, the byte tokenizer's): a completion that sampled an
