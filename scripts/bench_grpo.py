@@ -128,7 +128,7 @@ def theirs(args, model: Path, data: Path, work: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def ours(args, model: Path, data: Path, work: Path, seq_len: int, overlap: bool = False) -> dict:
+def ours(args, model: Path, data: Path, work: Path, seq_len: int) -> dict:
     """The best of `--repeats` runs of `--steps` steps: `{steps, sampling}` seconds, and the train
     step's compilations (one a width)."""
     import jax
@@ -159,22 +159,22 @@ def ours(args, model: Path, data: Path, work: Path, seq_len: int, overlap: bool 
         loop.trainer_for = lambda *a, **k: made.append(make(*a, **k)) or made[-1]
         for repeat in range(args.repeats):
             run = load_run_config(ROOT / "configs" / "grpo.yaml", [
-                f"train.output_dir={work / f'ours_{seq_len}_{overlap}_{repeat}'}", f"data.path={data}",
+                f"train.output_dir={work / f'ours_{seq_len}_{repeat}'}", f"data.path={data}",
                 "data.val_fraction=0.02", f"train.batch_size={args.prompts * args.generations}",
                 f"train.eval_batch_size={args.prompts * args.generations}",
                 f"grpo.num_generations={args.generations}", f"grpo.max_completion_length={args.new_tokens}",
                 f"train.seq_len={seq_len}", f"train.steps={args.steps}", f"train.checkpoint_every={args.steps}",
                 "train.eval_every=0", "train.progress=false", "train.plot=false", "train.log_every=1",
-                f"train.seed={repeat}", "grpo.completions_per_log=0", *(["grpo.overlap=true"] if overlap else [])])
+                f"train.seed={repeat}", "grpo.completions_per_log=0"])
             run, init = finetune_run(run, model)
             clock.update(sampling=0.0, training=0.0)
             result = loop.train(run, init=init, log=lambda *a, **k: None)
             assert result.step == args.steps, result.step
-            runs.append({"steps": clock["sampling"] + clock["training"], "sampling": clock["sampling"],
-                         "compilations": dict(made[-1].programs.compilations)})
+            runs.append({"steps": clock["sampling"] + clock["training"], "sampling": clock["sampling"]})
     finally:
         GRPO.place_batch, Trainer.train_step, loop.trainer_for = place, step, make
-    return min(runs, key=lambda r: r["steps"])
+    # the train step's programs: one a width the batches took (the later runs reuse them)
+    return dict(min(runs, key=lambda r: r["steps"]), widths=sum(t.programs.compilations.get("train", 0) for t in made))
 
 
 def main(argv=None) -> None:
@@ -189,7 +189,6 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--overlap", action="store_true", help="also time ours with grpo.overlap=true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -206,15 +205,13 @@ def main(argv=None) -> None:
         print(f"TRL GRPOTrainer: {trl['steps']:.2f} s (sampling {trl['sampling']:.2f} s, the rest "
               f"{trl['steps'] - trl['sampling']:.2f} s)")
         for seq_len in args.seq_lens:
-            for overlap in (False, True) if args.overlap else (False,):
-                got = ours(args, model, data, work, seq_len, overlap)
-                name = f"ours, train.seq_len={seq_len}" + (", grpo.overlap" if overlap else "")
-                print(f"{name}: {got['steps']:.2f} s (sampling {got['sampling']:.2f} s, the rest "
-                      f"{got['steps'] - got['sampling']:.2f} s; train step compiled {got['compilations'].get('train')}"
-                      f" times)")
-                print(f"ratio (ours / TRL): {got['steps'] / trl['steps']:.2f}  (sampling "
-                      f"{got['sampling'] / trl['sampling']:.2f}, the rest "
-                      f"{(got['steps'] - got['sampling']) / (trl['steps'] - trl['sampling']):.2f})")
+            got = ours(args, model, data, work, seq_len)
+            print(f"ours, train.seq_len={seq_len}: {got['steps']:.2f} s (sampling {got['sampling']:.2f} s, the rest "
+                  f"{got['steps'] - got['sampling']:.2f} s; the train step compiled for "
+                  f"{got['widths']} widths)")
+            print(f"ratio (ours / TRL): {got['steps'] / trl['steps']:.2f}  (sampling "
+                  f"{got['sampling'] / trl['sampling']:.2f}, the rest "
+                  f"{(got['steps'] - got['sampling']) / (trl['steps'] - trl['sampling']):.2f})")
 
 
 if __name__ == "__main__":

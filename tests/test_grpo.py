@@ -509,6 +509,32 @@ def test_rollout_rows_take_the_bucket_that_holds_their_longest_prompt_and_comple
         np.testing.assert_array_equal(np.asarray(placed[name]), value[..., :24], err_msg=name)
 
 
+def test_overlap_keeps_each_sampled_tokens_log_probability_under_the_sampling_weights(tmp_path):
+    """grpo.overlap trains on rollouts one step old, its ratio against the sampling weights: the
+    log-probability of each sampled token that the rollout program keeps (a forward over the
+    left-padded prompts and their completions) is a naive log-softmax of the sampling weights'
+    logits over the training row at the temperature (within 2e-5), where the row's completion is, and
+    0 elsewhere. Reusing a batch too is refused."""
+    from modern_jax.generate import left_padded
+
+    with pytest.raises(ValueError, match=r"overlap=True is invalid: samples each batch one step ahead"):
+        GRPOConfig(rewards=("a.py:f",), overlap=True, num_iterations=2)
+    objective = fixed_rollouts(tmp_path, overlap=True, temperature=0.7)
+    cfg = ModelConfig(vocab_size=260, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_position_embeddings=16)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    prompts, index = byte_prompts("AB", "C"), np.asarray([[0, 0, 1, 1]])
+    prompt_NW, length_N = left_padded([prompts.ids[i] for i in index[0]], 4)
+    rollout = jax.jit(lambda p, *args: objective._scored_rollout(lambda q: nnx.merge(graphdef, q), p, *args))
+    tokens, logps = rollout(params, prompt_NW[None], length_N[None], jax.random.key(0))
+    rows = objective._rows(prompts, index, np.asarray(tokens), np.ones((1, 4), bool), None, None, np.asarray(logps))
+    batch = {k: jnp.asarray(v[0]) for k, v in rows.items()}
+    logits = nnx.merge(graphdef, params)(batch["inputs"], positions=batch["positions"],
+                                         segment_ids=batch["segment_ids"]) / 0.7
+    naive = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch["targets"][..., None], -1)[..., 0]
+    assert rows["completion"].sum() >= 4
+    np.testing.assert_allclose(rows["old_logps"][0], naive * rows["completion"][0], atol=2e-5)
+
+
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_rollout_rows_weight_each_completion_token_and_its_eos_and_no_other(tmp_path, mask_truncated):
     """Fixed sampled tokens (`<eos>` = 258, the byte tokenizer's): a completion that sampled an
