@@ -13,7 +13,8 @@ parameters) with the tiny fixture's tokenizer (tests/fixtures/hf_chat). Ours run
 `--seq-lens` (`train.seq_len`; TRL pads each batch to its own longest row, so it has no such
 setting); theirs in the reference interpreter (torch, transformers, trl, peft), float32 eager
 PyTorch on every core. Each side's time is the sum of its steps (sampling and scoring, then
-the training passes), best of `--repeats` runs; ours leaves compilation out (the first run
+the training passes), best of `--repeats` runs (`--overlap`: ours also with `grpo.overlap`, its
+sampling then the part the step does not hide); ours leaves compilation out (the first run
 compiles every width it meets, the later ones run compiled), as theirs leaves out loading.
 Each side's step also splits into its sampling (the rollouts and their scoring) and the rest.
 """
@@ -128,7 +129,7 @@ def theirs(args, model: Path, data: Path, work: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def ours(args, model: Path, data: Path, work: Path, seq_len: int) -> dict:
+def ours(args, model: Path, data: Path, work: Path, seq_len: int, overlap: bool) -> dict:
     """The best of `--repeats` runs of `--steps` steps: `{steps, sampling}` seconds, and the train
     step's compilations (one a width)."""
     import jax
@@ -141,38 +142,39 @@ def ours(args, model: Path, data: Path, work: Path, seq_len: int) -> dict:
 
     clock = {"sampling": 0.0, "training": 0.0}
 
-    def timed(part, fn):
+    def timed(part, fn, counted=True):
         def wrapped(*a, **k):
             start = time.perf_counter()
-            out = jax.block_until_ready(fn(*a, **k))
-            if k.get("step", 0) is not None:  # an evaluation's rollouts are no step's
+            out = fn(*a, **k)
+            out = out if callable(out) else jax.block_until_ready(out)
+            if counted:
                 clock[part] += time.perf_counter() - start
-            return out
+            return timed(part, out, counted) if callable(out) else out  # a batch begun: its finish too
         return wrapped
 
-    place, step = GRPO.place_batch, Trainer.train_step
+    begin, step = GRPO.begin_batch, Trainer.train_step
     runs, made = [], []
     make = loop.trainer_for
-    try:
-        GRPO.place_batch = timed("sampling", place)
+    try:  # a step: its batch begun and finished (an evaluation's is no step's), and the training step
+        GRPO.begin_batch = lambda self, *a, **k: timed("sampling", begin, k["step"] is not None)(self, *a, **k)
         Trainer.train_step = timed("training", step)
         loop.trainer_for = lambda *a, **k: made.append(make(*a, **k)) or made[-1]
         for repeat in range(args.repeats):
             run = load_run_config(ROOT / "configs" / "grpo.yaml", [
-                f"train.output_dir={work / f'ours_{seq_len}_{repeat}'}", f"data.path={data}",
+                f"train.output_dir={work / f'ours_{seq_len}_{overlap}_{repeat}'}", f"data.path={data}",
                 "data.val_fraction=0.02", f"train.batch_size={args.prompts * args.generations}",
                 f"train.eval_batch_size={args.prompts * args.generations}",
                 f"grpo.num_generations={args.generations}", f"grpo.max_completion_length={args.new_tokens}",
                 f"train.seq_len={seq_len}", f"train.steps={args.steps}", f"train.checkpoint_every={args.steps}",
                 "train.eval_every=0", "train.progress=false", "train.plot=false", "train.log_every=1",
-                f"train.seed={repeat}", "grpo.completions_per_log=0"])
+                f"train.seed={repeat}", "grpo.completions_per_log=0", f"grpo.overlap={str(overlap).lower()}"])
             run, init = finetune_run(run, model)
             clock.update(sampling=0.0, training=0.0)
             result = loop.train(run, init=init, log=lambda *a, **k: None)
             assert result.step == args.steps, result.step
             runs.append({"steps": clock["sampling"] + clock["training"], "sampling": clock["sampling"]})
     finally:
-        GRPO.place_batch, Trainer.train_step, loop.trainer_for = place, step, make
+        GRPO.begin_batch, Trainer.train_step, loop.trainer_for = begin, step, make
     # the train step's programs: one a width the batches took (the later runs reuse them)
     return dict(min(runs, key=lambda r: r["steps"]), widths=sum(t.programs.compilations.get("train", 0) for t in made))
 
@@ -189,6 +191,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--overlap", action="store_true", help="also time ours with grpo.overlap (the next "
+                                                                    "batch sampled while a step trains)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -201,12 +205,12 @@ def main(argv=None) -> None:
         print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; {args.prompts} prompts x "
               f"{args.generations} generations, {args.new_tokens} new tokens, {args.steps} steps, best of "
               f"{args.repeats}")
+        got = {(n, o): ours(args, model, data, work, n, o) for n in args.seq_lens for o in (False, True)[:1 + args.overlap]}
         trl = theirs(args, model, data, work)
         print(f"TRL GRPOTrainer: {trl['steps']:.2f} s (sampling {trl['sampling']:.2f} s, the rest "
               f"{trl['steps'] - trl['sampling']:.2f} s)")
-        for seq_len in args.seq_lens:
-            got = ours(args, model, data, work, seq_len)
-            print(f"ours, train.seq_len={seq_len}: {got['steps']:.2f} s (sampling {got['sampling']:.2f} s, the rest "
+        for (seq_len, overlap), got in got.items():
+            print(f"ours, train.seq_len={seq_len}{', grpo.overlap' if overlap else ''}: {got['steps']:.2f} s (sampling {got['sampling']:.2f} s, the rest "
                   f"{got['steps'] - got['sampling']:.2f} s; the train step compiled for "
                   f"{got['widths']} widths)")
             print(f"ratio (ours / TRL): {got['steps'] / trl['steps']:.2f}  (sampling "

@@ -354,8 +354,9 @@ class GRPO(base.Objective):
         width = min(room, 1 << max(int(item["width"]) - 1, 7).bit_length())  # a few widths: each compiles once
         prompt_NW, length_N = left_padded([prompts.ids[i] for i in index.reshape(-1)], width)
         prompt_AR, length_AR = prompt_NW.reshape(A, R, width), length_N.reshape(A, R)
-        sampled = self._sample(trainer, params, prompt_AR, length_AR, rows, jax.random.fold_in(
-            key, EVALUATION if evaluation else SAMPLING), scored=c.overlap and not evaluation)  # every process's rows
+        sample = self._sample_scored if c.overlap and not evaluation else self._sample
+        sampled = sample(trainer, params, prompt_AR, length_AR, rows, jax.random.fold_in(
+            key, EVALUATION if evaluation else SAMPLING))  # every process's rows
 
         def finish():
             tokens, logps = (np.asarray(x) for x in sampled) if isinstance(sampled, tuple) else (np.asarray(sampled),
@@ -377,10 +378,14 @@ class GRPO(base.Objective):
 
         return finish
 
+    def _sample_scored(self, trainer, params, prompt_AR, length_AR, rows, key):
+        """`_sample`'s tokens, and each one's log-probability under `params`: `(tokens, logps)`."""
+        return self._sample(trainer, params, prompt_AR, length_AR, rows, key, scored=True)
+
     def _sample(self, trainer, params, prompt_AR, length_AR, rows, key, scored: bool = False):
         """`[A, rows, max_completion_length]` tokens sampled after the prompts (all rows of the step
         sampled at once, on the mesh; every process passes its prompts and receives every row), still
-        on the way; `scored`: with each token's log-probability under `params`, `(tokens, logps)`."""
+        on the way; `scored`: `_sample_scored`'s."""
         mesh = trainer.mesh
         A, R = length_AR.shape
         shape = (A, rows if rows is not None else R)
