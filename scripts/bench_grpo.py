@@ -13,8 +13,8 @@ parameters) with the tiny fixture's tokenizer (tests/fixtures/hf_chat). Ours run
 `--seq-lens` (`train.seq_len`; TRL pads each batch to its own longest row, so it has no such
 setting); theirs in the reference interpreter (torch, transformers, trl, peft), float32 eager
 PyTorch on every core. Each side's time is the sum of its steps (sampling and scoring, then
-the training passes), best of `--repeats` runs (`--overlap`: ours also with `grpo.overlap`, its
-sampling then the part the step does not hide); ours leaves compilation out (the first run
+the training passes), best of `--repeats` runs (`--overlap`: ours also with `grpo.overlap` at the
+first of `--seq-lens`, its sampling then the part the step does not hide); ours leaves compilation out (the first run
 compiles every width it meets, the later ones run compiled), as theirs leaves out loading.
 Each side's step also splits into its sampling (the rollouts and their scoring) and the rest.
 """
@@ -192,7 +192,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--overlap", action="store_true", help="also time ours with grpo.overlap (the next "
-                                                                    "batch sampled while a step trains)")
+                                                                    "batch sampled while a step trains) at the first "
+                                                                    "of --seq-lens")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -205,12 +206,14 @@ def main(argv=None) -> None:
         print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; {args.prompts} prompts x "
               f"{args.generations} generations, {args.new_tokens} new tokens, {args.steps} steps, best of "
               f"{args.repeats}")
-        got = {(n, o): ours(args, model, data, work, n, o) for n in args.seq_lens for o in (False, True)[:1 + args.overlap]}
+        settings = [(n, False) for n in args.seq_lens] + ([(args.seq_lens[0], True)] if args.overlap else [])
+        got = {(n, o): ours(args, model, data, work, n, o) for n, o in settings}
         trl = theirs(args, model, data, work)
         print(f"TRL GRPOTrainer: {trl['steps']:.2f} s (sampling {trl['sampling']:.2f} s, the rest "
               f"{trl['steps'] - trl['sampling']:.2f} s)")
         for (seq_len, overlap), got in got.items():
-            print(f"ours, train.seq_len={seq_len}{', grpo.overlap' if overlap else ''}: {got['steps']:.2f} s (sampling {got['sampling']:.2f} s, the rest "
+            name = f"ours, train.seq_len={seq_len}" + (", grpo.overlap" if overlap else "")
+            print(f"{name}: {got['steps']:.2f} s (sampling {got['sampling']:.2f} s, the rest "
                   f"{got['steps'] - got['sampling']:.2f} s; the train step compiled for "
                   f"{got['widths']} widths)")
             print(f"ratio (ours / TRL): {got['steps'] / trl['steps']:.2f}  (sampling "

@@ -23,9 +23,13 @@ a group g (letters: B rows, T tokens):
 
 with log-probabilities at the sampling `temperature`. `pi_old` is the sampling weights': with
 `num_iterations` > 1 each batch serves that many steps, its log-probabilities kept from when it
-was sampled (so a run saves and stops only between batches); else the current ones without
-gradient (rho = 1). The reference `ref` (beta > 0) is the base with the adapters off (LoRA)
-or a frozen copy of the start. The metrics are TRL's, over the step's whole batch.
+was sampled (so a run saves and stops only between batches); with `overlap` the batch of step
+t + 1 is sampled while step t trains, from the weights step t starts with (one step off-policy),
+and `pi_old` is those weights', kept by the rollout program; else the current ones without
+gradient (rho = 1). Each pass runs over the batch's own width (`BatchPlacement.width`: its
+longest prompt and completion, bucketed), not `train.seq_len`. The reference `ref` (beta > 0)
+is the base with the adapters off (LoRA) or a frozen copy of the start. The metrics are TRL's,
+over the step's whole batch.
 """
 
 from __future__ import annotations
@@ -395,9 +399,9 @@ class GRPO(base.Objective):
                                                           shape + x.shape[2:])
 
         name, rollout = ("grpo_scored_rollout", self._scored_rollout) if scored else ("grpo_rollout", self._rollout)
-        return trainer.programs.program(f"{name}_{prompt_AR.shape[-1]}", functools.partial(rollout, trainer.states.model),
-                                        params, put(prompt_AR), put(length_AR), key,
-                                        out_shardings=trainer.programs.replicated)
+        return trainer.programs.program(f"{name}_{prompt_AR.shape[-1]}",
+                                        functools.partial(rollout, trainer.states.model), params, put(prompt_AR),
+                                        put(length_AR), key, out_shardings=trainer.programs.replicated)
 
     def _rollout(self, model_of, params, prompt_ABW, length_AB, key):
         c = self.config
@@ -487,8 +491,10 @@ class GRPO(base.Objective):
         rows = lambda n: rows_sharding(mesh, trainer.programs.rules, n)  # noqa: E731
         prompts = jax.ShapeDtypeStruct((A, tc.batch_size // A, W), jnp.int32, sharding=rows(3))
         lengths = jax.ShapeDtypeStruct((A, tc.batch_size // A), jnp.int32, sharding=rows(2))
-        return {f"grpo_rollout_{W}": (functools.partial(self._rollout, trainer.states.model),
-                                      (params, prompts, lengths, jax.random.key(0)))}
+        name, rollout = ("grpo_scored_rollout", self._scored_rollout) if self.config.overlap else \
+            ("grpo_rollout", self._rollout)
+        return {f"{name}_{W}": (functools.partial(rollout, trainer.states.model),
+                                (params, prompts, lengths, jax.random.key(0)))}
 
     def samples(self) -> list[dict]:
         """The first rows of the last batch sampled for training, to write to completions.jsonl."""
