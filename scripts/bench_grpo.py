@@ -197,7 +197,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = Path(args.model) if args.model else work / "model"
+        model = Path(args.model).resolve() if args.model else work / "model"
         if not args.model:
             print(f"model: a random Qwen2 of {make_model(args.hf_python, model):,} parameters")
         data = work / "arithmetic.jsonl"
@@ -207,16 +207,19 @@ def main(argv=None) -> None:
               f"{args.generations} generations, {args.new_tokens} new tokens, {args.steps} steps, best of "
               f"{args.repeats}")
         settings = [(n, False) for n in args.seq_lens] + ([(args.seq_lens[0], True)] if args.overlap else [])
-        got = {(n, o): ours(args, model, data, work, n, o) for n, o in settings}
-        trl = theirs(args, model, data, work)
-        print(f"TRL GRPOTrainer: {trl['steps']:.2f} s (sampling {trl['sampling']:.2f} s, the rest "
-              f"{trl['steps'] - trl['sampling']:.2f} s)")
-        for (seq_len, overlap), got in got.items():
+        timed = {}
+        for seq_len, overlap in settings:
+            timed[seq_len, overlap] = got = ours(args, model, data, work, seq_len, overlap)
             name = f"ours, train.seq_len={seq_len}" + (", grpo.overlap" if overlap else "")
             print(f"{name}: {got['steps']:.2f} s (sampling {got['sampling']:.2f} s, the rest "
                   f"{got['steps'] - got['sampling']:.2f} s; the train step compiled for "
-                  f"{got['widths']} widths)")
-            print(f"ratio (ours / TRL): {got['steps'] / trl['steps']:.2f}  (sampling "
+                  f"{got['widths']} widths)", flush=True)
+        trl = theirs(args, model, data, work)
+        print(f"TRL GRPOTrainer: {trl['steps']:.2f} s (sampling {trl['sampling']:.2f} s, the rest "
+              f"{trl['steps'] - trl['sampling']:.2f} s)")
+        for (seq_len, overlap), got in timed.items():
+            print(f"ratio (ours, train.seq_len={seq_len}{', grpo.overlap' if overlap else ''} / TRL): "
+                  f"{got['steps'] / trl['steps']:.2f}  (sampling "
                   f"{got['sampling'] / trl['sampling']:.2f}, the rest "
                   f"{(got['steps'] - got['sampling']) / (trl['steps'] - trl['sampling']):.2f})")
 
