@@ -452,6 +452,89 @@ def byte_prompts(*texts: str, answers=None):
                    {"answer": tuple(answers or range(len(texts)))}, tuple(f"line {i}" for i in range(len(texts))))
 
 
+def test_a_step_over_its_bucketed_width_equals_the_full_width(reward_file):
+    """TRL's fixed batch (rows of at most 11 tokens) as 16 columns, the bucket that holds it, and as
+    train.seq_len=32: the same loss, sums and gradients of the adapters (float32, summed in other
+    orders: within 1e-6 relative), the reference's forward (beta > 0) included."""
+    from modern_jax.training.trainer import Trainer
+
+    config, _, _ = setting("dr_grpo", reward_file)
+    with np.load(FIXTURE / "grpo" / "batch.npz") as z:
+        rows = {T: trl_rows(dict(z), z["rewards"], seq_len=T) for T in (16, 32)}
+    trainer, state = lora_trainer(config, seq_len=32)
+    assert trainer.batches.width(11) == 16
+
+    @jax.jit
+    def grads(batch):
+        params, frozen = trainer.states.split(state["params"])
+        reference = trainer.states.reference(state["params"], state.get("reference"))
+        batch = trainer.objective.complete(batch)
+        denom = trainer.objective.denominator(batch)
+        loss, sums, _, grads = Trainer._grads(trainer, params, frozen, batch, reference, denom, jax.random.key(0))
+        return loss, sums, grads
+
+    narrow, full = (jax.device_get(grads(trainer.batches.put(rows[T]))) for T in (16, 32))
+    assert config.beta > 0 and narrow[1]["kl"] > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), narrow, full)
+
+
+def test_rollout_rows_take_the_bucket_that_holds_their_longest_prompt_and_completion(tmp_path):
+    """A batch's rows are as wide as the least bucket that holds its longest prompt and completion,
+    the <eos> included (13 + 4 tokens: 24 of train.seq_len=64), and equal the full-width rows cut there."""
+    from types import SimpleNamespace
+
+    from modern_jax.data import ByteTokenizer
+    from modern_jax.sharding import RULES
+    from modern_jax.training.placement import BatchPlacement
+
+    eos = 258
+    (tmp_path / "answer.py").write_text(ROWS_REWARDS)
+    tc = TrainConfig(batch_size=4, eval_batch_size=4, seq_len=64)
+    objective = GRPO(GRPOConfig(rewards=(f"{tmp_path / 'answer.py'}:answer",), num_generations=2,
+                                max_completion_length=6), tc)
+    objective.tokenizer = ByteTokenizer()
+    objective.splits["train"] = prompts = byte_prompts("ABCDEFGHIJKL", "C")  # 13 and 2 tokens with <bos>
+    tokens = np.asarray([[[10, eos, 0, 0, 0, 0], [16, 17, 18, eos, 0, 0], [11, 12, eos, 0, 0, 0],
+                          [eos, 0, 0, 0, 0, 0]]], np.int32)
+    objective._sample = lambda *args: tokens
+    placement = BatchPlacement(one_device(), RULES, tc)
+    assert placement.widths() == (16, 24, 32, 48, 64)
+    index = np.asarray([[0, 0, 1, 1]])
+    placed = objective.place_batch({"index": index, "width": np.asarray(13)}, trainer=SimpleNamespace(
+        batches=placement), params=None, rows=None, step=0, key=jax.random.key(0))
+    full = objective._rows(prompts, index, tokens, np.ones((1, 4), bool), None)
+    assert placed["inputs"].shape == (1, 4, 24)
+    assert not full["segment_ids"][..., 24:].any()
+    for name, value in full.items():
+        np.testing.assert_array_equal(np.asarray(placed[name]), value[..., :24], err_msg=name)
+
+
+def test_overlap_keeps_each_sampled_tokens_log_probability_under_the_sampling_weights(tmp_path):
+    """grpo.overlap trains on rollouts one step old, its ratio against the sampling weights: the
+    log-probability of each sampled token that the rollout program keeps (a forward over the
+    left-padded prompts and their completions) is a naive log-softmax of the sampling weights'
+    logits over the training row at the temperature (within 2e-5), where the row's completion is, and
+    0 elsewhere. Reusing a batch too is refused."""
+    from modern_jax.generate import left_padded
+
+    with pytest.raises(ValueError, match=r"overlap=True is invalid: samples each batch one step ahead"):
+        GRPOConfig(rewards=("a.py:f",), overlap=True, num_iterations=2)
+    objective = fixed_rollouts(tmp_path, overlap=True, temperature=0.7)
+    cfg = ModelConfig(vocab_size=260, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_position_embeddings=16)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    prompts, index = byte_prompts("AB", "C"), np.asarray([[0, 0, 1, 1]])
+    prompt_NW, length_N = left_padded([prompts.ids[i] for i in index[0]], 4)
+    rollout = jax.jit(lambda p, *args: objective._scored_rollout(lambda q: nnx.merge(graphdef, q), p, *args))
+    tokens, logps = rollout(params, prompt_NW[None], length_N[None], jax.random.key(0))
+    rows = objective._rows(prompts, index, np.asarray(tokens), np.ones((1, 4), bool), None, None, np.asarray(logps))
+    batch = {k: jnp.asarray(v[0]) for k, v in rows.items()}
+    logits = nnx.merge(graphdef, params)(batch["inputs"], positions=batch["positions"],
+                                         segment_ids=batch["segment_ids"]) / 0.7
+    naive = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch["targets"][..., None], -1)[..., 0]
+    assert rows["completion"].sum() >= 4
+    np.testing.assert_allclose(rows["old_logps"][0], naive * rows["completion"][0], atol=2e-5)
+
+
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_rollout_rows_weight_each_completion_token_and_its_eos_and_no_other(tmp_path, mask_truncated):
     """Fixed sampled tokens (`<eos>` = 258, the byte tokenizer's): a completion that sampled an
@@ -508,7 +591,7 @@ def test_an_evaluation_counts_only_its_real_prompts(tmp_path, monkeypatch):
         if n < 4:
             tokens[0, r, n - 1] = eos
     monkeypatch.setattr(objective, "_sample", lambda *args: tokens)
-    trainer = SimpleNamespace(batches=SimpleNamespace(put=lambda batch, rows: batch))
+    trainer = SimpleNamespace(batches=SimpleNamespace(put=lambda batch, rows: batch, width=lambda tokens: 64))
     batch = objective.place_batch(items[0], trainer=trainer, params=None, rows=None, step=0, key=jax.random.key(0))
     cfg = ModelConfig(vocab_size=260, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_position_embeddings=8)
 

@@ -229,9 +229,13 @@ class _Session:
 
     def batch(self, batch: dict, rows: int, step: int) -> dict:
         """Step `step`'s batch on the mesh (GRPO samples it from the current weights, with the step's key)."""
+        return self.begin(batch, rows, step)()
+
+    def begin(self, batch: dict, rows: int, step: int):
+        """`batch` begun on the mesh from the current weights (`Objective.begin_batch`): what finishes it."""
         key = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), step)
-        return self.trainer.objective.place_batch(batch, trainer=self.trainer, params=self.state["params"], rows=rows,
-                                             step=step, key=key)
+        return self.trainer.objective.begin_batch(batch, trainer=self.trainer, params=self.state["params"], rows=rows,
+                                                  step=step, key=key)
 
     def evaluate(self, metrics_log: MetricsLog | None, step: int, batches, progress: Progress,
                  what: str = "validation") -> dict:
@@ -535,18 +539,22 @@ def _steps(s: _Session, book: _Logbook, stop_after, stop: StopSignal) -> tuple[i
     every = s.trainer.objective.steps_per_batch  # a run stops and saves only between batches that serve several steps
     asked = False  # a stop signal came
     while step < tc.steps:
-        batch, next_batch = next_batch, None
+        batch, next_batch, begun = next_batch, None, None
+        if s.trainer.objective.ahead and step + 1 < tc.steps:  # the next batch, from the weights this step starts with
+            s.data_state = s.iterator.get_state()  # what a stop after this step saves: the begun batch comes again
+            begun = s.begin(next(s.iterator), rows, step + 1)
         s.state, metrics = s.trainer.train_step(s.state, batch)
         step += 1
         distributed.note(step=step)
         book.interval_tokens += tokens_per_step
         book.pending.append((step, metrics))
-        s.data_state = s.iterator.get_state()
+        if begun is None:
+            s.data_state = s.iterator.get_state()
         asked = stop.due(step) or asked  # every process calls it at every step
         stopping = step % every == 0 and (asked or (stop_after is not None and step - s.start >= stop_after
                                                     and step < tc.steps))
-        if step < tc.steps and not stopping:
-            next_batch = s.batch(next(s.iterator), rows, step)  # overlaps with the running step
+        if step < tc.steps and not stopping:  # overlaps with the running step
+            next_batch = begun() if begun is not None else s.batch(next(s.iterator), rows, step)
         if step % tc.log_every == 0 or step == tc.steps or stopping:
             _log(s, book, step)
         _evaluate_between(s, book, step)

@@ -65,16 +65,31 @@ class BatchPlacement:
         return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharding)
                 for key, dtype in (FIELDS if fields is None else fields).items()}
 
+    def width(self, tokens: int) -> int:
+        """The width of a batch whose longest row holds `tokens` tokens: the least of `widths()`
+        that holds it (a batch pays for its real tokens, not for `seq_len`)."""
+        return next(w for w in self.widths() if w >= tokens)
+
+    def widths(self) -> tuple[int, ...]:
+        """The widths a batch may take, so that a step compiles for a few: 16, 24, 32, 48, 64, 96 ...
+        (powers of two and 1.5 times them), capped at `seq_len`; only `seq_len` where devices split the
+        sequence (context parallelism lays out whole windows)."""
+        T = self.cfg.seq_len
+        if self.context > 1:
+            return (T,)
+        steps = [w for k in range(4, T.bit_length()) for w in (1 << k, 3 << (k - 1)) if w < T]
+        return tuple(sorted(steps)) + (T,)
+
     def laid_out(self, batch: dict) -> dict:
         """`batch` with its sequences in the order laid over the context axis (`context_layout`):
         positions, segments and weights travel with their tokens, so no number changes."""
         order = layout_order(next(iter(batch.values())).shape[-1], self.context, self.context_layout)
         return batch if order is None else {k: np.asarray(v)[..., order] for k, v in batch.items()}
 
-    def local_slices(self, rows: int) -> tuple[slice, slice]:
-        """The rows and the (laid-out) token positions of a `[A, rows, seq_len]` batch that this
-        process's devices hold: everything on one process; a share of them on each of several."""
-        shape = (1, rows, self.cfg.seq_len)
+    def local_slices(self, rows: int, width: int | None = None) -> tuple[slice, slice]:
+        """The rows and the (laid-out) token positions of a `[A, rows, width]` batch (None: seq_len)
+        that this process's devices hold: everything on one process; a share of them on each of several."""
+        shape = (1, rows, self.cfg.seq_len if width is None else width)
         held = self.sharding.addressable_devices_indices_map(shape).values()
         return tuple(_span([index[d] for index in held], shape[d], ("rows", "tokens")[d - 1]) for d in (1, 2))
 
@@ -85,7 +100,7 @@ class BatchPlacement:
         laid_out = self.laid_out(batch)
         first = next(iter(laid_out.values()))
         rows = first.shape[1] if rows is None else rows
-        _, tokens = self.local_slices(rows)
+        _, tokens = self.local_slices(rows, first.shape[2])
         shape = (first.shape[0], rows, first.shape[2])
         return {k: jax.make_array_from_process_local_data(self.sharding, np.ascontiguousarray(v[..., tokens]), shape)
                 for k, v in laid_out.items()}

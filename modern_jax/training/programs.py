@@ -3,7 +3,7 @@ compile and run.
 
     on_mesh = Programs(mesh, rules, strategies, execution)
     on_mesh.define("train", step_fn, in_shardings=..., donate_argnums=(0,))
-    on_mesh.run("train", state, batch)           # compiled for these arguments on first use
+    on_mesh.run("train", state, batch)           # compiled once per argument shapes, on first use
     on_mesh.program("harness_score", fn, *args)  # an ad-hoc program, once per name and argument types
     on_mesh.lower("train", *abstract, platform="tpu")  # lowered only (the planner's)
 
@@ -49,7 +49,8 @@ class Programs:
         self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the programs were traced
         self.compilations: dict[str, int] = {}  # programs compiled here, per name
         self._jitted: dict = {}
-        self._current: dict = {}  # the executable `run` runs, per name
+        self._current: dict = {}  # the executable compiled last, per name
+        self._by_shapes: dict = {}  # `run`'s executables, per name and argument shapes (a GRPO batch's widths)
         self._by_arguments: dict = {}  # `program`'s executables, per name and argument types
 
     @property
@@ -95,14 +96,16 @@ class Programs:
         if key not in _EXECUTABLES:
             _EXECUTABLES[key] = lowered.compile(compiler_options=dict(options) or None)
             self.compilations[name] = self.compilations.get(name, 0) + 1
-        self._current[name] = _EXECUTABLES[key]
+        self._current[name] = self._by_shapes[(name, _shapes(args))] = _EXECUTABLES[key]
         return self._current[name]
 
     def run(self, name: str, *args):
-        """Run program `name` (compiled for these arguments on first use)."""
-        executable = self._current.get(name)
+        """Run program `name`, compiled once for each shape of its arguments, on first use (the
+        one `compile` made last, where it was made for these shapes)."""
+        key = (name, _shapes(args))
+        executable = self._by_shapes.get(key)
         if executable is None:
-            executable = self.compile(name, *args)
+            executable = self._by_shapes[key] = self.compile(name, *args)
         return executable(*args)
 
     def program(self, name: str, fn, *args, out_shardings=None):
@@ -120,6 +123,11 @@ class Programs:
         """`fn(*args)` lowered as `program` compiles it (abstract arguments will do): the planner's."""
         self.define(name, fn)
         return self.lower(name, *args, platform=platform)
+
+
+def _shapes(args) -> tuple:
+    """The shapes and dtypes of a program's arguments (what picks its executable)."""
+    return tuple((tuple(x.shape), x.dtype) if hasattr(x, "shape") else x for x in jax.tree.leaves(args))
 
 
 def programs_of(run, mesh: Mesh, execution: ExecutionConfig | None = None) -> Programs:

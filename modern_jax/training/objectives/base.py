@@ -13,7 +13,9 @@ the planner call:
     batches   `place_batch`: a data batch on the mesh as the step takes it (GRPO samples its
               completions there first, from the current weights), or `BatchFailed` naming what
               of the run's own code failed; `steps_per_batch`: how many steps each serves (a run
-              saves and stops only between batches)
+              saves and stops only between batches); `begin_batch`: the same in two parts, the work
+              on the mesh started, then finished; `ahead`: the loop begins each next batch before
+              the step runs, from the weights that step starts with (GRPO's overlap)
     the step  `complete`: what each micro-batch needs from the whole step's batch (GRPO's
               advantages); `prepare` (a forward of the frozen reference, outside the policy's
               gradient), `sums` of one micro-batch (they add up over micro-batches; those named
@@ -67,6 +69,7 @@ class Objective:
     metric_names: tuple[str, ...] = ()  # its own figures in `metrics`, besides `loss` and `z_loss`
     max_sums: tuple[str, ...] = ()  # sums that take the max over micro-batches, besides `max_abs_logit`
     steps_per_batch: int = 1
+    ahead: bool = False  # the next batch begins before the step, from the weights the step starts with
     rows_together: int = 1  # consecutive rows of a batch that one loss term reads (a DPO pair), kept together
     display: Shown  # what the console and the plot show of its figures
 
@@ -104,6 +107,12 @@ class Objective:
         `rows` rows, None: one process) as global arrays on `trainer`'s mesh, for `step` (None: an
         evaluation's) with `params` the current weights and `key` its random key."""
         return trainer.batches.put(item, rows)
+
+    def begin_batch(self, item: dict, *, trainer, params, rows: int | None, step: int | None, key):
+        """`place_batch` in two parts: what runs on the mesh started now, then the function that
+        finishes it (by default everything is done now)."""
+        placed = self.place_batch(item, trainer=trainer, params=params, rows=rows, step=step, key=key)
+        return lambda: placed
 
     def fields(self) -> dict:
         """The arrays of a step's batch and their dtypes (what the planner's abstract batch holds)."""

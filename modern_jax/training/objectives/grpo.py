@@ -23,9 +23,13 @@ a group g (letters: B rows, T tokens):
 
 with log-probabilities at the sampling `temperature`. `pi_old` is the sampling weights': with
 `num_iterations` > 1 each batch serves that many steps, its log-probabilities kept from when it
-was sampled (so a run saves and stops only between batches); else the current ones without
-gradient (rho = 1). The reference `ref` (beta > 0) is the base with the adapters off (LoRA)
-or a frozen copy of the start. The metrics are TRL's, over the step's whole batch.
+was sampled (so a run saves and stops only between batches); with `overlap` the batch of step
+t + 1 is sampled while step t trains, from the weights step t starts with (one step off-policy),
+and `pi_old` is those weights', kept by the rollout program; else the current ones without
+gradient (rho = 1). Each pass runs over the batch's own width (`BatchPlacement.width`: its
+longest prompt and completion, bucketed), not `train.seq_len`. The reference `ref` (beta > 0)
+is the base with the adapters off (LoRA) or a frozen copy of the start. The metrics are TRL's,
+over the step's whole batch.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class GRPOConfig(base.Config):
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = True
     completions_per_log: int = 8  # rows of each log step's batch written to completions.jsonl (0: none)
+    overlap: bool = False  # sample step t + 1's batch while step t trains, from the weights step t starts with
 
     def __post_init__(self):
         fail_ = functools.partial(fail, "GRPOConfig")
@@ -128,11 +133,14 @@ class GRPOConfig(base.Config):
                 fail_(name, getattr(self, name), f"expected one of {', '.join(choices)}")
         if not _count(self.num_iterations):
             fail_("num_iterations", self.num_iterations, "expected a positive integer")
-        for name in ("mask_truncated_completions", "use_bias_correction_kl"):
+        for name in ("mask_truncated_completions", "use_bias_correction_kl", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 fail_(name, getattr(self, name), "expected true or false")
         if not _count(self.completions_per_log, 0):
             fail_("completions_per_log", self.completions_per_log, "expected an integer >= 0")
+        if self.overlap and self.num_iterations > 1:
+            fail_("overlap", self.overlap, f"samples each batch one step ahead for one step, and num_iterations="
+                                           f"{self.num_iterations} reuses a batch: set one of them off (false, 1)")
 
     @property
     def clip_high(self) -> float:
@@ -271,6 +279,15 @@ def old_logps(model_of, params, batch, *, chunk: int, temperature: float):
     return logps.reshape(batch["inputs"].shape)
 
 
+def completion_width(tokens, eos: int | None) -> int:
+    """The most tokens a completion of `tokens` `[..., max_completion_length]` holds, its <eos> included."""
+    tokens = np.asarray(tokens).reshape(-1, np.shape(tokens)[-1])
+    if eos is None or not tokens.size:
+        return tokens.shape[-1]
+    ended = tokens == eos
+    return int(np.max(np.where(ended.any(-1), ended.argmax(-1) + 1, tokens.shape[-1])))
+
+
 class GRPO(base.Objective):
     unit, eval_unit = "prompts", "prompt"
 
@@ -279,6 +296,7 @@ class GRPO(base.Objective):
         self.rewards = Rewards(config.rewards, config.reward_weights)
         self.needs_reference = config.beta > 0
         self.steps_per_batch = config.num_iterations
+        self.ahead = config.overlap
         self.display = shown(config)
         functions = tuple(f"rewards/{name}/{stat}" for name in self.rewards.names for stat in ("mean", "std"))
         self.metric_names = (("kl",) if config.beta else ()) + ("entropy",) + CLIPS + (
@@ -323,10 +341,16 @@ class GRPO(base.Objective):
         """Sample the completions of `item`'s prompts from `params` on the mesh (the module
         docstring), score them, and place the rows; a batch that serves `num_iterations` steps is
         sampled at the first."""
+        return self.begin_batch(item, trainer=trainer, params=params, rows=rows, step=step, key=key)()
+
+    def begin_batch(self, item, *, trainer, params, rows, step, key):
+        """`place_batch` in two parts: the rollouts started on the mesh now, and the function that
+        waits for them, scores them and places the rows. With `overlap` a training batch also keeps
+        each completion token's log-probability under `params`, the sampling weights (`old_logps`)."""
         c = self.config
         evaluation = "real" in item
         if not evaluation and self._kept is not None and step // c.num_iterations == self._kept[0]:
-            return self._kept[1]
+            return lambda: self._kept[1]
         prompts = self.splits["evaluated" if evaluation else "train"]
         index = np.asarray(item["index"])  # [A, R]: this process's rows of each micro-batch
         A, R = index.shape
@@ -334,21 +358,38 @@ class GRPO(base.Objective):
         width = min(room, 1 << max(int(item["width"]) - 1, 7).bit_length())  # a few widths: each compiles once
         prompt_NW, length_N = left_padded([prompts.ids[i] for i in index.reshape(-1)], width)
         prompt_AR, length_AR = prompt_NW.reshape(A, R, width), length_N.reshape(A, R)
-        tokens = self._sample(trainer, params, prompt_AR, length_AR, rows, jax.random.fold_in(
-            key, EVALUATION if evaluation else SAMPLING))
-        real = np.asarray(item["real"], bool) if evaluation else np.ones((A, R), bool)
-        batch = self._rows(prompts, index, tokens, real, None if evaluation else step + 1)
-        placed = trainer.batches.put(batch, rows)
-        if c.num_iterations > 1 and not evaluation:  # the sampling weights' log-probabilities, kept for the steps
-            placed["old_logps"] = trainer.programs.program("grpo_old_logps", functools.partial(
-                old_logps, trainer.states.model, chunk=self.train.loss_vocab_chunk, temperature=c.temperature),
-                                                  params, placed)
-            self._kept = (step // c.num_iterations, placed)
-        return placed
+        sample = self._sample_scored if c.overlap and not evaluation else self._sample
+        sampled = sample(trainer, params, prompt_AR, length_AR, rows, jax.random.fold_in(
+            key, EVALUATION if evaluation else SAMPLING))  # every process's rows
 
-    def _sample(self, trainer, params, prompt_AR, length_AR, rows, key) -> np.ndarray:
-        """`[A, R, max_completion_length]` tokens sampled after this process's prompts (all rows of
-        the step sampled at once, on the mesh; every process receives them all and keeps its rows)."""
+        def finish():
+            tokens, logps = (np.asarray(x) for x in sampled) if isinstance(sampled, tuple) else (np.asarray(sampled),
+                                                                                                 None)
+            # the rows' width: the longest prompt and completion of every process's rows, bucketed
+            width = trainer.batches.width(int(item["width"]) + completion_width(tokens, self.tokenizer.eos_id))
+            if rows is not None:
+                tokens = tokens[:, trainer.batches.local_slices(rows)[0]]
+                logps = None if logps is None else logps[:, trainer.batches.local_slices(rows)[0]]
+            real = np.asarray(item["real"], bool) if evaluation else np.ones((A, R), bool)
+            batch = self._rows(prompts, index, tokens, real, None if evaluation else step + 1, width, logps)
+            placed = trainer.batches.put(batch, rows)
+            if c.num_iterations > 1 and not evaluation:  # the sampling weights' log-probabilities, kept for the steps
+                placed["old_logps"] = trainer.programs.program("grpo_old_logps", functools.partial(
+                    old_logps, trainer.states.model, chunk=self.train.loss_vocab_chunk, temperature=c.temperature),
+                                                      params, placed)
+                self._kept = (step // c.num_iterations, placed)
+            return placed
+
+        return finish
+
+    def _sample_scored(self, trainer, params, prompt_AR, length_AR, rows, key):
+        """`_sample`'s tokens, and each one's log-probability under `params`: `(tokens, logps)`."""
+        return self._sample(trainer, params, prompt_AR, length_AR, rows, key, scored=True)
+
+    def _sample(self, trainer, params, prompt_AR, length_AR, rows, key, scored: bool = False):
+        """`[A, rows, max_completion_length]` tokens sampled after the prompts (all rows of the step
+        sampled at once, on the mesh; every process passes its prompts and receives every row), still
+        on the way; `scored`: `_sample_scored`'s."""
         mesh = trainer.mesh
         A, R = length_AR.shape
         shape = (A, rows if rows is not None else R)
@@ -357,9 +398,10 @@ class GRPO(base.Objective):
             return jax.make_array_from_process_local_data(rows_sharding(mesh, trainer.programs.rules, x.ndim), x,
                                                           shape + x.shape[2:])
 
-        out = trainer.programs.program(f"grpo_rollout_{prompt_AR.shape[-1]}", functools.partial(self._rollout, trainer.states.model),
-                              params, put(prompt_AR), put(length_AR), key, out_shardings=trainer.programs.replicated)
-        return np.asarray(out)[:, slice(None) if rows is None else trainer.batches.local_slices(rows)[0]]
+        name, rollout = ("grpo_scored_rollout", self._scored_rollout) if scored else ("grpo_rollout", self._rollout)
+        return trainer.programs.program(f"{name}_{prompt_AR.shape[-1]}",
+                                        functools.partial(rollout, trainer.states.model), params, put(prompt_AR),
+                                        put(length_AR), key, out_shardings=trainer.programs.replicated)
 
     def _rollout(self, model_of, params, prompt_ABW, length_AB, key):
         c = self.config
@@ -371,10 +413,29 @@ class GRPO(base.Objective):
                         length_B=length_AB.reshape(A * B), group=c.num_generations)  # a group's prompt prefilled once
         return tokens.reshape(A, B, -1)
 
-    def _rows(self, prompts, index, tokens, real, first_step: int | None) -> dict:
-        """The `[A, R, T]` rows (prompt, completion, padding) of this process's rollouts, scored (a few
-        kept for completions.jsonl, with `first_step`, the first step they train; None: an evaluation's)."""
-        c, eos, T = self.config, self.tokenizer.eos_id, self.train.seq_len
+    def _scored_rollout(self, model_of, params, prompt_ABW, length_AB, key):
+        """`_rollout`'s tokens `[A, B, C]` and each one's log-probability `[A, B, C]` under `params` at
+        the sampling temperature (a forward over the prompts, left-padded, and their completions)."""
+        tokens_ABC = self._rollout(model_of, params, prompt_ABW, length_AB, key)
+        A, B, W = prompt_ABW.shape
+        C = tokens_ABC.shape[-1]
+        sequence_NS = jnp.concatenate([prompt_ABW.reshape(A * B, W), tokens_ABC.reshape(A * B, C)], -1)
+        index_NS = jnp.broadcast_to(jnp.arange(W + C - 1)[None, :], (A * B, W + C - 1))
+        start_N1 = (W - length_AB.reshape(A * B))[:, None]  # a row's first prompt token
+        batch = {"inputs": sequence_NS[:, :-1], "targets": sequence_NS[:, 1:],
+                 "positions": jnp.maximum(index_NS - start_N1, 0),
+                 "segment_ids": (index_NS >= start_N1).astype(jnp.int32)}
+        logps_NS, _, _ = token_logps(model_of(params), batch, chunk=self.train.loss_vocab_chunk,
+                                     temperature=self.config.temperature)
+        return tokens_ABC, logps_NS[:, W - 1:].reshape(A, B, C)
+
+    def _rows(self, prompts, index, tokens, real, first_step: int | None, width: int | None = None,
+              logps=None) -> dict:
+        """The `[A, R, width]` rows (prompt, completion, padding; None: `seq_len` wide) of this process's
+        rollouts, scored (a few kept for completions.jsonl, with `first_step`, the first step they
+        train; None: an evaluation's); `logps` `[A, R, C]`: each sampled token's log-probability under
+        the sampling weights, kept as the rows' `old_logps`."""
+        c, eos, T = self.config, self.tokenizer.eos_id, width or self.train.seq_len
         A, R = index.shape
         completions = [cut_at_eos(row, eos) for row in tokens.reshape(A * R, -1)]  # without the <eos>
         ended = np.asarray([len(ids) < tokens.shape[-1] for ids in completions])  # it sampled an <eos>
@@ -394,19 +455,22 @@ class GRPO(base.Objective):
             self._said_truncated = warn_untrained(c, scores, ended, real.reshape(-1), first_step, self._said_truncated)
         N = A * R
         inputs, targets = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
-        completion = np.zeros((N, T), np.float32)
+        completion, sampled = np.zeros((N, T), np.float32), np.zeros((N, T), np.float32)
         valid = np.zeros((N, T), bool)
         for n, (i, done) in enumerate(zip(flat, ended)):
             sequence = np.concatenate([prompts.ids[i], ids[n]])
             inputs[n, :len(sequence) - 1], targets[n, :len(sequence) - 1] = sequence[:-1], sequence[1:]
             valid[n, :len(sequence)] = True
             completion[n, len(prompts.ids[i]) - 1:len(sequence) - 1] = 1.0
+            if logps is not None:
+                sampled[n, len(prompts.ids[i]) - 1:len(sequence) - 1] = logps.reshape(N, -1)[n, :len(ids[n])]
         keep = real.reshape(-1) & (ended | (not c.mask_truncated_completions))
         row = lambda x: np.broadcast_to(np.asarray(x, np.float32)[:, None], (N, T))  # noqa: E731
         batch = {"inputs": inputs, "targets": targets, "positions": np.where(valid, np.arange(T), 0).astype(np.int32),
                  "segment_ids": valid.astype(np.int32), "weights": completion * keep[:, None],
                  "completion": completion, "ended": row(ended), "real": row(real.reshape(-1)),
-                 **{f"reward_{f}": row(scores[:, f]) for f in range(scores.shape[1])}}
+                 **{f"reward_{f}": row(scores[:, f]) for f in range(scores.shape[1])},
+                 **({"old_logps": sampled} if logps is not None else {})}
         if self.config.completions_per_log and first_step is not None:
             self._samples = [{"step": first_step, "prompt": asked[n], "completion": given[n],
                               **{name: None if np.isnan(scores[n, f]) else float(scores[n, f])
@@ -417,7 +481,8 @@ class GRPO(base.Objective):
     def fields(self) -> dict:
         rows = {name: jnp.float32 for name in ("completion", "ended", "real")}
         rows.update({f"reward_{f}": jnp.float32 for f in range(len(self.rewards.names))})
-        return {**super().fields(), **rows, **({"old_logps": jnp.float32} if self.config.num_iterations > 1 else {})}
+        kept = self.config.num_iterations > 1 or self.config.overlap  # the sampling weights' log-probabilities
+        return {**super().fields(), **rows, **({"old_logps": jnp.float32} if kept else {})}
 
     def programs(self, trainer, params):
         """The rollouts of a step's whole batch at the longest prompts (`seq_len - max_completion_length`)."""
@@ -426,8 +491,10 @@ class GRPO(base.Objective):
         rows = lambda n: rows_sharding(mesh, trainer.programs.rules, n)  # noqa: E731
         prompts = jax.ShapeDtypeStruct((A, tc.batch_size // A, W), jnp.int32, sharding=rows(3))
         lengths = jax.ShapeDtypeStruct((A, tc.batch_size // A), jnp.int32, sharding=rows(2))
-        return {f"grpo_rollout_{W}": (functools.partial(self._rollout, trainer.states.model),
-                                      (params, prompts, lengths, jax.random.key(0)))}
+        name, rollout = ("grpo_scored_rollout", self._scored_rollout) if self.config.overlap else \
+            ("grpo_rollout", self._rollout)
+        return {f"{name}_{W}": (functools.partial(rollout, trainer.states.model),
+                                (params, prompts, lengths, jax.random.key(0)))}
 
     def samples(self) -> list[dict]:
         """The first rows of the last batch sampled for training, to write to completions.jsonl."""
