@@ -254,8 +254,10 @@ class ModelConfig:
     final_softcap: float | None = None
 
     # multi-token prediction (DeepSeek-V3): D modules past the last layer, module k predicting the token k + 1
-    # ahead through the shared embedding and head (`model.MTPLayer`; its loss weight is train.mtp_loss_weight)
-    mtp_depth: int = 0
+    # ahead through the shared embedding and head (`model.MTPLayer`; its loss weight is train.mtp_loss_weight).
+    # Extra heads beside the network, as transformers' DeepseekV3ForCausalLM leaves them out: a Hugging Face
+    # checkpoint holding them (num_nextn_predict_layers) loads them when this is set, and a fine-tune may set it
+    mtp_depth: int = _setting(0)
 
     # initialisation, regularisation, numerics, depth
     init: str = _setting("normal")

@@ -115,6 +115,10 @@ def targets(model: Transformer, state, family: Family) -> list[Target]:
             _, s, _, j, *rest = path
             layers = model.stages[s].layer_numbers(j)
             rules, key = table.layer, ".".join(rest)
+        elif path[0] == "mtp":  # the MTP modules, stacked: layers n .. n + D - 1, the block's under its layer names
+            layers = mtp_layer_numbers(model.cfg)
+            rules, key = (table.layer, ".".join(map(str, path[2:]))) if path[1] == "block" else (
+                table.mtp, ".".join(map(str, path[1:])))
         else:
             layers, rules, key = None, table.top, ".".join(map(str, path))
         if key not in rules:
@@ -122,6 +126,16 @@ def targets(model: Transformer, state, family: Family) -> list[Target]:
                                   f"Hugging Face counterpart (the config maps to a model this family does not have)")
         out.append(Target(path, variable, rules[key], layers))
     return out
+
+
+def mtp_layer_numbers(cfg: ModelConfig) -> tuple[int, ...]:
+    """The checkpoint's layer numbers of the MTP modules: past the last decoder layer."""
+    return tuple(cfg.n_layers + k for k in range(cfg.mtp_depth))
+
+
+def mtp_copies(family: Family, cfg: ModelConfig) -> dict[str, str]:
+    """`{copy: shared tensor}` of every MTP layer's copies of the main model's tensors."""
+    return {copy.format(i=i): shared for i in mtp_layer_numbers(cfg) for copy, shared in family.weights.mtp_copies.items()}
 
 
 def plan(params: Iterable[Target]) -> dict[str, list[Source]]:
@@ -305,7 +319,12 @@ def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sourc
     before any data is read; tensors the family skips are logged. A quantised tensor stands for the
     tensor it dequantises to (its shape is that one's), and its scales are read with it."""
     table = family.weights
-    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(family.model_type, hf, family.defaults))}
+    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(family.model_type, hf, family.defaults),
+                                                                        cfg)}
+    copies = mtp_copies(family, cfg)
+    if copies:  # the main model's embedding and head, saved again with each MTP layer
+        skipped["^(" + "|".join(map(re.escape, copies)) + ")$"] = (
+            "the multi-token-prediction layers' copies of the shared tensors", [])
     tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
     headers = _headers(path)
     where: dict[str, tuple[Path, tuple[int, ...]]] = {}
@@ -525,6 +544,8 @@ def _write_hf(model: Transformer, path: Path, model_type: str, hf: dict, dtype: 
     writer = _ShardWriter(path, max_shard_bytes)  # holds at most one shard of tensors on the host
     for name in sorted(sources, key=order):
         writer.add(name, hf_tensor(sources[name], vocab=cfg.vocab_size).astype(np.dtype(jnp.dtype(dtype))))
+    for copy, shared in mtp_copies(FAMILIES[model_type], cfg).items():  # each MTP layer's copies, as the family saves
+        writer.add(copy, hf_tensor(sources[shared], vocab=cfg.vocab_size).astype(np.dtype(jnp.dtype(dtype))))
     files = writer.close()
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return ["config.json", *files]

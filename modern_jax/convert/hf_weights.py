@@ -29,6 +29,7 @@ import math
 import re
 import string
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +117,11 @@ class WeightTable:
     layer: dict[str, Rule]
     aliases: tuple[tuple[str, str], ...] = ()  # regex rewrites of checkpoint names into the table's names
     ignore: tuple[str, ...] = ()  # regexes of checkpoint tensors that are buffers, not parameters
+    # multi-token-prediction modules (`model.MTPLayer`), numbered as layers past the last: their own parameters
+    # by the path inside a module (the block's are `layer`'s), and the copies of shared tensors each layer of
+    # the checkpoint holds (the copy's template -> the shared tensor's name): skipped on reading, written back
+    mtp: dict[str, Rule] = dataclasses.field(default_factory=dict)
+    mtp_copies: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def canonical(self, name: str) -> str:
         for pattern, replacement in self.aliases:
