@@ -148,7 +148,7 @@ def mtp_decode(model, prompt_BT, *, max_new_tokens: int):
         slot_B2 = jnp.where(jnp.arange(2)[None] <= accept_B[:, None], slot_B2, N)
         out_BN = out_BN.at[jnp.arange(B)[:, None], slot_B2].set(g_B2, mode="drop")
         active_B = (count_B < N).astype(jnp.int32)
-        cache = {**cache, "index": p_B + 1 + accept_B}  # the next step starts at the last emitted token
+        cache = {**cache, "index": p_B + 1 + accept_B}  # after the last emitted token (the steps pass positions)
         (m_B2D,), mtp_cache = model.mtp_states(h_B2D, g_B2, pos_B2, caches=mtp_cache, modules=[1])
         m_B1D = jnp.take_along_axis(m_B2D, accept_B[:, None, None], axis=1)
         return (jnp.where(accept_B == 1, g_B2[:, 1], g_B2[:, 0]), greedy(m_B1D)[:, 0], p_B + 1 + accept_B,
