@@ -1,6 +1,6 @@
 """The decoder-only `Transformer`: every family in the README's Presets is a config of this class.
 
-Letters: B batch, T length, D model, V vocab, L layers.
+Letters: B batch, T length, D model, V vocab, L layers, W an MTP module's joined input (2D).
 
     h = embed(tokens) [* sqrt(D)] [+ positions]
     for each block: h = Block(h)          (stacked and scanned over depth)
@@ -299,7 +299,7 @@ class MTPLayer(nnx.Module):
         D = cfg.d_model
         self.enorm = Norm(cfg, rngs=rngs)
         self.hnorm = Norm(cfg, rngs=rngs)
-        self.eh_proj = Proj(cfg, (2 * D, D), ("mlp", "embed"), role="in", rngs=rngs)  # J = 2D, the two joined
+        self.eh_proj = Proj(cfg, (2 * D, D), ("mlp", "embed"), role="in", rngs=rngs)  # W = 2D, the two joined
         self.block = Block(cfg, spec, rngs=rngs)
         self.head_norm = Norm(cfg, rngs=rngs) if cfg.has_final_norm else None
 
@@ -307,8 +307,8 @@ class MTPLayer(nnx.Module):
     def __call__(self, h_BTD, e_BTD, pos_BT, seg_BT, cache, rng):
         """`(h_BTD, cache)`: this module's output (before `head_norm`) from the previous hidden states `h`
         and the embedded tokens `e` k positions ahead."""
-        joined_BTJ = jnp.concatenate([self.enorm(e_BTD), self.hnorm(h_BTD)], axis=-1)
-        x_BTD = residual(self.eh_proj("BTJ,JD->BTD", joined_BTJ))
+        joined_BTW = jnp.concatenate([self.enorm(e_BTD), self.hnorm(h_BTD)], axis=-1)
+        x_BTD = residual(self.eh_proj("BTW,WD->BTD", joined_BTW))
         return self.block(x_BTD, pos_BT, seg_BT, cache, rng)
 
 

@@ -135,7 +135,8 @@ def mtp_layer_numbers(cfg: ModelConfig) -> tuple[int, ...]:
 
 def mtp_copies(family: Family, cfg: ModelConfig) -> dict[str, str]:
     """`{copy: shared tensor}` of every MTP layer's copies of the main model's tensors."""
-    return {copy.format(i=i): shared for i in mtp_layer_numbers(cfg) for copy, shared in family.weights.mtp_copies.items()}
+    return {copy.format(i=i): shared for i in mtp_layer_numbers(cfg)
+            for copy, shared in family.weights.mtp_copies.items()}
 
 
 def plan(params: Iterable[Target]) -> dict[str, list[Source]]:

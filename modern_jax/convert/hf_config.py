@@ -46,8 +46,8 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     fields = family.from_hf(reader)
     depth, held = overrides.get("mtp_depth", 0), family.mtp_layers(reader)
     if isinstance(depth, int) and depth > held:
-        raise ValueError(f"mtp_depth={depth} loads that many multi-token-prediction layers, and this {family.model_type} "
-                         f"config has {held} (num_nextn_predict_layers): use mtp_depth <= {held}")
+        raise ValueError(f"mtp_depth={depth} loads that many multi-token-prediction layers, and this "
+                         f"{family.model_type} config has {held} (num_nextn_predict_layers): use mtp_depth <= {held}")
     return ModelConfig(**{**fields, **overrides})
 
 

@@ -744,7 +744,7 @@ DEEPSEEK_V3 = Family(
         # DeepSeek-V3's layer n + k: its block under the layer's names, and these (`shared_head.norm` the module's
         # final norm); `embed_tokens` and `shared_head.head` are the main model's, saved again in each MTP layer
         mtp={**norm(f"{L}.enorm", "enorm"), **norm(f"{L}.hnorm", "hnorm"),
-             "eh_proj.kernel": Rule(f"{L}.eh_proj.weight", "D J", "J D"), **norm(f"{L}.shared_head.norm", "head_norm")},
+             "eh_proj.kernel": Rule(f"{L}.eh_proj.weight", "D W", "W D"), **norm(f"{L}.shared_head.norm", "head_norm")},
         mtp_copies={f"{L}.embed_tokens.weight": "model.embed_tokens.weight",
                     f"{L}.shared_head.head.weight": "lm_head.weight"},
     ),

@@ -15,9 +15,10 @@ counts from 0.
 
 Axis letters (the package legend): V vocab, T positions (a learned table's rows), D model, N
 query heads, K kv heads, H head dim (U: MLA's value head dim), F ffn width, E experts, Q MLA's
-query latent, C its key / value latent and X the latent with the rotary key (C + R). A Hugging Face layout groups axes in
-parentheses where the tensor flattens them, e.g. `q_proj.weight` is `(N H) D` (torch's
-Linear stores [out, in]) and our kernel is `D N H`. A digit is a fused axis: GPT-2's
+query latent, C its key / value latent, X the latent with the rotary key (C + R) and W an MTP
+module's joined input (2 D). A Hugging Face layout groups axes in parentheses where the tensor
+flattens them, e.g. `q_proj.weight` is `(N H) D` (torch's Linear stores [out, in]) and our
+kernel is `D N H`. A digit is a fused axis: GPT-2's
 `c_attn.weight` is `D (3 N H)`, and q, k and v are its parts 0, 1 and 2; gate and up
 interleaved on the last axis (gpt-oss's `gate_up_proj`, `E D (F 2)`) are parts 0 and 1.
 """
