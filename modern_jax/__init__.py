@@ -35,7 +35,7 @@ pairs). `tests/test_architecture.py` checks every einsum string of the package a
 | T | query length: input, generated (a packed window before the shift holds T + 1 tokens) |
 | U | head dim of values, where it differs from H (MLA) |
 | V | vocabulary |
-| W | input width of a matmul that serves several projections (as O) |
+| W | input width of a matmul that serves several projections (as O; MTP's `eh_proj`: an embedding and a hidden state side by side) |
 | X | MLA's latent and rotary key side by side (C + R) |
 | Y | experts chosen per token (top-k) |
 | Z | token-expert assignments (M Y) |

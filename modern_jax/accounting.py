@@ -26,7 +26,8 @@ from modern_jax.config import ModelConfig
 
 @lru_cache(maxsize=64)
 def param_counts(cfg: ModelConfig) -> dict:
-    """Exact counts: total, embedding, head, final_norm, per_block (one per layer), and active.
+    """Exact counts: total, embedding, head, final_norm, per_block (one per layer), mtp (the
+    multi-token-prediction modules, 0 without them) and active.
 
     `active`: the parameters one token uses: all of them less, in each mixture-of-experts
     layer, the E - k routed experts it is not sent to (router and shared experts included)."""
@@ -54,10 +55,14 @@ def param_counts(cfg: ModelConfig) -> dict:
         embedding += math.prod(model.embed_positions.shape)
     head = 0 if model.lm_head is None else size(model.lm_head)
     final_norm = 0 if model.norm is None else size(model.norm)
+    mtp = 0 if model.mtp is None else size(model.mtp)
+    if model.mtp is not None and hasattr(model.mtp.block.mlp, "experts"):  # each module's block a mixture too
+        per_expert = size(model.mtp.block.mlp.experts) // (cfg.mtp_depth * cfg.n_experts)
+        unused += cfg.mtp_depth * (cfg.n_experts - cfg.experts_per_token) * per_expert
     total = size(model)
-    assert total == embedding + head + final_norm + sum(per_block)
+    assert total == embedding + head + final_norm + sum(per_block) + mtp
     return {"total": total, "embedding": embedding, "head": head, "final_norm": final_norm, "per_block": per_block,
-            "active": total - unused}
+            "mtp": mtp, "active": total - unused}
 
 
 def kv_bytes_per_token_per_layer(cfg: ModelConfig, dtype_bytes: int = 2) -> int:

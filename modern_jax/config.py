@@ -253,6 +253,12 @@ class ModelConfig:
     head_bias: bool = False
     final_softcap: float | None = None
 
+    # multi-token prediction (DeepSeek-V3): D modules past the last layer, module k predicting the token k + 1
+    # ahead through the shared embedding and head (`model.MTPLayer`; its loss weight is train.mtp_loss_weight).
+    # Extra heads beside the network, as transformers' DeepseekV3ForCausalLM leaves them out: a Hugging Face
+    # checkpoint holding them (num_nextn_predict_layers) loads them when this is set, and a fine-tune may set it
+    mtp_depth: int = _setting(0)
+
     # initialisation, regularisation, numerics, depth
     init: str = _setting("normal")
     init_std: float = _setting(0.02)
@@ -265,6 +271,8 @@ class ModelConfig:
         for check in (_check_values, _check_widths, _check_positions, _check_attention, _check_scales, _check_mla,
                       _check_moe):
             check(self)
+        if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) or self.mtp_depth < 0:
+            _fail("mtp_depth", self.mtp_depth, "expected 0 (no multi-token prediction) or a positive depth")
 
     # ----- derived sizes -------------------------------------------------------
 

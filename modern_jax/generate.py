@@ -20,6 +20,11 @@ and the step, by XLA's count) checked against what the device has free, so a req
 large is refused with the largest `max_new_tokens` that fits (`accounting.check_fits`)
 before anything is allocated.
 
+Self-speculative greedy decoding with a model's multi-token-prediction module (`mtp_decode`,
+`generate_mtp`): MTP module 1 drafts the token after next, the main model checks the draft and
+its own next token in one call, and the draft is kept only where the main model would have chosen
+it, so the tokens are plain greedy decoding's.
+
 Letters as in `modern_jax`: B batch, P prompts (one a group), R the rows of a compacted batch, T prompt or
 generated length, V vocabulary.
 """
@@ -147,6 +152,83 @@ def decode(model, prompt_BT, rng, *, max_new_tokens: int, temperature: float, to
 
         carry = jax.lax.while_loop(more, partial(write, compacted=j > 0), compact(carry, R) if j else carry)
     return carry[-1]
+
+
+def mtp_decode(model, prompt_BT, *, max_new_tokens: int):
+    """`(tokens [B, max_new_tokens], accepted [B], steps [B])`: greedy decoding with MTP module 1 as the drafter
+    (traceable). Each step feeds the main model `[last, draft]` at positions `[p, p + 1]`: its greedy token
+    `g0` after `last` is always emitted, and when `g0` is the draft its token after that, `g1`, is emitted too
+    (`accepted`). The caches then go on from the last emitted token (a rejected draft's keys are written over
+    by the next step, which starts at its position); MTP module 1 reads the main model's hidden states of
+    both positions with the tokens ahead of them, `[g0, g1]`, filling its own cache, and drafts from the row
+    of the last emitted token. `steps`: each row's main-model calls after the prefill until it had its tokens."""
+    B, T = prompt_BT.shape
+    N = max_new_tokens
+    S = T + 2 * N + 2  # a row that has its tokens still moves (at most 2 a step) until the slowest has
+    greedy = lambda h_BTD: jnp.argmax(model.logits(h_BTD), axis=-1).astype(jnp.int32)  # noqa: E731
+    h_BTD, cache = model.hidden_states(prompt_BT, cache=model.init_cache(B, S))
+    first_B = greedy(h_BTD[:, -1:])[:, 0]
+    pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    ahead_BT = jnp.concatenate([prompt_BT[:, 1:], first_B[:, None]], axis=1)  # row i: token i + 1
+    (d_BTD,), mtp_cache = model.mtp_states(h_BTD, ahead_BT, pos_BT, caches=model.init_mtp_cache(B, S)[:1],
+                                           modules=[1])
+    draft_B = greedy(d_BTD[:, -1:])[:, 0]
+    out_BN = jnp.zeros((B, N), jnp.int32).at[:, 0].set(first_B)
+    zero_B = jnp.zeros((B,), jnp.int32)
+
+    def more(carry):
+        return jnp.any(carry[3] < N)
+
+    def step(carry):
+        last_B, draft_B, p_B, count_B, out_BN, cache, mtp_cache, accepted_B, steps_B = carry
+        pos_B2 = p_B[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+        h_B2D, cache = model.hidden_states(jnp.stack([last_B, draft_B], axis=1), positions=pos_B2, cache=cache)
+        g_B2 = greedy(h_B2D)
+        accept_B = (g_B2[:, 0] == draft_B).astype(jnp.int32)
+        # g0 always, g1 where the draft was right; past N the writes drop
+        slot_B2 = count_B[:, None] + jnp.arange(2)[None]
+        slot_B2 = jnp.where(jnp.arange(2)[None] <= accept_B[:, None], slot_B2, N)
+        out_BN = out_BN.at[jnp.arange(B)[:, None], slot_B2].set(g_B2, mode="drop")
+        active_B = (count_B < N).astype(jnp.int32)
+        cache = {**cache, "index": p_B + 1 + accept_B}  # after the last emitted token (the steps pass positions)
+        (m_B2D,), mtp_cache = model.mtp_states(h_B2D, g_B2, pos_B2, caches=mtp_cache, modules=[1])
+        m_B1D = jnp.take_along_axis(m_B2D, accept_B[:, None, None], axis=1)
+        return (jnp.where(accept_B == 1, g_B2[:, 1], g_B2[:, 0]), greedy(m_B1D)[:, 0], p_B + 1 + accept_B,
+                count_B + 1 + accept_B, out_BN, cache, mtp_cache, accepted_B + accept_B * active_B, steps_B + active_B)
+
+    init = (first_B, draft_B, jnp.full((B,), T, jnp.int32), jnp.ones((B,), jnp.int32), out_BN, cache, mtp_cache,
+            zero_B, zero_B)
+    *_, out_BN, _, _, accepted_B, steps_B = jax.lax.while_loop(more, step, init)
+    return out_BN, accepted_B, steps_B
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "run"))
+def _generate_mtp(graphdef, params, prompt_BT, *, max_new_tokens, run):
+    with execution.use(run):
+        return mtp_decode(nnx.merge(graphdef, params), prompt_BT, max_new_tokens=max_new_tokens)
+
+
+def generate_mtp(graphdef, params, prompt_BT, *, max_new_tokens: int) -> tuple[np.ndarray, dict]:
+    """Greedy tokens `[B, N]` by self-speculative decoding (`mtp_decode`), the same as `generate(...,
+    temperature=0)`'s, and `{"accepted", "steps"}`: the drafts kept and the main model's decoding calls, summed
+    over the rows (acceptance rate = accepted / steps; tokens per call = (accepted + steps) / steps)."""
+    cfg = nnx.merge(graphdef, params).cfg
+    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+    if not cfg.mtp_depth:
+        raise ValueError("generate_mtp drafts with the model's multi-token-prediction module, and this model has "
+                         "none: set model.mtp_depth (and train it), or use generate")
+    if any(spec.span is not None for spec in cfg.layer_specs()):
+        raise ValueError("generate_mtp needs every layer to cache all its keys: a rejected draft's key would have "
+                         "overwritten a key a sliding-window or chunked layer still sees; use generate")
+    if prompt_BT.ndim != 2 or prompt_BT.shape[1] == 0 or max_new_tokens <= 0:
+        raise ValueError(f"prompts must be [batch, length >= 1] token ids and max_new_tokens positive, got shape "
+                         f"{tuple(prompt_BT.shape)} and {max_new_tokens}")
+    room = new_tokens_that_fit(cfg, prompt_BT.shape[1] + max_new_tokens + 2)
+    if room is not None and room < max_new_tokens:
+        raise ValueError(_past_the_context(cfg, prompt_BT.shape[1], 2 * max_new_tokens + 2))
+    tokens, accepted, steps = _generate_mtp(graphdef, params, prompt_BT, max_new_tokens=max_new_tokens,
+                                            run=execution.current())
+    return np.asarray(tokens), {"accepted": int(np.sum(accepted)), "steps": int(np.sum(steps))}
 
 
 def left_padded(prompts, width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,6 @@
 """The decoder-only `Transformer`: every family in the README's Presets is a config of this class.
 
-Letters: B batch, T length, D model, V vocab, L layers.
+Letters: B batch, T length, D model, V vocab, L layers, W an MTP module's joined input (2D).
 
     h = embed(tokens) [* sqrt(D)] [+ positions]
     for each block: h = Block(h)          (stacked and scanned over depth)
@@ -284,6 +284,45 @@ def loop_count(body, carry, n: int):
     return _loop(body, carry, jnp.arange(n))
 
 
+class MTPLayer(nnx.Module):
+    """One multi-token-prediction module (DeepSeek-V3 section 2.2), named as DeepSeek-V3's checkpoint names it.
+
+        h'_i = eh_proj [enorm(Emb(t_{i+k})); hnorm(h_i)]      (the embedding first, as the checkpoint's
+        h_i  = Block(h'_i)                                    `eh_proj` reads it; the paper writes h first)
+
+    `h_i` entering module k is module k - 1's output (module 1: the main model's final hidden states,
+    after its final norm); module k's own output through `head_norm` (DeepSeek-V3's `shared_head.norm`) and
+    the model's shared head predicts token i + k + 1. The block is one of the model's kind, that of its last
+    layer (dense or a mixture of experts)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, rngs: nnx.Rngs):
+        D = cfg.d_model
+        self.enorm = Norm(cfg, rngs=rngs)
+        self.hnorm = Norm(cfg, rngs=rngs)
+        self.eh_proj = Proj(cfg, (2 * D, D), ("mlp", "embed"), role="in", rngs=rngs)  # W = 2D, the two joined
+        self.block = Block(cfg, spec, rngs=rngs)
+        self.head_norm = Norm(cfg, rngs=rngs) if cfg.has_final_norm else None
+
+    @jax.named_scope("mtp")
+    def __call__(self, h_BTD, e_BTD, pos_BT, seg_BT, cache, rng):
+        """`(h_BTD, cache)`: this module's output (before `head_norm`) from the previous hidden states `h`
+        and the embedded tokens `e` k positions ahead."""
+        joined_BTW = jnp.concatenate([self.enorm(e_BTD), self.hnorm(h_BTD)], axis=-1)
+        x_BTD = residual(self.eh_proj("BTW,WD->BTD", joined_BTW))
+        return self.block(x_BTD, pos_BT, seg_BT, cache, rng)
+
+
+def stacked_mtp(cfg: ModelConfig, rngs: nnx.Rngs) -> MTPLayer:
+    """`cfg.mtp_depth` MTP modules with parameters stacked on a leading `layers` axis (module k at k - 1)."""
+
+    @nnx.split_rngs(splits=cfg.mtp_depth)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return MTPLayer(cfg, cfg.layer_specs()[-1], rngs=rngs)
+
+    return make(rngs)
+
+
 class Transformer(nnx.Module):
     """`logits[B, T, V] = model(tokens[B, T])`; with `cache=`, returns `(logits, cache)`.
 
@@ -309,6 +348,7 @@ class Transformer(nnx.Module):
             None if cfg.tie_embeddings
             else Proj(cfg, (D, V), ("embed", "vocab"), role="in", bias=cfg.head_bias, rngs=rngs)
         )
+        self.mtp = stacked_mtp(cfg, rngs) if cfg.mtp_depth else None
 
     # ----- decoding cache ------------------------------------------------------
 
@@ -401,14 +441,50 @@ class Transformer(nnx.Module):
                                                        f"(learned positions have no row past it); got values in "
                                                        f"[{{}}, {{}}]: shorten the sequence")
 
-        x_BTD = vocab.lookup(self.embed_tokens[...].astype(cfg.dtype), tokens_BT)
-        if cfg.embed_scale:
-            x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
+        x_BTD = self.embed(tokens_BT)
         if cfg.position_embedding == "learned":
             x_BTD = x_BTD + self.embed_positions[...].astype(cfg.dtype)[jnp.maximum(pos_BT, 0)]
         elif cfg.position_embedding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(pos_BT, cfg.d_model, cfg.dtype)
         return residual(x_BTD), pos_BT
+
+    def embed(self, tokens_BT):
+        """The tokens' embeddings [B, T, D] (scaled where the model scales them), without positions."""
+        cfg = self.cfg
+        x_BTD = vocab.lookup(self.embed_tokens[...].astype(cfg.dtype), tokens_BT)
+        return x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.dtype) if cfg.embed_scale else x_BTD
+
+    def mtp_states(self, h_BTD, tokens_BT, pos_BT, seg_BT=None, caches=None, dropout_rng=None, modules=None):
+        """`(hidden states, caches)` of the MTP modules numbered `modules` (default all: 1 .. D), run in
+        turn: module k's `[B, T, D]` after its `head_norm`, row i read from `h` (module 1: the main model's
+        `hidden_states` at row i) and `tokens[i + k]`; its head's logits predict token i + k + 1. The
+        tokens wrap around at the end (rows past T - k are not meaningful: a loss weights them 0).
+
+        With `caches` (one per module, each a block's `init_cache`), row i is position `pos[i]` of a
+        decode: `tokens` then already hold each row's token ahead (no shift), and one module runs."""
+        graphdef, state = nnx.split(self.mtp)
+        modules = range(1, self.cfg.mtp_depth + 1) if modules is None else modules
+        outs, new_caches = [], []
+        for k in modules:
+            layer = nnx.merge(graphdef, jax.tree.map(lambda w: w[k - 1], state))
+            e_BTD = self.embed(tokens_BT if caches is not None else jnp.roll(tokens_BT, -k, axis=1))
+            rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, self.cfg.n_layers + k - 1)
+            cache = None if caches is None else caches[k - 1]
+            (h_BTD, cache), sown = nnx.capture(layer, nnx.Intermediate)(h_BTD, e_BTD, pos_BT, seg_BT, cache, rng)
+            for name in SUMMED + MAXED:  # a mixture's balance and z-losses join the model's (not its loads)
+                value = sown_value(sown, name)
+                if value is not None:
+                    self.sow(nnx.Intermediate, name, value, capture_noop=True)
+            outs.append(h_BTD if layer.head_norm is None else layer.head_norm(h_BTD))
+            new_caches.append(cache)
+        return outs, new_caches
+
+    def init_mtp_cache(self, batch: int, max_len: int, dtype=None) -> list:
+        """An empty cache of each MTP module's block."""
+        dtype = jnp.dtype(dtype or self.cfg.dtype)
+        graphdef, state = nnx.split(self.mtp)
+        layer = nnx.merge(graphdef, jax.tree.map(lambda w: w[0], state))
+        return [layer.block.self_attn.init_cache(batch, max_len, dtype) for _ in range(self.cfg.mtp_depth)]
 
     def through(self, x_BTD, pos_BT, segment_ids, cache, dropout_rng, diagnostics: bool, stacks=None):
         """The stacks numbered `stacks` (default all) in turn: `(x_BTD, their caches, reduced, loads)`,

@@ -9,6 +9,7 @@ Runs in its own Python 3.11 environment (torch is never a dependency of modern_j
     .hfvenv/bin/python scripts/make_hf_fixtures.py checkpoints [--out DIR] [--only NAME ...]
     .hfvenv/bin/python scripts/make_hf_fixtures.py reference DIR ...   # for the live test
     .hfvenv/bin/python scripts/make_hf_fixtures.py chat [--out DIR]    # tests/fixtures/hf_chat
+    .hfvenv/bin/python scripts/make_hf_fixtures.py mtp [--out DIR]     # tests/fixtures/hf/deepseek_v3_mtp
     .hfvenv/bin/python scripts/make_hf_fixtures.py chat-reference DIR ...   # for the live test
     .hfvenv/bin/pip install peft trl                                        # for the four below
     .hfvenv/bin/python scripts/make_hf_fixtures.py peft [--out DIR]    # tests/fixtures/hf_peft
@@ -49,6 +50,13 @@ name others): `batch.npz`, a fixed GRPO batch (2 prompts x 4 completions, their 
 in GRPO_SETTINGS `<name>.npz`: TRL's loss, advantages, per-token log-probabilities and entropies of the policy (and
 of the reference, the base, when beta != 0) and every metric TRL logs for the step, as the JSON string `metrics`
 under TRL's names, from a `GRPOTrainer` built by its own constructor with only its generation replaced.
+
+And `tests/fixtures/hf/deepseek_v3_mtp/` (`mtp`): the tiny DeepSeek-V3 with one multi-token-prediction layer,
+saved as DeepSeek-V3's checkpoint holds it (`model.layers.{n}.eh_proj`, `enorm`, `hnorm`, its block, `shared_head.norm`,
+and copies of the embedding and head as `embed_tokens` and `shared_head.head`), its weights random; `reference.npz`
+holds `tokens` and `mtp_logits`, the logits with which the layer predicts token i + 2 at each position i, computed by
+transformers' own `MtpLayer` (with the model's `DeepseekV3DecoderLayer` as its block) from the main model's final
+hidden states and the embedded token i + 1, through the shared head.
 
 The tests read only these files, so the default test run needs neither torch nor
 transformers. `tests/test_convert_live.py` runs the same comparisons live, through this
@@ -545,6 +553,55 @@ def make_checkpoints(out: Path, only: list[str] | None) -> None:
     manifest.update(transformers=transformers.__version__, torch=torch.__version__,
                     prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, batch=BATCH)
     manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def make_mtp_fixture(out: Path, seed: int = 7) -> None:
+    """The tiny DeepSeek-V3 of TINY with one MTP layer (the module docstring)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpLayer
+
+    config = dict(TINY["deepseek_v3"], num_nextn_predict_layers=1)
+    directory, n = out / "deepseek_v3_mtp", config["num_hidden_layers"]
+    # one layer more, whose layer n becomes the MTP block (saved under its checkpoint names by transformers)
+    torch.manual_seed(seed)
+    bigger = AutoModelForCausalLM.from_config(hf_config(dict(config, num_hidden_layers=n + 1)),
+                                              attn_implementation="eager").eval()
+    randomise(bigger, seed)
+    model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="eager").eval()
+    model.load_state_dict({k: v for k, v in bigger.state_dict().items() if not k.startswith(f"model.layers.{n}.")})
+    text = model.config.get_text_config()
+    layer = MtpLayer(text, type(model.model.layers[-1]), type(model.model.norm), n).eval()
+    randomise(layer, seed + 1)
+    layer.mtp_block.load_state_dict(bigger.model.layers[n].state_dict())
+    shutil.rmtree(directory, ignore_errors=True)
+    bigger.save_pretrained(directory / "bigger")
+    block = {k: v for k, v in load_file(directory / "bigger" / "model.safetensors").items()
+             if k.startswith(f"model.layers.{n}.")}
+    shutil.rmtree(directory / "bigger")
+    model.save_pretrained(directory)
+    (directory / "generation_config.json").unlink(missing_ok=True)
+    tensors = {**load_file(directory / "model.safetensors"), **block}
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):  # DeepSeek-V3's names for the rest of the layer
+        tensors[f"model.layers.{n}.{name}"] = layer.get_parameter(name).detach().contiguous()
+    tensors[f"model.layers.{n}.shared_head.norm.weight"] = layer.post_norm.weight.detach().contiguous()
+    tensors[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+    tokens = torch.randint(0, config["vocab_size"], (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+    out_main = model(tokens, output_hidden_states=True)
+    h = out_main.hidden_states[-1]  # the final hidden states, after the final norm
+    T = PROMPT_LEN - 1
+    positions = torch.arange(T)[None].expand(BATCH, T)
+    rotary = model.model.rotary_emb(h, position_ids=positions)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(BATCH, 1, T, T)
+    # row i: the hidden state of position i and the embedding of token i + 1; predicts token i + 2
+    x = layer(model.model.embed_tokens(tokens[:, 1:]), h[:, :T], position_embeddings=rotary, attention_mask=mask,
+              position_ids=positions, cache=None)
+    mtp_logits = model.lm_head(x).float().numpy()
+    np.savez_compressed(directory / "reference.npz", tokens=tokens.numpy().astype(np.int32),
+                        mtp_logits=mtp_logits.astype(np.float32), logits=out_main.logits.float().numpy())
+    print(f"deepseek_v3_mtp seed {seed}: {sorted(p.name for p in directory.iterdir())}")
 
 
 def run_reference(directories: list[Path]) -> None:
@@ -1161,7 +1218,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", choices=("all", "counts", "checkpoints", "reference", "chat",
                                                     "chat-wide", "chat-reference", "peft", "peft-logits",
-                                                    "dpo-reference", "grpo-reference"),
+                                                    "dpo-reference", "grpo-reference", "mtp"),
                         default="all")
     parser.add_argument("directories", nargs="*", type=Path, help="reference: checkpoint directories")
     parser.add_argument("--out", type=Path, default=FIXTURES)
@@ -1210,6 +1267,9 @@ def main(argv=None) -> None:
         make_chat_fixture(FIXTURES.parent / name if args.out == FIXTURES else args.out, wide=args.what == "chat-wide")
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.what == "mtp":
+        make_mtp_fixture(args.out)
+        return
     if args.what in ("all", "counts"):
         make_counts(args.out)
     if args.what in ("all", "checkpoints"):

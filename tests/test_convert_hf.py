@@ -181,6 +181,32 @@ def test_deepseek_multi_token_prediction_layer_is_skipped(tmp_path, loaded, capl
     assert sorted(hf_tensors(tmp_path / "out")) == sorted(hf_tensors(FIXTURES / "deepseek_v3"))
 
 
+def test_deepseek_mtp_layer_loads_predicts_as_transformers_and_exports_bit_identical(tmp_path):
+    """With mtp_depth=1, DeepSeek-V3's layer n (`eh_proj`, `enorm`, `hnorm`, its block, `shared_head.norm`) loads
+    into the MTP module: its logits for token i + 2 equal transformers' `MtpLayer` on the same weights (1e-4), the
+    layer's copies of the embedding and head are skipped, and the export writes every tensor back bit-identical
+    (the copies included) with num_nextn_predict_layers=1. A depth the checkpoint lacks is refused by name."""
+    directory, ref = FIXTURES / "deepseek_v3_mtp", reference("deepseek_v3_mtp")
+    told = []
+    cfg, model = from_hf(directory, mtp_depth=1, log=told.append)
+    assert cfg.mtp_depth == 1 and "copies of the shared tensors" in told[0]
+    tokens = jnp.asarray(ref["tokens"])
+    B, T = tokens.shape
+    h, _ = model.hidden_states(tokens)
+    (h1,), _ = model.mtp_states(h, tokens, jnp.broadcast_to(jnp.arange(T), (B, T)))
+    np.testing.assert_allclose(np.asarray(model.logits(h1))[:, :T - 1], ref["mtp_logits"], atol=1e-4, rtol=0)
+    to_hf(model, tmp_path / "out", model_type="deepseek_v3")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    got, want = hf_tensors(tmp_path / "out"), hf_tensors(directory)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    _, plain = from_hf(directory)  # without mtp_depth: the layer is skipped, as transformers' model leaves it out
+    assert plain.mtp is None
+    with pytest.raises(ValueError, match=r"mtp_depth=2 .* config has 1 \(num_nextn_predict_layers\): use mtp_depth <= 1"):
+        from_hf(directory, mtp_depth=2)
+
+
 def test_to_hf_refuses_a_mixture_the_family_cannot_express(loaded, tmp_path):
     _, deepseek = loaded("deepseek_v3")  # MLA, a dense first layer, sigmoid routing
     with pytest.raises(ValueError, match=r"mixtral cannot express this model: .*attention_type='mla'"):

@@ -44,6 +44,8 @@ def run(args) -> None:
             runs.append(f"layers {start}-{i - 1}: {blocks[start]}" if i - 1 > start else f"layer {start}: {blocks[start]}")
             start = i
     print("parameters per block: " + "; ".join(runs))
+    if cfg.mtp_depth:
+        print(f"multi-token-prediction parameters ({cfg.mtp_depth} modules): {counts['mtp']}")
     per_token = kv_cache_bytes_per_token(cfg, dtype_bytes)
     print(f"kv cache per token ({args.kv_dtype}): {per_token} ({format_bytes(per_token)})")
     context = args.context or cfg.max_position_embeddings

@@ -136,6 +136,10 @@ def targets(model: Transformer, state, family: Family) -> list[Target]:
             _, s, _, j, *rest = path
             layers = model.stages[s].layer_numbers(j)
             rules, key = table.layer, ".".join(rest)
+        elif path[0] == "mtp":  # the MTP modules, stacked: layers n .. n + D - 1, the block's under its layer names
+            layers = mtp_layer_numbers(model.cfg)
+            rules, key = (table.layer, ".".join(map(str, path[2:]))) if path[1] == "block" else (
+                table.mtp, ".".join(map(str, path[1:])))
         else:
             layers, rules, key = None, table.top, ".".join(map(str, path))
         if key not in rules:
@@ -143,6 +147,17 @@ def targets(model: Transformer, state, family: Family) -> list[Target]:
                                   f"Hugging Face counterpart (the config maps to a model this family does not have)")
         out.append(Target(path, variable, rules[key], layers))
     return out
+
+
+def mtp_layer_numbers(cfg: ModelConfig) -> tuple[int, ...]:
+    """The checkpoint's layer numbers of the MTP modules: past the last decoder layer."""
+    return tuple(cfg.n_layers + k for k in range(cfg.mtp_depth))
+
+
+def mtp_copies(family: Family, cfg: ModelConfig) -> dict[str, str]:
+    """`{copy: shared tensor}` of every MTP layer's copies of the main model's tensors."""
+    return {copy.format(i=i): shared for i in mtp_layer_numbers(cfg)
+            for copy, shared in family.weights.mtp_copies.items()}
 
 
 def plan(params: Iterable[Target]) -> dict[str, list[Source]]:
@@ -338,7 +353,12 @@ def _check_headers(path: Path, hf: dict, family: Family, cfg: ModelConfig, sourc
     before any data is read; tensors the family skips are logged. A quantised tensor stands for the
     tensor it dequantises to (its shape is that one's), and its scales are read with it."""
     table = family.weights
-    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(family.model_type, hf, family.defaults))}
+    skipped = {pattern: (what, []) for pattern, what in family.skipped(Reader(family.model_type, hf, family.defaults),
+                                                                        cfg)}
+    copies = mtp_copies(family, cfg)
+    if copies:  # the main model's embedding and head, saved again with each MTP layer
+        skipped["^(" + "|".join(map(re.escape, copies)) + ")$"] = (
+            "the multi-token-prediction layers' copies of the shared tensors", [])
     tied_head = table.top["lm_head.kernel"].hf if cfg.tie_embeddings else None
     headers = [(e.file, e.name, e.dtype, e.shape) for entries in files.headers.values() for e in entries]
     where = files.entries
@@ -562,8 +582,10 @@ def _write_hf(model: Transformer, path: Path, model_type: str, hf: dict, dtype: 
         return layer, name
 
     out, processes = np.dtype(jnp.dtype(dtype)), jax.process_count()
-    shapes = {name: sources[name][0].rule.hf_shape(sources[name][0].shape, cfg.vocab_size)
-              for name in sorted(sources, key=order)}
+    # each tensor, then each MTP layer's copies of the shared ones (as the family saves them)
+    origin = {**{name: name for name in sorted(sources, key=order)}, **mtp_copies(FAMILIES[model_type], cfg)}
+    shapes = {name: sources[shared][0].rule.hf_shape(sources[shared][0].shape, cfg.vocab_size)
+              for name, shared in origin.items()}
     total = sum(math.prod(shape) for shape in shapes.values()) * out.itemsize
     shards = _shards(shapes, out.itemsize, min(max_shard_bytes, -(-total // processes)))
     files = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -572,7 +594,7 @@ def _write_hf(model: Transformer, path: Path, model_type: str, hf: dict, dtype: 
         writer = SafetensorsWriter(path / files[k], {n: (shapes[n], dtype_name(out)) for n in names}) \
             if k % processes == jax.process_index() else None
         for name in names:
-            x = hf_tensor(sources[name], vocab=cfg.vocab_size)  # every process takes part in fetching it
+            x = hf_tensor(sources[origin[name]], vocab=cfg.vocab_size)  # every process takes part in fetching it
             if writer is not None:
                 writer.write(name, x.astype(out, copy=False))
             del x

@@ -42,7 +42,12 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     others): dtype, param_dtype, vocab_pad_to, dropout, initialisation.
     """
     family = family_of(hf)
-    fields = family.from_hf(Reader(family.model_type, hf, family.defaults))
+    reader = Reader(family.model_type, hf, family.defaults)
+    fields = family.from_hf(reader)
+    depth, held = overrides.get("mtp_depth", 0), family.mtp_layers(reader)
+    if isinstance(depth, int) and depth > held:
+        raise ValueError(f"mtp_depth={depth} loads that many multi-token-prediction layers, and this "
+                         f"{family.model_type} config has {held} (num_nextn_predict_layers): use mtp_depth <= {held}")
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -105,7 +110,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     try:
         hf = {"model_type": model_type, "architectures": [family.architecture], **family.to_hf(cfg),
               "torch_dtype": cfg.param_dtype}
-        back = config_from_hf(hf)
+        back = config_from_hf(hf, mtp_depth=cfg.mtp_depth)  # a family without MTP layers refuses them
     except ValueError as e:
         raise ValueError(f"config_to_hf: {model_type} cannot express this model: {e}") from e
     want, got = architecture(cfg), architecture(back)

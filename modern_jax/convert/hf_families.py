@@ -44,7 +44,9 @@ class Family:
     weights: WeightTable  # our parameter names -> its tensors
     read_only: str = ""  # why `config_to_hf` does not write this model_type
     # checkpoint tensors the network of a config does not use, skipped on loading: (regex, what they are)
-    skipped: Callable[[Reader], tuple[tuple[str, str], ...]] = lambda r: ()
+    skipped: Callable[[Reader, ModelConfig], tuple[tuple[str, str], ...]] = lambda r, cfg: ()
+    # how many multi-token-prediction layers a checkpoint holds (`ModelConfig.mtp_depth` loads that many at most)
+    mtp_layers: Callable[[Reader], int] = lambda r: 0
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", types.MappingProxyType(dict(self.defaults)))
@@ -695,16 +697,21 @@ def _deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
         rope_theta=cfg.rope_theta, rope_scaling=rope_scaling_to_hf(cfg.rope_scaling), rms_norm_eps=cfg.norm_eps,
         hidden_act=ACTIVATION_TO_HF.get(cfg.activation, cfg.activation), attention_bias=False,
         tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std, attention_dropout=cfg.attn_dropout,
-        num_nextn_predict_layers=0,  # the multi-token-prediction layers are not part of the model
+        num_nextn_predict_layers=cfg.mtp_depth,  # the multi-token-prediction layers the model has
     )
 
 
-def _mtp_layers(r: Reader) -> tuple[tuple[str, str], ...]:
-    """DeepSeek's multi-token-prediction layers, saved as `model.layers.{n}.*` past the last decoder
-    layer: transformers' DeepseekV3ForCausalLM does not build them either."""
-    n, mtp = r("num_hidden_layers"), _aliased(r, "num_nextn_predict_layers", "num_mtp_layers") or 0
-    layers = "|".join(str(n + k) for k in range(mtp))
-    if not mtp:
+def _deepseek_mtp(r: Reader) -> int:
+    return _aliased(r, "num_nextn_predict_layers", "num_mtp_layers") or 0
+
+
+def _mtp_layers(r: Reader, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """DeepSeek's multi-token-prediction layers, saved as `model.layers.{n + k}.*` past the last decoder
+    layer, that the model does not have (all of them unless `mtp_depth` is set): transformers'
+    DeepseekV3ForCausalLM does not build them either."""
+    n, mtp = r("num_hidden_layers"), _deepseek_mtp(r)
+    layers = "|".join(str(n + k) for k in range(cfg.mtp_depth, mtp))
+    if not layers:
         return ()
     return ((rf"^model\.layers\.({layers})\.", f"the multi-token-prediction layer (num_nextn_predict_layers={mtp})"),)
 
@@ -734,8 +741,15 @@ DEEPSEEK_V3 = Family(
             **gated_mlp(f"{L}.mlp.shared_experts", "mlp.shared_experts"),
         },
         ignore=ROTARY_BUFFERS,
+        # DeepSeek-V3's layer n + k: its block under the layer's names, and these (`shared_head.norm` the module's
+        # final norm); `embed_tokens` and `shared_head.head` are the main model's, saved again in each MTP layer
+        mtp={**norm(f"{L}.enorm", "enorm"), **norm(f"{L}.hnorm", "hnorm"),
+             "eh_proj.kernel": Rule(f"{L}.eh_proj.weight", "D W", "W D"), **norm(f"{L}.shared_head.norm", "head_norm")},
+        mtp_copies={f"{L}.embed_tokens.weight": "model.embed_tokens.weight",
+                    f"{L}.shared_head.head.weight": "lm_head.weight"},
     ),
     skipped=_mtp_layers,
+    mtp_layers=_deepseek_mtp,
 )
 
 # GptOssConfig's rope when a config.json names none

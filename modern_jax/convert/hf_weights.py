@@ -15,9 +15,10 @@ counts from 0.
 
 Axis letters (the package legend): V vocab, T positions (a learned table's rows), D model, N
 query heads, K kv heads, H head dim (U: MLA's value head dim), F ffn width, E experts, Q MLA's
-query latent, C its key / value latent and X the latent with the rotary key (C + R). A Hugging Face layout groups axes in
-parentheses where the tensor flattens them, e.g. `q_proj.weight` is `(N H) D` (torch's
-Linear stores [out, in]) and our kernel is `D N H`. A digit is a fused axis: GPT-2's
+query latent, C its key / value latent, X the latent with the rotary key (C + R) and W an MTP
+module's joined input (2 D). A Hugging Face layout groups axes in parentheses where the tensor
+flattens them, e.g. `q_proj.weight` is `(N H) D` (torch's Linear stores [out, in]) and our
+kernel is `D N H`. A digit is a fused axis: GPT-2's
 `c_attn.weight` is `D (3 N H)`, and q, k and v are its parts 0, 1 and 2; gate and up
 interleaved on the last axis (gpt-oss's `gate_up_proj`, `E D (F 2)`) are parts 0 and 1.
 """
@@ -29,6 +30,7 @@ import math
 import re
 import string
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +136,11 @@ class WeightTable:
     layer: dict[str, Rule]
     aliases: tuple[tuple[str, str], ...] = ()  # regex rewrites of checkpoint names into the table's names
     ignore: tuple[str, ...] = ()  # regexes of checkpoint tensors that are buffers, not parameters
+    # multi-token-prediction modules (`model.MTPLayer`), numbered as layers past the last: their own parameters
+    # by the path inside a module (the block's are `layer`'s), and the copies of shared tensors each layer of
+    # the checkpoint holds (the copy's template -> the shared tensor's name): skipped on reading, written back
+    mtp: dict[str, Rule] = dataclasses.field(default_factory=dict)
+    mtp_copies: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def canonical(self, name: str) -> str:
         for pattern, replacement in self.aliases:

@@ -75,6 +75,7 @@ class TrainConfig:
     moe_aux_weight: float = 0.0  # weight of sown `moe_aux_loss` values, if the model sows any
     moe_router_z_weight: float = 0.0  # weight of a mixture of experts' router z-loss
     moe_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing: the selection bias's step size
+    mtp_loss_weight: float = 0.3  # lambda of the multi-token-prediction losses, lambda / D sum_k CE_k (model.mtp_depth)
     loss_vocab_chunk: int = 8192  # vocabulary chunk of the loss; the whole batch's logits never exist at once
 
     # logging, evaluation, sampling
@@ -155,7 +156,7 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail(name, getattr(self, name), "expected a decay rate in [0, 1)")
         for name in ("eps", "weight_decay", "z_loss_weight", "moe_aux_weight", "moe_router_z_weight",
-                     "moe_bias_update_rate"):
+                     "moe_bias_update_rate", "mtp_loss_weight"):
             if not getattr(self, name) >= 0:
                 _fail(name, getattr(self, name), "expected a non-negative float")
         unknown = set(self.no_decay) - set(NO_DECAY_GROUPS)
@@ -287,6 +288,15 @@ def run_config_from_dict(raw: dict, where: str = "config") -> RunConfig:
         model_cfg = ModelConfig.from_dict(model)  # validate now
     else:
         model_cfg = ModelConfig.from_dict({**model, "vocab_size": 1})
+    if model_cfg.mtp_depth and parallel.stage > 1:
+        raise ValueError(f"{where}: model.mtp_depth={model_cfg.mtp_depth} with parallel.stage={parallel.stage}: the "
+                         f"pipeline schedules do not run the multi-token-prediction modules; use parallel.stage=1 "
+                         f"or model.mtp_depth=0")
+    if model_cfg.mtp_depth and parallel.context != 1 and parallel.context_layout != "contiguous":
+        raise ValueError(f"{where}: model.mtp_depth={model_cfg.mtp_depth} with parallel.context={parallel.context} "
+                         f"and parallel.context_layout={parallel.context_layout}: that layout reorders each sequence "
+                         f"over the context axis, and the multi-token-prediction modules read token i + k by "
+                         f"position; use parallel.context_layout=contiguous")
     P = model_cfg.max_position_embeddings
     if model_cfg.position_embedding == "learned" and train.seq_len > P:
         raise ValueError(f"{where}: train.seq_len={train.seq_len} exceeds model.max_position_embeddings={P} "

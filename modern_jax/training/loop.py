@@ -696,6 +696,8 @@ def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, mes
     }
     for name in named:  # the objective's own figures (DPO's rewards): means over the interval's steps
         record[name] = float(np.mean([r[name] for r in finite_rows]))
+    for name in (n for n in rows[0] if n.startswith("mtp_loss_")):  # each multi-token-prediction module's loss
+        record[name] = float(np.mean([r[name] for r in finite_rows]))
     if "max_attention_logit" in rows[0]:  # train.diagnostics: measured by the steps' own attention
         record["max_attention_logit"] = max(r["max_attention_logit"] for r in rows)
     if "qk_clipped_heads" in rows[0]:  # train.qk_clip_tau: the heads rescaled, over the interval's steps

@@ -139,11 +139,39 @@ def sequence_logps(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, d
 
 
 @jax.named_scope("loss")
-def model_loss_sums(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, diagnostics: bool = False) -> dict:
+def model_loss_sums(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, diagnostics: bool = False,
+                    mtp: bool = True) -> dict:
     """Forward a packed batch (`[B, T]` arrays) and return the `loss_sums` (`diagnostics`: the
-    model also sows its max attention logit, see `Transformer.hidden_states`)."""
+    model also sows its max attention logit, see `Transformer.hidden_states`); with `mtp` and a model
+    with multi-token-prediction modules, also `mtp_ce_{k}`, module k's `ce` (`mtp_sums`)."""
     h_BTD, _ = model.hidden_states(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                                    dropout_rng=dropout_rng, diagnostics=diagnostics)
     head = model.head()
-    return loss_sums(h_BTD, head.w_VD, head.b_V, batch["targets"], batch["weights"], softcap=head.softcap,
+    sums = loss_sums(h_BTD, head.w_VD, head.b_V, batch["targets"], batch["weights"], softcap=head.softcap,
                      chunk=chunk, vocab_size=head.vocab_size)
+    if mtp and getattr(model, "mtp", None) is not None:
+        sums.update(mtp_sums(model, h_BTD, batch, chunk=chunk, dropout_rng=dropout_rng))
+    return sums
+
+
+def mtp_targets(batch: dict, k: int) -> tuple:
+    """`(targets, weights)` `[B, T]` of MTP module k: row i predicts `targets[i + k]` (token i + k + 1), weighted
+    as that target is when it lies in the batch and in row i's document (a packed window's next document
+    is not predicted), else 0."""
+    T = batch["targets"].shape[1]
+    ahead = lambda x: jnp.roll(x, -k, axis=1)  # noqa: E731
+    inside_BT = (jnp.arange(T) < T - k)[None] & (ahead(batch["segment_ids"]) == batch["segment_ids"])
+    return ahead(batch["targets"]), jnp.where(inside_BT, ahead(batch["weights"]), 0)
+
+
+def mtp_sums(model, h_BTD, batch: dict, *, chunk: int = 8192, dropout_rng=None) -> dict:
+    """`{mtp_ce_k: sum_i w_k[i] CE(module k's logits at row i, targets[i + k])}` for k = 1 .. D (DeepSeek-V3's
+    L_MTP^k times the batch's weight), from the main model's final hidden states `h` (`Transformer.mtp_states`)."""
+    states, _ = model.mtp_states(h_BTD, batch["inputs"], batch["positions"], batch["segment_ids"],
+                                 dropout_rng=dropout_rng)
+    head, out = model.head(), {}
+    for k, h_k_BTD in enumerate(states, 1):
+        targets_BT, weights_BT = mtp_targets(batch, k)
+        out[f"mtp_ce_{k}"] = loss_sums(h_k_BTD, head.w_VD, head.b_V, targets_BT, weights_BT, softcap=head.softcap,
+                                       chunk=chunk, vocab_size=head.vocab_size)["ce"]
+    return out

@@ -1,6 +1,7 @@
 """Next-token cross-entropy, the default objective (a run file without an objective's section).
 
     loss = (ce + train.z_loss_weight z_loss) / sum w      (`training.loss.loss_sums`)
+           + train.mtp_loss_weight / D sum_k mtp_ce_k / sum w   (a model with D MTP modules: `mtp_sums`)
 
 over packed windows of `train.seq_len` tokens (documents, or conversations with only the
 assistant's tokens weighted); the evaluation also gives bits per byte.
@@ -17,6 +18,11 @@ from modern_jax.data.batches import eval_batches, n_eval_windows, train_iterator
 from modern_jax.training.loss import model_loss_sums
 from modern_jax.training.metrics import Shown
 from modern_jax.training.objectives import base
+
+
+def mtp_names(sums: dict) -> list[str]:
+    """The multi-token-prediction modules' sums, `mtp_ce_1` .. `mtp_ce_D` (none without them)."""
+    return sorted((name for name in sums if name.startswith("mtp_ce_")), key=lambda name: int(name[7:]))
 
 
 class NextTokenConfig(base.Config):
@@ -54,13 +60,18 @@ class NextToken(base.Objective):
         return jnp.maximum(jnp.sum(batch["weights"]), 1.0)  # a mean over all real targets
 
     def loss(self, sums, denominator):
-        return (sums["ce"] + self.train.z_loss_weight * sums["z_loss"]) / denominator
+        loss = (sums["ce"] + self.train.z_loss_weight * sums["z_loss"]) / denominator
+        mtp = mtp_names(sums)
+        if mtp:  # DeepSeek-V3's lambda / D sum_k L_MTP^k
+            loss = loss + self.train.mtp_loss_weight / len(mtp) * sum(sums[name] for name in mtp) / denominator
+        return loss
 
     def metrics(self, sums, denominator):
-        return {"loss": sums["ce"] / denominator, "z_loss": sums["z_loss"] / denominator}
+        return {"loss": sums["ce"] / denominator, "z_loss": sums["z_loss"] / denominator,
+                **{name.replace("_ce_", "_loss_"): sums[name] / denominator for name in mtp_names(sums)}}
 
     def eval_sums(self, model, batch, prepared, token_bytes, *, chunk):
-        sums = model_loss_sums(model, batch, chunk=chunk)
+        sums = model_loss_sums(model, batch, chunk=chunk, mtp=False)
         n_bytes = jnp.sum(token_bytes[batch["targets"]] * batch["weights"])
         return {"ce": sums["ce"], "weight": sums["weight"], "bytes": n_bytes}
 
