@@ -496,7 +496,7 @@ def test_rollout_rows_take_the_bucket_that_holds_their_longest_prompt_and_comple
     objective.splits["train"] = prompts = byte_prompts("ABCDEFGHIJKL", "C")  # 13 and 2 tokens with <bos>
     tokens = np.asarray([[[10, eos, 0, 0, 0, 0], [16, 17, 18, eos, 0, 0], [11, 12, eos, 0, 0, 0],
                           [eos, 0, 0, 0, 0, 0]]], np.int32)
-    objective._sample = lambda *args: tokens
+    objective._sample = lambda *args, scored=False: tokens
     placement = BatchPlacement(one_device(), RULES, tc)
     assert placement.widths() == (16, 24, 32, 48, 64)
     index = np.asarray([[0, 0, 1, 1]])
@@ -524,7 +524,10 @@ def test_overlap_keeps_each_sampled_tokens_log_probability_under_the_sampling_we
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     prompts, index = byte_prompts("AB", "C"), np.asarray([[0, 0, 1, 1]])
     prompt_NW, length_N = left_padded([prompts.ids[i] for i in index[0]], 4)
-    rollout = jax.jit(lambda p, *args: objective._scored_rollout(lambda q: nnx.merge(graphdef, q), p, *args))
+    from modern_jax.training.objectives.grpo import rollout_program
+
+    _, scored = rollout_program(objective, scored=True)
+    rollout = jax.jit(lambda p, *args: scored(lambda q: nnx.merge(graphdef, q), p, *args))
     tokens, logps = rollout(params, prompt_NW[None], length_N[None], jax.random.key(0))
     rows = objective._rows(prompts, index, np.asarray(tokens), np.ones((1, 4), bool), None, None, np.asarray(logps))
     batch = {k: jnp.asarray(v[0]) for k, v in rows.items()}
@@ -590,7 +593,7 @@ def test_an_evaluation_counts_only_its_real_prompts(tmp_path, monkeypatch):
         tokens[0, r, :n] = 48 + r
         if n < 4:
             tokens[0, r, n - 1] = eos
-    monkeypatch.setattr(objective, "_sample", lambda *args: tokens)
+    monkeypatch.setattr(objective, "_sample", lambda *args, scored=False: tokens)
     trainer = SimpleNamespace(batches=SimpleNamespace(put=lambda batch, rows: batch, width=lambda tokens: 64))
     batch = objective.place_batch(items[0], trainer=trainer, params=None, rows=None, step=0, key=jax.random.key(0))
     cfg = ModelConfig(vocab_size=260, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_position_embeddings=8)

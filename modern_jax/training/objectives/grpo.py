@@ -358,9 +358,8 @@ class GRPO(base.Objective):
         width = min(room, 1 << max(int(item["width"]) - 1, 7).bit_length())  # a few widths: each compiles once
         prompt_NW, length_N = left_padded([prompts.ids[i] for i in index.reshape(-1)], width)
         prompt_AR, length_AR = prompt_NW.reshape(A, R, width), length_N.reshape(A, R)
-        sample = self._sample_scored if c.overlap and not evaluation else self._sample
-        sampled = sample(trainer, params, prompt_AR, length_AR, rows, jax.random.fold_in(
-            key, EVALUATION if evaluation else SAMPLING))  # every process's rows
+        sampled = self._sample(trainer, params, prompt_AR, length_AR, rows, jax.random.fold_in(
+            key, EVALUATION if evaluation else SAMPLING), scored=c.overlap and not evaluation)  # every process's rows
 
         def finish():
             tokens, logps = (np.asarray(x) for x in sampled) if isinstance(sampled, tuple) else (np.asarray(sampled),
@@ -382,14 +381,10 @@ class GRPO(base.Objective):
 
         return finish
 
-    def _sample_scored(self, trainer, params, prompt_AR, length_AR, rows, key):
-        """`_sample`'s tokens, and each one's log-probability under `params`: `(tokens, logps)`."""
-        return self._sample(trainer, params, prompt_AR, length_AR, rows, key, scored=True)
-
     def _sample(self, trainer, params, prompt_AR, length_AR, rows, key, scored: bool = False):
         """`[A, rows, max_completion_length]` tokens sampled after the prompts (all rows of the step
         sampled at once, on the mesh; every process passes its prompts and receives every row), still
-        on the way; `scored`: `_sample_scored`'s."""
+        on the way; `scored`: `(tokens, logps)`, each token's log-probability under `params` too."""
         mesh = trainer.mesh
         A, R = length_AR.shape
         shape = (A, rows if rows is not None else R)
@@ -398,36 +393,10 @@ class GRPO(base.Objective):
             return jax.make_array_from_process_local_data(rows_sharding(mesh, trainer.programs.rules, x.ndim), x,
                                                           shape + x.shape[2:])
 
-        name, rollout = ("grpo_scored_rollout", self._scored_rollout) if scored else ("grpo_rollout", self._rollout)
+        name, rollout = rollout_program(self, scored)
         return trainer.programs.program(f"{name}_{prompt_AR.shape[-1]}",
                                         functools.partial(rollout, trainer.states.model), params, put(prompt_AR),
                                         put(length_AR), key, out_shardings=trainer.programs.replicated)
-
-    def _rollout(self, model_of, params, prompt_ABW, length_AB, key):
-        c = self.config
-        model = model_of(params)
-        A, B, W = prompt_ABW.shape
-        tokens = decode(model, prompt_ABW.reshape(A * B, W), key, max_new_tokens=c.max_completion_length,
-                        temperature=c.temperature, top_k=c.top_k or None, top_p=c.top_p if c.top_p < 1 else None,
-                        eos_id=None if self.tokenizer is None else self.tokenizer.eos_id,  # None: a plan's
-                        length_B=length_AB.reshape(A * B), group=c.num_generations)  # a group's prompt prefilled once
-        return tokens.reshape(A, B, -1)
-
-    def _scored_rollout(self, model_of, params, prompt_ABW, length_AB, key):
-        """`_rollout`'s tokens `[A, B, C]` and each one's log-probability `[A, B, C]` under `params` at
-        the sampling temperature (a forward over the prompts, left-padded, and their completions)."""
-        tokens_ABC = self._rollout(model_of, params, prompt_ABW, length_AB, key)
-        A, B, W = prompt_ABW.shape
-        C = tokens_ABC.shape[-1]
-        sequence_NS = jnp.concatenate([prompt_ABW.reshape(A * B, W), tokens_ABC.reshape(A * B, C)], -1)
-        index_NS = jnp.broadcast_to(jnp.arange(W + C - 1)[None, :], (A * B, W + C - 1))
-        start_N1 = (W - length_AB.reshape(A * B))[:, None]  # a row's first prompt token
-        batch = {"inputs": sequence_NS[:, :-1], "targets": sequence_NS[:, 1:],
-                 "positions": jnp.maximum(index_NS - start_N1, 0),
-                 "segment_ids": (index_NS >= start_N1).astype(jnp.int32)}
-        logps_NS, _, _ = token_logps(model_of(params), batch, chunk=self.train.loss_vocab_chunk,
-                                     temperature=self.config.temperature)
-        return tokens_ABC, logps_NS[:, W - 1:].reshape(A, B, C)
 
     def _rows(self, prompts, index, tokens, real, first_step: int | None, width: int | None = None,
               logps=None) -> dict:
@@ -491,8 +460,7 @@ class GRPO(base.Objective):
         rows = lambda n: rows_sharding(mesh, trainer.programs.rules, n)  # noqa: E731
         prompts = jax.ShapeDtypeStruct((A, tc.batch_size // A, W), jnp.int32, sharding=rows(3))
         lengths = jax.ShapeDtypeStruct((A, tc.batch_size // A), jnp.int32, sharding=rows(2))
-        name, rollout = ("grpo_scored_rollout", self._scored_rollout) if self.config.overlap else \
-            ("grpo_rollout", self._rollout)
+        name, rollout = rollout_program(self, self.config.overlap)
         return {f"{name}_{W}": (functools.partial(rollout, trainer.states.model),
                                 (params, prompts, lengths, jax.random.key(0)))}
 
@@ -629,3 +597,39 @@ class GRPO(base.Objective):
 Config, Objective = GRPOConfig, GRPO
 
 __all__ = ["GRPO", "GRPOConfig", "advantages"]
+
+
+def rollout_program(objective: "GRPO", scored: bool):
+    """`(name, f(model_of, params, prompt_ABW, length_AB, key))` of the program that samples a step's
+    completions (`rollout`), or with `scored` also keeps each token's log-probability (`scored_rollout`)."""
+    c, chunk = objective.config, objective.train.loss_vocab_chunk
+    eos_id = None if objective.tokenizer is None else objective.tokenizer.eos_id  # None: a plan's
+    if scored:
+        return "grpo_scored_rollout", functools.partial(scored_rollout, c, eos_id, chunk)
+    return "grpo_rollout", functools.partial(rollout, c, eos_id)
+
+
+def rollout(c: GRPOConfig, eos_id, model_of, params, prompt_ABW, length_AB, key):
+    """`[A, B, C]` completions sampled after the left-padded prompts, a group's prompt prefilled once."""
+    model = model_of(params)
+    A, B, W = prompt_ABW.shape
+    tokens = decode(model, prompt_ABW.reshape(A * B, W), key, max_new_tokens=c.max_completion_length,
+                    temperature=c.temperature, top_k=c.top_k or None, top_p=c.top_p if c.top_p < 1 else None,
+                    eos_id=eos_id, length_B=length_AB.reshape(A * B), group=c.num_generations)
+    return tokens.reshape(A, B, -1)
+
+
+def scored_rollout(c: GRPOConfig, eos_id, chunk: int, model_of, params, prompt_ABW, length_AB, key):
+    """`rollout`'s tokens `[A, B, C]` and each one's log-probability `[A, B, C]` under `params` at
+    the sampling temperature (a forward over the prompts, left-padded, and their completions)."""
+    tokens_ABC = rollout(c, eos_id, model_of, params, prompt_ABW, length_AB, key)
+    A, B, W = prompt_ABW.shape
+    C = tokens_ABC.shape[-1]
+    sequence_NS = jnp.concatenate([prompt_ABW.reshape(A * B, W), tokens_ABC.reshape(A * B, C)], -1)
+    index_NS = jnp.broadcast_to(jnp.arange(W + C - 1)[None, :], (A * B, W + C - 1))
+    start_N1 = (W - length_AB.reshape(A * B))[:, None]  # a row's first prompt token
+    batch = {"inputs": sequence_NS[:, :-1], "targets": sequence_NS[:, 1:],
+             "positions": jnp.maximum(index_NS - start_N1, 0),
+             "segment_ids": (index_NS >= start_N1).astype(jnp.int32)}
+    logps_NS, _, _ = token_logps(model_of(params), batch, chunk=chunk, temperature=c.temperature)
+    return tokens_ABC, logps_NS[:, W - 1:].reshape(A, B, C)
