@@ -50,7 +50,10 @@ import pytest  # noqa: E402
 
 # the longest tests (many processes, random kills) start first, so that the two workers do not
 # end with one of them running one alone
-FIRST = ("tests/test_multihost.py::", "tests/test_reliability_checkpoints.py::test_random_sigkills")
+FIRST = ("tests/test_multihost.py::", "tests/test_reliability_checkpoints.py::test_random_sigkills",
+         "tests/test_speed.py::test_the_counted_step", "tests/test_speed.py::test_a_pipelined_step_counted",
+         "tests/test_grpo.py::test_two_processes", "tests/test_post_training.py::test_the_lora_qlora_and_dpo",
+         "tests/test_pipeline.py::test_cli_pipelined_runs", "tests/test_grpo.py::test_the_reinforcement_learning")
 
 
 def pytest_collection_modifyitems(config, items):
