@@ -37,7 +37,7 @@ from etils import epath
 from modern_jax.data import chat
 from modern_jax.data.config import EXTENSIONS, RECORD_SOURCES, DataConfig, data_files
 from modern_jax.data.records import record_documents
-from modern_jax.data.shards import HEAD_IDS, Shards, is_glob, open_file, open_shards, read_index, shard_name, text_hint
+from modern_jax.data.shards import HEAD_IDS, Shards, open_file, open_shards, read_index, shard_name, text_hint
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 SKIPPED_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -186,12 +186,11 @@ def arrayrecord_documents(path, record_format: str, token_dtype: str):
     """Each record one document: UTF-8 text, or token ids of `token_dtype`."""
     import grain
 
-    from modern_jax.data.shards import expand
+    from modern_jax.data.shards import expand, nothing_at
 
     files = [str(f) for f in expand(path) if ".array_record" in f.name]  # a file, a directory or a glob of shards
     if not files:
-        raise ValueError(f"data.path={str(path)!r} does not exist" if not is_glob(path) else
-                         f"data.path={str(path)!r} matches no .array_record files")
+        raise nothing_at(path, ".array_record files")
     source = grain.sources.ArrayRecordDataSource(files)
     docs = []
     for i in range(len(source)):

@@ -69,16 +69,16 @@ def _missing(where: str, field: str, setting: str, fields) -> ValueError:
 
 def _files(cfg: DataConfig, source: str) -> list[tuple[pathlib.Path, str]]:
     """`(file, name)` of a file or of every file of the source's extensions under a directory."""
-    from modern_jax.data.shards import expand, is_glob
+    from modern_jax.data.shards import expand, is_glob, nothing_at
 
     if is_glob(cfg.path):  # shards: each named by its file
         files = [pathlib.Path(f) for f in expand(cfg.path, EXTENSIONS[source])]
         if not files:
-            raise ValueError(f"data.path={str(cfg.path)!r} matches no {' / '.join(EXTENSIONS[source])} files")
+            raise nothing_at(cfg.path, f"{' / '.join(EXTENSIONS[source])} files")
         return [(f, f.name) for f in files]
     path = pathlib.Path(cfg.path)
     if not path.exists():
-        raise ValueError(f"data.path={str(path)!r} does not exist")
+        raise nothing_at(path)
     if path.is_file():
         return [(path, path.name)]
     files = data_files(path, EXTENSIONS[source])

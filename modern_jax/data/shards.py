@@ -35,6 +35,14 @@ def is_glob(path) -> bool:
     return any(c in str(path) for c in GLOB_CHARS)
 
 
+def nothing_at(path, files: str = "files") -> ValueError:
+    """The error of a `data.path` that names nothing: a path that does not exist, or a glob matching
+    no `files`."""
+    if is_glob(path):
+        return ValueError(f"data.path={str(path)!r} matches no {files}")
+    return ValueError(f"data.path={str(path)!r} does not exist")
+
+
 def expand(path, suffixes: tuple[str, ...] = ()) -> list[epath.Path]:
     """The files `path` names: itself, the files under it (a directory; hidden ones left out)
     ending in one of `suffixes` (any: all), or a glob's matches; sorted, the corpus's order."""
@@ -168,8 +176,7 @@ def open_shards(path, token_dtype: str, index: dict | None) -> tuple[list[epath.
         files, dtype = expand(path, (SHARD_SUFFIX,)), token_dtype
         expected = None
         if not files:
-            raise ValueError(f"data.path={str(path)!r} does not exist" if not is_glob(path) else
-                             f"data.path={str(path)!r} matches no files")
+            raise nothing_at(path)
     itemsize, counts = np.dtype(dtype).itemsize, []
     for i, file in enumerate(files):
         where = shard_name(file, path)
