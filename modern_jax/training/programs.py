@@ -49,7 +49,6 @@ class Programs:
         self.kernels: dict[str, set[str]] = {}  # what each dispatch resolved to, as the programs were traced
         self.compilations: dict[str, int] = {}  # programs compiled here, per name
         self._jitted: dict = {}
-        self._current: dict = {}  # the executable compiled last, per name
         self._by_shapes: dict = {}  # `run`'s executables, per name and argument shapes (a GRPO batch's widths)
         self._by_arguments: dict = {}  # `program`'s executables, per name and argument types
 
@@ -89,23 +88,22 @@ class Programs:
 
     def compile(self, name: str, *args):
         """Program `name` compiled for these arguments (abstract ones will do), without running it;
-        `run` runs the one compiled last (its `memory_analysis()` is XLA's count)."""
+        `run` runs it for arguments of these shapes (its `memory_analysis()` is XLA's count)."""
         options = {"xla_backend_optimization_level": 0} if name in ONCE else COMPILER_OPTIONS
         lowered = self.lower(name, *args)
         key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), tuple(sorted(options.items())))
         if key not in _EXECUTABLES:
             _EXECUTABLES[key] = lowered.compile(compiler_options=dict(options) or None)
             self.compilations[name] = self.compilations.get(name, 0) + 1
-        self._current[name] = self._by_shapes[(name, _shapes(args))] = _EXECUTABLES[key]
-        return self._current[name]
+        self._by_shapes[(name, _shapes(args))] = _EXECUTABLES[key]
+        return _EXECUTABLES[key]
 
     def run(self, name: str, *args):
-        """Run program `name`, compiled once for each shape of its arguments, on first use (the
-        one `compile` made last, where it was made for these shapes)."""
-        key = (name, _shapes(args))
-        executable = self._by_shapes.get(key)
+        """Run program `name`, compiled once for each shape of its arguments, on first use (or
+        by `compile`, which keeps what it makes for those shapes)."""
+        executable = self._by_shapes.get((name, _shapes(args)))
         if executable is None:
-            executable = self._by_shapes[key] = self.compile(name, *args)
+            executable = self.compile(name, *args)
         return executable(*args)
 
     def program(self, name: str, fn, *args, out_shardings=None):
