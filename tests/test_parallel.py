@@ -195,18 +195,17 @@ def test_fused_kernels_run_per_device_under_the_mesh():
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 8, 1)], ids=["2x1x4", "1x8x1"])
-def test_training_step_matches_single_device(mesh_shape):
+def test_training_step_matches_single_device():
     """The trainer's step, compiled at XLA's default optimisation level (the rest of the suite
     compiles at level 0, tests/conftest.py): the loss and every gradient leaf equal one device's."""
     from modern_jax.training import TrainConfig
 
     with default_compiles():
-        assert_step_matches_one_device(CFG, TrainConfig(batch_size=8, seq_len=16), make_mesh(*mesh_shape),
+        assert_step_matches_one_device(CFG, TrainConfig(batch_size=8, seq_len=16), make_mesh(2, 1, 4),
                                        token_batch(1, 8, 16, 128))
 
 
-DROPOUT_MESHES = [(2, 1, 4), (1, 2, 4), (1, 4, 2)]
+DROPOUT_MESHES = [(2, 1, 4), (1, 4, 2)]
 
 
 @pytest.mark.parametrize("mesh_shape", DROPOUT_MESHES, ids=["x".join(map(str, m)) for m in DROPOUT_MESHES])

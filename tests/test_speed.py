@@ -29,7 +29,7 @@ def small_run(*overrides):
 def test_the_counted_step_equals_the_whole_program_unrolled():
     """Two stages (one global layer, then four local ones), two micro-batches and four loss chunks:
     the counting programs (3 and 4 layers, extrapolated) give the cost of all 5 layers unrolled
-    (no loop left for the cost model to count once); the scanned program's own count misses most."""
+    (no loop left for the cost model to count once)."""
     run = small_run("model.n_layers=5", "model.attention_pattern=GLLLL", "model.sliding_window=128",
                     "train.seq_len=256", "train.grad_accum=2", "train.loss_vocab_chunk=256",
                     "execution.remat=full")
@@ -40,9 +40,6 @@ def test_the_counted_step_equals_the_whole_program_unrolled():
     whole = planner.step_cost(run, mesh, layers=run.model.layer_specs())
     assert counted["optimal_seconds"] == pytest.approx(whole["optimal_seconds"], rel=0.02)
     assert counted["flops"] == pytest.approx(whole["flops"], rel=0.005)
-    trainer = trainer_for(run, mesh)
-    scanned = trainer.programs.lower("train", trainer.states.abstract(), trainer.batches.abstract()).compile().cost_analysis()
-    assert scanned["flops"] < 0.5 * whole["flops"]  # the layers, chunks and micro-batches counted once
 
 
 def test_a_pipelined_step_counted_equals_its_whole_program_unrolled():
