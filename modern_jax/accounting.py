@@ -90,21 +90,25 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     N counts the parameters one token uses in matmuls (the active ones, less the embedding
     lookups; a tied head's matmul counts). The attention term is `6 * n_heads * (d_qk + d_v) * T_eff`
     per layer (PaLM's `12 L H Q T` when d_qk = d_v = Q), with T_eff = min(T, window or chunk),
-    counted as for full (non-causal) attention.
+    counted as for full (non-causal) attention. MTP modules count as they run in training: their
+    parameters, one more pass through the shared head each, and their blocks' attention (each
+    block of the last layer's kind).
     """
     counts = param_counts(cfg)
     n_matmul = counts["active"] - counts["embedding"]
     if cfg.tie_embeddings:
         n_matmul += cfg.vocab_size * cfg.d_model
+    n_matmul += cfg.mtp_depth * cfg.vocab_size * cfg.d_model  # each MTP module's logits, by the shared head
+    specs = cfg.layer_specs() + cfg.layer_specs()[-1:] * cfg.mtp_depth
     if cfg.attention_type == "mla":
         d_qk, d_v = cfg.mla_nope_dim + cfg.mla_rope_dim, cfg.mla_v_dim
     else:
         d_qk = d_v = cfg.head_size
     attention = sum(
         6 * cfg.n_heads * (d_qk + d_v) * (seq_len if s.span is None else min(seq_len, s.span))
-        for s in cfg.layer_specs()
+        for s in specs
     )
-    causal = sum(6 * cfg.n_heads * (d_qk + d_v) * causal_keys(seq_len, s.window, s.chunk) for s in cfg.layer_specs())
+    causal = sum(6 * cfg.n_heads * (d_qk + d_v) * causal_keys(seq_len, s.window, s.chunk) for s in specs)
     return {"weights": 6 * n_matmul, "attention": attention, "total": 6 * n_matmul + attention,
             "causal_attention": causal, "causal_total": 6 * n_matmul + causal, "matmul_params": n_matmul}
 

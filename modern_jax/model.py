@@ -13,9 +13,11 @@ the model sows the result as its own, for the trainer to capture:
 - the max over layers: `max_attention_logit`, with `hidden_states(..., diagnostics=True)`,
   measured by every attention layer's kernel (`train.diagnostics`);
 - per layer: `moe_load`, the assignments per expert of each MoE layer, `[MoE layers, E]` in
-  layer order (`expert_loads`), which the metrics and auxiliary-loss-free balancing read; and,
-  sown by each stack with diagnostics, `attention_head_logits` (`HEAD_LOGITS`), the max attention
-  logit of each head of each of its layers, which QK-clip reads (`head_logits`, `clip_qk`).
+  layer order, and `mtp_moe_load` (`MTP_LOAD`), the MTP modules' `[D, E]` when their blocks are
+  mixtures, which the metrics and auxiliary-loss-free balancing read (`expert_loads`); and,
+  sown by each stack (and the MTP modules) with diagnostics, `attention_head_logits`
+  (`HEAD_LOGITS`), the max attention logit of each head of each of its layers, which QK-clip
+  reads (`head_logits`, `clip_qk`).
 
 Layers with identical parameter shapes and static choices (window, RoPE) are stacked
 along a `layers` axis and run by `jax.lax.scan`. A per-layer pattern (Gemma's local /
@@ -61,6 +63,7 @@ from modern_jax.sharding.sequence import residual
 SUMMED = (AUX_LOSS, ROUTER_Z_LOSS, DROPPED)  # what the layers sow, added up over the layers
 MAXED = (MAX_LOGIT,)  # ... and what takes the max over them
 HEAD_LOGITS = "attention_head_logits"  # what a stack sows of its layers: each head's max attention logit
+MTP_LOAD = "mtp_moe_load"  # what the MTP modules sow when their blocks are mixtures: each one's load [D, E]
 
 
 def _sown(sown, name: str) -> list:
@@ -99,10 +102,25 @@ def max_attention_logit(sown):
     return sown_value(sown, MAX_LOGIT)
 
 
-def head_logits(sown) -> dict[int, tuple]:
-    """What the stacks sowed with diagnostics (`HEAD_LOGITS`): `{stack: (block j's max attention logit
-    of each head, [repeats, N]) for each block of its unit}`."""
-    return {path[1]: v.get_value()[0] for path, v in nnx.to_flat_state(sown) if path[-1] == HEAD_LOGITS}
+def head_logits(sown) -> dict:
+    """What the stacks and MTP modules sowed with diagnostics (`HEAD_LOGITS`): `{"stages": {stack:
+    (block j's max attention logit of each head, [repeats, N]) for each block of its unit}}`, and
+    with MTP modules `"mtp": (each module's, [D, N])`."""
+    found = {"stages": {}}
+    for path, v in nnx.to_flat_state(sown):
+        if path[-1] == HEAD_LOGITS:
+            if path[0] == "mtp":
+                found["mtp"] = v.get_value()[0]
+            else:
+                found["stages"][path[1]] = v.get_value()[0]
+    return found
+
+
+def expert_loads(sown):
+    """`moe_load` `[MoE layers (+ MTP modules), E]`: the model's MoE layers in layer order, then its MTP
+    modules' when their blocks are mixtures (what `Transformer.balance_routers` reads), or None."""
+    loads = [x for x in (sown_value(sown, LOAD), sown_value(sown, MTP_LOAD)) if x is not None]
+    return jnp.concatenate(loads) if loads else None
 
 
 def plan_stages(specs: tuple[LayerSpec, ...]) -> list[tuple[tuple[LayerSpec, ...], int]]:
@@ -304,12 +322,12 @@ class MTPLayer(nnx.Module):
         self.head_norm = Norm(cfg, rngs=rngs) if cfg.has_final_norm else None
 
     @jax.named_scope("mtp")
-    def __call__(self, h_BTD, e_BTD, pos_BT, seg_BT, cache, rng):
+    def __call__(self, h_BTD, e_BTD, pos_BT, seg_BT, cache, rng, diagnostics: bool = False):
         """`(h_BTD, cache)`: this module's output (before `head_norm`) from the previous hidden states `h`
         and the embedded tokens `e` k positions ahead."""
         joined_BTW = jnp.concatenate([self.enorm(e_BTD), self.hnorm(h_BTD)], axis=-1)
         x_BTD = residual(self.eh_proj("BTW,WD->BTD", joined_BTW))
-        return self.block(x_BTD, pos_BT, seg_BT, cache, rng)
+        return self.block(x_BTD, pos_BT, seg_BT, cache, rng, diagnostics=diagnostics)
 
 
 def stacked_mtp(cfg: ModelConfig, rngs: nnx.Rngs) -> MTPLayer:
@@ -454,29 +472,39 @@ class Transformer(nnx.Module):
         x_BTD = vocab.lookup(self.embed_tokens[...].astype(cfg.dtype), tokens_BT)
         return x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.dtype) if cfg.embed_scale else x_BTD
 
-    def mtp_states(self, h_BTD, tokens_BT, pos_BT, seg_BT=None, caches=None, dropout_rng=None, modules=None):
+    def mtp_states(self, h_BTD, tokens_BT, pos_BT, seg_BT=None, caches=None, dropout_rng=None, modules=None,
+                   diagnostics: bool = False):
         """`(hidden states, caches)` of the MTP modules numbered `modules` (default all: 1 .. D), run in
         turn: module k's `[B, T, D]` after its `head_norm`, row i read from `h` (module 1: the main model's
         `hidden_states` at row i) and `tokens[i + k]`; its head's logits predict token i + k + 1. The
         tokens wrap around at the end (rows past T - k are not meaningful: a loss weights them 0).
+        Their blocks sow as the stacks' do: the losses of a mixture into the model's, its loads as
+        `MTP_LOAD`, and with `diagnostics` each head's max attention logit (`HEAD_LOGITS`, on `mtp`).
 
         With `caches` (one per module, each a block's `init_cache`), row i is position `pos[i]` of a
         decode: `tokens` then already hold each row's token ahead (no shift), and one module runs."""
         graphdef, state = nnx.split(self.mtp)
         modules = range(1, self.cfg.mtp_depth + 1) if modules is None else modules
-        outs, new_caches = [], []
+        outs, new_caches, loads, heads = [], [], [], []
         for k in modules:
             layer = nnx.merge(graphdef, jax.tree.map(lambda w: w[k - 1], state))
             e_BTD = self.embed(tokens_BT if caches is not None else jnp.roll(tokens_BT, -k, axis=1))
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, self.cfg.n_layers + k - 1)
             cache = None if caches is None else caches[k - 1]
-            (h_BTD, cache), sown = nnx.capture(layer, nnx.Intermediate)(h_BTD, e_BTD, pos_BT, seg_BT, cache, rng)
-            for name in SUMMED + MAXED:  # a mixture's balance and z-losses join the model's (not its loads)
+            (h_BTD, cache), sown = nnx.capture(layer, nnx.Intermediate)(h_BTD, e_BTD, pos_BT, seg_BT, cache, rng,
+                                                                        diagnostics)
+            for name in SUMMED + MAXED:  # a mixture's balance and z-losses join the model's
                 value = sown_value(sown, name)
                 if value is not None:
                     self.sow(nnx.Intermediate, name, value, capture_noop=True)
+            loads.append(sown_value(sown, LOAD))
+            heads.append(_sown(sown, MAX_LOGIT))
             outs.append(h_BTD if layer.head_norm is None else layer.head_norm(h_BTD))
             new_caches.append(cache)
+        if loads[0] is not None:  # a mixture's loads, for the metrics and balancing (`expert_loads`)
+            self.sow(nnx.Intermediate, MTP_LOAD, jnp.stack(loads), capture_noop=True)
+        if diagnostics:  # each module's heads, for QK-clip (`head_logits`)
+            self.mtp.sow(nnx.Intermediate, HEAD_LOGITS, (jnp.stack([h[0] for h in heads]),), capture_noop=True)
         return outs, new_caches
 
     def init_mtp_cache(self, batch: int, max_len: int, dtype=None) -> list:
@@ -517,9 +545,12 @@ class Transformer(nnx.Module):
     def balance_routers(self, loads_LE, rate: float) -> None:
         """Auxiliary-loss-free balancing (DeepSeek-V3): each MoE layer's selection bias moves by
         `rate * sign(mean load - load_e)` (towards the under-loaded experts), then is re-centred
-        at zero. `loads_LE`: the `moe_load` rows, in `moe_layers()` order."""
-        for n, (_, s, i, j) in enumerate(self.moe_layers()):
-            bias = self.stages[s].blocks[j].mlp.router.selection_bias
+        at zero. `loads_LE`: the `moe_load` rows, in `moe_layers()` order, then the MTP modules'
+        (`expert_loads`)."""
+        biases = [(self.stages[s].blocks[j].mlp.router.selection_bias, i) for _, s, i, j in self.moe_layers()]
+        if self.mtp is not None and isinstance(self.mtp.block.mlp, MoE):
+            biases += [(self.mtp.block.mlp.router.selection_bias, k) for k in range(self.cfg.mtp_depth)]
+        for n, (bias, i) in enumerate(biases):
             load_E = loads_LE[n].astype(jnp.float32)
             new_E = bias[...][i] + rate * jnp.sign(jnp.mean(load_E) - load_E)
             bias[...] = bias[...].at[i].set(new_E - jnp.mean(new_E))
@@ -527,10 +558,12 @@ class Transformer(nnx.Module):
     def clip_qk(self, logits: dict[int, tuple], tau: float) -> None:
         """QK-clip (Kimi K2's MuonClip): each head whose max attention logit exceeded `tau` has its
         query and key weights scaled so that its logits scale by `tau / max logit` (each attention
-        layer's `clip_qk`). `logits`: the stacks' `HEAD_LOGITS` (`head_logits`)."""
-        for s, per_block in logits.items():
+        layer's `clip_qk`). `logits`: the stacks' and MTP modules' `HEAD_LOGITS` (`head_logits`)."""
+        for s, per_block in logits["stages"].items():
             for block, logits_LN in zip(self.stages[s].blocks, per_block):
                 block.self_attn.clip_qk(logits_LN, tau)
+        if "mtp" in logits:  # the modules' blocks, stacked as a stack's layers are
+            self.mtp.block.self_attn.clip_qk(logits["mtp"][0], tau)
 
     def head(self) -> vocab.Head:
         """The output head over this model's parameters: `embed_tokens` when tied, else `lm_head`."""

@@ -208,11 +208,11 @@ def test_qk_clip_brings_each_head_over_tau_to_tau_and_leaves_the_others(name):
             proj.bias[...] = jnp.asarray(rng.normal(0, 1.0, proj.bias.shape), jnp.float32)
     weights = lambda: {name: np.asarray(p) for name, p in nnx.to_flat_state(nnx.state(attn, nnx.Param))}  # noqa: E731
     tokens = jnp.asarray(rng.integers(0, 48, (2, 16)), jnp.int32)
-    before, weights_before = np.asarray(head_maxima(model, tokens)[0][0]), weights()  # [layers = 1, N]
+    before, weights_before = np.asarray(head_maxima(model, tokens)["stages"][0][0]), weights()  # [layers = 1, N]
     tau = float(np.median(before))  # half the heads over it, half under
     assert (before > tau * 1.01).sum() >= 1 and (before < tau).sum() >= 1, before
     model.clip_qk(head_maxima(model, tokens), tau)
-    after = np.asarray(head_maxima(model, tokens)[0][0])
+    after = np.asarray(head_maxima(model, tokens)["stages"][0][0])
     np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-5)
     for name, w in weights().items():  # every weight shrinks or stays, none grows
         assert np.all(np.abs(w) <= np.abs(weights_before[name]) * (1 + 1e-6)), name
@@ -276,5 +276,5 @@ def test_each_heads_max_logit_on_a_mesh_equals_one_device():
         state = jax.device_put(state, state_shardings(state, mesh))
         with logical_rules(mesh):
             got = jax.jit(lambda s, t: head_maxima(nnx.merge(graphdef, s), t))(state, tokens)
-    assert np.asarray(want[0][0]).shape == (2, 4)
+    assert np.asarray(want["stages"][0][0]).shape == (2, 4)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5), got, want)

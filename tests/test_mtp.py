@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common import assert_step_matches_one_device, token_batch
+from common import make_trainer, one_device, token_batch
 from modern_jax.config import ModelConfig
 from modern_jax.model import Transformer
 from modern_jax.sharding.mesh import make_mesh
@@ -138,14 +138,101 @@ MOE = ModelConfig(vocab_size=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, ffn
                   experts_per_token=2, expert_d_ff=8, moe_first_dense=1, mtp_depth=2, vocab_pad_to=8)
 
 
-def test_mtp_on_a_mesh_equals_one_device():
-    """A training step of a model with a dense and a mixture layer and two MTP modules (mixtures too) on
-    fsdp x expert x tensor gives one device's loss and MTP losses (1e-5) and every gradient leaf (1e-4)."""
-    cfg, tc = MOE, TrainConfig(batch_size=4, seq_len=8, z_loss_weight=0.0)
-    many, one = assert_step_matches_one_device(cfg, tc, make_mesh(fsdp=2, expert=2, tensor=2),
-                                               token_batch(1, 4, 8, 16))
-    for k in range(1, cfg.mtp_depth + 1):
-        np.testing.assert_allclose(many[f"mtp_loss_{k}"], one[f"mtp_loss_{k}"], rtol=1e-5)
+def test_mtp_with_muon_on_a_mesh_equals_one_device_over_10_steps():
+    """A model with a dense and a mixture layer and two MTP modules (mixtures too), trained by Muon with
+    auxiliary-loss-free balancing on fsdp x expert x tensor: each of 10 steps' loss and MTP losses equal
+    one device's within 1e-5."""
+    cfg = MOE.replace(router_score="sigmoid", router_selection_bias=True)
+    tc = TrainConfig(batch_size=4, seq_len=8, optimizer="muon", lr=0.02, warmup_steps=0, schedule="constant",
+                     moe_bias_update_rate=0.01)
+    batches = [token_batch(1, 4, 8, 16)] * 10  # one batch: the loss falls
+
+    def losses(mesh):
+        trainer = make_trainer(cfg, tc, mesh)
+        state, out = trainer.states.init(0), []
+        for batch in batches:
+            state, metrics = trainer.train_step(state, trainer.batches.put(batch))
+            out.append([float(metrics[name]) for name in ("loss", "mtp_loss_1", "mtp_loss_2")])
+        return np.array(out)
+
+    one, many = losses(one_device()), losses(make_mesh(fsdp=2, expert=2, tensor=2))
+    assert one[-1, 0] < one[0, 0] - 0.05, one  # it learns
+    np.testing.assert_allclose(many, one, rtol=1e-5)
+
+
+def test_mtp_mixtures_are_balanced_and_their_heads_clipped_like_the_models_layers():
+    """A step with auxiliary-loss-free balancing and QK-clip, at a learning rate too small to move the
+    weights itself: each MTP module's selection bias moves by `rate * sign(mean load - load)` of its own
+    block's loads (the modules chained here by hand), re-centred; each MTP head over tau comes to tau."""
+    from modern_jax.layers.attention import MAX_LOGIT
+    from modern_jax.layers.moe import LOAD
+    from modern_jax.model import head_logits, sown_value
+
+    cfg = MOE.replace(router_score="sigmoid", router_selection_bias=True, init_std=0.3)
+    batch = token_batch(1, 4, 8, 16)
+    rows = {k: jnp.asarray(v[0]) for k, v in batch.items()}
+
+    def per_head(sown):  # [N]: what the attention layer sowed, each head's max logit
+        [heads_N] = [leaf for path, v in nnx.to_flat_state(sown) if MAX_LOGIT in map(str, path)
+                     for leaf in jax.tree.leaves(v)]
+        return np.asarray(heads_N)
+
+    def mtp_heads(model):  # [D, N]: each module's max attention logit of each head
+        _, sown = nnx.capture(lambda m: model_loss_sums(m, rows, diagnostics=True), nnx.Intermediate)(model)
+        return np.asarray(head_logits(sown)["mtp"][0])
+
+    def start(tau):
+        tc = TrainConfig(batch_size=4, seq_len=8, lr=1e-9, warmup_steps=0, schedule="constant", z_loss_weight=0.0,
+                         moe_bias_update_rate=0.01, qk_clip_tau=tau)
+        trainer = make_trainer(cfg, tc, one_device())
+        return trainer, trainer.states.init(0)
+
+    trainer, state = start(None)
+    before = trainer.states.model(state["params"])
+    heads = mtp_heads(before)
+    tau = float(np.median(heads))
+    trainer, state = start(tau)
+    state, _ = trainer.train_step(state, trainer.batches.put(batch))
+    after = trainer.states.model(state["params"])
+
+    # the reference: each module's loads and heads, the modules chained as DeepSeek-V3 section 2.2 chains them;
+    # the heads after the step measured on the same inputs (a module's input moves when those before it are clipped)
+    graphdef, stacked = nnx.split(before.mtp)
+    _, stacked_after = nnx.split(after.mtp)
+    h = before.hidden_states(rows["inputs"], positions=rows["positions"], segment_ids=rows["segment_ids"])[0]
+    for k in (1, 2):
+        e = before.embed(jnp.roll(rows["inputs"], -k, axis=1))
+        run = lambda weights, h: nnx.capture(nnx.merge(graphdef, jax.tree.map(lambda w: w[k - 1], weights)),  # noqa: E731
+                                             nnx.Intermediate)(h, e, rows["positions"], rows["segment_ids"], None,
+                                                               None, True)
+        (h_next, _), sown = run(stacked, h)
+        _, sown_after = run(stacked_after, h)
+        h = h_next
+        load = np.asarray(sown_value(sown, LOAD))
+        moved = 0.01 * np.sign(load.mean() - load)
+        assert np.any(moved != 0), load
+        np.testing.assert_allclose(np.asarray(after.mtp.block.mlp.router.selection_bias[...][k - 1]),
+                                   moved - moved.mean(), atol=1e-7, err_msg=f"module {k}")
+        np.testing.assert_allclose(per_head(sown), heads[k - 1], rtol=1e-5)
+        np.testing.assert_allclose(per_head(sown_after), np.minimum(heads[k - 1], tau), rtol=1e-5,
+                                   err_msg=f"module {k}")
+    assert (heads > tau * 1.01).sum() >= 1 and (heads < tau).sum() >= 1, heads
+
+
+@pytest.mark.quick
+def test_the_flops_of_a_token_count_the_mtp_modules_as_they_run():
+    """Each module adds 6 x its matmul weights (eh_proj 2D x D, a block: q k v o, the gated FFN, its two
+    norms; enorm, hnorm, head_norm), 6 x one more pass through the shared head (V x D), and one block's
+    attention (6 N (d_qk + d_v) T, and causally (T + 1) / 2 keys)."""
+    from modern_jax.accounting import flops_per_token
+
+    T, F, heads = 8, 24, 2
+    block = 4 * D * D + 3 * D * F + 2 * D
+    module = 2 * D * D + block + 3 * D
+    with_mtp, without = flops_per_token(DENSE, T), flops_per_token(DENSE.replace(mtp_depth=0), T)
+    assert with_mtp["weights"] - without["weights"] == 6 * 2 * (module + V * D)
+    assert with_mtp["attention"] - without["attention"] == 2 * 6 * heads * 2 * D // heads * T
+    assert with_mtp["causal_total"] - without["causal_total"] == 6 * 2 * (module + V * D) + 2 * 6 * 2 * D * (T + 1) / 2
 
 
 def test_self_speculative_greedy_equals_plain_greedy():

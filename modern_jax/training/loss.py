@@ -150,7 +150,7 @@ def model_loss_sums(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, 
     sums = loss_sums(h_BTD, head.w_VD, head.b_V, batch["targets"], batch["weights"], softcap=head.softcap,
                      chunk=chunk, vocab_size=head.vocab_size)
     if mtp and getattr(model, "mtp", None) is not None:
-        sums.update(mtp_sums(model, h_BTD, batch, chunk=chunk, dropout_rng=dropout_rng))
+        sums.update(mtp_sums(model, h_BTD, batch, chunk=chunk, dropout_rng=dropout_rng, diagnostics=diagnostics))
     return sums
 
 
@@ -164,11 +164,11 @@ def mtp_targets(batch: dict, k: int) -> tuple:
     return ahead(batch["targets"]), jnp.where(inside_BT, ahead(batch["weights"]), 0)
 
 
-def mtp_sums(model, h_BTD, batch: dict, *, chunk: int = 8192, dropout_rng=None) -> dict:
+def mtp_sums(model, h_BTD, batch: dict, *, chunk: int = 8192, dropout_rng=None, diagnostics: bool = False) -> dict:
     """`{mtp_ce_k: sum_i w_k[i] CE(module k's logits at row i, targets[i + k])}` for k = 1 .. D (DeepSeek-V3's
     L_MTP^k times the batch's weight), from the main model's final hidden states `h` (`Transformer.mtp_states`)."""
     states, _ = model.mtp_states(h_BTD, batch["inputs"], batch["positions"], batch["segment_ids"],
-                                 dropout_rng=dropout_rng)
+                                 dropout_rng=dropout_rng, diagnostics=diagnostics)
     head, out = model.head(), {}
     for k, h_k_BTD in enumerate(states, 1):
         targets_BT, weights_BT = mtp_targets(batch, k)

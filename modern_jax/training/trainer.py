@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from modern_jax.config import LayerSpec
 from modern_jax.execution import ExecutionConfig
 from modern_jax.layers.moe import AUX_LOSS, DROPPED, LOAD, ROUTER_Z_LOSS
-from modern_jax.model import HEAD_LOGITS, abstract_model, head_logits, max_attention_logit, sown_value
+from modern_jax.model import HEAD_LOGITS, abstract_model, expert_loads, head_logits, max_attention_logit, sown_value
 from modern_jax.sharding import check_mesh
 from modern_jax.training import one_f_one_b
 from modern_jax.training.config import RunConfig, TrainConfig
@@ -89,8 +89,9 @@ class Trainer:
         sums, sown = nnx.capture(sums_of, nnx.Intermediate)(model_of(params))
         zero = jnp.zeros((), jnp.float32)
         # what the layers sowed: a mixture of experts' balance and z-losses, drops and loads
-        aux = {name: sown_value(sown, name) for name in (AUX_LOSS,) + ((ROUTER_Z_LOSS, DROPPED, LOAD) if self.moe
-                                                                       else ())}
+        aux = {name: sown_value(sown, name) for name in (AUX_LOSS,) + ((ROUTER_Z_LOSS, DROPPED) if self.moe else ())}
+        if self.moe:  # each MoE layer's, then each MTP module's (`expert_loads`)
+            aux[LOAD] = expert_loads(sown)
         aux = {name: zero if value is None else value for name, value in aux.items()}
         if cfg.diagnostics:  # sown by the attention layers of this very forward pass
             max_logit = max_attention_logit(sown)
