@@ -282,11 +282,16 @@ def test_full_weight_grpo_keeps_a_frozen_reference_and_refuses_what_it_cannot_ru
            ({"grpo": {**base["grpo"], "rewards": []}}, r"rewards=\[\] is invalid"),
            ({"grpo": {**base["grpo"], "reward_weights": [1, 2]}}, r"reward_weights=\[1, 2\] is invalid: expected 1"),
            ({"grpo": {**base["grpo"], "num_generations": 1}}, r"num_generations=1 is invalid"),
+           ({"grpo": {**base["grpo"], "temperature": float("inf")}}, r"temperature=inf is invalid: expected a finite"),
            ({"grpo": {**base["grpo"], "epsilonhigh": 0.3}}, r"unknown key grpo.epsilonhigh; did you mean epsilon_high"),
            ({"dpo": {}}, r"sections dpo, grpo each choose a training objective")]
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             run_config_from_dict({**base, **change})
+    wide = run_config_from_dict({**base, "grpo": {**base["grpo"], "top_k": 65}})
+    with pytest.raises(ValueError, match=r"^grpo.top_k=65 exceeds the model's vocabulary of 64 tokens, so it would keep "
+                                         r"every token: give at most 64, or 0 \(off\)$"):
+        step_trainer(wide, one_device())
     run = run_config_from_dict({**base, "grpo": {**base["grpo"], "beta": 0.1}})
     trainer = step_trainer(run, one_device())
     assert "reference" in trainer.states.abstract()  # full weights: a frozen copy of the start

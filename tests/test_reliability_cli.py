@@ -124,6 +124,12 @@ CASES = [
     _case(["generate", "--checkpoint", MISSING, "--temperature", "-0.5"],
           "--temperature -0.5 is invalid: expected a finite number >= 0 (0: greedy)"),
     _case(["generate", "--checkpoint", MISSING, "--temperature", "nan"], "--temperature nan is invalid"),
+    # --greedy with a sampling setting, or with several samples (each was accepted and ignored)
+    _case(["generate", "--checkpoint", MISSING, "--greedy", "--temperature", "0.5"],
+          "--greedy takes the most likely token each time, so --temperature 0.5 would not be used: give one of them"),
+    _case(["generate", "--checkpoint", MISSING, "--greedy", "--top-k", "5"], "so --top-k 5 would not be used"),
+    _case(["generate", "--checkpoint", MISSING, "--greedy", "--num-samples", "3"],
+          "--greedy gives one sequence, so --num-samples 3 would print it 3 times: leave out --greedy to sample 3"),
     _case(["evaluate", "--checkpoint", MISSING, "--seq-len", "0"],
           "--seq-len 0 is invalid: expected a positive integer"),
     _case(["evaluate", "--checkpoint", MISSING, "--batch-size", "0"], "--batch-size 0 is invalid: expected a positive"),

@@ -430,6 +430,12 @@ def test_generate_refuses_more_tokens_than_the_memory_holds_and_says_how_many_fi
                      r"\(at most about [\d,]+ fit\)$", line), line
 
 
+def test_generate_refuses_a_top_k_above_the_vocabulary(rope, capsys):
+    line = refused(["generate", "--checkpoint", rope, "--top-k", "100000"], capsys)
+    assert re.fullmatch(r"modern-jax generate: error: --top-k 100000 exceeds the model's vocabulary of [\d,]+ tokens, "
+                        r"so it would keep every token: give at most [\d,]+, or leave it out \(no top-k\)", line), line
+
+
 def test_a_prompt_with_a_byte_that_is_not_utf8_names_the_flag(capsys):
     """The shell hands a byte that is not UTF-8 to Python as a surrogate escape ('\\udcff' for 0xff)."""
     line = refused(["generate", "--checkpoint", MISSING, "--prompt", "ab\udcffc"], capsys)

@@ -48,6 +48,21 @@ def test_seq_len_past_learned_positions_is_refused_at_config_time(vocab_size):
     run_config_from_dict({**raw, "model": {**raw["model"], "position_embedding": "rope"}})  # RoPE may extrapolate
 
 
+def test_sampling_settings_out_of_range_are_refused_by_name():
+    """A temperature of inf samples uniformly over the whole (padded) vocabulary; a top-k above the
+    vocabulary keeps every token: both were accepted."""
+    from modern_jax.sharding.mesh import make_mesh
+    from modern_jax.training import trainer_for
+
+    train = {"warmup_steps": 0}
+    with pytest.raises(ValueError, match=r"sample_temperature=inf is invalid: expected a finite number >= 0"):
+        run_config_from_dict({"model": BASE, "train": {**train, "sample_temperature": float("inf")}})
+    run = run_config_from_dict({"model": BASE, "train": {**train, "sample_top_k": 33}})
+    with pytest.raises(ValueError, match=r"^train.sample_top_k=33 exceeds the model's vocabulary of 32 tokens, so it "
+                                         r"would keep every token: give at most 32, or null \(no top-k\)$"):
+        trainer_for(run, make_mesh(devices=jax.devices()[:1]))
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda m: m(tokens(T=17)), r"17 tokens exceed max_position_embeddings=16 .*give at most 16 tokens"),
     (lambda m: nnx.jit(lambda m, t: m(t))(m, tokens(T=17)), r"17 tokens exceed max_position_embeddings=16"),

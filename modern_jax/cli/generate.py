@@ -10,6 +10,8 @@ import math
 from modern_jax.cli.shared import _check_flags, _checkpoint_tokenizer, _note, _positive, _scoring_trainer, \
     _warnings_as_notes
 
+TEMPERATURE = 0.8  # --temperature when not given
+
 
 def add_parser(subparsers) -> None:
     ge = subparsers.add_parser("generate", help="sample text from a checkpoint with the KV cache")
@@ -17,7 +19,7 @@ def add_parser(subparsers) -> None:
     ge.add_argument("--prompt", default="", help="text to continue (default: start from <bos>)")
     ge.add_argument("--max-new-tokens", type=int, default=200)
     ge.add_argument("--num-samples", type=int, default=1)
-    ge.add_argument("--temperature", type=float, default=0.8)
+    ge.add_argument("--temperature", type=float, help=f"default {TEMPERATURE}")
     ge.add_argument("--top-k", type=int)
     ge.add_argument("--top-p", type=float)
     ge.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
@@ -29,6 +31,15 @@ def run(args) -> int:
     _check_flags(args, _positive("--max-new-tokens"), _positive("--num-samples"), _positive("--top-k"),
                  ("--top-p", lambda p: 0 < p <= 1, "a probability in (0, 1]"),
                  ("--temperature", lambda t: 0 <= t < math.inf, "a finite number >= 0 (0: greedy)"))
+    if args.greedy:  # the most likely token each time: no sampling setting applies, one sequence a prompt
+        for flag in ("--temperature", "--top-k", "--top-p"):
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                raise ValueError(f"--greedy takes the most likely token each time, so {flag} {value} would not be "
+                                 f"used: give one of them")
+        if args.num_samples > 1:
+            raise ValueError(f"--greedy gives one sequence, so --num-samples {args.num_samples} would print it "
+                             f"{args.num_samples} times: leave out --greedy to sample {args.num_samples}")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # a byte of the shell's argv that is not UTF-8 (surrogate-escaped)
@@ -46,12 +57,15 @@ def run(args) -> int:
 
     cfg, params, raw, run_dir = load_model_params(args.checkpoint, log=_note if jax.process_index() == 0 else None)
     tokenizer = _checkpoint_tokenizer(run_dir, cfg)
+    if args.top_k is not None and args.top_k > cfg.vocab_size:
+        raise ValueError(f"--top-k {args.top_k} exceeds the model's vocabulary of {cfg.vocab_size:,} tokens, so it "
+                         f"would keep every token: give at most {cfg.vocab_size:,}, or leave it out (no top-k)")
     try:
         tokenizer.encode(args.prompt)
     except ValueError as e:
         raise ValueError(f"--prompt cannot be encoded: {e}") from None
     graphdef = _scoring_trainer(cfg, raw, TrainConfig(warmup_steps=0)).states.graphdef
-    temperature = 0.0 if args.greedy else args.temperature
+    temperature = 0.0 if args.greedy else TEMPERATURE if args.temperature is None else args.temperature
     try:
         with _warnings_as_notes(), Progress(None, enabled=jax.process_index() == 0) as progress, \
                 progress.phase(f"sampling {args.num_samples} x {args.max_new_tokens} tokens"):

@@ -168,8 +168,8 @@ class TrainConfig:
             _fail("loss_vocab_chunk", self.loss_vocab_chunk, "expected a positive integer")
         if self.peak_flops is not None and not self.peak_flops > 0:
             _fail("peak_flops", self.peak_flops, "expected a positive FLOP/s figure or null")
-        if not self.sample_temperature >= 0:
-            _fail("sample_temperature", self.sample_temperature, "expected >= 0 (0: greedy)")
+        if not 0 <= self.sample_temperature < math.inf:
+            _fail("sample_temperature", self.sample_temperature, "expected a finite number >= 0 (0: greedy)")
         if self.sample_top_p is not None and not 0.0 < self.sample_top_p <= 1.0:
             _fail("sample_top_p", self.sample_top_p, "expected a probability in (0, 1] or null")
         if not self.output_dir:

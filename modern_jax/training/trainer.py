@@ -236,6 +236,11 @@ class Trainer:
 def _check_run(trainer: Trainer) -> None:
     """Refuse what the run's model, mesh and batch cannot train (the errors name the fields)."""
     tc, model_cfg, programs = trainer.train_cfg, trainer.model_cfg, trainer.programs
+    trainer.objective.config.check_model(model_cfg)
+    if tc.sample_top_k is not None and tc.sample_top_k > model_cfg.vocab_size:
+        raise ValueError(f"train.sample_top_k={tc.sample_top_k} exceeds the model's vocabulary of "
+                         f"{model_cfg.vocab_size:,} tokens, so it would keep every token: give at most "
+                         f"{model_cfg.vocab_size:,}, or null (no top-k)")
     if tc.moe_bias_update_rate and not model_cfg.router_selection_bias:
         raise ValueError(f"train.moe_bias_update_rate={tc.moe_bias_update_rate} balances experts through "
                          f"the router's selection bias, which this model has none of: set "

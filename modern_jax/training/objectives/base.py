@@ -56,6 +56,9 @@ class Config:
     def check(self, train, where: str) -> None:
         """Refuse `train:` settings this objective cannot run (`train` a TrainConfig)."""
 
+    def check_model(self, model) -> None:
+        """Refuse settings this objective cannot run on `model` (a ModelConfig)."""
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

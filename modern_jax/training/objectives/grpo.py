@@ -115,8 +115,8 @@ class GRPOConfig(base.Config):
                                                            "with each other)")
         if not _count(self.max_completion_length):
             fail_("max_completion_length", self.max_completion_length, "expected a positive integer")
-        if not _number(self.temperature, 0, above=True):
-            fail_("temperature", self.temperature, "expected a number > 0")
+        if not _number(self.temperature, 0, above=True) or not math.isfinite(self.temperature):
+            fail_("temperature", self.temperature, "expected a finite number > 0")
         if not _number(self.top_p, 0, above=True, high=1.0):
             fail_("top_p", self.top_p, "expected a number in (0, 1] (1: off)")
         if not _count(self.top_k, 0):
@@ -141,6 +141,11 @@ class GRPOConfig(base.Config):
         if self.overlap and self.num_iterations > 1:
             fail_("overlap", self.overlap, f"samples each batch one step ahead for one step, and num_iterations="
                                            f"{self.num_iterations} reuses a batch: set one of them off (false, 1)")
+
+    def check_model(self, model) -> None:
+        if self.top_k > model.vocab_size:
+            raise ValueError(f"grpo.top_k={self.top_k} exceeds the model's vocabulary of {model.vocab_size:,} tokens, "
+                             f"so it would keep every token: give at most {model.vocab_size:,}, or 0 (off)")
 
     @property
     def clip_high(self) -> float:
