@@ -150,6 +150,15 @@ def test_muon_fields_are_validated(field, value, message):
         dataclasses.replace(TrainConfig(), **{field: value})
 
 
+@pytest.mark.parametrize("groups", [(), ("experts",)])
+def test_muon_groups_that_select_no_matrix_are_refused(groups):
+    """No group, or only a mixture's groups for a dense model: Muon would move nothing (was accepted)."""
+    tc = TrainConfig(warmup_steps=0, optimizer="muon", muon_groups=groups)
+    with pytest.raises(ValueError, match=rf"^train.muon_groups=\[{', '.join(map(repr, groups))}\] selects no matrix "
+                                         r"of this model, so Muon would move nothing"):
+        make_trainer(DENSE, tc, one_device())
+
+
 DENSE = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=128, max_position_embeddings=32)
 EXPERTS = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, ffn_type="moe",
                       n_experts=8, experts_per_token=2, expert_d_ff=16, n_shared_experts=1, router_score="sigmoid",

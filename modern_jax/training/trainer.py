@@ -300,6 +300,10 @@ def _optimizer(run: RunConfig, converter: Converter, layers) -> optax.GradientTr
             raise ValueError("train.optimizer=muon orthogonalises whole projection matrices, and a lora: run trains "
                              "only low-rank adapters: use train.optimizer=adamw with lora")
         muon = muon_dimensions(abstract_model(run.model, layers), tc.muon_groups)
+        if not muon:
+            raise ValueError(f"train.muon_groups={list(tc.muon_groups)} selects no matrix of this model, so Muon would "
+                             f"move nothing (all of it AdamW): name groups it has (attention, mlp; experts and router "
+                             f"in a mixture), or use train.optimizer=adamw")
     return make_optimizer(tc, frozen=run.model.router_selection_bias and converter.trains_all, muon=muon)
 
 
