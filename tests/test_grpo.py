@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -380,7 +381,7 @@ def test_the_reinforcement_learning_section_runs_as_written(tmp_path, monkeypatc
     assert (tmp_path / "runs/grpo/completions.jsonl").exists()
 
 
-def test_two_processes_of_four_devices_give_the_one_process_run(tmp_path, monkeypatch):
+def test_two_processes_of_four_devices_give_the_one_process_run(tmp_path, monkeypatch, capsys):
     """A GRPO run on a mesh of data 2 x fsdp 2 x tensor 2 (rollouts sampled with sharded weights and
     heads), launched as SLURM launches 2 processes of 4 host devices (each process samples, scores
     and places its own rows of every step's batch; the advantages come from the whole batch on the
@@ -388,6 +389,7 @@ def test_two_processes_of_four_devices_give_the_one_process_run(tmp_path, monkey
     the same tokens, its loss and rewards the same numbers (1e-5)."""
     from processes import Launch
 
+    from modern_jax.cli import main
     from modern_jax.training import loop
 
     monkeypatch.chdir(ROOT)
@@ -407,6 +409,20 @@ def test_two_processes_of_four_devices_give_the_one_process_run(tmp_path, monkey
     for a, b in zip(one.history, two):
         for key in ("loss", "reward", "reward_std", "entropy", "completions/mean_length", "grad_norm"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=f"step {a['step']} {key}")
+
+    # `evaluate` of the run on the 2 processes: the figures of its evaluation in one process
+    def figures(text: str) -> dict:
+        return {m[1]: float(m[2]) for m in re.finditer(r"^([\w/]+): (-?[\d.]+)$", text, re.M)}
+
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "two"), "--max-windows", "4"]) == 0
+    want = figures(capsys.readouterr().out)
+    launch = Launch(["evaluate", "--checkpoint", str(tmp_path / "two"), "--max-windows", "4"], n=2, devices=4,
+                    logdir=tmp_path)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    got = figures(launch.log(0))
+    assert {"prompts", "reward", "completions/mean_length"} <= want.keys() == got.keys(), (want, launch.log(0)[-2000:])
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 def test_prompts_read_from_parquet_and_a_saved_dataset_with_their_columns(tmp_path):
