@@ -254,11 +254,21 @@ def test_a_checkpoint_restores_into_another_stack_layout(tmp_path):
 
 def test_one_stage_a_process_over_two_processes_launched_as_slurm_gives_one_process_losses(tmp_path, capsys):
     """2 processes x 4 devices as `srun` starts them, stage 2 outermost (each process one stage, its
-    activations crossing between them) x data 2 x fsdp 2, interleaved: every step's loss equals one
-    process's on the same mesh (1e-5)."""
+    activations crossing between them) x data 2 x fsdp 2, interleaved, fed by a mixture of two
+    directories of token shards (each process reading its rows of every batch from them): every
+    step's loss equals one process's on the same mesh (1e-5)."""
     from processes import Launch, records
 
-    overrides = cli_overrides(tmp_path) + ["train.steps=3", "train.checkpoint_every=0"]
+    sources = []
+    for k, (name, weight) in enumerate((("web", 0.7), ("code", 0.3))):
+        ids = np.random.default_rng(k).integers(0, 64, 3000).astype(np.uint16)
+        ids[::50] = 258  # <eos>: documents of 50 tokens
+        (tmp_path / name).mkdir()
+        for i, part in enumerate(np.split(ids, [1000, 2200])):  # three shards each
+            (tmp_path / name / f"part-{i}.bin").write_bytes(part.tobytes())
+        sources.append(f"{{path: {tmp_path / name}, weight: {weight}}}")
+    overrides = [o for o in cli_overrides(tmp_path) if not o.startswith("data.")] + [
+        f"data.sources=[{', '.join(sources)}]", "data.doc_separator_id=258", "train.steps=3", "train.checkpoint_every=0"]
     run = ["train", "--config", str(REPO / "configs/tiny.yaml"), "--mesh", "stage=2,data=2,fsdp=2",
            "parallel.microbatches=2", "parallel.pipeline_schedule=interleaved", "parallel.stage_repeats=2", *overrides]
     assert main([*run, f"train.output_dir={tmp_path / 'one'}"]) == 0, capsys.readouterr().err
@@ -267,6 +277,8 @@ def test_one_stage_a_process_over_two_processes_launched_as_slurm_gives_one_proc
     one, two = ([r["loss"] for r in records(tmp_path / name)] for name in ("one", "two"))
     assert len(two) == 3
     np.testing.assert_allclose(two, one, rtol=1e-5)
+    shares = records(tmp_path / "two", "data")[-1]  # each source's share of the tokens, logged by process 0
+    assert shares["share/web"] > shares["share/code"] > 0, shares
 
 
 @pytest.mark.parametrize("policy", ["offload_input", "offload_qkv_out"])
