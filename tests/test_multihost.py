@@ -215,6 +215,7 @@ def test_a_lost_process_stops_the_others_with_one_line(tmp_path, victim):
     survivor = 1 - victim
     launch.procs[survivor].wait(timeout=60)
     assert time.monotonic() - killed < 15
+    assert launch.procs[survivor].returncode == 4  # stopped by a lost peer: not SIGABRT (-6), "Aborted" in a shell
     while "modern-jax train: error" not in launch.log(survivor) and time.monotonic() - killed < 20:
         time.sleep(0.05)  # its last line may still be on its way through the stderr watcher
     log = launch.log(survivor).strip()
@@ -349,6 +350,23 @@ def test_a_process_id_out_of_range_is_named_at_once(tmp_path):
                      "ids run from 0 to SLURM_NTASKS - 1; start the processes with the launcher's own variables (or "
                      "check what sets SLURM_PROCID)"), wrong
     assert "not every process joined" in waited
+
+
+@pytest.mark.quick
+def test_a_process_that_joins_a_running_launch_again_is_named():
+    """jax's ending (0.12's words, captured) when a second process 1 connects to a launch that has
+    formed: every process's line names it, not a lost coordinator."""
+    from modern_jax.multihost.watch import message
+
+    fatal = (b"F1207 12:13:29.419559   17286 client.h:86] Terminating process because the JAX distributed service "
+             b"detected fatal errors. This most likely indicates that another task died; see the other task logs for "
+             b"more details. absl::Status: ABORTED: 1 unexpectedly tried to connect with a different incarnation. It "
+             b"has likely restarted.\n\nRPC: /xla.coordination.CoordinationService/PollForError\n")
+    state = {"command": "train", "index": 0, "count": 2, "step": 1, "resume": " No checkpoint has been written yet."}
+    assert message(state, fatal) == (
+        "modern-jax train: error: a second process 1 of 2 joined the running launch (two processes given the same "
+        "id, or process 1 started again on its own) at step 1; stopping process 0 too. No checkpoint has been "
+        "written yet.")
 
 
 @pytest.mark.quick

@@ -50,10 +50,10 @@ import sys
 import threading
 import time
 
-HEARTBEAT_TIMEOUT = 60.0  # seconds without a heartbeat after which a process is lost
-JOIN_TIMEOUT = 120.0  # seconds for every process of a launch to connect (hosts start at different times)
 LOST_EXIT = 4  # the exit status of a process stopped because another one was lost or failed
 JOIN_EXIT = 2  # the exit status of a process that could not join its launch (`JoinFailed`)
+HEARTBEAT_TIMEOUT = 60.0  # seconds without a heartbeat after which a process is lost
+JOIN_TIMEOUT = 120.0  # seconds for every process of a launch to connect (hosts start at different times)
 _PROBE_S = 5.0  # how long a coordinator has to answer HTTP/2's connection preface (a gRPC server: at once)
 _JAX_GRACE_S = 60  # jax's own join timeout runs this much past ours, so ours always speaks first
 _PREFIX = "modern_jax"
@@ -302,11 +302,12 @@ def start(launch: Launch | None, command: str, heartbeat_timeout: float = HEARTB
     else:
         _await_coordinator(launch, deadline, join_timeout)
     # from here jax's client may end this process from a native thread: the watcher turns that into one line
-    watch.watch_stderr()
+    watch.watch_stderr(JOIN_EXIT)
     watch.status(command=command, index=i, count=n, joining={"address": address, "origin": launch.origin,
                                                               "timeout": join_timeout})
     _join(launch, heartbeat_timeout, deadline, join_timeout)
     watch.status(joining=None)
+    watch.ending = LOST_EXIT
     (log or watch.say)(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices "
                        f"({jax.local_device_count()} local), launched by {launch.launcher}")
     _JOINED = _Joined(command, heartbeat_timeout)

@@ -9,11 +9,18 @@ that copies it; when that ending comes, the child leaves out jax's page and prin
 instead, in the words of `distributed._Joined.lost` (which process was lost, at which step, and
 how to resume) or, while joining, which process could not join where and why — from the
 `status` lines this process sends it, which are never shown.
+
+jax's client then calls `abort()`, which a shell reports as "Aborted" (exit status 134). While
+the watcher runs, this process catches SIGABRT natively: when the watcher has seen jax's
+ending (it says so on a pipe of its own), the process ends with exit status `ending` instead
+(the launch's: 2 while joining, 4 once joined, as the lines of ours that name the same
+failures end); any other abort goes on as one.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import re
@@ -28,22 +35,55 @@ _LOG_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d")  # absl's native log lin
 _MORE = (b" ", b"\t", b"=", b":", b".", b"\n", b"Additional", b"RPC", b"external/", b"The ", b"[type.")  # ... continued
 _watching = None  # the watcher process
 _terminal = None  # this process's own stderr, which the watcher writes to
+_seen = None  # the pipe on which the watcher says it has seen jax's ending
+ending = 134  # the exit status after jax's ending (set by `watch_stderr`, changed by the launch once joined)
+_ABORT_WAIT_S = 5.0  # how long an abort waits for the watcher to say it was jax's ending
 
 
-def watch_stderr() -> None:
-    """From now on this process's stderr goes through the watcher (one child process)."""
-    global _watching, _terminal
+def watch_stderr(exit_status: int) -> None:
+    """From now on this process's stderr goes through the watcher (one child process), and jax's
+    ending ends the process with `exit_status` (kept in `ending`, which the launch may change)."""
+    global _watching, _terminal, ending
     if _watching:
         return
+    global _seen
+    ending = exit_status
     read, write = os.pipe()
+    _seen, seen = os.pipe()
     _terminal = os.dup(2)
-    _watching = subprocess.Popen([sys.executable, "-m", "modern_jax.multihost.watch"], stdin=read,
-                                 stdout=subprocess.DEVNULL, stderr=_terminal, close_fds=True)
+    _watching = subprocess.Popen([sys.executable, "-m", "modern_jax.multihost.watch", str(seen)], stdin=read,
+                                 stdout=subprocess.DEVNULL, stderr=_terminal, close_fds=True, pass_fds=(seen,))
     sys.stderr.flush()
     os.dup2(write, 2)
-    os.close(write)
-    os.close(read)
+    for fd in (write, read, seen):
+        os.close(fd)
     atexit.register(close)
+    _catch_abort()
+
+
+_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+
+
+def _catch_abort() -> None:
+    """SIGABRT runs `_aborted` (on the aborting native thread, before the process would end)."""
+    global _on_abort
+    _on_abort = _HANDLER(_aborted)  # kept: the C library holds a pointer to it
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, _HANDLER)
+    libc.signal(signal.SIGABRT, _on_abort)
+
+
+_on_abort = None
+
+
+def _aborted(signum: int) -> None:
+    """jax's ending (the watcher saw it): hand the watcher the rest and end with `ending`. Any
+    other abort returns, and the C library ends the process by SIGABRT as before."""
+    ready, _, _ = select.select([_seen], [], [], _ABORT_WAIT_S)
+    if ready:
+        close()
+        os._exit(ending)
 
 
 def close() -> None:
@@ -90,9 +130,14 @@ def message(state: dict, fatal: bytes) -> str:
         return f"host {peer.get('host', '?')}, pid {peer.get('pid', '?')}"
 
     lost = re.search(rb"unhealthy[^:]*:\s*([\d,\s]+)", fatal)
+    again = re.search(rb"(\d+) unexpectedly tried to connect with a different incarnation", fatal)
     if lost:
         j = int(lost.group(1).replace(b",", b" ").split()[0])
         why = f"process {j} of {count} ({who(j)}) stopped (the coordinator found it lost)"
+    elif again:
+        j = int(again.group(1))
+        why = (f"a second process {j} of {count} joined the running launch (two processes given the same id, or "
+               f"process {j} started again on its own)")
     else:
         why = f"the coordinator (process 0 of {count}, {who(0)}) is gone (killed, out of memory or unreachable)"
     step = state.get("step")
@@ -116,7 +161,7 @@ def joining(join: dict, index, count, fatal: bytes) -> str:
             f"process with the same launch variables")
 
 
-def main() -> None:
+def main(seen: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # a launcher's signal is for the process; this one outlives it
     source, out = sys.stdin.buffer.raw, sys.stderr.buffer
@@ -141,6 +186,8 @@ def main() -> None:
             if line.startswith(STATUS):
                 state.update(json.loads(line[len(STATUS):]))
             elif fatal or FATAL in line:
+                if not fatal:
+                    os.write(seen, b"!")  # the process's abort is jax's ending
                 fatal += line  # jax's ending and its stack dump: replaced by one line
             elif _LOG_LINE.match(line) or (held and (line.startswith(_MORE) or line.strip().isdigit())):
                 held.append(line)  # a native log block, which may lead up to the ending
@@ -155,4 +202,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]))
