@@ -97,11 +97,11 @@ def _yaml_problem(e):
 
 def read_yaml(path):
     """The contents of a YAML file; every problem is a ValueError naming the file (and the line)."""
-    import pathlib
-
     import yaml
 
-    path = pathlib.Path(path)
+    from modern_jax import paths
+
+    path = paths.as_path(path)
     if path.is_dir():
         inside = path / "config.yaml"
         hint = f"; did you mean {inside}?" if inside.is_file() else ""

@@ -17,7 +17,7 @@ PACKAGE = TESTS.parent / "modern_jax"
 
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
-    ("configfile", "config", "execution", "lora_config"),  # what a model is, how it runs, what a fine-tune adds
+    ("configfile", "paths", "config", "execution", "lora_config"),  # what a model is, how it runs, what a fine-tune adds
     ("sharding",),
     ("kernels",),
     ("ops",),

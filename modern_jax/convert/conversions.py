@@ -37,6 +37,7 @@ import jax
 from flax import nnx
 from flax.nnx import traversals
 
+from modern_jax import paths
 from modern_jax.config import NETWORK_FIELDS, ModelConfig
 from modern_jax.configfile import read_json
 from modern_jax.convert.hf_checkpoint import (checkpoint_files, from_hf, nonfinite, read_hf_config, refuse_nonfinite,
@@ -203,7 +204,7 @@ def convert_to_peft(ckpt: str | os.PathLike, out: str | os.PathLike, model_type:
 def checkpoint_tokenizer(directory) -> Tokenizer | None:
     """The tokenizer of a run or a converted checkpoint directory: its `tokenizer.json`, else the
     Hugging Face one in `hf/` (with its chat template); None if it has neither."""
-    directory = Path(directory)
+    directory = paths.as_path(directory)
     for path in (directory / TOKENIZER_FILE, directory / HF / TOKENIZER_FILE):
         if path.is_file():
             return load_tokenizer(path)
@@ -214,7 +215,7 @@ def initial_weights(source: str | os.PathLike, log=None, **overrides: Any) -> tu
     """`(config, Initial)` of `source`: a Hugging Face model directory or hub name, a converted
     checkpoint, or a training run (its newest step); `overrides` set fields that do not change
     the network. The parameters are read only when `Initial.params()` is called."""
-    path = Path(source)
+    path = paths.as_path(source)
     if path.is_dir() and ((path / PARAMS).is_dir() or (path / "checkpoints").is_dir()):  # one of ours
         directory, config_path, what, _ = resolve_checkpoint(path)
         cfg = ModelConfig.from_dict({**read_config(config_path)["model"], **overrides})

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import pathlib
 import sysconfig
-import tempfile
 import zlib
 from dataclasses import dataclass
 
@@ -543,12 +542,7 @@ def load_tokenizer_for_tokens(cfg: DataConfig, index: dict | None = None) -> Tok
     if cfg.tokenizer_path:
         return load_tokenizer(cfg.tokenizer_path)
     if index is not None:
-        saved = epath.Path(cfg.path) / index["tokenizer"]
-        if "://" in str(saved):  # on object storage: a local copy for the tokenizer libraries, which read files
-            local = pathlib.Path(tempfile.mkdtemp()) / saved.name
-            local.write_bytes(saved.read_bytes())
-            saved = local
-        return load_tokenizer(str(saved))
+        return load_tokenizer(epath.Path(cfg.path) / index["tokenizer"])
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     raise ValueError("a token file needs the tokenizer that made it: set data.tokenizer_path (or tokenizer: byte)")

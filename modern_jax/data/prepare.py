@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 from etils import epath
 
+from modern_jax import paths
 from modern_jax.data.config import DataConfig
 from modern_jax.data.corpora import _stream_dtype, document_pieces, embedded_documents, text_documents
 from modern_jax.data.records import iter_record_documents
@@ -148,7 +149,11 @@ def _claim(out: epath.Path, settings: dict) -> None:
 
 def _write_bytes(path: epath.Path, data: bytes) -> None:
     """`data` at `path`, whole or not at all: written under a hidden name, then renamed over any
-    copy another process wrote at the same time (the same bytes)."""
+    copy another process wrote at the same time (the same bytes); on object storage one write,
+    which is whole or not at all there."""
+    if paths.is_remote(path):
+        path.write_bytes(data)
+        return
     partial = path.parent / f".{path.name}.partial-{os.getpid()}"
     partial.write_bytes(data)
     partial.replace(path)

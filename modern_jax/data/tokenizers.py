@@ -23,6 +23,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from modern_jax import paths
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -257,6 +259,8 @@ def load_tokenizer(path) -> Tokenizer:
     """A tokenizer saved by `Tokenizer.save`, or a Hugging Face `tokenizer.json`."""
     from modern_jax.configfile import read_json
 
+    if paths.is_remote(path):  # the tokenizer libraries read local files: a copy of it and its companions
+        path = _local_copy(paths.as_path(path))
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / TOKENIZER_FILE
@@ -270,3 +274,16 @@ def load_tokenizer(path) -> Tokenizer:
     except Exception as e:  # the `tokenizers` library raises a bare Exception on a malformed file
         raise ValueError(f"{path}: not a tokenizer this library or Hugging Face `tokenizers` can read "
                          f"({type(e).__name__}: {e})") from None
+
+
+def _local_copy(path) -> pathlib.Path:
+    """A local copy of the tokenizer at `path` on object storage (a file, or a directory holding
+    `tokenizer.json`), with the files `HFTokenizer.from_file` reads beside it."""
+    import tempfile
+
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    local = pathlib.Path(tempfile.mkdtemp(prefix="modern-jax-tokenizer-"))
+    for name in (file.name, "tokenizer_config.json", "chat_template.jinja"):
+        if (file.parent / name).is_file():
+            paths.copy(file.parent / name, local / name)
+    return local / file.name

@@ -32,6 +32,10 @@ damaged one; it never falls back to an older step by itself.
 In a launch of several processes every process writes and reads its own shards; process 0
 alone removes partial saves, checks checksums, seals and sets damaged steps aside, and
 decides which step a run resumes from (`multihost.distributed`).
+
+Every path may be on object storage (`gs://`, `s3://`; `modern_jax.paths`): Orbax writes
+there directly, and a step not finished there has no commit file instead of a temporary
+name; its `checksums.json` records sizes alone (the objects carry their own checksums).
 """
 
 from __future__ import annotations
@@ -40,10 +44,8 @@ import contextlib
 import json
 import logging
 import math
-import os
 import pathlib
 import re
-import shutil
 import sys
 import traceback
 import zlib
@@ -51,6 +53,7 @@ import zlib
 import jax
 import orbax.checkpoint as ocp
 
+from modern_jax import paths
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_yaml
 from modern_jax.multihost import distributed
@@ -65,7 +68,6 @@ BASE_FILE = "base.json"  # where a fine-tune started: `{"source": path, "files":
 DAMAGED = "damaged_checkpoints"
 CHECKSUMS = "checksums.json"
 ITEMS = ("params", "state", "meta")
-_ORBAX_TMP = ".orbax-checkpoint-tmp"
 MISMATCH = "tree structures do not match"  # Orbax's words for a target of another pytree structure
 
 
@@ -80,27 +82,29 @@ class CheckpointWriteError(ValueError):
 # ----- checksums -------------------------------------------------------------------
 
 
-def _crc32(path: pathlib.Path) -> int:
+def _crc32(path) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(16 << 20):
             crc = zlib.crc32(chunk, crc)
     return crc
 
 
-def file_checksums(root, files) -> dict[str, list[int]]:
+def file_checksums(root, files, crc: bool = True) -> dict[str, list[int]]:
     """`{path relative to root: [size, CRC-32]}` of `files`: what checksums.json records of a
-    checkpoint, and base.json of the base a LoRA run reads again."""
-    return {p.relative_to(root).as_posix(): [p.stat().st_size, _crc32(p)] for p in files}
+    checkpoint, and base.json of the base a LoRA run reads again (`crc=False`: sizes alone, the
+    CRC None)."""
+    return {p.relative_to(root).as_posix(): [paths.size(p), _crc32(p) if crc else None] for p in files}
 
 
 def write_checksums(directory) -> None:
-    """Record the size and CRC-32 of every file under `directory` (written last, atomically)."""
-    directory = pathlib.Path(directory)
-    files = file_checksums(directory, [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != CHECKSUMS])
-    tmp = directory / (CHECKSUMS + ".tmp")
-    tmp.write_text(json.dumps({"files": files}))
-    os.replace(tmp, directory / CHECKSUMS)
+    """Record the size and CRC-32 of every file under `directory` (written last, atomically). On
+    object storage the sizes alone: its objects carry their own checksums, checked as they are
+    written and read, and computing CRC-32s would read the whole checkpoint back."""
+    directory = paths.as_path(directory)
+    files = [p for p in paths.files_under(directory) if p.name != CHECKSUMS]
+    paths.write_text(directory / CHECKSUMS,
+                     json.dumps({"files": file_checksums(directory, files, crc=not paths.is_remote(directory))}))
 
 
 def check_base(run_dir, source: str, files: dict[str, list[int]], fix: str) -> None:
@@ -109,7 +113,7 @@ def check_base(run_dir, source: str, files: dict[str, list[int]], fix: str) -> N
     those its base.json recorded then. Every byte counts, so another model of the same shape, or
     this one fine-tuned or merged with adapters, does not pass; a run recorded before base.json held
     them is not checked. Else a ValueError naming the base, the run, the file that differs and `fix`."""
-    base_file = pathlib.Path(run_dir) / BASE_FILE
+    base_file = paths.as_path(run_dir) / BASE_FILE
     recorded = (_read_json(base_file) or {}).get("files")
     if recorded is None or recorded == files:
         return
@@ -135,7 +139,7 @@ def _differences(section: str, there: dict, here: dict) -> list[str]:
     return [f"{section}.{k} is {v!r} there, {here.get(k)!r} here" for k, v in there.items() if here.get(k) != v]
 
 
-def check_objective(out_dir: pathlib.Path, run: RunConfig) -> None:
+def check_objective(out_dir, run: RunConfig) -> None:
     """A resumed run keeps the objective its checkpoints were trained for: its config.yaml's objective
     section (`dpo:`, `grpo:`; none: next-token) is `run`'s. Checked before its data is read, whose
     records the objective decides."""
@@ -156,7 +160,7 @@ def check_objective(out_dir: pathlib.Path, run: RunConfig) -> None:
                      f"({keep}), or start a new train.output_dir")
 
 
-def check_resume(out_dir: pathlib.Path, run: RunConfig, log) -> None:
+def check_resume(out_dir, run: RunConfig, log) -> None:
     """A resumed run keeps its model, its adapters' meaning (every `lora:` field but dropout), its
     optimiser (the state its checkpoints hold) and its tokenizer (and its objective: `check_objective`,
     checked first); other changed settings are named."""
@@ -200,7 +204,7 @@ def _optimizer_of(train) -> str:
     return f"train.optimizer={tc['optimizer']}{groups}"
 
 
-def _read_json(path: pathlib.Path):
+def _read_json(path):
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
@@ -213,7 +217,7 @@ def check_files(directory, items=ITEMS) -> str | None:
     With `checksums.json` every recorded file is checked (present, size, CRC-32); without
     it (a save cut off before it was sealed, or an older checkpoint) the files Orbax needs
     first are checked to exist and parse."""
-    directory = pathlib.Path(directory)
+    directory = paths.as_path(directory)
     for item in items:
         if not (directory / item).is_dir():
             return f"{item}/ is missing"
@@ -227,11 +231,11 @@ def check_files(directory, items=ITEMS) -> str | None:
             path = directory / name
             if not path.is_file():
                 return f"{name} is missing"
-            actual = path.stat().st_size
+            actual = paths.size(path)
             if actual != size:
                 return f"{name} has {actual:,} bytes, {size:,} when it was saved (truncated)" if actual < size else \
                        f"{name} has {actual:,} bytes, {size:,} when it was saved"
-            if _crc32(path) != crc:
+            if crc is not None and _crc32(path) != crc:
                 return f"{name} has changed since it was saved (its CRC-32 differs)"
         return None
     for item in items:
@@ -351,7 +355,7 @@ def saved_shapes(item_dir) -> dict[str, tuple] | None:
     """The shape of each array saved in `item_dir` (an Orbax item), by `_name`; None if unreadable."""
     try:
         with _orbax_log_quiet(), ocp.StandardCheckpointer() as checkpointer:
-            saved = checkpointer.metadata(pathlib.Path(item_dir))
+            saved = checkpointer.metadata(paths.as_path(item_dir))
         tree = getattr(getattr(saved, "item_metadata", saved), "tree", None)
     except Exception:  # unreadable metadata: the read itself will name the damaged file
         return None
@@ -364,13 +368,13 @@ def shape_problem(step_dir, abstract_params, model: ModelConfig | None = None) -
     """Why the parameters saved in `step_dir/params` do not fit `abstract_params` (another model
     shape), naming the config fields that differ when the step recorded its model; None if they fit
     (a layer stack saved in another layout fits: `training.layout`)."""
-    have = saved_shapes(pathlib.Path(step_dir) / "params")
+    have = saved_shapes(paths.as_path(step_dir) / "params")
     if have is None:
         return None
     want = {_name(p): tuple(s.shape) for p, s in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     if want.keys() == have.keys() and all(have[k] == w or same_stack(have[k], w) for k, w in want.items()):
         return None
-    meta = _read_json(pathlib.Path(step_dir) / "meta" / "metadata") or {}
+    meta = _read_json(paths.as_path(step_dir) / "meta" / "metadata") or {}
     if model is not None and isinstance(meta.get("model"), dict):
         ours = model.to_dict()
         fields = [f"saved {k}={v!r}, config {k}={ours.get(k)!r}" for k, v in meta["model"].items()
@@ -441,12 +445,12 @@ class Checkpointer:
     The directory is created by the first save, so a run that fails to start leaves none."""
 
     def __init__(self, directory, keep: int = 3, async_save: bool = True):
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = paths.absolute(directory)
         _quiet_orbax_leftovers()  # a failed background save reports once, as a CheckpointWriteError
         _quiet_orbax_errors()
-        if distributed.is_main():
-            for partial in self.directory.glob(f"*{_ORBAX_TMP}*") if self.directory.is_dir() else ():
-                shutil.rmtree(partial)  # a save cut off by a kill: never a complete step
+        if distributed.is_main() and self.directory.is_dir():
+            for partial in ocp.path.step.tmp_checkpoints(self.directory):  # a save cut off by a kill (locally
+                paths.remove_tree(self.directory / partial)  # a temporary name, on object storage no commit file)
         distributed.barrier("checkpoints/partial")
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -545,13 +549,13 @@ class Checkpointer:
                                 "\nnothing was moved or deleted; repair or remove the damaged steps, or train into "
                                 "a new train.output_dir")
 
-    def _set_aside(self, step: int) -> pathlib.Path:
+    def _set_aside(self, step: int):
         target = self.directory.parent / DAMAGED / str(step)
         n = 1
         while target.exists():
             target, n = self.directory.parent / DAMAGED / f"{step}-{n}", n + 1
         target.parent.mkdir(exist_ok=True)
-        shutil.move(str(self.directory / str(step)), str(target))
+        paths.move(self.directory / str(step), target)
         return target
 
     def wait(self) -> None:
@@ -577,7 +581,7 @@ class Checkpointer:
 
 def read_config(config_path) -> dict:
     """A checkpoint's config.yaml as `{"model": ..., ...}` (a bare model config is allowed)."""
-    config_path = pathlib.Path(config_path)
+    config_path = paths.as_path(config_path)
     raw = read_yaml(config_path)
     if not isinstance(raw, dict):
         raise ValueError(f"{config_path} is not a mapping of sections (model:, ...): damaged or not ours")
@@ -587,10 +591,11 @@ def read_config(config_path) -> dict:
     return raw
 
 
-def resolve_checkpoint(path) -> tuple[pathlib.Path, pathlib.Path, str, str]:
+def resolve_checkpoint(path) -> tuple:
     """`(directory holding params/, config.yaml, what it is, where else to look)` for a run
-    directory (its newest step, complete or not), a step directory, or a converted checkpoint."""
-    path = pathlib.Path(path).absolute()
+    directory (its newest step, complete or not), a step directory, or a converted checkpoint;
+    local or on object storage."""
+    path = paths.absolute(path)
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} is not a directory")
     if (path / CHECKPOINTS).is_dir():  # a run directory: its newest step
@@ -610,7 +615,7 @@ def resolve_checkpoint(path) -> tuple[pathlib.Path, pathlib.Path, str, str]:
     raise ValueError(f"{str(path)!r} is not a checkpoint: expected params/ (and config.yaml), or a run directory")
 
 
-def save_checkpoint(model, out, overwrite: bool = False) -> pathlib.Path:
+def save_checkpoint(model, out, overwrite: bool = False):
     """Save the Transformer `model` as a converted checkpoint, config.yaml + params/ (Orbax, the
     parameters as a pure dict), under `out`: a new or empty directory, or with `overwrite` a
     converted checkpoint (replaced). `load_params` reads it."""
@@ -621,7 +626,7 @@ def save_checkpoint(model, out, overwrite: bool = False) -> pathlib.Path:
 
     from modern_jax.multihost import distributed
 
-    out, main = pathlib.Path(out).absolute(), jax.process_index() == 0  # of several processes, each saves its share
+    out, main = paths.absolute(out), jax.process_index() == 0  # of several processes, each saves its share
     if main:
         outputs.claim(out, outputs.CHECKPOINT, "output directory", overwrite=overwrite)
     with outputs.RunLock(out, "output directory", command="convert").acquire() if main else \

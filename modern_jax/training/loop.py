@@ -147,18 +147,18 @@ def train(run: RunConfig, *, mesh=None, log=print, stop_after: int | None = None
         raise ValueError(f"train.harness_tasks={list(tc.harness_tasks)} needs the benchmarks that score them: pass "
                          f"train(..., benchmarks=modern_jax.harness.Benchmarks), as `modern-jax train` does, or "
                          f"leave train.harness_tasks empty")
-    out_dir = pathlib.Path(tc.output_dir)
     log = log if distributed.is_main() else _quiet
-    with outputs.RunDirectory(out_dir, log) as directory:
+    with outputs.RunDirectory(tc.output_dir, log) as directory:
         mesh = run.parallel.mesh() if mesh is None else mesh
         # creates nothing on disk until the first save, so a run that fails to start leaves no checkpoints/
-        checkpointer = Checkpointer(out_dir / CHECKPOINTS, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
+        checkpointer = Checkpointer(directory.root / CHECKPOINTS, keep=tc.keep_checkpoints,
+                                    async_save=tc.async_checkpoints)
         try:
             with StopSignal() as stop:  # installed first, so a signal during set-up is honoured too
                 return _train(run, directory, mesh, checkpointer, log, stop_after, stop, init, benchmarks)
         finally:
             checkpointer.close()
-            shutil.rmtree(out_dir / _SHARED_DATA, ignore_errors=True) if distributed.is_main() else None
+            shutil.rmtree(directory.path / _SHARED_DATA, ignore_errors=True) if distributed.is_main() else None
 
 
 def _quiet(*_) -> None:
@@ -212,6 +212,7 @@ class _Session:
                                                       meta, log):
             self.saved_step = step
             distributed.note(resume=self.resume_hint())
+        self.directory.sync()  # on object storage: the run's files beside the checkpoints
 
     def newest(self) -> str:
         return f"the newest checkpoint is step {self.saved_step}" if self.saved_step is not None else \
@@ -280,15 +281,15 @@ def _set_up(run: RunConfig, directory: outputs.RunDirectory, mesh, checkpointer:
             init: Initial | None, progress: Progress, benchmarks) -> _Session:
     """Check everything, restore or initialise the state, make the benchmarks (`benchmarks`, for
     train.harness_tasks), compile, then write the run's files (`progress` shows the long parts)."""
-    tc, out_dir = run.train, directory.path
+    tc, out_dir, root = run.train, directory.path, directory.root
     steps = checkpointer.all_steps()
-    init, base = _checked_start(run, out_dir, mesh, steps, init)
+    init, base = _checked_start(run, root, mesh, steps, init)
     objective = objectives.objective(run.objective, tc)
     run, tokenizer, train_stream, val_stream = _read_data(run, directory, objective, steps, init, progress)
     if steps:
-        distributed.decide("resume", lambda: check_resume(out_dir, run, log))
+        distributed.decide("resume", lambda: check_resume(root, run, log))
     trainer = _trainer(run, mesh, objective, log)
-    state, data_state, start, latest = _start_state(run, trainer, checkpointer, steps, init, out_dir, log)
+    state, data_state, start, latest = _start_state(run, trainer, checkpointer, steps, init, log)
     tasks = None
     if tc.harness_tasks:  # the tasks are checked and their data read before any step
         with progress.phase("reading the benchmark tasks (lm-eval)"):
@@ -324,7 +325,7 @@ def _first(batches: list | dict) -> dict:
     return next(iter(batches.values()))[0] if isinstance(batches, dict) else batches[0]
 
 
-def _checked_start(run: RunConfig, out_dir: pathlib.Path, mesh, steps: list[int],
+def _checked_start(run: RunConfig, out_dir, mesh, steps: list[int],
                    init: Initial | None) -> tuple[Initial | None, dict | None]:
     """Refuse a start that cannot go on, and processes that would start differently; `(init, base)`:
     what a new run starts from (None for a resumed one, unless it reads its base again) and the size
@@ -356,7 +357,7 @@ def _read_data(run: RunConfig, directory: outputs.RunDirectory, objective, steps
     start fails)."""
     out_dir = directory.path
     shared = None
-    if distributed.joined():
+    if distributed.joined() and not directory.remote:  # on object storage each process tokenizes on its own
         shared = out_dir / _SHARED_DATA
         directory.made.append(shared)
     with progress.phase("reading and tokenizing the data"):
@@ -374,7 +375,7 @@ def _trainer(run: RunConfig, mesh, objective, log) -> Trainer:
 
 
 def _start_state(run: RunConfig, trainer: Trainer, checkpointer: Checkpointer, steps: list[int],
-                 init: Initial | None, out_dir: pathlib.Path, log) -> tuple[dict, dict | None, int, int | None]:
+                 init: Initial | None, log) -> tuple[dict, dict | None, int, int | None]:
     """`(state, data_state, start, latest)`: restored from the newest checkpoint that restores
     completely (step `latest`; a base left out of it is read again from `init`), else a new state
     (with `init`'s parameters, if given) at step 0."""
@@ -387,7 +388,7 @@ def _start_state(run: RunConfig, trainer: Trainer, checkpointer: Checkpointer, s
             state["params"] = trainer.states.join(state["params"], trainer.states.split(_initial_params(trainer, init, log))[1])
         data_state, start = meta["data"], int(meta["step"])
         newest = "" if latest == steps[-1] else " (the newest step that restores completely)"
-        log(f"resumed from {out_dir / CHECKPOINTS / str(latest)} at step {start}{newest}")
+        log(f"resumed from {checkpointer.directory / str(latest)} at step {start}{newest}")
     else:
         state, data_state, start = trainer.states.init(tc.seed), None, 0
         if init is not None:
@@ -422,7 +423,7 @@ def _report_model(session: _Session, objective, train_stream, log) -> None:
     log(f"kernels: {describe_kernels(trainer.programs.kernels)}")
 
 
-def _base_files(out_dir: pathlib.Path, init: Initial, resumed: bool) -> dict | None:
+def _base_files(out_dir, init: Initial, resumed: bool) -> dict | None:
     """The size and CRC-32 of each weight file of the base a run leaves out of its checkpoints; a
     resumed run's must be those it started from (`checkpoint.check_base`)."""
     files = init.checksums() if init.checksums is not None else None
@@ -511,7 +512,7 @@ def _loop(s: _Session, mesh, stop_after, stop: StopSignal) -> TrainResult:
     a run that reaches `train.steps` ends with the final evaluation and a save."""
     tc = s.run.train
     book = _Logbook.open(s, mesh)
-    result = TrainResult(s.out_dir, s.start, book.history, compile_s=s.compile_s)
+    result = TrainResult(s.directory.root, s.start, book.history, compile_s=s.compile_s)
     loop_start = time.perf_counter()
     book.interval_start = loop_start
     try:
@@ -669,8 +670,8 @@ def _finish(s: _Session, result: TrainResult, log) -> None:
             (s.out_dir / "samples.txt").write_text("\n\n-----\n\n".join(result.samples) + "\n")
     if tc.plot and distributed.is_main():
         plot_losses(read_metrics(s.out_dir / METRICS_FILE), s.out_dir / "loss.png", s.trainer.objective.display,
-                    title=str(s.out_dir))
-        log(f"loss curve: {s.out_dir / 'loss.png'}")
+                    title=str(s.directory.root))
+        log(f"loss curve: {s.directory.root / 'loss.png'}")
 
 
 def _log_step(pending, fetched, history, rate, flops, peak_flops, n_devices, message, named=()) -> dict:

@@ -42,6 +42,7 @@ import time
 
 import yaml
 
+from modern_jax import paths
 from modern_jax.multihost import distributed
 
 RUN, STEP, CHECKPOINT, HF, OTHER, EMPTY, MISSING = "run", "step", "checkpoint", "hf", "other", "empty", "missing"
@@ -62,7 +63,7 @@ class Contents:
     ours: bool = True  # written by modern-jax (a Hugging Face directory: only with the MARKER file)
 
 
-def step_numbers(checkpoints: pathlib.Path) -> list[int]:
+def step_numbers(checkpoints) -> list[int]:
     """The steps under a run's `checkpoints/` (directories named by their step), ascending."""
     return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
 
@@ -85,7 +86,7 @@ def _entries(path: pathlib.Path) -> list[str]:
 def describe(path) -> Contents:
     """The kind of `path`: missing, empty, a training run, a step of one, a converted
     checkpoint, a Hugging Face model directory, or other files."""
-    path = pathlib.Path(path)
+    path = paths.as_path(path)
     if not path.exists():
         return Contents(MISSING, "nothing")
     if not path.is_dir():
@@ -128,6 +129,8 @@ def _marker_kind(path: pathlib.Path) -> str | None:
 
 def enclosing(path) -> tuple[pathlib.Path, Contents] | None:
     """The training run, step or converted checkpoint that `path` lies inside, if any."""
+    if paths.is_remote(path):  # a run on object storage is claimed as a whole: nothing lies inside one
+        return None
     for parent in list(pathlib.Path(path).absolute().parents)[:3]:
         contents = describe(parent)
         if contents.kind in (RUN, STEP, CHECKPOINT):
@@ -137,7 +140,7 @@ def enclosing(path) -> tuple[pathlib.Path, Contents] | None:
 
 def mark(path, kind: str, how: str) -> None:
     """Record in `path` that modern-jax wrote it (`how`: the command), so `overwrite` may replace it."""
-    (pathlib.Path(path) / MARKER).write_text(json.dumps({"kind": kind, "written_by": how}) + "\n")
+    (paths.as_path(path) / MARKER).write_text(json.dumps({"kind": kind, "written_by": how}) + "\n")
 
 
 def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "choose a new directory",
@@ -146,11 +149,15 @@ def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "c
     with `overwrite`, a directory of the same kind that modern-jax wrote, outside any run or
     checkpoint, is emptied first (not with `dry_run`, which only checks). Returns what was
     there before (of kind `kind`, missing or empty)."""
-    path = pathlib.Path(path)
+    path = paths.as_path(path)
+    if paths.is_remote(path) and kind != RUN:
+        raise ValueError(f"{what}={str(path)!r} is on object storage, where modern-jax writes runs (train.output_dir) "
+                         f"and prepared corpora only; nothing was written: write to a local directory, then copy it "
+                         f"there (gcloud storage cp --recursive DIR {str(path)})")
     contents = describe(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what}={str(path)!r} is a file, not a directory: {hint}")
-    for parent in path.absolute().parents:
+    for parent in () if paths.is_remote(path) else path.absolute().parents:
         if parent.exists():
             if not parent.is_dir():
                 raise ValueError(f"{what}={str(path)!r} lies below {str(parent)!r}, which is a file, not a directory: "
@@ -175,7 +182,7 @@ def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "c
         if dry_run:
             return contents
         for child in path.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            paths.remove_tree(child)
         return contents
     again = " or pass --overwrite (overwrite=True) to replace it" if contents.kind == kind else ""
     raise ValueError(f"{what}={str(path)!r} already holds {contents.description}; nothing was written: "
@@ -194,7 +201,7 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22, starttime
 
 
-def read_lock(path: pathlib.Path) -> dict | None:
+def read_lock(path) -> dict | None:
     """The holder a lock file names (a dict), or None when it is unreadable or not ours."""
     try:
         holder = json.loads(path.read_text())
@@ -203,18 +210,18 @@ def read_lock(path: pathlib.Path) -> dict | None:
     return holder if isinstance(holder, dict) else None
 
 
-def _fs_age(path: pathlib.Path) -> float:
-    """Seconds since `path` was last modified, by the clock of the file system that holds it (a
-    shared file system's hosts may disagree on the time)."""
+def _fs_age(path) -> float:
+    """Seconds since `path` was last modified, by the clock of the file system (or object store)
+    that holds it (a shared file system's hosts may disagree on the time)."""
     probe = path.parent / f".modern-jax-clock-{secrets.token_hex(4)}"
     try:
-        probe.touch()
-        now = probe.stat().st_mtime
+        probe.write_text("")
+        now = paths.mtime(probe)
         probe.unlink()
     except OSError:
         now = time.time()
     try:
-        return max(0.0, now - path.stat().st_mtime)
+        return max(0.0, now - paths.mtime(path))
     except FileNotFoundError:
         return 0.0
 
@@ -226,7 +233,7 @@ def _describe_holder(holder: dict) -> str:
             f"{several}, since {holder.get('since', '?')})")
 
 
-def stale(path: pathlib.Path, holder: dict | None) -> str | None:
+def stale(path, holder: dict | None) -> str | None:
     """Why the lock at `path` was left by a process that is gone, or None if its writer may be live."""
     age = _fs_age(path)
     if holder is None:  # a writer killed between creating the file and writing it
@@ -250,7 +257,7 @@ def stale(path: pathlib.Path, holder: dict | None) -> str | None:
 
 def refuse_if_locked(path, what: str, hint: str) -> None:
     """A directory with a live writer (a run in progress, a conversion) is refused, naming it."""
-    lock = pathlib.Path(path) / LOCK_FILE
+    lock = paths.as_path(path) / LOCK_FILE
     if lock.exists():
         holder = read_lock(lock)
         if stale(lock, holder) is None:
@@ -262,10 +269,13 @@ class RunLock:
     """The one writer of `directory` (created if missing), from `acquire()` to `release()`.
 
     The lock file names this host, pid and command; a thread refreshes its modification
-    time every `HEARTBEAT_S` and checks that it is still ours."""
+    time every `HEARTBEAT_S` and checks that it is still ours. On object storage, which has no
+    exclusive create, the lock is written and read back, and two writers that start within
+    the same moment are told apart at the first heartbeat (the one whose lock was overwritten
+    stops: `check`)."""
 
     def __init__(self, directory, what: str, command: str = "train", processes: int = 1, hint: str = ""):
-        self.directory = pathlib.Path(directory)
+        self.directory = paths.as_path(directory)
         self.path = self.directory / LOCK_FILE
         self.what, self.hint = what, hint or f"choose another {what}"
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
@@ -279,6 +289,8 @@ class RunLock:
     def acquire(self, log=print) -> RunLock:
         d, what = self.directory, self.what
         self.created = not d.exists()
+        if paths.is_remote(d):
+            return self._acquire_remote(log)
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -316,9 +328,33 @@ class RunLock:
         raise ValueError(f"{what}={str(d)!r}: its lock changed hands three times while taking it: another writer is "
                          f"starting there; {self.hint}")
 
+    def _acquire_remote(self, log) -> RunLock:
+        """`acquire` on object storage: the lock written unless a live one is there, then read back."""
+        d, what = self.directory, self.what
+        for _ in range(3):
+            holder = read_lock(self.path) if self.path.exists() else None
+            if holder is not None:
+                why = stale(self.path, holder)
+                if why is None:
+                    raise ValueError(f"{what}={str(d)!r} is in use by {_describe_holder(holder)}; nothing was "
+                                     f"written: wait for it to finish, stop it, or {self.hint}")
+                log(f"{what}={str(d)!r}: taking over the lock of {_describe_holder(holder)}, which is no longer "
+                    f"running ({why})")
+            try:
+                self.path.write_text(json.dumps(self.holder) + "\n")
+            except OSError as e:
+                raise ValueError(f"{what}={str(d)!r} is not writable ({e.strerror or e}); nothing was written: "
+                                 f"{self.hint}") from None
+            if (read_lock(self.path) or {}).get("token") == self.holder["token"]:
+                self._thread = threading.Thread(target=self._beat, name="modern_jax-lock", daemon=True)
+                self._thread.start()
+                return self
+        raise ValueError(f"{what}={str(d)!r}: its lock changed hands three times while taking it: another writer is "
+                         f"starting there; {self.hint}")
+
     def _forget(self) -> None:
         """Leave no directory behind that acquire() created for nothing."""
-        if self.created:
+        if self.created and not paths.is_remote(self.directory):
             with contextlib.suppress(OSError):
                 self.directory.rmdir()
 
@@ -330,7 +366,8 @@ class RunLock:
                             f"{_describe_holder(holder or {})}"
                 return
             with contextlib.suppress(OSError):
-                os.utime(self.path)
+                self.path.write_text(json.dumps(self.holder) + "\n") if paths.is_remote(self.path) else \
+                    os.utime(self.path)
 
     def __enter__(self) -> RunLock:
         return self
@@ -351,7 +388,7 @@ class RunLock:
         holder = read_lock(self.path)
         if holder is not None and holder.get("token") == self.holder["token"]:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                self.path.unlink()
 
 
 @contextlib.contextmanager
@@ -376,39 +413,90 @@ def _dir_flock(directory: pathlib.Path):
 class RunDirectory:
     """`train.output_dir` for one call of `train`: claimed, locked and, if the start fails,
     left as it was found. In a launch of several processes, process 0 decides and locks; the
-    others follow its verdict and check that they see the same directory."""
+    others follow its verdict and check that they see the same directory.
+
+    `root` is the run directory and `path` where the run writes its files. They are one local
+    directory, except on object storage (`gs://`, `s3://`): there the checkpoints go to `root`
+    directly (Orbax writes every process's shards there) and the other files (config.yaml,
+    tokenizer.json, metrics.jsonl, TensorBoard's events, samples, the plot) into a local staging
+    directory `path`, which starts as a copy of the run's (a resumed run's metrics go on) and is
+    copied to `root` by `sync` (after each checkpoint, and at the end)."""
 
     WHAT, HINT = "train.output_dir", "choose a new train.output_dir (--output-dir)"
 
-    def __init__(self, path: pathlib.Path, log):
-        self.path, self.log = path, log
+    def __init__(self, root, log):
+        self.root, self.log = paths.absolute(root), log
+        self.remote = paths.is_remote(root)
+        self.path = None if self.remote else self.root  # the staging directory: made on entering
         self.lock: RunLock | None = None
         self.started = False  # the run's files are written: a failure from here on keeps them
         self.made: list[pathlib.Path] = []  # what this start wrote before `started` (removed on failure)
+        self._synced: dict[str, tuple] = {}  # staged file -> (size, mtime) when last copied to `root`
 
     def __enter__(self) -> RunDirectory:
         def take() -> dict:
-            claim(self.path, RUN, self.WHAT, hint=self.HINT)
-            self.lock = RunLock(self.path, self.WHAT, processes=distributed.count(), hint=self.HINT)
+            claim(self.root, RUN, self.WHAT, hint=self.HINT)
+            self.lock = RunLock(self.root, self.WHAT, processes=distributed.count(), hint=self.HINT)
             self.lock.acquire(self.log)
-            claim(self.path, RUN, self.WHAT, hint=self.HINT)  # the lock is ours: look again
+            claim(self.root, RUN, self.WHAT, hint=self.HINT)  # the lock is ours: look again
             return {"token": self.lock.holder["token"]}
 
         try:
             token = distributed.decide("run_directory", take)["token"]
+            if self.remote:
+                self._stage()
         except BaseException:
             self._release()
             raise
         if self.lock is None:  # another process's view of the directory process 0 locked
-            lock = self.path / LOCK_FILE
+            lock = self.root / LOCK_FILE
             seen = read_lock(lock) if lock.exists() else None
             if (seen or {}).get("token") != token:
                 raise distributed.Refused(
-                    f"{self.WHAT}={str(self.path)!r} is not the directory that process 0 locked (its lock is not "
+                    f"{self.WHAT}={str(self.root)!r} is not the directory that process 0 locked (its lock is not "
                     f"there): every process must see the run directory on a shared file system (NFS, a GCS "
-                    f"mount, ...), as checkpoints need it")
-        distributed.on_stop(self.abandon)
+                    f"mount, ...) or on object storage (gs://...), as checkpoints need it")
+        distributed.on_stop(self._stopped)
         return self
+
+    def _stopped(self) -> None:
+        """Another process was lost: what the run wrote goes to the run directory, as far as it can."""
+        with contextlib.suppress(Exception):
+            self.sync() if self.started else None
+        self.abandon()
+
+    def _stage(self) -> None:
+        """The local staging directory, holding the run's files other than its checkpoints (process 0)."""
+        import tempfile
+
+        self.path = pathlib.Path(tempfile.mkdtemp(prefix="modern-jax-run-"))
+        if not distributed.is_main() or not self.root.exists():
+            return
+        for file in paths.files_under(self.root):
+            name = file.relative_to(self.root).as_posix()
+            if name.split("/")[0] not in self.REMOTE_ONLY:
+                paths.copy(file, self.path / name)
+                self._synced[name] = self._stamp(self.path / name)
+
+    REMOTE_ONLY = ("checkpoints", "damaged_checkpoints", LOCK_FILE, ".data")  # never staged, never copied back
+
+    @staticmethod
+    def _stamp(file: pathlib.Path) -> tuple:
+        stat = file.stat()
+        return stat.st_size, stat.st_mtime_ns
+
+    def sync(self) -> None:
+        """Copy the staged files written since the last copy to the run directory (process 0, on
+        object storage; elsewhere nothing to do)."""
+        if not self.remote or self.path is None or not distributed.is_main():
+            return
+        for file in paths.files_under(self.path):
+            name = file.relative_to(self.path).as_posix()
+            if name.split("/")[0] in self.REMOTE_ONLY or self._synced.get(name) == self._stamp(file):
+                continue
+            stamp = self._stamp(file)
+            paths.copy(file, self.root / name)
+            self._synced[name] = stamp
 
     def check(self) -> None:
         """Stop before writing more if another writer took the directory over."""
@@ -419,7 +507,8 @@ class RunDirectory:
         """A start that fails removes what it wrote (all of a directory it created), then unlocks."""
         if self.lock is not None and not self.started:
             if self.lock.created:
-                shutil.rmtree(self.path, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    paths.remove_tree(self.root) if self.root.exists() else None
             else:
                 for path in self.made:
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
@@ -429,6 +518,11 @@ class RunDirectory:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        if self.remote and self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
 
     def __exit__(self, *exc):
+        if self.started:
+            self.sync()
         self.abandon()

@@ -1,0 +1,121 @@
+"""Run directories and checkpoints on object storage: `gs://` served by a local stand-in of GCS
+(`object_storage.gcs`, an emulator on localhost that gcsfs and TensorStore both speak to)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from modern_jax import paths
+from modern_jax.cli import main
+from modern_jax.training import outputs
+from modern_jax.training.checkpoint import Checkpointer
+
+from object_storage import gcs
+
+REPO = pathlib.Path(__file__).parent.parent
+TINY = ["--config", str(REPO / "configs" / "tiny.yaml"), "model.n_layers=1", "model.d_model=32", "model.d_ff=64",
+        "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=0", "train.eval_windows=8",
+        "train.final_eval_windows=8", "train.eval_batch_size=8", "train.samples=0", "train.warmup_steps=0",
+        "train.progress=false", "data.tokenizer=char", "model.vocab_size=auto", "model.vocab_pad_to=8",
+        "train.steps=4", "train.checkpoint_every=2", "train.schedule=constant"]
+
+
+def losses(text: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, text.splitlines()) if r["split"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    with gcs() as url:
+        yield url
+
+
+def test_a_run_on_object_storage_resumes_exactly_and_is_read_back(tmp_path, bucket, capsys):
+    """2 steps into gs://, stop, resume for 2: the losses of one local run of 4 steps bit for bit;
+    the run's files are there beside its checkpoints (its metrics going on from the first call),
+    and evaluate reads the checkpoint there as it reads the local one."""
+    assert main(["train", *TINY, "--output-dir", str(tmp_path / "local")]) == 0
+    local = losses((tmp_path / "local" / "metrics.jsonl").read_text())
+    assert main(["train", *TINY, "train.steps=2", "--output-dir", "gs://bucket/run"]) == 0
+    assert main(["train", *TINY, "--output-dir", "gs://bucket/run"]) == 0
+    assert "resumed from gs://bucket/run/checkpoints/2 at step 2" in capsys.readouterr().out
+    run = paths.as_path("gs://bucket/run")
+    assert losses((run / "metrics.jsonl").read_text()) == local  # tolerance 0
+    names = {f.relative_to(run).as_posix() for f in paths.files_under(run)}
+    assert {"config.yaml", "tokenizer.json", "loss.png", "checkpoints/4/checksums.json"} <= names, names
+    assert not any(n.startswith(".modern-jax") for n in names), names  # the lock is released
+    recorded = json.loads((run / "checkpoints" / "4" / "checksums.json").read_text())["files"]
+    assert recorded["params/_METADATA"][0] == paths.size(run / "checkpoints" / "4" / "params" / "_METADATA")
+    capsys.readouterr()
+    for where in (str(tmp_path / "local"), "gs://bucket/run"):
+        assert main(["evaluate", "--checkpoint", where]) == 0
+    first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loss: ")]
+    assert first == second, (first, second)
+
+
+@pytest.mark.quick
+def test_a_lock_and_a_cut_off_save_on_object_storage(bucket):
+    """A second writer is refused naming the live one; a step whose save never finished (no
+    commit file) is removed when the run's checkpointer opens, a finished one kept."""
+    lock = outputs.RunLock("gs://bucket/locked", "train.output_dir").acquire()
+    try:
+        with pytest.raises(ValueError, match=r"train.output_dir='gs://bucket/locked' is in use by modern-jax train "
+                                             r"\(host .*, pid \d+"):
+            outputs.RunLock("gs://bucket/locked", "train.output_dir").acquire()
+    finally:
+        lock.release()
+    assert not paths.as_path("gs://bucket/locked/" + outputs.LOCK_FILE).exists()
+    outputs.RunLock("gs://bucket/locked", "train.output_dir").acquire().release()  # free again
+
+    checkpoints = paths.as_path("gs://bucket/cut/checkpoints")
+    (checkpoints / "6" / "params" / "_METADATA").write_text("{}")  # a save killed before its commit file
+    (checkpoints / "4" / "params" / "_METADATA").write_text("{}")
+    (checkpoints / "4" / "commit_success.txt").write_text("done")
+    Checkpointer(checkpoints).manager.close()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["4"]
+
+
+def test_prepare_writes_to_object_storage_what_it_writes_on_a_disk(tmp_path, bucket):
+    """The shards, index and tokenizer of a JSON Lines corpus prepared into gs:// equal a local
+    preparation's byte for byte; a writer of other directories (convert, harness) is refused there
+    in one line, before anything is written."""
+    from modern_jax.data import DataConfig
+    from modern_jax.data.prepare import prepare
+
+    source = tmp_path / "c.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i}: " + "word " * (i % 7)}) + "\n" for i in range(23)))
+    prepare(DataConfig(path=str(source)), tmp_path / "local", documents_per_shard=4, log=lambda _: None)
+    prepare(DataConfig(path=str(source)), "gs://bucket/prepared", documents_per_shard=4, log=lambda _: None)
+    remote = paths.as_path("gs://bucket/prepared")
+    assert {p.name: p.read_bytes() for p in remote.iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    with pytest.raises(ValueError, match=r"output directory='gs://bucket/hf' is on object storage, where modern-jax "
+                                         r"writes runs \(train.output_dir\) and prepared corpora only; nothing was "
+                                         r"written: write to a local directory, then copy it there"):
+        outputs.claim("gs://bucket/hf", outputs.HF, "output directory")
+    assert not paths.as_path("gs://bucket/hf").exists()
+
+
+def test_two_processes_train_into_object_storage_as_one_process_does(tmp_path, bucket, capsys):
+    """2 processes x 4 devices (no shared folder between them but the bucket) train into gs://:
+    each writes its own shards of every step there, the losses equal one process's on 8 devices
+    within 1e-5, and the step they wrote evaluates in one process to the run's validation loss."""
+    from processes import Launch
+
+    run = [*TINY, "--mesh", "data=2,fsdp=4"]
+    assert main(["train", *run, "--output-dir", str(tmp_path / "one")]) == 0
+    launch = Launch(["train", *run, "--output-dir", "gs://bucket/two"], n=2, devices=4, logdir=tmp_path)
+    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
+    two = paths.as_path("gs://bucket/two")
+    want, got = losses((tmp_path / "one" / "metrics.jsonl").read_text()), losses((two / "metrics.jsonl").read_text())
+    assert want.keys() == got.keys() == {1, 2, 3, 4}
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+    assert {p.name for p in (two / "checkpoints" / "4" / "params").iterdir()} >= {"ocdbt.process_0", "ocdbt.process_1"}
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", "gs://bucket/two", "--batch-size", "8", "--max-windows", "8"]) == 0
+    evaluated = float(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("loss: "))[6:])
+    val = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert abs(evaluated - next(r["loss"] for r in val if r["split"] == "val")) <= 1e-4
