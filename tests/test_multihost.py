@@ -4,7 +4,8 @@ devices on localhost, the SLURM variables of each task, no code of the user's) a
 - A dense FSDP x tensor run trained by Muon, with a multi-token-prediction module, on 2 processes
   x 4 devices is one run: every step's loss and MTP loss equal 1 process x 8 devices' (whose
   Muon and MTP equal one device's, test_optimizer.py, test_mtp.py), each record is logged once,
-  and the checkpoint evaluates in one process to the run's validation loss.
+  and the checkpoint evaluates in one process to the run's validation loss; the run is on object
+  storage (a local stand-in of GCS), the processes sharing no folder.
 - A Hugging Face checkpoint loaded on 2 x 4 (fsdp 8): each process reads about half its bytes,
   every slice equals one whole load, and the two write back what one process writes.
 - A mixture whose experts (and the context axis) span processes: killed (SIGKILL of one process)
@@ -30,7 +31,9 @@ import time
 
 import pytest
 
+from modern_jax import paths
 from modern_jax.cli import main
+from object_storage import gcs
 from processes import REPO, Launch, free_job_id, records, slurm_env, wait_for_step
 
 TINY = ["--config", str(REPO / "configs" / "tiny.yaml"), "model.n_layers=1", "model.d_model=32", "model.d_ff=64",
@@ -63,15 +66,24 @@ def _in_process(argv: list[str], capsys) -> str:
 
 
 def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys):
-    """Trained by Muon, with a multi-token-prediction module: its loss too equals one process's."""
+    """Trained by Muon, with a multi-token-prediction module: its loss too equals one process's.
+    The two processes share no folder: their run is on object storage (a local stand-in of GCS,
+    `object_storage.gcs`), where each writes its own shards of every checkpoint."""
+    with gcs():
+        _slurm_run_into_a_bucket(tmp_path, corpus, capsys)
+
+
+def _slurm_run_into_a_bucket(tmp_path, corpus, capsys):
     run = [*TINY, "train.steps=10", "train.checkpoint_every=5", "train.optimizer=muon", "model.mtp_depth=1",
            f"--data={corpus}", "--mesh", "data=2,fsdp=2,tensor=2"]
     _in_process(["train", *run, "--output-dir", str(tmp_path / "one")], capsys)
-    launch = Launch(["train", *run, "--output-dir", str(tmp_path / "two")], n=2, devices=4, logdir=tmp_path)
+    launch = Launch(["train", *run, "--output-dir", "gs://bucket/two"], n=2, devices=4, logdir=tmp_path)
     assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
     for i in range(2):  # the first line each process prints, before anything of the run
         assert launch.log(i).splitlines()[0] == f"process {i} of 2, 8 devices (4 local), launched by SLURM"
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two = tmp_path / "one", paths.as_path("gs://bucket/two")
+    assert {p.name for p in (two / "checkpoints" / "10" / "params").iterdir()} >= {"ocdbt.process_0",
+                                                                                    "ocdbt.process_1"}
     assert [r["step"] for r in records(two)] == list(range(1, 11))  # logged once, by process 0
     assert len(records(two, "val")) == 1
     expected = {r["step"]: (r["loss"], r["mtp_loss_1"]) for r in records(one)}
@@ -80,13 +92,14 @@ def test_a_slurm_launch_is_one_run_equal_to_one_process(tmp_path, corpus, capsys
         assert abs(record["loss"] - want[0]) <= 1e-5 and abs(record["mtp_loss_1"] - want[1]) <= 1e-5, (record, want)
     assert "val_loss:" in launch.log(0) and "val_loss:" not in launch.log(1)  # results printed once
     assert len(list((two / "tensorboard").iterdir())) == 1
-    assert not (two / ".modern-jax.lock").exists() and not (two / ".data").exists()
+    assert not (two / ".modern-jax.lock").exists()
     # the checkpoint the two processes wrote evaluates in one process to the run's validation loss
-    out = _in_process(["evaluate", "--checkpoint", str(two), "--batch-size", "8", "--max-windows", "8"], capsys)
+    out = _in_process(["evaluate", "--checkpoint", "gs://bucket/two", "--batch-size", "8", "--max-windows", "8"],
+                      capsys)
     evaluated = float(re.search(r"^loss: (\S+)", out, re.M).group(1))
     assert abs(evaluated - records(two, "val")[0]["loss"]) <= 1e-4
     # and in two processes of a rehearsal launch, each feeding half of every batch: printed once
-    evaluate = ["evaluate", "--checkpoint", str(two), "--batch-size", "8", "--max-windows", "8"]
+    evaluate = ["evaluate", "--checkpoint", "gs://bucket/two", "--batch-size", "8", "--max-windows", "8"]
     out = _in_process(["launch", "--processes", "2", "--devices", "2", *evaluate], capsys)
     assert re.findall(r"^\[(\d)\] loss: (\S+)$", out, re.M) == [("0", f"{evaluated:.4f}")], out
     assert "[1] process 1 of 2, 4 devices (2 local), launched by environment" in out

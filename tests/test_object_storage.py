@@ -98,24 +98,3 @@ def test_prepare_writes_to_object_storage_what_it_writes_on_a_disk(tmp_path, buc
         outputs.claim("gs://bucket/hf", outputs.HF, "output directory")
     assert not paths.as_path("gs://bucket/hf").exists()
 
-
-def test_two_processes_train_into_object_storage_as_one_process_does(tmp_path, bucket, capsys):
-    """2 processes x 4 devices (no shared folder between them but the bucket) train into gs://:
-    each writes its own shards of every step there, the losses equal one process's on 8 devices
-    within 1e-5, and the step they wrote evaluates in one process to the run's validation loss."""
-    from processes import Launch
-
-    run = [*TINY, "--mesh", "data=2,fsdp=4"]
-    assert main(["train", *run, "--output-dir", str(tmp_path / "one")]) == 0
-    launch = Launch(["train", *run, "--output-dir", "gs://bucket/two"], n=2, devices=4, logdir=tmp_path)
-    assert launch.wait() == [0, 0], launch.log(0)[-3000:] + launch.log(1)[-3000:]
-    two = paths.as_path("gs://bucket/two")
-    want, got = losses((tmp_path / "one" / "metrics.jsonl").read_text()), losses((two / "metrics.jsonl").read_text())
-    assert want.keys() == got.keys() == {1, 2, 3, 4}
-    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
-    assert {p.name for p in (two / "checkpoints" / "4" / "params").iterdir()} >= {"ocdbt.process_0", "ocdbt.process_1"}
-    capsys.readouterr()
-    assert main(["evaluate", "--checkpoint", "gs://bucket/two", "--batch-size", "8", "--max-windows", "8"]) == 0
-    evaluated = float(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("loss: "))[6:])
-    val = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
-    assert abs(evaluated - next(r["loss"] for r in val if r["split"] == "val")) <= 1e-4
