@@ -354,6 +354,19 @@ def test_tasks_of_different_jobs_each_say_where_they_looked(tmp_path):
     assert f"SLURM_JOB_ID={jobs[1]}" in lines[1], lines
 
 
+def test_a_coordinator_that_refuses_the_join_ends_it_with_exit_status_2(tmp_path):
+    """Process 2 of 3 reaches the coordinator of a launch of 2 (the same job, another task count),
+    which refuses it: jax's client aborts the process, which exits with status 2 after its one line
+    (not SIGABRT), while process 0 says at its timeout that not every process joined."""
+    job, started = free_job_id(), time.monotonic()
+    (waited, refused), _ = _one_line_each([_task(0, 2, job, tmp_path), _task(2, 3, job, tmp_path)], started)
+    assert "process 0 of 2 waited" in waited and "not every process joined" in waited, waited
+    assert refused.startswith(f"modern-jax train: error: process 2 of 3 reached localhost:{_port(job)} (from the "
+                              f"first node of SLURM_STEP_NODELIST, port 61440 + SLURM_JOB_ID % 4096 with "
+                              f"SLURM_JOB_ID={job}) but could not join a launch of 3 processes there "
+                              f"(INVALID_ARGUMENT: Unexpected task registered with task=2, in RegisterTask)"), refused
+
+
 def test_a_process_id_out_of_range_is_named_at_once(tmp_path):
     job, started = free_job_id(), time.monotonic()
     (waited, wrong), ended = _one_line_each([_task(0, 2, job, tmp_path),
