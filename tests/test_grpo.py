@@ -670,6 +670,15 @@ def test_a_reward_function_that_raises_names_itself_the_step_and_what_the_run_ke
     with pytest.raises(ValueError, match=r"line 9\), scoring step 3's completions; the run keeps its checkpoint of "
                                          r"step 2: run the same command"):
         loop.train(resumed, init=init)
+    # at its first call: step 1's batch, made before the first step runs; nothing to keep
+    (tmp_path / "down.py").write_text("def down(completions, **kwargs):\n    raise RuntimeError('no grader')\n")
+    first, init = grpo_run(tmp_path, "first", "train.steps=2", f"grpo.rewards=[{tmp_path / 'down.py'}:down]",
+                           "grpo.reward_weights=null")
+    with pytest.raises(ValueError) as raised:
+        loop.train(first, init=init)
+    assert str(raised.value) == (f"reward function down raised RuntimeError: no grader ({tmp_path / 'down.py'}, line 2), "
+                                 f"scoring step 1's completions; no checkpoint was written: run the same command "
+                                 f"again to start over")
 
 
 def test_a_reward_function_that_returns_one_number_or_raises_is_named(tmp_path, monkeypatch):
