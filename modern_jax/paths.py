@@ -20,11 +20,10 @@ import os
 import pathlib
 import shutil
 
+import fsspec.config
 from etils import epath
 
 for _protocol in ("gs", "gcs", "s3"):  # `fsspec.filesystem(name)` takes these as defaults
-    import fsspec.config
-
     fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
 
 
