@@ -34,10 +34,11 @@ def is_remote(path) -> bool:
 
 def as_path(path):
     """`path` as a `pathlib.Path` (local) or an `epath.Path` (object storage)."""
-    return epath.Path(str(path)) if is_remote(path) else pathlib.Path(path)
+    return epath.Path(str(path)) if is_remote(path) else pathlib.Path(str(path))
 
 
 def absolute(path):
+    """`path` made absolute (a path on object storage is already)."""
     return as_path(path) if is_remote(path) else pathlib.Path(path).absolute()
 
 
@@ -61,15 +62,20 @@ def files_under(directory) -> list:
     return sorted(found, key=str)
 
 
-def write_text(path, text: str) -> None:
-    """`path` holds `text` whole or not at all: locally a temporary file renamed over it, on object
-    storage one write (atomic there)."""
+def write_bytes(path, data: bytes) -> None:
+    """`path` holds `data` whole or not at all: locally written under a hidden name, then renamed
+    over any copy another process wrote at the same time; on object storage one write (atomic there)."""
     if is_remote(path):
-        path.write_text(text)
+        path.write_bytes(data)
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    partial = path.parent / f".{path.name}.partial-{os.getpid()}"
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
+def write_text(path, text: str) -> None:
+    """`write_bytes` of `text` as UTF-8."""
+    write_bytes(path, text.encode())
 
 
 def remove_tree(path) -> None:

@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
+from modern_jax import paths as paths_module
 from modern_jax.data import DataConfig, TokenStream, load_splits, train_iterator
 from modern_jax.data.batches import TrainBatches
-from modern_jax.data import prepare as prepare_module
 from modern_jax.data.prepare import prepare
 
 SEP = 258  # the byte tokenizer's <eos>
@@ -157,7 +157,7 @@ def test_prepare_on_two_processes_writes_the_shards_of_one(tmp_path):
 def test_a_killed_prepare_resumes_and_a_foreign_directory_is_refused(tmp_path, monkeypatch):
     source = jsonl_corpus(tmp_path / "c.jsonl")
     prepare(DataConfig(path=str(source)), tmp_path / "whole", documents_per_shard=4, log=lambda _: None)
-    write = prepare_module._write_bytes
+    write = paths_module.write_bytes
     written = []
 
     def killed_after_three(path, data):
@@ -167,10 +167,10 @@ def test_a_killed_prepare_resumes_and_a_foreign_directory_is_refused(tmp_path, m
         write(path, data)
         written.append(path.name)
 
-    monkeypatch.setattr(prepare_module, "_write_bytes", killed_after_three)
+    monkeypatch.setattr(paths_module, "write_bytes", killed_after_three)
     with pytest.raises(KeyboardInterrupt):
         prepare(DataConfig(path=str(source)), tmp_path / "out", documents_per_shard=4, log=lambda _: None)
-    monkeypatch.setattr(prepare_module, "_write_bytes", write)
+    monkeypatch.setattr(paths_module, "write_bytes", write)
     before = {n: (tmp_path / "out" / n).stat().st_mtime_ns for n in written}
     prepare(DataConfig(path=str(source)), tmp_path / "out", documents_per_shard=4, log=lambda _: None)
     assert {n: (tmp_path / "out" / n).stat().st_mtime_ns for n in written} == before  # not written again

@@ -19,7 +19,6 @@ The output directory is refused when it holds anything `prepare` did not write, 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 
@@ -60,7 +59,7 @@ def prepare(cfg: DataConfig, out, *, documents_per_shard: int, process_id: int =
                 "documents_per_shard": documents_per_shard, "vocab_size": tokenizer.vocab_size}
     _claim(out, settings)
     if not (out / TOKENIZER_FILE).exists():
-        _write_bytes(out / TOKENIZER_FILE, json.dumps(tokenizer.to_json()).encode())
+        paths.write_bytes(out / TOKENIZER_FILE, json.dumps(tokenizer.to_json()).encode())
     dtype = _stream_dtype(tokenizer.vocab_size)
     n_shards = n_written = 0
     for j, docs in enumerate(_chunks(_documents(cfg, source), documents_per_shard, process_id, num_processes)):
@@ -74,7 +73,7 @@ def prepare(cfg: DataConfig, out, *, documents_per_shard: int, process_id: int =
             except ValueError as e:  # a character the tokenizer has no id for
                 raise ValueError(f"data.path={str(cfg.path)!r} ({name}): {e}") from None
         pieces, _ = document_pieces(ids, tokenizer.bos_id, tokenizer.eos_id, None, dtype)
-        _write_bytes(out / shard_file(j), np.concatenate(pieces).tobytes() if pieces else b"")
+        paths.write_bytes(out / shard_file(j), np.concatenate(pieces).tobytes() if pieces else b"")
         n_written += 1
     log(f"prepare: process {process_id} of {num_processes} wrote {n_written} shard(s) of {n_shards}")
     if not n_shards:
@@ -87,7 +86,7 @@ def prepare(cfg: DataConfig, out, *, documents_per_shard: int, process_id: int =
     index = {"format": INDEX_FORMAT, "dtype": np.dtype(dtype).name, "separator": tokenizer.eos_id,
              "tokenizer": TOKENIZER_FILE, "tokens": sum(s["tokens"] for s in shards),
              "shards": [s for s in shards if s["tokens"]]}
-    _write_bytes(out / INDEX_FILE, json.dumps(index, indent=1, sort_keys=True).encode())
+    paths.write_bytes(out / INDEX_FILE, json.dumps(index, indent=1, sort_keys=True).encode())
     log(f"prepare: {index['tokens']:,} tokens in {len(index['shards'])} shard(s): {out / INDEX_FILE}")
     return index
 
@@ -144,16 +143,5 @@ def _claim(out: epath.Path, settings: dict) -> None:
                                  "directory, or the settings it was prepared with")
             return
     out.mkdir(parents=True, exist_ok=True)
-    _write_bytes(out / SETTINGS_FILE, json.dumps(settings, indent=1, sort_keys=True).encode())
+    paths.write_bytes(out / SETTINGS_FILE, json.dumps(settings, indent=1, sort_keys=True).encode())
 
-
-def _write_bytes(path: epath.Path, data: bytes) -> None:
-    """`data` at `path`, whole or not at all: written under a hidden name, then renamed over any
-    copy another process wrote at the same time (the same bytes); on object storage one write,
-    which is whole or not at all there."""
-    if paths.is_remote(path):
-        path.write_bytes(data)
-        return
-    partial = path.parent / f".{path.name}.partial-{os.getpid()}"
-    partial.write_bytes(data)
-    partial.replace(path)

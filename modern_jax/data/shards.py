@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import codecs
 import json
-import pathlib
 
 import numpy as np
 from etils import epath
+
+from modern_jax import paths
 
 INDEX_FILE = "index.json"  # what `modern-jax prepare` writes beside its shards
 INDEX_FORMAT = "modern-jax token shards"
@@ -128,15 +129,11 @@ class Shards:
         return ids if dtype is None else ids.astype(dtype)
 
 
-def _is_local(path) -> bool:
-    return "://" not in str(path)
-
-
 def open_file(file, where: str):
     """`file` opened for reading (a local one through `pathlib`, others through `etils.epath`); an
     error naming `where` when it cannot be."""
     try:
-        return pathlib.Path(str(file)).open("rb") if _is_local(file) else epath.Path(file).open("rb")
+        return paths.as_path(file).open("rb")
     except OSError as e:
         raise ValueError(f"{where} cannot be read ({e.strerror or e}): check its permissions") from None
 

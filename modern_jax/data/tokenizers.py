@@ -260,7 +260,10 @@ def load_tokenizer(path) -> Tokenizer:
     from modern_jax.configfile import read_json
 
     if paths.is_remote(path):  # the tokenizer libraries read local files: a copy of it and its companions
-        path = _local_copy(paths.as_path(path))
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="modern-jax-tokenizer-") as local:
+            return load_tokenizer(_copied(paths.as_path(path), pathlib.Path(local)))
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / TOKENIZER_FILE
@@ -276,14 +279,11 @@ def load_tokenizer(path) -> Tokenizer:
                          f"({type(e).__name__}: {e})") from None
 
 
-def _local_copy(path) -> pathlib.Path:
-    """A local copy of the tokenizer at `path` on object storage (a file, or a directory holding
-    `tokenizer.json`), with the files `HFTokenizer.from_file` reads beside it."""
-    import tempfile
-
+def _copied(path, local: pathlib.Path) -> pathlib.Path:
+    """The tokenizer at `path` on object storage (a file, or a directory holding `tokenizer.json`)
+    copied into `local`, with the files `HFTokenizer.from_file` reads beside it."""
     file = path / TOKENIZER_FILE if path.is_dir() else path
-    local = pathlib.Path(tempfile.mkdtemp(prefix="modern-jax-tokenizer-"))
-    for name in (file.name, "tokenizer_config.json", "chat_template.jinja"):
+    for name in (file.name, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
         if (file.parent / name).is_file():
             paths.copy(file.parent / name, local / name)
     return local / file.name

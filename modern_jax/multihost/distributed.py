@@ -50,10 +50,10 @@ import sys
 import threading
 import time
 
-LOST_EXIT = 4  # the exit status of a process stopped because another one was lost or failed
-JOIN_EXIT = 2  # the exit status of a process that could not join its launch (`JoinFailed`)
 HEARTBEAT_TIMEOUT = 60.0  # seconds without a heartbeat after which a process is lost
 JOIN_TIMEOUT = 120.0  # seconds for every process of a launch to connect (hosts start at different times)
+LOST_EXIT = 4  # the exit status of a process stopped because another one was lost or failed
+JOIN_EXIT = 2  # the exit status of a process that could not join its launch (`JoinFailed`)
 _PROBE_S = 5.0  # how long a coordinator has to answer HTTP/2's connection preface (a gRPC server: at once)
 _JAX_GRACE_S = 60  # jax's own join timeout runs this much past ours, so ours always speaks first
 _PREFIX = "modern_jax"

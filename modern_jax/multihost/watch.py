@@ -36,6 +36,7 @@ _MORE = (b" ", b"\t", b"=", b":", b".", b"\n", b"Additional", b"RPC", b"external
 _watching = None  # the watcher process
 _terminal = None  # this process's own stderr, which the watcher writes to
 _seen = None  # the pipe on which the watcher says it has seen jax's ending
+_on_abort = None  # the SIGABRT handler the C library calls (`_catch_abort`)
 ending = 134  # the exit status after jax's ending (set by `watch_stderr`, changed by the launch once joined)
 _ABORT_WAIT_S = 5.0  # how long an abort waits for the watcher to say it was jax's ending
 
@@ -43,10 +44,9 @@ _ABORT_WAIT_S = 5.0  # how long an abort waits for the watcher to say it was jax
 def watch_stderr(exit_status: int) -> None:
     """From now on this process's stderr goes through the watcher (one child process), and jax's
     ending ends the process with `exit_status` (kept in `ending`, which the launch may change)."""
-    global _watching, _terminal, ending
+    global _watching, _terminal, _seen, ending
     if _watching:
         return
-    global _seen
     ending = exit_status
     read, write = os.pipe()
     _seen, seen = os.pipe()
@@ -72,9 +72,6 @@ def _catch_abort() -> None:
     libc.signal.restype = ctypes.c_void_p
     libc.signal.argtypes = (ctypes.c_int, _HANDLER)
     libc.signal(signal.SIGABRT, _on_abort)
-
-
-_on_abort = None
 
 
 def _aborted(signum: int) -> None:

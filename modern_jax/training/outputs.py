@@ -306,13 +306,7 @@ class RunLock:
                         os.fsync(f.fileno())
             except FileExistsError:
                 holder = read_lock(self.path)
-                why = stale(self.path, holder)
-                if why is None:
-                    self._forget()
-                    raise ValueError(f"{what}={str(d)!r} is in use by {_describe_holder(holder or {})}; nothing was "
-                                     f"written: wait for it to finish, stop it, or {self.hint}") from None
-                log(f"{what}={str(d)!r}: taking over the lock of {_describe_holder(holder or {})}, which is no "
-                    f"longer running ({why})")
+                self._take_over(holder, log)
                 with contextlib.suppress(FileNotFoundError):
                     if read_lock(self.path) == holder:
                         os.unlink(self.path)
@@ -322,35 +316,43 @@ class RunLock:
                 reason = "a read-only file system" if e.errno == errno.EROFS else (e.strerror or str(e))
                 raise ValueError(f"{what}={str(d)!r} is not writable ({reason}); nothing was written: "
                                  f"{self.hint}") from None
-            self._thread = threading.Thread(target=self._beat, name="modern_jax-lock", daemon=True)
-            self._thread.start()
-            return self
-        raise ValueError(f"{what}={str(d)!r}: its lock changed hands three times while taking it: another writer is "
-                         f"starting there; {self.hint}")
+            return self._held()
+        raise self._changed_hands()
 
     def _acquire_remote(self, log) -> RunLock:
         """`acquire` on object storage: the lock written unless a live one is there, then read back."""
         d, what = self.directory, self.what
         for _ in range(3):
-            holder = read_lock(self.path) if self.path.exists() else None
-            if holder is not None:
-                why = stale(self.path, holder)
-                if why is None:
-                    raise ValueError(f"{what}={str(d)!r} is in use by {_describe_holder(holder)}; nothing was "
-                                     f"written: wait for it to finish, stop it, or {self.hint}")
-                log(f"{what}={str(d)!r}: taking over the lock of {_describe_holder(holder)}, which is no longer "
-                    f"running ({why})")
+            if self.path.exists():
+                self._take_over(read_lock(self.path), log)
             try:
                 self.path.write_text(json.dumps(self.holder) + "\n")
             except OSError as e:
                 raise ValueError(f"{what}={str(d)!r} is not writable ({e.strerror or e}); nothing was written: "
                                  f"{self.hint}") from None
             if (read_lock(self.path) or {}).get("token") == self.holder["token"]:
-                self._thread = threading.Thread(target=self._beat, name="modern_jax-lock", daemon=True)
-                self._thread.start()
-                return self
-        raise ValueError(f"{what}={str(d)!r}: its lock changed hands three times while taking it: another writer is "
-                         f"starting there; {self.hint}")
+                return self._held()
+        raise self._changed_hands()
+
+    def _take_over(self, holder: dict | None, log) -> None:
+        """The lock `holder` left: refused while its writer may be live, else said and taken over."""
+        why = stale(self.path, holder)
+        if why is None:
+            self._forget()
+            raise ValueError(f"{self.what}={str(self.directory)!r} is in use by {_describe_holder(holder or {})}; "
+                             f"nothing was written: wait for it to finish, stop it, or {self.hint}") from None
+        log(f"{self.what}={str(self.directory)!r}: taking over the lock of {_describe_holder(holder or {})}, which is "
+            f"no longer running ({why})")
+
+    def _held(self) -> RunLock:
+        """The lock is ours: its heartbeat starts."""
+        self._thread = threading.Thread(target=self._beat, name="modern_jax-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _changed_hands(self) -> ValueError:
+        return ValueError(f"{self.what}={str(self.directory)!r}: its lock changed hands three times while taking it: "
+                          f"another writer is starting there; {self.hint}")
 
     def _forget(self) -> None:
         """Leave no directory behind that acquire() created for nothing."""
@@ -461,8 +463,9 @@ class RunDirectory:
 
     def _stopped(self) -> None:
         """Another process was lost: what the run wrote goes to the run directory, as far as it can."""
-        with contextlib.suppress(Exception):
-            self.sync() if self.started else None
+        if self.started:
+            with contextlib.suppress(Exception):
+                self.sync()
         self.abandon()
 
     def _stage(self) -> None:
@@ -478,7 +481,7 @@ class RunDirectory:
                 paths.copy(file, self.path / name)
                 self._synced[name] = self._stamp(self.path / name)
 
-    REMOTE_ONLY = ("checkpoints", "damaged_checkpoints", LOCK_FILE, ".data")  # never staged, never copied back
+    REMOTE_ONLY = ("checkpoints", "damaged_checkpoints", LOCK_FILE)  # never staged, never copied back
 
     @staticmethod
     def _stamp(file: pathlib.Path) -> tuple:
@@ -491,12 +494,10 @@ class RunDirectory:
         if not self.remote or self.path is None or not distributed.is_main():
             return
         for file in paths.files_under(self.path):
-            name = file.relative_to(self.path).as_posix()
-            if name.split("/")[0] in self.REMOTE_ONLY or self._synced.get(name) == self._stamp(file):
-                continue
-            stamp = self._stamp(file)
-            paths.copy(file, self.root / name)
-            self._synced[name] = stamp
+            name, stamp = file.relative_to(self.path).as_posix(), self._stamp(file)
+            if name.split("/")[0] not in self.REMOTE_ONLY and self._synced.get(name) != stamp:
+                paths.copy(file, self.root / name)
+                self._synced[name] = stamp
 
     def check(self) -> None:
         """Stop before writing more if another writer took the directory over."""
@@ -507,8 +508,9 @@ class RunDirectory:
         """A start that fails removes what it wrote (all of a directory it created), then unlocks."""
         if self.lock is not None and not self.started:
             if self.lock.created:
-                with contextlib.suppress(OSError):
-                    paths.remove_tree(self.root) if self.root.exists() else None
+                if self.root.exists():
+                    with contextlib.suppress(OSError):
+                        paths.remove_tree(self.root)
             else:
                 for path in self.made:
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
