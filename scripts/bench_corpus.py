@@ -2,9 +2,11 @@
 
     uv run python scripts/bench_corpus.py                        # 1e8, 1e9, 1e10 tokens (about 20 GB under /tmp)
     uv run python scripts/bench_corpus.py --sizes 1e6 1e8 --root /tmp/corpus_bench
+    uv run python scripts/bench_corpus.py --format arrayrecord --sizes 1e7 1e8 1e9   # ArrayRecord token records
 
 Makes, under `--root`, a corpus of each size as 64 shards of uint16 ids (a random block
-repeated, documents ending at id 258, the byte tokenizer's `<eos>`), unless it is there
+repeated, documents ending at id 258, the byte tokenizer's `<eos>`; with `--format
+arrayrecord`, ArrayRecord shards of one document of 1,000 ids a record), unless it is there
 already, and a one-shard corpus of 1e5 ids (the baseline: the model, its optimizer and the
 runtime). After a warm-up run that fills the compilation cache, each corpus is trained on by `modern-jax train` (configs/tiny.yaml, a few steps, a
 small evaluation) in a fresh process; the script prints side by side the process's wall time
@@ -47,13 +49,33 @@ def make_corpus(directory: pathlib.Path, n_tokens: int, shards: int) -> None:
     done.write_text("")
 
 
-def train(data: pathlib.Path, out: pathlib.Path, steps: int) -> tuple[float, float]:
+def make_records(directory: pathlib.Path, n_tokens: int, shards: int) -> None:
+    """`shards` ArrayRecord files of records of 1,000 uint16 ids, `n_tokens` in all."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    done = directory / ".complete"
+    if done.exists():
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    records = np.random.default_rng(0).integers(0, 256, (1024, 1000), dtype=np.uint16)
+    per_shard = [n_tokens // 1000 // shards + (i < n_tokens // 1000 % shards) for i in range(shards)]
+    for i, n in enumerate(per_shard):
+        writer = ArrayRecordWriter(str(directory / f"part-{i:05d}.array_record"), "group_size:64")
+        for j in range(max(n, 1)):
+            writer.write(records[j % len(records)].tobytes())
+        writer.close()
+    done.write_text("")
+
+
+def train(data: pathlib.Path, out: pathlib.Path, steps: int, records: bool) -> tuple[float, float]:
     """(wall seconds, peak RSS in GiB) of `modern-jax train` on `data` in a fresh process."""
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "modern_jax.cli", "train", "--config", str(ROOT / "configs/tiny.yaml"),
                "--data", str(data), "--output-dir", str(out), f"train.steps={steps}", "train.eval_every=0",
                "train.final_eval_windows=64", "train.warmup_steps=1", "train.plot=false", "train.samples=0", "train.progress=false",
-               f"data.doc_separator_id={SEPARATOR}", "train.checkpoint_every=0"]
+               "train.checkpoint_every=0"] + (["data.record_format=tokens"] if records else
+                                               [f"data.doc_separator_id={SEPARATOR}"])
     start = time.perf_counter()
     child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env={**os.environ, "MODERN_JAX_ALONE": "1"})
@@ -70,22 +92,27 @@ def main() -> None:
     parser.add_argument("--root", type=pathlib.Path, default=pathlib.Path("/tmp/corpus_bench"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--keep", action="store_true", help="keep the corpora (default: removed at the end)")
+    parser.add_argument("--format", choices=("tokens", "arrayrecord"), default="tokens",
+                        help="token files (.bin), or ArrayRecord shards of token records")
     args = parser.parse_args()
+    records = args.format == "arrayrecord"
+    make = make_records if records else make_corpus
     free = shutil.disk_usage(args.root.parent).free
     need = sum(2 * int(n) for n in args.sizes)
     if need > free:
         raise SystemExit(f"the corpora take {need / 1e9:.1f} GB and {args.root.parent} has {free / 1e9:.1f} GB free: "
                          f"give smaller --sizes")
-    baseline = args.root / "baseline"
-    make_corpus(baseline, 100_000, 1)
+    baseline = args.root / f"baseline-{args.format}"
+    make(baseline, 100_000, 1)
     for n in args.sizes:
         began = time.perf_counter()
-        make_corpus(args.root / f"{int(n):d}", int(n), SHARDS)
+        make(args.root / f"{args.format}-{int(n):d}", int(n), SHARDS)
         print(f"corpus of {n:.0e} tokens in {SHARDS} shards: ready in {time.perf_counter() - began:.0f} s", flush=True)
-    train(baseline, args.root / "run-warm-up", args.steps)  # fills the compilation cache: every run below reads it
-    rows = [("1e5 (1 shard, baseline)", *train(baseline, args.root / "run-baseline", args.steps))]
+    train(baseline, args.root / "run-warm-up", args.steps, records)  # fills the compilation cache: every run below reads it
+    rows = [("1e5 (1 shard, baseline)", *train(baseline, args.root / "run-baseline", args.steps, records))]
     for n in args.sizes:
-        rows.append((f"{n:.0e}", *train(args.root / f"{int(n):d}", args.root / f"run-{int(n)}", args.steps)))
+        rows.append((f"{n:.0e}", *train(args.root / f"{args.format}-{int(n):d}", args.root / f"run-{int(n)}",
+                                        args.steps, records)))
     first_wall, first_rss = rows[1][1], rows[1][2]
     print(f"\n{'tokens':>24} {'wall s':>8} {'x first':>8} {'peak RSS GiB':>13} {'x first':>8} {'beyond baseline GiB':>20}")
     for name, wall, rss in rows:

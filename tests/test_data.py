@@ -158,18 +158,72 @@ def test_every_source_loads(tmp_path):
     assert whole["segment_ids"].max() == 18 and whole["positions"][0, 50] == 0
     np.testing.assert_array_equal(train.tokens, ids[:900])
 
-    from array_record.python.array_record_module import ArrayRecordWriter
-
-    writer = ArrayRecordWriter(str(tmp_path / "docs.array_record"), "group_size:1")
-    for i in range(12):
-        writer.write(f"record {i} text".encode())
-    writer.close()
+    write_records(tmp_path / "docs.array_record", [f"record {i} text".encode() for i in range(12)])
     tok, train, val = load_splits(DataConfig(path=str(tmp_path / "docs.array_record"), tokenizer="char"))
-    assert len(train.doc_starts) == 12  # no record hashed into validation: each record is cut 90 / 10
-    assert tok.decode(train.tokens[:20]).startswith("record ")
+    assert (len(train), len(val)) == (10, 2)  # records cut at 0.9
+    assert tok.decode(train.window(0, 20)[0]) == "record 0 textreco"  # <bos> record 0 text <eos> <bos> reco
 
     with pytest.raises(ValueError, match="does not exist"):
         load_splits(DataConfig(path=str(tmp_path / "missing.txt")))
+
+
+def write_records(path, records):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for record in records:
+        writer.write(record)
+    writer.close()
+
+
+def test_arrayrecord_shards_are_read_a_record_at_a_time(tmp_path, monkeypatch):
+    """Opening 3 shards reads each one's 64 head records alone; a batch's rows and an evaluation's
+    windows equal `pack_windows` of the whole stream laid out in memory (the independent
+    reference), reading only the records they cover."""
+    import grain
+
+    from modern_jax.data.arrayrecords import OFFSETS
+    from modern_jax.data.batches import BATCH_KEYS
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 250, size=rng.integers(1, 40)).astype(np.uint16) for _ in range(300)]
+    (tmp_path / "ar").mkdir()
+    for f in range(3):
+        write_records(tmp_path / "ar" / f"part-{f}.array_record", [d.tobytes() for d in docs[f * 100:(f + 1) * 100]])
+    reads = []
+    read = grain.sources.ArrayRecordDataSource.__getitem__
+    monkeypatch.setattr(grain.sources.ArrayRecordDataSource, "__getitem__",
+                        lambda self, i: reads.append(i) or read(self, i))
+    tok, train, val = load_splits(DataConfig(path=str(tmp_path / "ar"), record_format="tokens"))
+    assert (len(train), len(val)) == (270, 30)
+    assert sorted(set(reads)) == [*range(64), *range(100, 164), *range(200, 264)]
+
+    whole = TokenStream.from_documents(docs[:270], tok.bos_id, tok.eos_id, np.uint16)
+    reads.clear()
+    batch = TrainBatches(train, seq_len=32, batch_size=8, seed=3)[5]
+    starts = np.random.default_rng([3, 5]).integers(0, 270 * OFFSETS, size=(1, 8))[0]
+    for row, start in enumerate(starts):
+        r, k = divmod(int(start), OFFSETS)
+        expected = pack_windows(whole, [whole.doc_starts[r] + k * (len(docs[r]) + 2) // OFFSETS], 32)
+        for key in BATCH_KEYS:
+            np.testing.assert_array_equal(batch[key][0, row], expected[key][0], err_msg=f"row {row} {key}")
+    assert len(reads) < 8 * 8  # a window of 33 tokens spans a few records of ~22
+    assert batch["segment_ids"].max() > 1 and (batch["segment_ids"] == 0).sum() == 0
+
+    val_whole = TokenStream.from_documents(docs[270:], tok.bos_id, tok.eos_id, np.uint16)
+    (first,) = eval_batches(val, seq_len=16, batch_size=4, max_windows=3)
+    expected = pack_windows(val_whole, val_whole.doc_starts[[0, 14, 29]].tolist() + [len(val_whole)], 16)
+    for key in BATCH_KEYS:
+        np.testing.assert_array_equal(first[key][0], expected[key], err_msg=key)
+
+    write_records(tmp_path / "bad.array_record", [b"abc"] * 3)
+    with pytest.raises(ValueError, match=r"bad.array_record' \(record-0\): 3 bytes are not a whole number of "
+                                         r"data.token_dtype=uint16 ids"):
+        load_splits(DataConfig(path=str(tmp_path / "bad.array_record"), record_format="tokens"))
+    write_records(tmp_path / "latin.array_record", [b"ok"] * 70 + [b"caf\xe9"])
+    tok, train, val = load_splits(DataConfig(path=str(tmp_path / "latin.array_record")))  # past the head: at its read
+    with pytest.raises(ValueError, match=r"\(record-70\) is not UTF-8 text \(byte 3\)"):
+        val.window(len(val) - 1 << 16, 8)
 
 
 def test_embedded_corpus_needs_no_download():

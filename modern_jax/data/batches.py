@@ -33,7 +33,7 @@ import warnings
 import grain
 import numpy as np
 
-from modern_jax.data.corpora import Mixture, TokenStream
+from modern_jax.data.corpora import Mixture, RecordStream, TokenStream
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
 UNBOUNDED = 2**62
@@ -72,6 +72,21 @@ def pack_windows(stream: TokenStream, starts: np.ndarray, seq_len: int, pad_id: 
     }
 
 
+def read_windows(stream: TokenStream | RecordStream, starts, seq_len: int) -> dict[str, np.ndarray]:
+    """`pack_windows` of either kind of stream: a `RecordStream`'s window is read from its records
+    (`RecordStream.window`) and packed as a stream of its own."""
+    if isinstance(stream, TokenStream):
+        return pack_windows(stream, starts, seq_len)
+    rows = []
+    for start in starts:
+        tokens, doc_starts = stream.window(start, seq_len + 1)
+        if not len(tokens):  # past the stream's end: start 1 of a stream of 1 token, all padding
+            rows.append(pack_windows(TokenStream(np.zeros(1, np.int32), np.zeros(1, np.int64)), [1], seq_len))
+        else:
+            rows.append(pack_windows(TokenStream(tokens, doc_starts), [0], seq_len))
+    return {k: np.concatenate([row[k] for row in rows]) for k in BATCH_KEYS}
+
+
 class TrainBatches:
     """Random-access grain source: record `i` is this process's rows of global batch `i`.
 
@@ -89,13 +104,14 @@ class TrainBatches:
         self.shape = (grad_accum, batch_size // grad_accum)
         self.rows = slice(None) if rows is None else rows
         for stream in self.streams:
-            if len(stream) <= seq_len + 1:  # one start only: a window takes T + 1 tokens
+            if isinstance(stream, TokenStream) and len(stream) <= seq_len + 1:  # one start only: a window takes T + 1 tokens
                 padded = ", padded" if len(stream) <= seq_len else ""
                 warnings.warn(f"train.seq_len={seq_len} is as long as the training split ({len(stream):,} tokens): "
                               f"every row of every batch is the whole split from its start{padded}; lower "
                               f"train.seq_len to at most {max(len(stream) - 2, 1):,} for windows at random starts",
                               stacklevel=2)
-        self.highs = [max(1, len(stream) - seq_len) for stream in self.streams]  # windows of T + 1 tokens fit below
+        self.highs = [max(1, len(stream) - seq_len) if isinstance(stream, TokenStream)  # windows of T + 1 fit below
+                      else stream.train_starts() for stream in self.streams]
 
     def __len__(self) -> int:
         return UNBOUNDED
@@ -114,7 +130,7 @@ class TrainBatches:
             key = [self.seed, int(i)] + ([int(s)] if s else [])
             starts_AB = np.random.default_rng(key).integers(0, self.highs[s], size=self.shape)[:, self.rows]
             mine = sources_AB == s
-            batch = pack_windows(self.streams[s], starts_AB[mine], self.seq_len)
+            batch = read_windows(self.streams[s], starts_AB[mine], self.seq_len)
             if out is None:
                 out = {k: np.zeros((*sources_AB.shape, self.seq_len), v.dtype) for k, v in batch.items()}
             for k, v in batch.items():
@@ -154,14 +170,18 @@ def train_iterator(stream: TokenStream, *, seq_len: int, batch_size: int, grad_a
                           grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch))
 
 
-def n_eval_windows(stream: TokenStream, seq_len: int) -> int:
-    """How many non-overlapping windows cover the stream."""
+def n_eval_windows(stream: TokenStream | RecordStream, seq_len: int) -> int:
+    """How many non-overlapping windows cover the stream (a `RecordStream`: one from each record's start)."""
+    if isinstance(stream, RecordStream):
+        return len(stream)
     return -(-max(len(stream) - 1, 1) // seq_len)
 
 
-def eval_windows(stream: TokenStream, seq_len: int, max_windows: int | None = None) -> np.ndarray:
+def eval_windows(stream: TokenStream | RecordStream, seq_len: int, max_windows: int | None = None) -> np.ndarray:
     """Starts of the non-overlapping windows that cover the stream (every target once), or
-    `max_windows` of them spread evenly over it."""
+    `max_windows` of them spread evenly over it (a `RecordStream`: `RecordStream.eval_starts`)."""
+    if isinstance(stream, RecordStream):
+        return stream.eval_starts(max_windows)
     n = n_eval_windows(stream, seq_len)
     if max_windows is None or max_windows >= n:
         return np.arange(n, dtype=np.int64) * seq_len
@@ -187,13 +207,14 @@ def eval_batches(stream: TokenStream, *, seq_len: int, batch_size: int, max_wind
     filled up with padding rows."""
     starts = eval_windows(stream, seq_len, max_windows)
     n_batches = -(-len(starts) // batch_size)
-    padded = np.full(n_batches * batch_size, len(stream), np.int64)  # a start past the end: all padding
+    end = stream.end() if isinstance(stream, RecordStream) else len(stream)
+    padded = np.full(n_batches * batch_size, end, np.int64)  # a start past the end: all padding
     padded[: len(starts)] = starts
     rows = slice(None) if rows is None else rows
 
     def make():
         for b in range(n_batches):
-            batch = pack_windows(stream, padded[b * batch_size : (b + 1) * batch_size][rows], seq_len)
+            batch = read_windows(stream, padded[b * batch_size : (b + 1) * batch_size][rows], seq_len)
             yield {k: v[None] for k, v in batch.items()}
 
     return Batches(n_batches, make())

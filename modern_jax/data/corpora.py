@@ -1,6 +1,8 @@
 """Corpora: documents from the embedded corpus, text files, token files, ArrayRecord, or
 records (JSON Lines, Parquet, Hugging Face `datasets`: `modern_jax.data.records`), split
-deterministically into train / validation and encoded into one token stream each.
+deterministically into train / validation and encoded into one token stream each. Token
+shards (`modern_jax.data.shards`) and ArrayRecord shards (`modern_jax.data.arrayrecords`) are
+read a window at a time as batches ask, never whole; the others are read whole at the start.
 
 A document is a text, token ids, or (`data.format: chat`) a conversation, rendered by the
 chat template into one text whose assistant turns alone are trained (`modern_jax.data.chat`):
@@ -34,6 +36,7 @@ import numpy as np
 from etils import epath
 
 from modern_jax.data import chat
+from modern_jax.data.arrayrecords import HEAD_RECORDS, RecordStream, open_records
 from modern_jax.data.config import EXTENSIONS, RECORD_SOURCES, DataConfig, data_files
 from modern_jax.data.records import record_documents
 from modern_jax.data.shards import HEAD_IDS, Shards, open_file, open_shards, read_index, shard_name, text_hint
@@ -181,28 +184,72 @@ def text_documents(path) -> list[tuple[str, str]]:
     return docs
 
 
-def arrayrecord_documents(path, record_format: str, token_dtype: str):
-    """Each record one document: UTF-8 text, or token ids of `token_dtype`."""
-    import grain
-
-    from modern_jax.data.shards import expand, nothing_at
-
-    files = [str(f) for f in expand(path) if ".array_record" in f.name]  # a file, a directory or a glob of shards
-    if not files:
-        raise nothing_at(path, ".array_record files")
-    source = grain.sources.ArrayRecordDataSource(files)
-    docs = []
+def arrayrecord_texts(path):
+    """`(name, text)` of each UTF-8 text record, read one at a time (what `prepare` tokenizes)."""
+    source, _ = open_records(path)
     for i in range(len(source)):
-        record = source[i]
-        if record_format == "text":
-            try:
-                docs.append((f"record-{i}", record.decode("utf-8")))
-            except UnicodeDecodeError as e:
-                raise ValueError(f"data.path={str(path)!r} (record-{i}) is not UTF-8 text (byte {e.start}): for "
-                                 f"token ids set data.record_format: tokens") from None
-        else:
-            docs.append((f"record-{i}", np.frombuffer(record, token_dtype)))
-    return docs
+        yield f"record-{i}", _record_text(path, i, source[i])
+
+
+def _record_text(path, i: int, record: bytes) -> str:
+    try:
+        return record.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data.path={str(path)!r} (record-{i}) is not UTF-8 text (byte {e.start}): for "
+                         f"token ids set data.record_format: tokens") from None
+
+
+def _arrayrecord_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int | None,
+                        shared: pathlib.Path | None) -> tuple[Tokenizer, RecordStream, RecordStream]:
+    """The records cut at `1 - val_fraction` into two `RecordStream`s, read as batches ask
+    (`modern_jax.data.arrayrecords`); a tokenizer built from the text (char, BPE) reads it once."""
+    source, counts = open_records(cfg.path)
+    n, where = len(source), _where(cfg, "arrayrecord")
+    if n < 2:
+        raise ValueError(f"{where} holds {n} record{'s' if n != 1 else ''}: a training and a validation split "
+                         "need two or more")
+    cut = min(max(1, int(n * (1.0 - cfg.val_fraction))), n - 1)
+    if tokenizer is None and cfg.record_format == "tokens":
+        tokenizer = load_tokenizer_for_tokens(cfg)
+    if tokenizer is None:
+        def texts(lo, hi):
+            return (_record_text(cfg.path, i, source[i]) for i in range(lo, hi))
+
+        tokenizer = _made_tokenizer(cfg, lambda: texts(0, cut), lambda: texts(0, n), vocab_size, shared)
+
+    decode = _record_decoder(cfg, tokenizer, where)
+    _check_heads(source, counts, decode, where)
+    dtype = _stream_dtype(tokenizer.vocab_size)
+    return (tokenizer, RecordStream(source, 0, cut, decode, tokenizer.bos_id, tokenizer.eos_id, dtype),
+            RecordStream(source, cut, n, decode, tokenizer.bos_id, tokenizer.eos_id, dtype))
+
+
+def _record_decoder(cfg: DataConfig, tokenizer: Tokenizer, where: str):
+    """`(i, record) -> ids` of record `i`: its token ids, or its text encoded; checked."""
+    def decode(i, record):
+        if cfg.record_format == "tokens":
+            if len(record) % np.dtype(cfg.token_dtype).itemsize:
+                raise ValueError(f"{where} (record-{i}): {len(record)} bytes are not a whole number of "
+                                 f"data.token_dtype={cfg.token_dtype} ids: set data.token_dtype to the dtype that "
+                                 "wrote them")
+            ids = np.frombuffer(record, cfg.token_dtype)
+            check_token_ids(ids, tokenizer.vocab_size, f"{where} (record-{i})", cfg, record)
+            return ids
+        try:
+            return tokenizer.encode(_record_text(cfg.path, i, record))
+        except ValueError as e:  # a character the tokenizer has no id for
+            raise ValueError(f"{where} (record-{i}): {e}") from None
+    return decode
+
+
+def _check_heads(source, counts: list[int], decode, where: str) -> None:
+    """The first `HEAD_RECORDS` records of each shard decoded and checked, so that a wrong dtype or
+    tokenizer fails before any step; a corpus read whole that way must hold some ids."""
+    firsts = np.cumsum([0] + counts[:-1])
+    heads = [int(first) + i for first, count in zip(firsts, counts) for i in range(min(count, HEAD_RECORDS))]
+    raw = sum(len(decode(i, source[i])) for i in heads)
+    if len(heads) == len(source):
+        check_tokens(len(heads), raw, False, False, where, "give it records with data")
 
 
 def split_documents(docs: list, val_fraction: float, whole: bool = False) -> tuple[list, list]:
@@ -256,8 +303,8 @@ def text_or_embedded_splits(path: str | None, tokenizer: str = "char"):
 
 
 def read_documents(cfg: DataConfig, source: str) -> list[tuple[str, object]]:
-    """`(name, content)` of every document of a source other than token files: text, token ids
-    (ArrayRecord token records) or conversations (`data.format: chat`)."""
+    """`(name, content)` of every document of a source read whole (not token files, not
+    ArrayRecord): text or conversations (`data.format: chat`)."""
     if cfg.format == "chat" and source not in RECORD_SOURCES:
         raise ValueError(f"data.format='chat' reads conversations from records, but data.path={str(cfg.path)!r} "
                          f"is read as source {source!r}: give .jsonl / .parquet files or a Hugging Face dataset "
@@ -271,8 +318,6 @@ def read_documents(cfg: DataConfig, source: str) -> list[tuple[str, object]]:
         if cfg.source == "auto" and pathlib.Path(cfg.path).is_dir():
             _refuse_mixed_records(pathlib.Path(cfg.path))
         return text_documents(cfg.path)
-    if source == "arrayrecord":
-        return arrayrecord_documents(cfg.path, cfg.record_format, cfg.token_dtype)
     return record_documents(cfg, source)
 
 
@@ -318,9 +363,7 @@ def _encoder(tokenizer: Tokenizer, rendered: dict | None):
             text, spans = rendered[name]
             ids, start, end = tokenizer.encode_offsets(text)
             return ids, chat.trained_tokens(start, end, spans, len(text))
-        if isinstance(content, str):
-            return tokenizer.encode(content), None
-        return np.asarray(content, np.int64), None
+        return tokenizer.encode(content), None
     return encode
 
 
@@ -410,13 +453,12 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
     source = cfg.resolved_source
     if source == "tokens":
         return _token_file_splits(cfg, tokenizer)
+    if source == "arrayrecord":
+        return _arrayrecord_splits(cfg, tokenizer, vocab_size, shared)
     docs = read_documents(cfg, source)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, whole=cfg.format == "chat")
-    is_text = not docs or not isinstance(docs[0][1], np.ndarray)
     where = _where(cfg, source)
     rendered = None
-    if tokenizer is None and not is_text:
-        tokenizer = load_tokenizer_for_tokens(cfg)
     if tokenizer is None and (cfg.tokenizer_path or cfg.tokenizer == "byte"):
         tokenizer = build_tokenizer(cfg, [], [], vocab_size)  # needs no text
     if cfg.format == "chat":
@@ -425,26 +467,10 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
         def texts(split):  # a conversation as its template renders it
             return [rendered[name][0] if rendered else content for name, content in split]
 
-        def build():
-            built = build_tokenizer(cfg, texts(train_docs), texts(docs), vocab_size)
-            if shared is not None:
-                shared.mkdir(parents=True, exist_ok=True)
-                return str(built.save(shared))
-            return built
-
-        if shared is None:
-            tokenizer = build()
-        else:  # one tokenizer for every process: process 0's
-            from modern_jax.data.tokenizers import load_tokenizer
-            from modern_jax.multihost import distributed
-
-            tokenizer = load_tokenizer(distributed.decide("data/tokenizer", build))
+        tokenizer = _made_tokenizer(cfg, lambda: texts(train_docs), lambda: texts(docs), vocab_size, shared)
     if rendered is not None:
         tokenizer.with_chat(template)
 
-    if not is_text:
-        for name, ids in docs:
-            check_token_ids(ids, tokenizer.vocab_size, f"{where} ({name})", cfg, ids.tobytes())
     encode = _encoder(tokenizer, rendered)
     fix = f"give more data or change data.val_fraction={cfg.val_fraction}"
     splits = []
@@ -453,6 +479,25 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
         splits.append(_stream(cfg, split_docs, encode, tokenizer, what, fix) if shared is None else
                       _shared_stream(cfg, split_docs, encode, tokenizer, what, fix, shared, split))
     return tokenizer, *splits
+
+
+def _made_tokenizer(cfg: DataConfig, train_texts, all_texts, vocab_size: int | None,
+                    shared: pathlib.Path | None) -> Tokenizer:
+    """The tokenizer built from the text (`train_texts()`, `all_texts()`); in a launch of several
+    processes (`shared`), process 0's, saved there, for every process."""
+    def build():
+        built = build_tokenizer(cfg, train_texts(), all_texts(), vocab_size)
+        if shared is not None:
+            shared.mkdir(parents=True, exist_ok=True)
+            return str(built.save(shared))
+        return built
+
+    if shared is None:
+        return build()
+    from modern_jax.data.tokenizers import load_tokenizer
+    from modern_jax.multihost import distributed
+
+    return load_tokenizer(distributed.decide("data/tokenizer", build))
 
 
 def _mixture_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int | None,
@@ -479,11 +524,14 @@ def load_stream(cfg: DataConfig, tokenizer: Tokenizer) -> TokenStream:
     if source == "tokens":
         raise ValueError(f"data.path={str(cfg.path)!r} is a token file: evaluate reads documents (text, records, "
                          "conversations); evaluate a token file as the run's --split")
+    if source == "arrayrecord":  # read as its windows ask
+        records, counts = open_records(cfg.path)
+        decode = _record_decoder(cfg, tokenizer, _where(cfg, source))
+        _check_heads(records, counts, decode, _where(cfg, source))
+        return RecordStream(records, 0, len(records), decode, tokenizer.bos_id, tokenizer.eos_id,
+                            _stream_dtype(tokenizer.vocab_size))
     docs = read_documents(cfg, source)
     rendered = _render_conversations(cfg, docs, tokenizer)[1] if cfg.format == "chat" else None
-    if isinstance(docs[0][1], np.ndarray):
-        for name, ids in docs:
-            check_token_ids(ids, tokenizer.vocab_size, f"{_where(cfg, source)} ({name})", cfg, ids.tobytes())
     return _stream(cfg, docs, _encoder(tokenizer, rendered), tokenizer, _where(cfg, source), "give it some data")
 
 

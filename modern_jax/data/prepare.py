@@ -106,9 +106,9 @@ def _documents(cfg: DataConfig, source: str) -> Iterator[tuple[str, str]]:
     if source == "embedded":
         return iter(embedded_documents())
     if source == "arrayrecord":
-        from modern_jax.data.corpora import arrayrecord_documents
+        from modern_jax.data.corpora import arrayrecord_texts
 
-        return iter(arrayrecord_documents(cfg.path, "text", cfg.token_dtype))
+        return arrayrecord_texts(cfg.path)
     return iter(text_documents(cfg.path))
 
 

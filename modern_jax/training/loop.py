@@ -417,7 +417,7 @@ def _report_model(session: _Session, objective, train_stream, log) -> None:
         n_params = f"{n_params:,} + {trained:,} trained"
     else:
         n_params = f"{n_params:,}"
-    what = objective.unit
+    what = getattr(train_stream, "unit", objective.unit)  # a stream read as batches ask counts its records
     log(f"model: {n_params} parameters | train {len(train_stream):,} {what}, validation {len(session.val_stream):,} "
         f"{what} | {tc.batch_size} x {tc.seq_len} tokens per step | compiled in {session.compile_s:.1f}s")
     log(f"kernels: {describe_kernels(trainer.programs.kernels)}")
