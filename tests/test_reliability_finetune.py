@@ -228,6 +228,19 @@ def test_convert_of_a_step_directory_finds_its_runs_hugging_face_files(to, lora_
         assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
 
 
+def test_two_processes_write_the_adapters_one_process_writes(lora_run, capsys):
+    """`convert --to-peft` in a launch of 2 processes x 2 devices, the base and its adapters laid
+    over the 4 (fsdp), each process holding its share: process 0 gathers the adapters alone (the base
+    is never gathered) and writes, byte for byte, the files one process writes."""
+    one, two = lora_run.parent / "one", lora_run.parent / "two"
+    assert main(["convert", "--to-peft", str(lora_run), "--out", str(one)]) == 0, capsys.readouterr().err
+    launch = ["launch", "--processes", "2", "--devices", "2", "convert", "--to-peft", str(lora_run), "--out", str(two)]
+    assert main(launch) == 0, capsys.readouterr()
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name
+
+
 def test_convert_of_a_run_that_does_not_exist_names_it(tmp_path, capsys):
     line = refused(["convert", "--to-peft", tmp_path / "no_such_run", "--out", tmp_path / "out"], capsys)
     assert line.endswith(f"checkpoint {str(tmp_path / 'no_such_run')!r} is not a directory")

@@ -17,7 +17,7 @@ from modern_jax.sharding.devices import topology_devices
 from modern_jax.training.config import load_run_config
 from modern_jax.training import trainer_for
 
-SMALL = ["model.vocab_size=1024", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=512",
+SMALL = ["model.vocab_size=512", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=256",
          "model.head_dim=128", "model.max_position_embeddings=512", "model.dtype=bfloat16", "train.batch_size=8",
          "train.eval_batch_size=8", "train.seq_len=512"]
 
@@ -31,7 +31,7 @@ def test_the_counted_step_equals_the_whole_program_unrolled():
     the counting programs (3 and 4 layers, extrapolated) give the cost of all 5 layers unrolled
     (no loop left for the cost model to count once)."""
     run = small_run("model.n_layers=5", "model.attention_pattern=GLLLL", "model.sliding_window=128",
-                    "train.seq_len=256", "train.grad_accum=2", "train.loss_vocab_chunk=256",
+                    "train.seq_len=256", "train.grad_accum=2", "train.loss_vocab_chunk=128",
                     "execution.remat=full")
     mesh = make_mesh(fsdp=4, devices=topology_devices("v5p:2x2x1"))
     base, variants = planner.counting_layers(run.model)
@@ -76,12 +76,12 @@ def test_the_estimate_includes_the_kernels_declared_costs_and_its_mfu_is_6n_plus
     assert float(printed[2]) == pytest.approx(io_only["optimal_seconds"], rel=1e-4)
     # what the kernels add: their matmuls, at least causal attention's forward and backward, at most 3x that
     # (whole tiles up to every tile, 2x; the backward recomputes the scores: 9 matmuls of T x S, not 6)
-    tokens, T, heads, dims = 8 * 512, 512, 4, 128 + 128
+    tokens, T, heads, dims = 8 * 512, 512, 2, 128 + 128
     attention = 2 * 6 * heads * dims * (T + 1) / 2 * tokens  # 2 layers, 6 (fwd + bwd) x 2 flops a multiply-add
     added = speed["compiler_flops"] - io_only["flops"] * mesh.size
     assert attention <= added <= 3 * attention
     # 6 N: the gated FFN, q o, k v, the norms (2 a block, q and k heads', the final) and the tied head
-    weights = 6 * (2 * (3 * 256 * 512 + 2 * 256 * 512 + 2 * 256 * 256 + 2 * 256 + 2 * 128) + 256 + 1024 * 256)
+    weights = 6 * (2 * (3 * 128 * 256 + 2 * 128 * 256 + 2 * 128 * 128 + 2 * 128 + 2 * 128) + 128 + 512 * 128)
     assert flops_per_token(run.model, T)["causal_total"] == weights + attention / tokens
     assert speed["mfu"] == pytest.approx(weights * tokens / (speed["seconds"] * 4 * 197e12)
                                          + attention / (speed["seconds"] * 4 * 197e12))
