@@ -133,9 +133,10 @@ def read_json(path, expect: type | None = dict):
     """The contents of a JSON file (a mapping, unless `expect` says otherwise); every problem is a
     ValueError naming the file (and the line)."""
     import json
-    import pathlib
 
-    path = pathlib.Path(path)
+    from modern_jax import paths
+
+    path = paths.as_path(path)  # on the local disk or object storage
     if path.is_dir():
         raise ValueError(f"{path} is a directory, not a JSON file")
     if not path.is_file():

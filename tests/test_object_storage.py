@@ -80,8 +80,7 @@ def test_a_lock_and_a_cut_off_save_on_object_storage(bucket):
 
 def test_prepare_writes_to_object_storage_what_it_writes_on_a_disk(tmp_path, bucket):
     """The shards, index and tokenizer of a JSON Lines corpus prepared into gs:// equal a local
-    preparation's byte for byte; a writer of other directories (convert, harness) is refused there
-    in one line, before anything is written."""
+    preparation's byte for byte."""
     from modern_jax.data import DataConfig
     from modern_jax.data.prepare import prepare
 
@@ -92,9 +91,39 @@ def test_prepare_writes_to_object_storage_what_it_writes_on_a_disk(tmp_path, buc
     remote = paths.as_path("gs://bucket/prepared")
     assert {p.name: p.read_bytes() for p in remote.iterdir()} == \
         {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
-    with pytest.raises(ValueError, match=r"output directory='gs://bucket/hf' is on object storage, where modern-jax "
-                                         r"writes runs \(train.output_dir\) and prepared corpora only; nothing was "
-                                         r"written: write to a local directory, then copy it there"):
-        outputs.claim("gs://bucket/hf", outputs.HF, "output directory")
-    assert not paths.as_path("gs://bucket/hf").exists()
+
+
+def tree(directory) -> dict[str, bytes]:
+    directory = paths.as_path(directory)
+    return {f.relative_to(directory).as_posix(): f.read_bytes() for f in paths.files_under(directory)}
+
+
+def test_convert_and_harness_write_to_object_storage_what_they_write_on_a_disk(tmp_path, bucket, capsys):
+    """`convert --from-hf` into gs:// (Orbax writing there), `convert --to-hf` from there into
+    gs:// (safetensors staged on the local disk, then copied up) and `harness --output-path gs://`
+    write the files they write locally, byte for byte (the harness: its results); a second
+    conversion into the same place is refused by name unless --overwrite, which replaces it."""
+    fixture = REPO / "tests" / "fixtures" / "hf" / "llama"
+    for where in (tmp_path / "ckpt", "gs://bucket/ckpt"):
+        assert main(["convert", "--from-hf", str(fixture), "--out", str(where)]) == 0, capsys.readouterr().err
+    assert main(["convert", "--to-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["convert", "--to-hf", "gs://bucket/ckpt", "--out", "gs://bucket/hf"]) == 0, capsys.readouterr().err
+    local = tree(tmp_path / "hf")
+    assert {"model.safetensors", "config.json", outputs.MARKER} <= local.keys() and tree("gs://bucket/hf") == local
+    assert {"config.yaml", "hf/config.json", "checksums.json"} <= tree("gs://bucket/ckpt").keys()
+    capsys.readouterr()
+    assert main(["convert", "--to-hf", "gs://bucket/ckpt", "--out", "gs://bucket/hf"]) == 2
+    assert "output directory='gs://bucket/hf' already holds a Hugging Face model" in capsys.readouterr().err
+    assert main(["convert", "--to-hf", "gs://bucket/ckpt", "--out", "gs://bucket/hf", "--overwrite"]) == 0
+    assert tree("gs://bucket/hf") == local
+
+    harness = ["harness", "--hf", str(REPO / "tests" / "fixtures" / "hf_chat"), "--include-path",
+               str(REPO / "configs" / "harness"), "--tasks", "sums_choice", "--limit", "8", "--batch-size", "8"]
+    for where in (tmp_path / "results", "gs://bucket/results"):
+        assert main([*harness, "--output-path", str(where)]) == 0, capsys.readouterr().err
+    [(name, results)] = [(k, v) for k, v in tree(tmp_path / "results").items() if "/results_" in k]
+    [(remote, uploaded)] = [(k, v) for k, v in tree("gs://bucket/results").items() if "/results_" in k]
+    drop = ("date", "start_time", "end_time", "total_evaluation_time_seconds", "model_name_sanitized")
+    same = lambda text: {k: v for k, v in json.loads(text).items() if k not in drop}  # noqa: E731
+    assert same(uploaded)["results"] == same(results)["results"]
 

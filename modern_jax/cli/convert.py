@@ -29,15 +29,20 @@ def run(args) -> int:
     from modern_jax.convert import convert_from_hf, convert_to_hf
     from modern_jax.convert.conversions import convert_to_peft
 
+    from modern_jax.training import outputs
+
     if sum(map(bool, (args.from_hf, args.to_hf, args.to_peft))) != 1:
         raise ValueError("give exactly one of --from-hf HF_DIR, --to-hf CHECKPOINT or --to-peft RUN")
-    if args.to_peft:
-        convert_to_peft(args.to_peft, args.out, model_type=args.model_type, overwrite=args.overwrite, log=_note)
-    elif args.from_hf:
+    if args.from_hf:  # Orbax writes object storage itself, each process its shards
         convert_from_hf(args.from_hf, args.out, dtype=args.dtype or "float32", overwrite=args.overwrite, log=_note)
-    else:
-        convert_to_hf(args.to_hf, args.out, model_type=args.model_type, dtype=args.dtype, overwrite=args.overwrite,
-                      log=_note)
+    else:  # safetensors files are written on a local disk (staged there when --out is on object storage)
+        kind, command = (outputs.PEFT, "convert --to-peft") if args.to_peft else (outputs.HF, "convert --to-hf")
+        with outputs.staged(args.out, kind, "output directory", overwrite=args.overwrite, command=command) as out:
+            if args.to_peft:
+                convert_to_peft(args.to_peft, out, model_type=args.model_type, overwrite=args.overwrite, log=_note)
+            else:
+                convert_to_hf(args.to_hf, out, model_type=args.model_type, dtype=args.dtype,
+                              overwrite=args.overwrite, log=_note)
     from modern_jax.multihost import distributed
 
     if distributed.is_main():  # of a launch of several processes, said once

@@ -52,6 +52,17 @@ def run(args) -> int:
     tasks = [t for item in args.tasks for t in item.split(",") if t]
     if not tasks:
         raise ValueError("--tasks: give one or more task names (lm-eval's, or those of --include-path)")
+    if not args.output_path:
+        return _evaluate(args, tasks, None)
+    from modern_jax.training import outputs
+
+    # lm-eval writes a local disk: on object storage, a local directory copied up at the end
+    with outputs.staged(args.output_path, outputs.HARNESS, "--output-path", command="harness") as output_path:
+        return _evaluate(args, tasks, output_path)
+
+
+def _evaluate(args, tasks: list[str], output_path) -> int:
+    """The tasks' results, printed, and written into `output_path` (None: not written)."""
     with _long_lived():
         import jax
 
@@ -60,8 +71,8 @@ def run(args) -> int:
 
         main = jax.process_index() == 0
         note = _note if main else (lambda *_: None)
-        if args.output_path:  # before anything is read: refused early, written by process 0 only
-            outputs.claim(args.output_path, outputs.HARNESS, "--output-path", hint="choose a new directory")
+        if output_path:  # before anything is read: refused early, written by process 0 only
+            outputs.claim(output_path, outputs.HARNESS, "--output-path", hint="choose a new directory")
         harness.quiet_lm_eval()
         manager = harness.task_manager(args.include_path, tasks=tasks)
         harness.check_tasks(manager, tasks)
@@ -72,10 +83,10 @@ def run(args) -> int:
     lm = harness.HarnessLM(harness.Scorer(trainer.states, params, args.batch_size, chunk=trainer.train_cfg.loss_vocab_chunk), tokenizer, seed=args.seed,
                            name=source)
     tracker = None
-    if args.output_path and main:
+    if output_path and main:
         from lm_eval.loggers import EvaluationTracker
 
-        tracker = EvaluationTracker(output_path=args.output_path)
+        tracker = EvaluationTracker(output_path=str(output_path))
     results = harness.evaluate_tasks(lm, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
                                      limit=args.limit, log_samples=args.log_samples,
                                      apply_chat_template=args.apply_chat_template or False,
@@ -88,7 +99,7 @@ def run(args) -> int:
         tracker.save_results_aggregated(results=results, samples=samples)
         for task in results["configs"] if samples else ():
             tracker.save_results_samples(task_name=task, samples=samples[task])
-        outputs.mark(args.output_path, outputs.HARNESS, "modern-jax harness")
+        outputs.mark(output_path, outputs.HARNESS, "modern-jax harness")
         note(f"wrote {args.output_path}")
     from lm_eval.utils import make_table
 

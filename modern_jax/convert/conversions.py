@@ -127,7 +127,7 @@ def convert_from_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: str =
         (out / HF).mkdir(exist_ok=True)
         for name in HF_ASSETS:
             if (src / name).is_file():
-                shutil.copy2(src / name, out / HF / name)
+                paths.copy(src / name, out / HF / name)  # the local disk or object storage
         write_checksums(out)
     return out
 

@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import traversals
 
+from modern_jax import paths
 from modern_jax.config import ModelConfig
 from modern_jax.configfile import read_json
 from modern_jax.convert.hf_config import config_from_hf, config_to_hf, family_of
@@ -201,7 +202,7 @@ def resolve_hf(source: str | os.PathLike, cache_dir: str | os.PathLike | None = 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     """The config.json of Hugging Face model directory `path`."""
-    config = Path(path) / "config.json"
+    config = paths.as_path(path) / "config.json"  # a converted checkpoint's hf/ may be on object storage
     if not config.is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
     return read_json(config)

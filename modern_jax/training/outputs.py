@@ -150,10 +150,6 @@ def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "c
     checkpoint, is emptied first (not with `dry_run`, which only checks). Returns what was
     there before (of kind `kind`, missing or empty)."""
     path = paths.as_path(path)
-    if paths.is_remote(path) and kind != RUN:
-        raise ValueError(f"{what}={str(path)!r} is on object storage, where modern-jax writes runs (train.output_dir) "
-                         f"and prepared corpora only; nothing was written: write to a local directory, then copy it "
-                         f"there (gcloud storage cp --recursive DIR {str(path)})")
     contents = describe(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what}={str(path)!r} is a file, not a directory: {hint}")
@@ -187,6 +183,33 @@ def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "c
     again = " or pass --overwrite (overwrite=True) to replace it" if contents.kind == kind else ""
     raise ValueError(f"{what}={str(path)!r} already holds {contents.description}; nothing was written: "
                      f"{hint}{again}")
+
+
+@contextlib.contextmanager
+def staged(out, kind: str, what: str, *, overwrite: bool = False, command: str):
+    """The directory a writer that needs a local disk (safetensors, Orbax's single-file writes,
+    lm-eval's results) writes `out` into: `out` itself, or, for `out` on object storage, a local
+    temporary directory whose files each process copies up to `out` when the writer is done.
+    `out` is claimed first (`claim`: new or empty, or with `overwrite` an export of `kind` that
+    modern-jax wrote, emptied only once the files are ready), and locked while they are copied."""
+    if not paths.is_remote(out):
+        yield out
+        return
+    import tempfile
+
+    main = distributed.is_main()
+    if main:
+        claim(out, kind, what, overwrite=overwrite, dry_run=True)
+    with tempfile.TemporaryDirectory(prefix="modern_jax-staged-") as local:
+        yield pathlib.Path(local) / "out"  # the writer makes it
+        target = paths.as_path(out)
+        if main:
+            claim(target, kind, what, overwrite=overwrite)  # emptied now, with --overwrite
+        with RunLock(target, what, command=command).acquire() if main else contextlib.nullcontext():
+            distributed.barrier(f"{command}/staged")
+            for file in paths.files_under(pathlib.Path(local) / "out"):  # this process's files
+                paths.copy(file, target / file.relative_to(pathlib.Path(local) / "out").as_posix())
+            distributed.barrier(f"{command}/copied")
 
 
 # ----- one writer per directory ------------------------------------------------------
