@@ -1,8 +1,9 @@
-"""A local stand-in for Google Cloud Storage: `gs://` paths served by an emulator
+"""Local stand-ins for object storage. `gcs()`: `gs://` paths served by an emulator
 (`gcp-storage-emulator`, its HTTP server made to accept requests in parallel, as TensorStore
 sends them, and to send an object's generation with it, as GCS does) in a process of its own
-on localhost, which both ways to object storage speak to:
-`etils.epath` (through `gcsfs`) and Orbax's TensorStore. No network, no credentials."""
+on localhost, which both ways to object storage speak to: `etils.epath` (through `gcsfs`) and
+Orbax's TensorStore. `s3()`: `s3://` paths served by moto's S3 server on localhost (reached
+through `s3fs`, which reads AWS_ENDPOINT_URL). No network, no credentials."""
 
 from __future__ import annotations
 
@@ -71,5 +72,35 @@ def gcs(bucket: str = "bucket"):
     finally:
         server.kill()
         server.wait()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+@contextlib.contextmanager
+def s3(bucket: str = "bucket"):
+    """Within: `s3://{bucket}/...` is an empty bucket on localhost (moto's server, in a thread of
+    this process), for this process and the processes it starts."""
+    import logging
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    saved = {k: os.environ.get(k) for k in S3_ENV}
+    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x",
+                      AWS_DEFAULT_REGION="us-east-1")
+    for cls in [fsspec.AbstractFileSystem, *fsspec.registry.values()]:
+        cls.clear_instance_cache()
+    fsspec.filesystem("s3").mkdir(bucket)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

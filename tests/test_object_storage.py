@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -13,7 +14,7 @@ from modern_jax.cli import main
 from modern_jax.training import outputs
 from modern_jax.training.checkpoint import Checkpointer
 
-from object_storage import gcs
+from object_storage import gcs, s3
 
 REPO = pathlib.Path(__file__).parent.parent
 TINY = ["--config", str(REPO / "configs" / "tiny.yaml"), "model.n_layers=1", "model.d_model=32", "model.d_ff=64",
@@ -127,3 +128,41 @@ def test_convert_and_harness_write_to_object_storage_what_they_write_on_a_disk(t
     same = lambda text: {k: v for k, v in json.loads(text).items() if k not in drop}  # noqa: E731
     assert same(uploaded)["results"] == same(results)["results"]
 
+
+
+def test_s3_holds_corpora_and_exports_and_refuses_checkpoints_by_name(tmp_path, capsys):
+    """On `s3://` (moto's S3 server): a corpus prepared there is the local preparation byte for
+    byte and trains the local one's losses (tolerance 0), read by ranged reads; `convert --to-hf`
+    writes there the local export's bytes; a run or checkpoint there is refused in one line
+    naming Orbax's gs:// alone, before anything is written."""
+    from modern_jax.data import DataConfig
+    from modern_jax.data.prepare import prepare
+
+    source = tmp_path / "c.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i}: " + "word " * (i % 7)}) + "\n" for i in range(40)))
+    corpus = [*TINY, "train.steps=2", "train.checkpoint_every=0", "data.tokenizer=byte", "model.vocab_size=264"]
+    with s3():
+        for where in (tmp_path / "prepared", "s3://bucket/prepared"):
+            prepare(DataConfig(path=str(source)), where, documents_per_shard=8, log=lambda _: None)
+        assert tree("s3://bucket/prepared") == tree(tmp_path / "prepared")
+        for where, out in ((tmp_path / "prepared", "a"), ("s3://bucket/prepared", "b")):
+            assert main(["train", *corpus, "--data", str(where), "--output-dir", str(tmp_path / out)]) == 0
+        assert losses((tmp_path / "a" / "metrics.jsonl").read_text()) == \
+            losses((tmp_path / "b" / "metrics.jsonl").read_text())
+
+        fixture = REPO / "tests" / "fixtures" / "hf" / "llama"
+        assert main(["convert", "--from-hf", str(fixture), "--out", str(tmp_path / "ckpt")]) == 0
+        for where in (tmp_path / "hf", "s3://bucket/hf"):
+            assert main(["convert", "--to-hf", str(tmp_path / "ckpt"), "--out", str(where)]) == 0
+        assert tree("s3://bucket/hf") == tree(tmp_path / "hf")
+
+        capsys.readouterr()
+        refusals = [["train", *TINY, "--output-dir", "s3://bucket/run"],
+                    ["convert", "--from-hf", str(fixture), "--out", "s3://bucket/ckpt"],
+                    ["evaluate", "--checkpoint", "s3://bucket/hf"]]
+        for argv in refusals:
+            assert main(argv) == 2, argv
+            [line] = capsys.readouterr().err.strip().splitlines()[-1:]
+            assert re.search(r"=?'s3://bucket/\w+': checkpoints are written and read by Orbax, which reaches object "
+                             r"storage through TensorStore's GCS driver alone", line), line
+        assert not paths.as_path("s3://bucket/run").exists() and not paths.as_path("s3://bucket/ckpt").exists()

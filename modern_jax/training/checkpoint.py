@@ -595,6 +595,7 @@ def resolve_checkpoint(path) -> tuple:
     """`(directory holding params/, config.yaml, what it is, where else to look)` for a run
     directory (its newest step, complete or not), a step directory, or a converted checkpoint;
     local or on object storage."""
+    paths.check_checkpoint_place(path, "checkpoint")
     path = paths.absolute(path)
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} is not a directory")

@@ -149,6 +149,8 @@ def claim(path, kind: str, what: str, *, overwrite: bool = False, hint: str = "c
     with `overwrite`, a directory of the same kind that modern-jax wrote, outside any run or
     checkpoint, is emptied first (not with `dry_run`, which only checks). Returns what was
     there before (of kind `kind`, missing or empty)."""
+    if kind in (RUN, CHECKPOINT):  # written by Orbax
+        paths.check_checkpoint_place(path, what)
     path = paths.as_path(path)
     contents = describe(path)
     if path.exists() and not path.is_dir():
