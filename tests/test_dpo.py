@@ -73,24 +73,49 @@ def test_the_loss_and_every_logged_reward_equal_trl_on_a_fixed_batch(loss_type, 
         want = dict(z)
     with np.load(FIXTURE / "dpo" / "batch.npz") as z:
         batch = pair_batch(z["tokens"], z["weights"])
+    dpo = DPOConfig(beta=float(want["beta"]), loss_type=loss_type, label_smoothing=smoothing)
+    trainer, params = trl_policy(dpo, rows=batch["inputs"].shape[1], seq_len=batch["inputs"].shape[2])
+    assert_trl_figures(jax.device_get(trainer.eval_step(params, trainer.batches.put(batch), None)), want, loss_key)
+
+
+def trl_policy(dpo: DPOConfig, rows: int, seq_len: int):
+    """`(trainer, params)`: the PEFT adapter on the tiny Llama as the policy, its base the reference."""
     cfg, base = from_hf(FIXTURE / "base")
     adapter = FIXTURE / "adapter"
     lora = dataclasses.replace(read_peft_config(adapter), targets=peft_targets(adapter, base, "llama"))
-    rows = batch["inputs"].shape[1]
-    tc = TrainConfig(batch_size=rows, eval_batch_size=rows, seq_len=batch["inputs"].shape[2], warmup_steps=0)
-    dpo = DPOConfig(beta=float(want["beta"]), loss_type=loss_type, label_smoothing=smoothing)
+    tc = TrainConfig(batch_size=rows, eval_batch_size=rows, seq_len=seq_len, warmup_steps=0)
     trainer = make_trainer(cfg, tc, one_device(), lora=lora, objective=DPO(dpo, tc))
     params = traversals.flatten_mapping(jax.device_get(trainer.states.init(0)["params"]))
     params.update(traversals.flatten_mapping(jax.device_get(nnx.to_pure_dict(nnx.state(base, nnx.Param)))))
     params.update(traversals.flatten_mapping(read_peft(adapter, trainer.states.model(trainer.states.init(0)["params"]),
                                                        "llama")))
-    params = traversals.unflatten_mapping(params)
-    sums = jax.device_get(trainer.eval_step(params, trainer.batches.put(batch), None))
+    return trainer, traversals.unflatten_mapping(params)
+
+
+def assert_trl_figures(sums: dict, want: dict, loss_key: str = "loss") -> None:
     pairs = float(sums["pairs"])
     assert pairs == 3
     np.testing.assert_allclose(float(sums["dpo_loss"]) / pairs, want[loss_key], rtol=1e-5, atol=1e-6)
     for ours, theirs in METRICS.items():
         np.testing.assert_allclose(float(sums[ours]) / pairs, want[theirs], rtol=1e-5, atol=1e-6, err_msg=ours)
+
+
+def test_a_batch_runs_over_the_least_width_that_holds_its_longest_sequence():
+    """TRL's fixed batch (sequences of at most 12 tokens) as rows of train.seq_len=32: the objective
+    places it 16 wide, the least width that holds 12, and gives TRL's loss and rewards (1e-5), as
+    the same batch run 32 wide does."""
+    with np.load(FIXTURE / "dpo" / "sigmoid.npz") as z:
+        want = dict(z)
+    with np.load(FIXTURE / "dpo" / "batch.npz") as z:
+        padded = {k: np.pad(z[k], ((0, 0), (0, 0), (0, 33 - z[k].shape[-1]))) for k in ("tokens", "weights")}
+        longest = int((z["tokens"] != 0).sum(-1).max())
+    item = pair_batch(padded["tokens"], padded["weights"])
+    trainer, params = trl_policy(DPOConfig(beta=float(want["beta"])), rows=6, seq_len=32)
+    placed = trainer.objective.place_batch({**item, "width": np.asarray(longest)}, trainer=trainer, params=params,
+                                           rows=None, step=0, key=None)
+    assert longest == 12 and placed["inputs"].shape == (1, 6, 16)
+    for batch in (placed, trainer.batches.put(item)):
+        assert_trl_figures(jax.device_get(trainer.eval_step(params, batch, None)), want)
 
 
 def step_metrics(cfg, tc, lora, dpo, batch, seed: int = 0):

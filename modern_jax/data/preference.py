@@ -53,7 +53,8 @@ letters of the package legend, the pairs in words):
 `batch_of` makes the training batch of some pairs: the `batches.BATCH_KEYS` arrays of
 `[2N, T]`, row 2n the chosen and row 2n + 1 the rejected sequence of pair n, each one document
 (positions from 0, segment 1, padding segment 0), exactly as `pack_windows` lays out a window
-that holds that sequence alone.
+that holds that sequence alone. The iterators' batches also carry `width`, the longest sequence
+of the whole batch (every process's rows), which the DPO objective cuts the rows to (bucketed).
 """
 
 from __future__ import annotations
@@ -187,8 +188,10 @@ class PairBatches:
         return UNBOUNDED
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        batch = batch_of(self.pairs, epoch_order(len(self.pairs), self.seed, int(i) * self.n, self.n))  # [2n, T]: pairs stay in one micro-batch (A divides n)
-        return {k: v.reshape(*self.shape, -1)[:, self.rows] for k, v in batch.items()}
+        indices = epoch_order(len(self.pairs), self.seed, int(i) * self.n, self.n)
+        batch = batch_of(self.pairs, indices)  # [2n, T]: pairs stay in one micro-batch (A divides n)
+        return {**{k: v.reshape(*self.shape, -1)[:, self.rows] for k, v in batch.items()},
+                "width": np.asarray(self.pairs.lengths[indices].max())}  # of every process's rows
 
 
 def pair_iterator(pairs: PreferencePairs, *, batch_size: int, grad_accum: int = 1, seed: int = 0,
@@ -212,7 +215,7 @@ def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int
             batch = batch_of(pairs, indices)
             pad = 2 * n - len(batch["inputs"])
             batch = {k: np.concatenate([v, np.zeros((pad, v.shape[1]), v.dtype)]) for k, v in batch.items()}
-            yield {k: v[rows][None] for k, v in batch.items()}
+            yield {**{k: v[rows][None] for k, v in batch.items()}, "width": np.asarray(pairs.lengths[indices].max())}
 
     return Batches(-(-len(chosen) // n), make())
 

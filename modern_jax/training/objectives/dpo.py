@@ -140,6 +140,13 @@ class DPO(base.Objective):
     def eval_batches(self, split, *, max_windows, rows):
         return pair_eval_batches(split, batch_size=self.train.eval_batch_size, max_pairs=max_windows, rows=rows)
 
+    def place_batch(self, item, *, trainer, params, rows, step, key):
+        """The rows cut to the least of the placement's widths that holds the batch's longest
+        sequence (`width`, of every process's rows, so all agree): the passes run over real tokens,
+        as TRL pads each batch to its longest, compiled once per width."""
+        width = trainer.batches.width(int(item["width"]))
+        return trainer.batches.put({k: v[..., :width] for k, v in item.items() if k != "width"}, rows)
+
     def prepare(self, reference, batch, *, chunk):
         return sequence_logps(reference, batch, chunk=chunk)[0]  # the reference's log-probabilities
 
