@@ -13,7 +13,7 @@ stream as `<bos> ids <eos>`. A training window starts in a record drawn uniforml
 offset drawn uniformly inside it, and runs on through the records after it (each a document
 of its own) until it holds `T + 1` tokens: start `s` is record `s // OFFSETS` at
 `(s % OFFSETS) / OFFSETS` of its length. An evaluation window starts at the beginning of a
-record (all of them, or `max_windows` spread evenly over them).
+record (all of them, or `max_windows` spread evenly over them: `batches.eval_windows`).
 """
 
 from __future__ import annotations
@@ -88,18 +88,7 @@ class RecordStream:
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
         return tokens, np.asarray(starts, np.int64)
 
-    def train_starts(self) -> int:
-        """Starts of training windows are drawn from `[0, train_starts())`."""
-        return len(self) * OFFSETS
-
-    def eval_starts(self, max_windows: int | None) -> np.ndarray:
-        """The starts of the evaluation windows: each record's beginning, or `max_windows` of them
-        spread evenly."""
-        records = np.arange(len(self), dtype=np.int64)
-        if max_windows is not None and max_windows < len(records):
-            records = records[np.linspace(0, len(records) - 1, max_windows).round().astype(np.int64)]
-        return records * OFFSETS
-
-    def end(self) -> int:
-        """A start past the stream's end: a window of padding."""
+    def positions(self) -> int:
+        """Training windows start in `[0, positions())`; `positions()` itself is past the end (a
+        window of padding)."""
         return len(self) * OFFSETS

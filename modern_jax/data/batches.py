@@ -33,6 +33,7 @@ import warnings
 import grain
 import numpy as np
 
+from modern_jax.data.arrayrecords import OFFSETS
 from modern_jax.data.corpora import Mixture, RecordStream, TokenStream
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
@@ -111,7 +112,7 @@ class TrainBatches:
                               f"train.seq_len to at most {max(len(stream) - 2, 1):,} for windows at random starts",
                               stacklevel=2)
         self.highs = [max(1, len(stream) - seq_len) if isinstance(stream, TokenStream)  # windows of T + 1 fit below
-                      else stream.train_starts() for stream in self.streams]
+                      else stream.positions() for stream in self.streams]
 
     def __len__(self) -> int:
         return UNBOUNDED
@@ -179,9 +180,9 @@ def n_eval_windows(stream: TokenStream | RecordStream, seq_len: int) -> int:
 
 def eval_windows(stream: TokenStream | RecordStream, seq_len: int, max_windows: int | None = None) -> np.ndarray:
     """Starts of the non-overlapping windows that cover the stream (every target once), or
-    `max_windows` of them spread evenly over it (a `RecordStream`: `RecordStream.eval_starts`)."""
-    if isinstance(stream, RecordStream):
-        return stream.eval_starts(max_windows)
+    `max_windows` of them spread evenly over it (a `RecordStream`: one from each record's start)."""
+    if isinstance(stream, RecordStream):  # a window from each record's start
+        return spread(np.arange(len(stream), dtype=np.int64), max_windows) * OFFSETS
     n = n_eval_windows(stream, seq_len)
     if max_windows is None or max_windows >= n:
         return np.arange(n, dtype=np.int64) * seq_len
@@ -207,7 +208,7 @@ def eval_batches(stream: TokenStream, *, seq_len: int, batch_size: int, max_wind
     filled up with padding rows."""
     starts = eval_windows(stream, seq_len, max_windows)
     n_batches = -(-len(starts) // batch_size)
-    end = stream.end() if isinstance(stream, RecordStream) else len(stream)
+    end = stream.positions() if isinstance(stream, RecordStream) else len(stream)
     padded = np.full(n_batches * batch_size, end, np.int64)  # a start past the end: all padding
     padded[: len(starts)] = starts
     rows = slice(None) if rows is None else rows
