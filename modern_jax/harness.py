@@ -180,7 +180,9 @@ class Scorer:
         log-probability of the last n tokens and whether greedy decoding gives them.
 
         The inputs (all tokens but the last) are packed, each its own segment with positions from 0,
-        into rows of `row_length` tokens, `batch_size` rows a batch: one program a row length. Rows
+        into rows of `row_length` tokens, in as few batches of at most `batch_size` rows as that takes,
+        as even as the data shards allow (`even_rows`: 3 rows run as a batch of 3, 25 as two of 13):
+        one program a row length and batch. Rows
         whose inputs are the same (a multiple choice's one-token answers) share one segment, as
         lm-eval's hf backend shares its logits: its last position is marked, and the distribution
         there scores each one's last token (at most `MARKS` marked segments a row, `C` candidates
@@ -198,9 +200,10 @@ class Scorer:
         C = max(4, 1 << (max(len(f) for f in finals) - 1).bit_length())
         L = self.row_length(len(unique[0]))
         packed = pack([len(x) for x in unique], [len(f) > 1 for f in finals], L, MARKS)
+        B = even_rows(len(packed), self.batch_size, self.shards)  # 3 rows run as 3, not as a batch of 16
         results: list = [None] * len(rows)
-        for start in range(0, len(packed), self.batch_size):
-            arrays, placed = self._packed_batch(packed[start:start + self.batch_size], unique, finals, L, C)
+        for start in range(0, len(packed), B):
+            arrays, placed = self._packed_batch(packed[start:start + B], unique, finals, L, C, B)
             # one program, compiled once per row length and candidates; every process receives every row's figures
             logp, greedy, cand_logp, cand_greedy = jax.device_get(self.programs.program(
                 "harness_score", self._score, self.params, self._on_mesh(arrays),
@@ -221,10 +224,10 @@ class Scorer:
                     advance(len(shared[unique[u]]))
         return results
 
-    def _packed_batch(self, chunk: list[list[int]], unique: list[tuple], finals: list[list[int]], L: int, C: int):
-        """`(arrays [1, batch_size, ...], placed)`: the rows `chunk` (each a list of indices into
-        `unique`) laid out, and where each input went, `(index, row, offset, mark or None)`."""
-        B = self.batch_size
+    def _packed_batch(self, chunk: list[list[int]], unique: list[tuple], finals: list[list[int]], L: int, C: int,
+                      B: int):
+        """`(arrays [1, B, ...], placed)`: the rows `chunk` (each a list of indices into `unique`)
+        laid out in a batch of B rows, and where each input went, `(index, row, offset, mark or None)`."""
         arrays = {k: np.zeros((1, B, L), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
         arrays["marks"] = np.zeros((1, B, MARKS), np.int32)
         arrays["candidates"] = np.zeros((1, B, MARKS, C), np.int32)

@@ -341,12 +341,13 @@ def test_a_few_rows_move_up_to_a_longer_program_where_they_pad_less_than_a_batch
     assert list(fewer_programs(rows(L32=20, L64=13, L128=3), 16)) == [128, 64]
 
 
-def test_the_scorer_flags_a_greedy_continuation_as_a_naive_forward_pass_does():
+def test_the_scorer_flags_a_greedy_continuation_as_a_naive_forward_pass_does(monkeypatch):
     """Every log-probability and greedy flag of the scorer against the whole vocabulary's log-softmax
     of one forward pass and its argmax: inputs that several final tokens share are scored at their
     marked last position (lm-eval's choices), among them the argmax, greedy, and two that are not;
     scoring 4 tokens, the 3 before are the model's own greedy choices; inputs with one final token
-    are scored as targets, greedy or not."""
+    are scored as targets, greedy or not. The three inputs pack into one row, run as a batch of
+    one row, not of `batch_size`."""
     import jax
 
     from common import one_device
@@ -374,7 +375,11 @@ def test_the_scorer_flags_a_greedy_continuation_as_a_naive_forward_pass_does():
             (context + [top], 4), (context + [low[0]], 4),
             (context[:6] + [context[6]], 3),  # one final token each: unmarked, greedy
             (context[:5] + [low[0] if low[0] != context[5] else low[1]], 2)]  # and not greedy
+    shapes, score = [], Scorer._score
+    monkeypatch.setattr(Scorer, "_score", lambda self, params, arrays: shapes.append(arrays["inputs"].shape)
+                        or score(self, params, arrays))
     got = Scorer(trainer.states, params, batch_size=4, chunk=trainer.train_cfg.loss_vocab_chunk)(rows)
+    assert shapes == [(1, 1, 32)]  # traced once: one row of 32 positions
     for (tokens, n), (logp, greedy) in zip(rows, got):
         positions = range(len(tokens) - n, len(tokens))
         want = sum(logp_TV[i - 1, tokens[i]] for i in positions)
