@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import warnings
 
-import grain
 import numpy as np
 
 from modern_jax.data.arrayrecords import OFFSETS
@@ -142,6 +141,8 @@ class TrainBatches:
 def grain_iterator(source, state: dict | None = None, options=None):
     """A grain iterator over a random-access `source` of batches; `state` (from `.get_state()`)
     resumes it exactly."""
+    import grain  # here: the commands that only score or sample (evaluate, generate, harness) never load it
+
     iterator = iter(grain.MapDataset.source(source).to_iter_dataset(options))
     if state is not None:
         iterator.set_state(state)
@@ -167,6 +168,8 @@ def train_iterator(stream: TokenStream, *, seq_len: int, batch_size: int, grad_a
                    rows: slice | None = None, num_threads: int = 1, prefetch: int = 4, state: dict | None = None):
     """A grain iterator of training batches (this process's `rows`); `state` (from `.get_state()`)
     resumes it exactly."""
+    import grain
+
     return grain_iterator(TrainBatches(stream, seq_len, batch_size, grad_accum, seed, rows), state,
                           grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch))
 
