@@ -184,7 +184,7 @@ def test_sliced_prefetches_are_off_where_the_v6e_cost_model_counts_them_below_ze
     would be, a 1024 x 8192 FFN's training step has them and a negative time; the planner's
     counting program has none and a positive one (the 8B preset's plan on v6e likewise)."""
     run = small_run("model.d_model=1024", "model.d_ff=8192", "model.n_heads=8", "model.n_layers=1",
-                    "train.batch_size=4", "train.seq_len=256", "execution.scan_layers=false")
+                    "train.batch_size=4", "train.seq_len=128", "execution.scan_layers=false")
     mesh = make_mesh(fsdp=4, devices=topology_devices("v6e:2x2"))
     trainer = trainer_for(run, mesh)
     lowered = trainer.programs.lower("train", trainer.states.abstract(), trainer.batches.abstract())
