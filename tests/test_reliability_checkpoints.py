@@ -404,6 +404,9 @@ def _metrics(run: pathlib.Path) -> dict[int, list[float]]:
     return out
 
 
+KILLED_STEPS = 28  # the run the random kills interrupt: a save every step
+
+
 def test_random_sigkills_during_start_up_steps_and_saves_change_no_loss(tmp_path):
     """Kill the run at random moments (start-up, steps, saves: it saves every step), resume
     until done: every step's loss (each time it ran) equals the uninterrupted run's."""
@@ -411,22 +414,22 @@ def test_random_sigkills_during_start_up_steps_and_saves_change_no_loss(tmp_path
 
     def command(name):
         config = tmp_path / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(run_dict(tmp_path, tmp_path / name, steps=40, checkpoint_every=1,
-                                                  keep_checkpoints=2)))
+        config.write_text(yaml.safe_dump(run_dict(tmp_path, tmp_path / name, steps=KILLED_STEPS,
+                                                  checkpoint_every=1, keep_checkpoints=2)))
         return [sys.executable, "-m", "modern_jax.cli", "train", "--config", str(config)]
 
     t0 = time.monotonic()
     subprocess.run(command("straight"), env=env, check=True, capture_output=True, timeout=300)
-    whole = time.monotonic() - t0  # start-up and 40 steps, each saved
+    whole = time.monotonic() - t0  # start-up and the steps, each saved
     want = {step: values[0] for step, values in _metrics(tmp_path / "straight").items()}
-    assert sorted(want) == list(range(1, 41))
+    assert sorted(want) == list(range(1, KILLED_STEPS + 1))
     rng, kills = random.Random(0), 0
     for _ in range(8):  # until four kills landed (a try that outlives its delay is a kill; one that ends is not)
         if kills == 4:
             break
         # a moment of the try about to run: about half of `whole` is start-up, the rest the steps
         # still to run, so a try that would finish the run is not let finish (no more kills after)
-        left = 1 - len(_metrics(tmp_path / "killed")) / 40
+        left = 1 - len(_metrics(tmp_path / "killed")) / KILLED_STEPS
         delay = rng.uniform(0.1, 0.6) * whole / 2 * (1 + left)
         proc = subprocess.Popen(command("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
