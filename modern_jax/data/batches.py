@@ -104,7 +104,8 @@ class TrainBatches:
         self.shape = (grad_accum, batch_size // grad_accum)
         self.rows = slice(None) if rows is None else rows
         for stream in self.streams:
-            if isinstance(stream, TokenStream) and len(stream) <= seq_len + 1:  # one start only: a window takes T + 1 tokens
+            # a token stream with one start only: a window takes T + 1 tokens
+            if isinstance(stream, TokenStream) and len(stream) <= seq_len + 1:
                 padded = ", padded" if len(stream) <= seq_len else ""
                 warnings.warn(f"train.seq_len={seq_len} is as long as the training split ({len(stream):,} tokens): "
                               f"every row of every batch is the whole split from its start{padded}; lower "
