@@ -46,7 +46,8 @@ def open_records(path):
         except Exception as e:  # the reader's errors (a damaged footer, not an ArrayRecord file) name no file
             raise ValueError(f"data.path={str(path)!r} ({file}): not a readable ArrayRecord file "
                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    return grain.sources.ArrayRecordDataSource(files), counts
+    # each file named with its count (`file[0:n]`): the source does not read the footers again
+    return grain.sources.ArrayRecordDataSource([f"{f}[0:{n}]" for f, n in zip(files, counts)]), counts
 
 
 class RecordStream:

@@ -202,15 +202,16 @@ def staged(out, kind: str, what: str, *, overwrite: bool = False, command: str):
     main = distributed.is_main()
     if main:
         claim(out, kind, what, overwrite=overwrite, dry_run=True)
-    with tempfile.TemporaryDirectory(prefix="modern_jax-staged-") as local:
-        yield pathlib.Path(local) / "out"  # the writer makes it
+    with tempfile.TemporaryDirectory(prefix="modern_jax-staged-") as temporary:
+        local = pathlib.Path(temporary) / "out"
+        yield local  # the writer makes it
         target = paths.as_path(out)
         if main:
             claim(target, kind, what, overwrite=overwrite)  # emptied now, with --overwrite
         with RunLock(target, what, command=command).acquire() if main else contextlib.nullcontext():
             distributed.barrier(f"{command}/staged")
-            for file in paths.files_under(pathlib.Path(local) / "out"):  # this process's files
-                paths.copy(file, target / file.relative_to(pathlib.Path(local) / "out").as_posix())
+            for file in paths.files_under(local):  # this process's files
+                paths.copy(file, target / file.relative_to(local).as_posix())
             distributed.barrier(f"{command}/copied")
 
 
