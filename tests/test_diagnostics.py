@@ -105,11 +105,12 @@ def test_train_step_reports_the_max_attention_logit_of_its_own_forward(name, mon
         assert want > cfg.attn_softcap  # so the max is of the logits before the soft-cap (after it, all < cap)
     np.testing.assert_allclose(float(metrics["max_attention_logit"]), want, rtol=1e-4)
 
-    trainer = make_trainer(cfg, TrainConfig(batch_size=4, seq_len=16, grad_accum=accum, warmup_steps=0,
-                                       diagnostics=False), one_device(), execution=run)
-    _, quiet = trainer.train_step(trainer.states.init(0), trainer.batches.put(batch))
-    assert "max_attention_logit" not in quiet
-    np.testing.assert_allclose(float(quiet["loss"]), float(metrics["loss"]), rtol=1e-6)
+    if name == "mla":  # off (one model is enough): no figure, the same loss
+        trainer = make_trainer(cfg, TrainConfig(batch_size=4, seq_len=16, grad_accum=accum, warmup_steps=0,
+                                                diagnostics=False), one_device(), execution=run)
+        _, quiet = trainer.train_step(trainer.states.init(0), trainer.batches.put(batch))
+        assert "max_attention_logit" not in quiet
+        np.testing.assert_allclose(float(quiet["loss"]), float(metrics["loss"]), rtol=1e-6)
 
 
 def test_max_attention_logit_on_a_mesh_equals_one_device():
