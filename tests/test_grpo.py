@@ -18,6 +18,7 @@ import dataclasses
 import json
 import pathlib
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -542,7 +543,9 @@ def test_overlap_keeps_each_sampled_tokens_log_probability_under_the_sampling_we
     from modern_jax.training.objectives.grpo import rollout_program
 
     _, scored = rollout_program(objective, scored=True)
-    rollout = jax.jit(lambda p, *args: scored(lambda q: nnx.merge(graphdef, q), p, *args))
+    model_of = lambda q: nnx.merge(graphdef, q)  # noqa: E731
+    states = types.SimpleNamespace(model=model_of, sampling_model=model_of)  # a plain model's (`States`)
+    rollout = jax.jit(lambda p, *args: scored(states, p, *args))
     tokens, logps = rollout(params, prompt_NW[None], length_N[None], jax.random.key(0))
     rows = objective._rows(prompts, index, np.asarray(tokens), np.ones((1, 4), bool), None, None, np.asarray(logps))
     batch = {k: jnp.asarray(v[0]) for k, v in rows.items()}

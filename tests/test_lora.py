@@ -94,6 +94,34 @@ def test_adapters_start_at_the_base_and_act_as_w_plus_scaled_ba(cfg):
     reference = nnx.merge(abstract_params(cfg)[0], traversals.unflatten_mapping(state))
     np.testing.assert_allclose(got, np.asarray(logits(reference, TOKENS)), atol=2e-5)
     np.testing.assert_allclose(np.asarray(logits(LoRA(lora).merged(adapted), TOKENS)), got, atol=2e-5)  # what convert --to-hf writes
+    # what GRPO's rollouts sample from: the merged model; a quantized base is left as it is
+    np.testing.assert_allclose(np.asarray(logits(LoRA(lora).sampling(adapted), TOKENS)), got, atol=2e-5)
+    assert LoRA(dataclasses.replace(lora, quantize="nf4")).sampling(adapted) is adapted
+
+    # the adapters' gradients: those of the naive W + scale A B (its products written here, one per kernel)
+    graphdef, params = nnx.split(adapted, nnx.Param)
+    trained = {k: v for k, v in flat(params).items() if k[-1] in ("lora_a", "lora_b")}
+    frozen = {k: v for k, v in flat(params).items() if k not in trained}
+
+    def loss(trained, naive: bool):
+        every = {**frozen, **trained}
+        if naive:
+            plain = {k: v for k, v in every.items() if "adapter" not in k}
+            for owner in kernels:
+                a, b = every[(*owner, "adapter", "lora_a")], every[(*owner, "adapter", "lora_b")]
+                w = every[(*owner, "kernel")]
+                lead = b.ndim - 1 - (w.ndim - a.ndim + 1)
+                product = jnp.einsum("...ir,...ro->...io", a.reshape(*a.shape[:lead], -1, a.shape[-1]),
+                                     b.reshape(*b.shape[:lead + 1], -1))
+                plain[(*owner, "kernel")] = w + lora.scale * product.reshape(w.shape)
+            model = nnx.merge(abstract_params(cfg)[0], traversals.unflatten_mapping(plain))
+        else:
+            model = nnx.merge(graphdef, traversals.unflatten_mapping(every))
+        return jnp.sum(jnp.sin(model(TOKENS)))
+
+    got_grads, want_grads = (jax.jit(jax.grad(loss), static_argnums=1)(trained, naive) for naive in (False, True))
+    for k in trained:
+        np.testing.assert_allclose(got_grads[k], want_grads[k], atol=2e-5, rtol=1e-4, err_msg=str(k))
 
 
 def test_a_lora_step_moves_only_the_adapters_and_keeps_no_optimiser_state_for_the_base():

@@ -77,10 +77,17 @@ class Adapter(nnx.Module):
         ins, out = equation.split("->")
         x_letters, w_letters = ins.split(",")
         contracted, kept = w_letters[:self.in_dims], w_letters[self.in_dims:]
+        a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
+        rows = x_letters[:-len(contracted)]
+        if x_letters.endswith(contracted) and out == rows + kept and rows.isalpha():
+            # the rows (batch, tokens) as one axis: the backward's products A^T x and (A x)^T g then
+            # contract over one axis, and XLA does not transpose x and g (a row-sized copy each) for them
+            x_NI = x.reshape(-1, a.size // a.shape[-1])
+            h_NR = (x_NI @ a.reshape(-1, a.shape[-1])) * jnp.asarray(self.scale, x.dtype)
+            return (h_NR @ b.reshape(b.shape[0], -1)).reshape(*x.shape[:len(rows)], *b.shape[1:])
         r = next(c for c in "rRzZqQ" if c not in equation)
-        h = jnp.einsum(f"{x_letters},{contracted}{r}->{out.replace(kept, r)}", x, self.lora_a[...].astype(x.dtype))
-        return jnp.einsum(f"{out.replace(kept, r)},{r}{kept}->{out}", h * jnp.asarray(self.scale, x.dtype),
-                          self.lora_b[...].astype(x.dtype))
+        h = jnp.einsum(f"{x_letters},{contracted}{r}->{out.replace(kept, r)}", x, a)
+        return jnp.einsum(f"{out.replace(kept, r)},{r}{kept}->{out}", h * jnp.asarray(self.scale, x.dtype), b)
 
 
 class AdaptedProj(Proj):
@@ -135,6 +142,11 @@ class Converter:
 
     def merged(self, model: Transformer) -> Transformer:
         """The model as a plain one of its config (what `convert --to-hf` writes)."""
+        return model
+
+    def sampling(self, model: Transformer) -> Transformer:
+        """The model that samples for `model` (an objective's rollouts): the same function, in the
+        fewest operations a token."""
         return model
 
     def notes(self, model: Transformer) -> list[str]:
@@ -223,6 +235,12 @@ class LoRA(Converter):
         for name, module, s, j in projections(model):
             plain[("stages", s, "blocks", j, *name.split("."), "kernel")] = module.weight(dtype)
         return nnx.merge(graphdef, traversals.unflatten_mapping(plain))
+
+    def sampling(self, model: Transformer) -> Transformer:
+        """`merged`: each adapter in its weight, so that a decoding step runs the plain model's products
+        (about 0.87x the rollouts' time of a 24M model, docs/benchmarks.md); a quantized base stays as it
+        is (merged, it would be held again in `param_dtype`)."""
+        return model if self.config.quantize != "none" else self.merged(model)
 
     def undropped(self, model: Transformer) -> list[str]:
         """The adapted projections that `lora.dropout` does not reach: a mixture's experts and

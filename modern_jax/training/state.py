@@ -175,6 +175,10 @@ class StateBuilder:
         """The model of `params` (the run's state's: its stacks in the model's layout again)."""
         return nnx.merge(self.graphdef, self.model_params(params))
 
+    def sampling_model(self, params) -> Transformer:
+        """The model that samples for `params` (`Converter.sampling`: a LoRA run's adapters merged)."""
+        return self.converter.sampling(self.model(params))
+
     def model_params(self, params: dict) -> dict:
         """The run's parameters in the model's layout (`training.layout`)."""
         return layout.to_model(params, self.stacked, self.rounds)

@@ -400,7 +400,7 @@ class GRPO(base.Objective):
 
         name, rollout = rollout_program(self, scored)
         return trainer.programs.program(f"{name}_{prompt_AR.shape[-1]}",
-                                        functools.partial(rollout, trainer.states.model), params, put(prompt_AR),
+                                        functools.partial(rollout, trainer.states), params, put(prompt_AR),
                                         put(length_AR), key, out_shardings=trainer.programs.replicated)
 
     def _rows(self, prompts, index, tokens, real, first_step: int | None, width: int | None = None,
@@ -466,7 +466,7 @@ class GRPO(base.Objective):
         prompts = jax.ShapeDtypeStruct((A, tc.batch_size // A, W), jnp.int32, sharding=rows(3))
         lengths = jax.ShapeDtypeStruct((A, tc.batch_size // A), jnp.int32, sharding=rows(2))
         name, rollout = rollout_program(self, self.config.overlap)
-        return {f"{name}_{W}": (functools.partial(rollout, trainer.states.model),
+        return {f"{name}_{W}": (functools.partial(rollout, trainer.states),
                                 (params, prompts, lengths, jax.random.key(0)))}
 
     def samples(self) -> list[dict]:
@@ -605,7 +605,7 @@ __all__ = ["GRPO", "GRPOConfig", "advantages"]
 
 
 def rollout_program(objective: "GRPO", scored: bool):
-    """`(name, f(model_of, params, prompt_ABW, length_AB, key))` of the program that samples a step's
+    """`(name, f(states, params, prompt_ABW, length_AB, key))` of the program that samples a step's
     completions (`rollout`), or with `scored` also keeps each token's log-probability (`scored_rollout`)."""
     c, chunk = objective.config, objective.train.loss_vocab_chunk
     eos_id = None if objective.tokenizer is None else objective.tokenizer.eos_id  # None: a plan's
@@ -614,9 +614,10 @@ def rollout_program(objective: "GRPO", scored: bool):
     return "grpo_rollout", functools.partial(rollout, c, eos_id)
 
 
-def rollout(c: GRPOConfig, eos_id, model_of, params, prompt_ABW, length_AB, key):
-    """`[A, B, C]` completions sampled after the left-padded prompts, a group's prompt prefilled once."""
-    model = model_of(params)
+def rollout(c: GRPOConfig, eos_id, states, params, prompt_ABW, length_AB, key):
+    """`[A, B, C]` completions sampled after the left-padded prompts, a group's prompt prefilled once, by
+    the run's model of `params` as it samples (`States.sampling_model`: a LoRA run's adapters merged)."""
+    model = states.sampling_model(params)
     A, B, W = prompt_ABW.shape
     tokens = decode(model, prompt_ABW.reshape(A * B, W), key, max_new_tokens=c.max_completion_length,
                     temperature=c.temperature, top_k=c.top_k or None, top_p=c.top_p if c.top_p < 1 else None,
@@ -624,10 +625,11 @@ def rollout(c: GRPOConfig, eos_id, model_of, params, prompt_ABW, length_AB, key)
     return tokens.reshape(A, B, -1)
 
 
-def scored_rollout(c: GRPOConfig, eos_id, chunk: int, model_of, params, prompt_ABW, length_AB, key):
+def scored_rollout(c: GRPOConfig, eos_id, chunk: int, states, params, prompt_ABW, length_AB, key):
     """`rollout`'s tokens `[A, B, C]` and each one's log-probability `[A, B, C]` under `params` at
-    the sampling temperature (a forward over the prompts, left-padded, and their completions)."""
-    tokens_ABC = rollout(c, eos_id, model_of, params, prompt_ABW, length_AB, key)
+    the sampling temperature (a forward of the model as it trains over the prompts, left-padded, and
+    their completions)."""
+    tokens_ABC = rollout(c, eos_id, states, params, prompt_ABW, length_AB, key)
     A, B, W = prompt_ABW.shape
     C = tokens_ABC.shape[-1]
     sequence_NS = jnp.concatenate([prompt_ABW.reshape(A * B, W), tokens_ABC.reshape(A * B, C)], -1)
@@ -636,5 +638,5 @@ def scored_rollout(c: GRPOConfig, eos_id, chunk: int, model_of, params, prompt_A
     batch = {"inputs": sequence_NS[:, :-1], "targets": sequence_NS[:, 1:],
              "positions": jnp.maximum(index_NS - start_N1, 0),
              "segment_ids": (index_NS >= start_N1).astype(jnp.int32)}
-    logps_NS, _, _ = token_logps(model_of(params), batch, chunk=chunk, temperature=c.temperature)
+    logps_NS, _, _ = token_logps(states.model(params), batch, chunk=chunk, temperature=c.temperature)
     return tokens_ABC, logps_NS[:, W - 1:].reshape(A, B, C)
