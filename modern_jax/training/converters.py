@@ -77,17 +77,16 @@ class Adapter(nnx.Module):
         ins, out = equation.split("->")
         x_letters, w_letters = ins.split(",")
         contracted, kept = w_letters[:self.in_dims], w_letters[self.in_dims:]
+        rows = x_letters[:-len(contracted)]  # batch, tokens
+        if not (x_letters.endswith(contracted) and out == rows + kept and rows.isalpha()):
+            raise ValueError(f"an adapter reads its projection's equation as rows, then the contracted dims, "
+                             f"giving rows, then the kept dims; {equation!r} is not such an equation")
         a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
-        rows = x_letters[:-len(contracted)]
-        if x_letters.endswith(contracted) and out == rows + kept and rows.isalpha():
-            # the rows (batch, tokens) as one axis: the backward's products A^T x and (A x)^T g then
-            # contract over one axis, and XLA does not transpose x and g (a row-sized copy each) for them
-            x_NI = x.reshape(-1, a.size // a.shape[-1])
-            h_NR = (x_NI @ a.reshape(-1, a.shape[-1])) * jnp.asarray(self.scale, x.dtype)
-            return (h_NR @ b.reshape(b.shape[0], -1)).reshape(*x.shape[:len(rows)], *b.shape[1:])
-        r = next(c for c in "rRzZqQ" if c not in equation)
-        h = jnp.einsum(f"{x_letters},{contracted}{r}->{out.replace(kept, r)}", x, a)
-        return jnp.einsum(f"{out.replace(kept, r)},{r}{kept}->{out}", h * jnp.asarray(self.scale, x.dtype), b)
+        # the rows as one axis: the backward's products A^T x and (A x)^T g then contract over one axis,
+        # and XLA does not transpose x and g (a row-sized copy each) for them
+        x_NI = x.reshape(-1, a.size // a.shape[-1])
+        h_NR = (x_NI @ a.reshape(-1, a.shape[-1])) * jnp.asarray(self.scale, x.dtype)
+        return (h_NR @ b.reshape(b.shape[0], -1)).reshape(*x.shape[:len(rows)], *b.shape[1:])
 
 
 class AdaptedProj(Proj):
