@@ -105,6 +105,7 @@ def decode(model, prompt_BT, rng, *, max_new_tokens: int, temperature: float, to
     B, T = prompt_BT.shape
     if group < 1 or B % group:
         raise ValueError(f"group={group} must divide the batch of {B} rows")
+    model = model.layer_by_layer()
     sample = partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
     positions = None if length_B is None else (jnp.arange(T, dtype=jnp.int32)[None] - (T - length_B)[:, None])
     cache = model.init_cache(B // group, T + max_new_tokens)

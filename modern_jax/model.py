@@ -159,13 +159,27 @@ class Stack(nnx.Module):
     Its units run in turn (a scan); when the mesh splits the layers over pipeline stages and there
     is no cache to fill (training, scoring), `ops.pipeline` runs them, microbatches through stages."""
 
-    def __init__(self, cfg: ModelConfig, unit: tuple[LayerSpec, ...], repeats: int, first: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, unit: tuple[LayerSpec, ...], repeats: int, first: int, *,
+                 rngs: nnx.Rngs | None = None, blocks: list[Block] | None = None):
+        """New stacked blocks from `rngs`, or the given `blocks` (each stacked `repeats` deep)."""
         self.cfg, self.unit, self.repeats, self.first = cfg, unit, repeats, first
-        self.blocks = nnx.List([stacked_block(cfg, spec, repeats, rngs) for spec in unit])
+        self.blocks = nnx.List(blocks if blocks is not None else [stacked_block(cfg, spec, repeats, rngs)
+                                                                  for spec in unit])
 
     def layer_numbers(self, j: int) -> tuple[int, ...]:
         """The model's layer of each slot along the stacked axis of block `j` of the unit."""
         return tuple(self.first + i * len(self.unit) + j for i in range(self.repeats))
+
+    def one_layer_stacks(self) -> list[Stack]:
+        """Each of this stack's layers as a stack of its own (a unit of one block, run once), in layer order,
+        its weights sliced out of this stack's (a copy)."""
+        stacks = []
+        for i in range(self.repeats):
+            for j, (spec, block) in enumerate(zip(self.unit, self.blocks)):
+                graphdef, state = nnx.split(block)
+                layer = nnx.merge(graphdef, jax.tree.map(lambda w: w[i:i + 1], state))
+                stacks.append(Stack(self.cfg, (spec,), 1, self.first + i * len(self.unit) + j, blocks=[layer]))
+        return stacks
 
     def init_cache(self, batch: int, max_len: int, dtype):
         caches = []
@@ -369,6 +383,19 @@ class Transformer(nnx.Module):
         self.mtp = stacked_mtp(cfg, rngs) if cfg.mtp_depth else None
 
     # ----- decoding cache ------------------------------------------------------
+
+    def layer_by_layer(self) -> Transformer:
+        """This model with each layer a stack of its own (`Stack.one_layer_stacks`), what decoding runs: a
+        decoding step then reads each layer's weights and cache where they lie, and writes its token's keys
+        into that cache in place, where a loop over stacked layers copies every layer's weights and cache
+        out of the stacks and back, each step. The slices are a copy of the blocks' weights, made once (by
+        the program that decodes). On a mesh that splits the layers over pipeline stages, the model as it is
+        (each stage holds its own layers)."""
+        if pipeline.pipelined():
+            return self
+        model = nnx.merge(*nnx.split(self))  # the same arrays, its own modules
+        model.stages = nnx.List([one for stack in self.stages for one in stack.one_layer_stacks()])
+        return model
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
         """An empty cache for `batch` sequences of at most `max_len` tokens."""
