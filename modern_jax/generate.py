@@ -5,7 +5,9 @@
 
 The prompt is prefilled in one call (once per prompt when rows share it: `decode(group=)`), then
 one token per step inside a loop, all in one jit; attention reads the cache only up to its
-filled part (`kernels.chunked.attention_decode`). After a sequence emits `eos_id` it keeps
+filled part (`kernels.chunked.attention_decode`), and the model runs layer by layer
+(`Transformer.layer_by_layer`: each layer's weights sliced out of the stacks once, its cache its
+own, so a step copies neither). After a sequence emits `eos_id` it keeps
 emitting it (callers cut there); the rows that have stop costing (the batch is compacted as they
 finish), and the loop stops once every sequence has. `generate`, GRPO's rollouts and the
 harness's generation tasks all sample through `decode`. Prompts of different lengths share a batch right-aligned
@@ -163,6 +165,7 @@ def mtp_decode(model, prompt_BT, *, max_new_tokens: int):
     by the next step, which starts at its position); MTP module 1 reads the main model's hidden states of
     both positions with the tokens ahead of them, `[g0, g1]`, filling its own cache, and drafts from the row
     of the last emitted token. `steps`: each row's main-model calls after the prefill until it had its tokens."""
+    model = model.layer_by_layer()
     B, T = prompt_BT.shape
     N = max_new_tokens
     S = T + 2 * N + 2  # a row that has its tokens still moves (at most 2 a step) until the slowest has
