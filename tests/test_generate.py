@@ -36,19 +36,25 @@ def test_greedy_with_the_cache_equals_argmax_of_full_forward_passes(tiny):
 
 def test_greedy_with_the_cache_equals_full_forward_passes_for_llama4_attention():
     """Chunks of 3 on the RoPE layers (rings of 3 slots) with the L2 QK-norm, a global NoPE layer
-    with temperature tuning (floor 2): the prompt and the generated tokens cross several chunks."""
+    with temperature tuning (floor 2): the prompt and the generated tokens cross several chunks.
+    `BY_LAYER_FROM` new tokens: decoded layer by layer, a stack of 3 chunked layers and the global
+    one each sliced out (the test above decodes fewer, over the stacked layers)."""
+    from modern_jax.generate import BY_LAYER_FROM
+
+    N = BY_LAYER_FROM
+    assert 6 < N
     cfg = ModelConfig(vocab_size=260, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.5,
                       attention_pattern="CCCG", attention_chunk_size=3, rope_pattern="RRRN", qk_norm="l2",
                       attn_temperature_floor=2, attn_temperature_scale=0.5)
     model = Transformer(cfg, rngs=nnx.Rngs(1))
     graphdef, params = nnx.split(model, nnx.Param)
     prompt = np.array([[257, 100, 101, 102, 103], [257, 7, 8, 9, 10]], np.int32)
-    out = generate(graphdef, nnx.to_pure_dict(params), prompt, max_new_tokens=8, temperature=0.0)
+    out = generate(graphdef, nnx.to_pure_dict(params), prompt, max_new_tokens=N, temperature=0.0)
     forward = jax.jit(lambda tokens: model(tokens))
     T = prompt.shape[1]  # one length, one compile: the model is causal, so what follows t changes nothing at t
-    tokens = np.zeros((2, T + 8), np.int32)
+    tokens = np.zeros((2, T + N), np.int32)
     tokens[:, :T] = prompt
-    for t in range(T, T + 8):
+    for t in range(T, T + N):
         tokens[:, t] = np.asarray(jnp.argmax(forward(jnp.asarray(tokens))[:, t - 1], -1))
     np.testing.assert_array_equal(out, tokens[:, T:])
     assert len(set(out[0].tolist())) > 1  # not one token repeated: the comparison has something to see
