@@ -226,6 +226,50 @@ def test_arrayrecord_shards_are_read_a_record_at_a_time(tmp_path, monkeypatch):
         val.window(len(val) - 1 << 16, 8)
 
 
+def test_parquet_shards_are_read_a_row_group_at_a_time(tmp_path, monkeypatch):
+    """3 shards of 100 rows in row groups of 16, the text among other columns: opening reads the
+    footers and the groups of each shard's 64 head rows alone; training and evaluation windows equal
+    those of an ArrayRecord corpus of the same texts (grain's reader, the independent reference), a
+    batch reading only the groups its rows cover; a row that is not text is named by file and row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from modern_jax.data.arrayrecords import OFFSETS
+    from modern_jax.data.batches import BATCH_KEYS
+
+    rng = np.random.default_rng(0)
+    texts = [f"document {i}: " + "xyz " * int(rng.integers(0, 12)) for i in range(300)]
+    (tmp_path / "pq").mkdir()
+    for f in range(3):
+        pq.write_table(pa.table({"id": list(range(100)), "title": ["SECRET"] * 100,
+                                 "text": texts[f * 100:(f + 1) * 100]}),
+                       tmp_path / "pq" / f"part-{f}.parquet", row_group_size=16)
+    write_records(tmp_path / "all.array_record", [t.encode() for t in texts])
+    reads = []
+    read = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, g, **kw: reads.append(g) or read(self, g, **kw))
+    tok, train, val = load_splits(DataConfig(path=str(tmp_path / "pq" / "part-*.parquet")))
+    assert (len(train), len(val)) == (270, 30)
+    assert reads == [0, 1, 2, 3] * 3  # rows 0-63 of each shard: groups 0-3
+    _, want_train, want_val = load_splits(DataConfig(path=str(tmp_path / "all.array_record")))
+
+    reads.clear()
+    batch = TrainBatches(train, seq_len=32, batch_size=8, seed=3)[5]
+    want = TrainBatches(want_train, seq_len=32, batch_size=8, seed=3)[5]
+    for key in BATCH_KEYS:
+        np.testing.assert_array_equal(batch[key], want[key], err_msg=key)
+    assert "SECRET" not in tok.decode(batch["inputs"].ravel()) and len(reads) <= 2 * 8
+    for got, expected in zip(eval_batches(val, seq_len=16, batch_size=4, max_windows=3),
+                             eval_batches(want_val, seq_len=16, batch_size=4, max_windows=3)):
+        for key in BATCH_KEYS:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+    pq.write_table(pa.table({"text": ["ok"] * 70 + [None]}), tmp_path / "null.parquet", row_group_size=16)
+    _, train, val = load_splits(DataConfig(path=str(tmp_path / "null.parquet")))  # past the head: at its read
+    with pytest.raises(ValueError, match=r"null.parquet, row 70: field 'text' \(data.text_field\) holds NoneType"):
+        val.window((len(val) - 1) * OFFSETS, 8)
+
+
 def test_embedded_corpus_needs_no_download():
     tok, train, val = load_splits(DataConfig())
     assert len(train) > 1_000_000 and len(val) > 100_000
@@ -272,7 +316,7 @@ def test_records_give_the_token_stream_of_the_same_text_in_plain_files_and_only_
 
     _, want_train, want_val = load_splits(DataConfig(path=str(tmp_path / "plain")))
     cases = [({"path": "docs.jsonl"}, "jsonl"), ({"path": "docs.jsonl.gz"}, "jsonl"), ({"path": "shards"}, "jsonl"),
-             ({"path": "docs.parquet"}, "parquet"), ({"path": "saved"}, "hf"),
+             ({"path": "saved"}, "hf"),
              ({"path": "saved_dict", "hf_split": "notes", "text_field": "body"}, "hf")]
     for settings, source in cases:
         cfg = DataConfig(**{**settings, "path": str(tmp_path / settings["path"])})
@@ -283,6 +327,9 @@ def test_records_give_the_token_stream_of_the_same_text_in_plain_files_and_only_
             np.testing.assert_array_equal(got.doc_starts, want.doc_starts, err_msg=str(settings))
             assert got.trained is None
         assert "SECRET" not in tok.decode(train.tokens) + tok.decode(val.tokens)
+    # Parquet is read a row group at a time (the test below): its records are the text column's alone
+    _, train, val = load_splits(DataConfig(path=str(tmp_path / "docs.parquet")))
+    assert [train.source[i] for i in range(len(train) + len(val))] == RECORD_TEXTS and len(val) == 1
 
 
 def test_a_streamed_dataset_reads_the_first_max_documents(tmp_path):
@@ -298,9 +345,10 @@ def test_a_streamed_dataset_reads_the_first_max_documents(tmp_path):
         (tmp_path / "plain" / f"{i}.txt").write_text(text)
     _, want, _ = load_splits(DataConfig(path=str(tmp_path / "plain")))
     streamed = DataConfig(source="hf", path=str(tmp_path / "pq"), streaming=True, max_documents=4)
-    for cfg in (streamed, DataConfig(path=str(tmp_path / "pq"), max_documents=4)):  # hf streaming, parquet
-        _, train, _ = load_splits(cfg)
-        np.testing.assert_array_equal(train.tokens, want.tokens)
+    _, train, _ = load_splits(streamed)
+    np.testing.assert_array_equal(train.tokens, want.tokens)
+    _, train, val = load_splits(DataConfig(path=str(tmp_path / "pq"), max_documents=4))  # Parquet, by row group
+    assert [train.source[i] for i in range(len(train) + len(val))] == texts[:4]
 
 
 def test_record_errors_name_the_file_the_line_and_the_fields(tmp_path):

@@ -1,8 +1,9 @@
 """Corpora: documents from the embedded corpus, text files, token files, ArrayRecord, or
 records (JSON Lines, Parquet, Hugging Face `datasets`: `modern_jax.data.records`), split
 deterministically into train / validation and encoded into one token stream each. Token
-shards (`modern_jax.data.shards`) and ArrayRecord shards (`modern_jax.data.arrayrecords`) are
-read a window at a time as batches ask, never whole; the others are read whole at the start.
+shards (`modern_jax.data.shards`), ArrayRecord shards (`modern_jax.data.arrayrecords`) and
+Parquet text (`records.ParquetRecords`, cut and read as ArrayRecord is) are read a window at a
+time as batches ask, never whole; the others are read whole at the start.
 
 A document is a text, token ids, or (`data.format: chat`) a conversation, rendered by the
 chat template into one text whose assistant turns alone are trained (`modern_jax.data.chat`):
@@ -38,7 +39,7 @@ from etils import epath
 from modern_jax.data import chat
 from modern_jax.data.arrayrecords import HEAD_RECORDS, RecordStream, open_records
 from modern_jax.data.config import EXTENSIONS, RECORD_SOURCES, DataConfig, data_files
-from modern_jax.data.records import record_documents
+from modern_jax.data.records import ParquetRecords, record_documents
 from modern_jax.data.shards import HEAD_IDS, Shards, open_file, open_shards, read_index, shard_name, text_hint
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
@@ -191,7 +192,9 @@ def arrayrecord_texts(path):
         yield f"record-{i}", _record_text(path, i, source[i])
 
 
-def _record_text(path, i: int, record: bytes) -> str:
+def _record_text(path, i: int, record: bytes | str) -> str:
+    if isinstance(record, str):  # a Parquet row's text
+        return record
     try:
         return record.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -199,12 +202,47 @@ def _record_text(path, i: int, record: bytes) -> str:
                          f"token ids set data.record_format: tokens") from None
 
 
-def _arrayrecord_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int | None,
-                        shared: pathlib.Path | None) -> tuple[Tokenizer, RecordStream, RecordStream]:
-    """The records cut at `1 - val_fraction` into two `RecordStream`s, read as batches ask
-    (`modern_jax.data.arrayrecords`); a tokenizer built from the text (char, BPE) reads it once."""
-    source, counts = open_records(cfg.path)
-    n, where = len(source), _where(cfg, "arrayrecord")
+def open_sharded_records(cfg: DataConfig) -> tuple[object, list[int]]:
+    """`(source, records per file)` of an ArrayRecord or (text) Parquet corpus: one random-access source
+    of its records, of which opening reads the footers alone (`data.max_documents`: the first ones)."""
+    if cfg.resolved_source == "parquet":
+        source = ParquetRecords(cfg)
+        counts = source.counts
+    else:
+        source, counts = open_records(cfg.path)
+    if cfg.max_documents is not None and cfg.max_documents < len(source):
+        source, counts = First(source, cfg.max_documents), _first_counts(counts, cfg.max_documents)
+    return source, counts
+
+
+class First:
+    """The first `n` records of a source."""
+
+    def __init__(self, source, n: int):
+        self.source, self.n = source, n
+        self.where = getattr(source, "where", None)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return self.source[i]
+
+
+def _first_counts(counts: list[int], n: int) -> list[int]:
+    out = []
+    for count in counts:
+        out.append(min(count, n - sum(out)))
+    return [c for c in out if c] or [0]
+
+
+def _record_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int | None,
+                   shared: pathlib.Path | None) -> tuple[Tokenizer, RecordStream, RecordStream]:
+    """The records of an ArrayRecord or Parquet corpus cut at `1 - val_fraction` into two
+    `RecordStream`s, read as batches ask (`modern_jax.data.arrayrecords`); a tokenizer built from the
+    text (char, BPE) reads it once."""
+    source, counts = open_sharded_records(cfg)
+    n, where = len(source), _where(cfg, cfg.resolved_source)
     if n < 2:
         raise ValueError(f"{where} holds {n} record{'s' if n != 1 else ''}: a training and a validation split "
                          "need two or more")
@@ -217,17 +255,26 @@ def _arrayrecord_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size
 
         tokenizer = _made_tokenizer(cfg, lambda: texts(0, cut), lambda: texts(0, n), vocab_size, shared)
 
-    decode = _record_decoder(cfg, tokenizer, where)
+    decode = _record_decoder(cfg, tokenizer, where, source)
     _check_heads(source, counts, decode, where)
     dtype = _stream_dtype(tokenizer.vocab_size)
     return (tokenizer, RecordStream(source, 0, cut, decode, tokenizer.bos_id, tokenizer.eos_id, dtype),
             RecordStream(source, cut, n, decode, tokenizer.bos_id, tokenizer.eos_id, dtype))
 
 
-def _record_decoder(cfg: DataConfig, tokenizer: Tokenizer, where: str):
-    """`(i, record) -> ids` of record `i`: its token ids, or its text encoded; checked."""
+def _record_decoder(cfg: DataConfig, tokenizer: Tokenizer, where: str, source=None):
+    """`(i, record) -> ids` of record `i` (named by the source's `where(i)`, if it has one): its token
+    ids, or its text encoded; checked."""
+    name = getattr(source, "where", None)
+    tokens = cfg.record_format == "tokens" and cfg.resolved_source == "arrayrecord"
+
     def decode(i, record):
-        if cfg.record_format == "tokens":
+        if name is not None:
+            try:
+                return tokenizer.encode(record)
+            except ValueError as e:  # a character the tokenizer has no id for
+                raise ValueError(f"{name(i)}: {e}") from None
+        if tokens:
             if len(record) % np.dtype(cfg.token_dtype).itemsize:
                 raise ValueError(f"{where} (record-{i}): {len(record)} bytes are not a whole number of "
                                  f"data.token_dtype={cfg.token_dtype} ids: set data.token_dtype to the dtype that "
@@ -453,8 +500,8 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
     source = cfg.resolved_source
     if source == "tokens":
         return _token_file_splits(cfg, tokenizer)
-    if source == "arrayrecord":
-        return _arrayrecord_splits(cfg, tokenizer, vocab_size, shared)
+    if source == "arrayrecord" or (source == "parquet" and cfg.format == "text"):
+        return _record_splits(cfg, tokenizer, vocab_size, shared)
     docs = read_documents(cfg, source)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, whole=cfg.format == "chat")
     where = _where(cfg, source)
@@ -524,9 +571,9 @@ def load_stream(cfg: DataConfig, tokenizer: Tokenizer) -> TokenStream:
     if source == "tokens":
         raise ValueError(f"data.path={str(cfg.path)!r} is a token file: evaluate reads documents (text, records, "
                          "conversations); evaluate a token file as the run's --split")
-    if source == "arrayrecord":  # read as its windows ask
-        records, counts = open_records(cfg.path)
-        decode = _record_decoder(cfg, tokenizer, _where(cfg, source))
+    if source == "arrayrecord" or (source == "parquet" and cfg.format == "text"):  # read as its windows ask
+        records, counts = open_sharded_records(cfg)
+        decode = _record_decoder(cfg, tokenizer, _where(cfg, source), records)
         _check_heads(records, counts, decode, _where(cfg, source))
         return RecordStream(records, 0, len(records), decode, tokenizer.bos_id, tokenizer.eos_id,
                             _stream_dtype(tokenizer.vocab_size))

@@ -9,7 +9,8 @@ deterministic. A record without the field is an error naming the file, the line 
 fields it has.
 
 - `jsonl`: a `.jsonl` / `.jsonl.gz` file, or a directory of them; one JSON object per line.
-- `parquet`: a `.parquet` file, or a directory of them (pyarrow).
+- `parquet`: a `.parquet` file, or a directory of them (pyarrow), a row group at a time; a text
+  corpus is read as batches ask through `ParquetRecords` (`corpora.load_splits`), never whole.
 - `hf`: Hugging Face `datasets`: a directory written by `save_to_disk` (a `DatasetDict`'s
   `data.hf_split`), a local data file (read by the `datasets` builder of its extension,
   `HF_BUILDERS`) or a directory of them, or a hub name (`org/name`, when the network or the
@@ -28,7 +29,10 @@ import json
 import logging
 import pathlib
 import re
+import threading
 from collections.abc import Iterator
+
+import numpy as np
 
 from modern_jax.data.config import EXTENSIONS, SAVED_DATASET, DataConfig, data_files
 
@@ -112,22 +116,90 @@ def _jsonl(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> It
             raise ValueError(f"{file}: cannot be read ({type(e).__name__}: {e})") from None
 
 
+@contextlib.contextmanager
+def _reading_parquet(file):
+    """pyarrow's errors on `file` as one line naming it."""
+    try:
+        yield
+    except PermissionError as e:
+        raise ValueError(f"{file} cannot be read ({e.strerror or e}): check its permissions") from None
+    except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) and others on a damaged file
+        raise ValueError(f"{file}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
 def _parquet(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> Iterator[Record]:
+    """Each file a row group at a time (only the field's column, unless `whole`)."""
     import pyarrow.parquet as pq
 
     for file, name in _files(cfg, "parquet"):
-        try:
-            names = pq.read_schema(file).names
-            column = None if field not in names else pq.read_table(file).to_pylist() if whole else \
-                pq.read_table(file, columns=[field]).column(field).to_pylist()
-        except PermissionError as e:
-            raise ValueError(f"{file} cannot be read ({e.strerror or e}): check its permissions") from None
-        except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) and others on a damaged file
-            raise ValueError(f"{file}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-        if column is None:
+        with _reading_parquet(file):
+            reader = pq.ParquetFile(file)
+            names = reader.schema_arrow.names
+        if field not in names:
             raise _missing(str(file), field, setting, names)
-        for row, value in enumerate(column):
-            yield f"{name}, row {row}", f"{file}, row {row}", value
+        row = 0
+        for group in range(reader.num_row_groups):
+            with _reading_parquet(file):
+                table = reader.read_row_group(group, columns=None if whole else [field])
+            for value in table.to_pylist() if whole else table.column(field).to_pylist():
+                yield f"{name}, row {row}", f"{file}, row {row}", value
+                row += 1
+
+
+class ParquetRecords:
+    """The text field of every row of Parquet shards as one random-access source of records (what
+    `arrayrecords.RecordStream` reads): opening reads each file's footer (its row groups' row counts)
+    and nothing more; record `i` reads its row group's one column, the last `KEPT` groups kept."""
+
+    KEPT = 4
+
+    def __init__(self, cfg: DataConfig):
+        import pyarrow.parquet as pq
+
+        self.field, self.files = cfg.text_field, [file for file, _ in _files(cfg, "parquet")]
+        self.groups, counts, self.counts = [], [], []  # (file, group) of each row group, its rows; rows a file
+        for k, file in enumerate(self.files):
+            with _reading_parquet(file):
+                meta = pq.ParquetFile(file).metadata
+                names = meta.schema.to_arrow_schema().names
+            if self.field not in names:
+                raise _missing(str(file), self.field, "text_field", names)
+            rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            self.groups += [(k, g) for g in range(len(rows))]
+            counts += rows
+            self.counts.append(sum(rows))
+        self.firsts = np.cumsum([0] + counts)  # the first row of each row group, and the total
+        self._kept: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return int(self.firsts[-1])
+
+    def where(self, i: int) -> str:
+        """Record `i` named by its file and row."""
+        k = int(np.searchsorted(np.cumsum(self.counts), i, side="right"))
+        return f"{self.files[k]}, row {i - sum(self.counts[:k])}"
+
+    def __getitem__(self, i: int) -> str:
+        g = int(np.searchsorted(self.firsts, i, side="right")) - 1
+        with self._lock:
+            column = self._kept.pop(g, None)
+        if column is None:
+            import pyarrow.parquet as pq
+
+            file, group = self.files[self.groups[g][0]], self.groups[g][1]
+            with _reading_parquet(file):
+                column = pq.ParquetFile(file).read_row_group(group, columns=[self.field]).column(self.field).to_pylist()
+        with self._lock:
+            self._kept[g] = column  # the most recent last
+            while len(self._kept) > self.KEPT:
+                self._kept.pop(next(iter(self._kept)))
+        value = column[i - int(self.firsts[g])]
+        if not isinstance(value, str):
+            raise ValueError(f"{self.where(i)}: field {self.field!r} (data.text_field) holds "
+                             f"{type(value).__name__} {str(value)[:60]!r}, not text: point data.text_field at a "
+                             f"text field")
+        return value
 
 
 @contextlib.contextmanager
