@@ -270,6 +270,53 @@ def test_parquet_shards_are_read_a_row_group_at_a_time(tmp_path, monkeypatch):
         val.window((len(val) - 1) * OFFSETS, 8)
 
 
+def test_json_lines_of_many_blocks_are_read_a_block_at_a_time(tmp_path, monkeypatch):
+    """Blocks of 64 bytes, read as records from 40 blocks: each block holds the lines that start in it
+    (grouped here from the lines' byte offsets), every line once; a training batch equals `pack_windows`
+    of the whole training stream laid out in memory; a smaller corpus is read whole; a bad line past the
+    head is named by its line number when it is read."""
+    from modern_jax.data.arrayrecords import OFFSETS
+    from modern_jax.data.batches import BATCH_KEYS
+    from modern_jax.data.records import JsonlRecords
+
+    monkeypatch.setattr(JsonlRecords, "BLOCK", 64)
+    monkeypatch.setattr(JsonlRecords, "FROM_BLOCKS", 40)
+    rng = np.random.default_rng(0)
+    texts = [f"doc {i} " + "w" * int(rng.integers(0, 150)) for i in range(120)]
+    (tmp_path / "js").mkdir()
+    blocks, first = [], 0  # the global block each line starts in
+    for f in range(2):
+        lines = [json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts[f * 60:(f + 1) * 60])]
+        lines[-1] = lines[-1] if f == 0 else "not json\n"
+        (tmp_path / "js" / f"part-{f}.jsonl").write_text("".join(lines))
+        offsets = np.cumsum([0] + [len(line) for line in lines[:-1]])
+        blocks += (first + offsets // 64).tolist()
+        first += -(-sum(map(len, lines)) // 64)
+    tok, train, val = load_splits(DataConfig(path=str(tmp_path / "js" / "*.jsonl")))
+    assert len(train) + len(val) == first and len(val) == first - int(first * 0.9)
+    source = train.source
+    for b in range(first - 1):
+        assert source[b] == [t for t, at in zip(texts, blocks) if at == b], b
+
+    whole = TokenStream.from_documents([tok.encode(t) for t, at in zip(texts, blocks) if at < len(train)],
+                                       tok.bos_id, tok.eos_id, np.uint16)
+    batch = TrainBatches(train, seq_len=32, batch_size=8, seed=3)[5]
+    starts = np.random.default_rng([3, 5]).integers(0, len(train) * OFFSETS, size=(1, 8))[0]
+    for row, start in enumerate(starts):
+        r, k = divmod(int(start), OFFSETS)
+        docs = [j for j, at in enumerate(blocks) if at >= r]
+        in_r = sum(len(tok.encode(texts[j])) + 2 for j in docs if blocks[j] == r)
+        expected = pack_windows(whole, [whole.doc_starts[docs[0]] + k * in_r // OFFSETS], 32)
+        for key in BATCH_KEYS:
+            np.testing.assert_array_equal(batch[key][0, row], expected[key][0], err_msg=f"row {row} {key}")
+    with pytest.raises(ValueError, match=r"part-1.jsonl, line 60: not valid JSON"):
+        val.window((len(val) - 1) * OFFSETS, 8)
+
+    monkeypatch.setattr(JsonlRecords, "FROM_BLOCKS", first + 1)  # fewer blocks: read whole, then refused whole
+    with pytest.raises(ValueError, match=r"part-1.jsonl, line 60: not valid JSON"):
+        load_splits(DataConfig(path=str(tmp_path / "js" / "*.jsonl")))
+
+
 def test_embedded_corpus_needs_no_download():
     tok, train, val = load_splits(DataConfig())
     assert len(train) > 1_000_000 and len(val) > 100_000

@@ -51,7 +51,8 @@ def open_records(path):
 
 
 class RecordStream:
-    """Records `[lo, hi)` of an ArrayRecord source as a stream of documents (module docstring).
+    """Records `[lo, hi)` of a random-access source (ArrayRecord's; `records.ParquetRecords`,
+    `records.JsonlRecords`) as a stream of documents (module docstring).
 
     `decode(i, record) -> ids` turns record `i` (its global number) into the token ids of its
     document, checked against the vocabulary; `bos_id` / `eos_id` are put around each."""
@@ -65,26 +66,32 @@ class RecordStream:
     def __len__(self) -> int:
         return self.hi - self.lo
 
-    def document(self, r: int) -> np.ndarray:
-        """Record `r` of the stream as it lies in it: `<bos> ids <eos>`."""
+    def documents(self, r: int) -> list[np.ndarray]:
+        """The documents of record `r` of the stream as they lie in it, each `<bos> ids <eos>` (a
+        record is one document, or with a decode that returns a list, several: a JSON Lines block)."""
         i = self.lo + r
-        ids = self.decode(i, self.source[i])
-        pieces = ([[self.bos_id]] if self.bos_id is not None else []) + [ids] + \
-            ([[self.eos_id]] if self.eos_id is not None else [])
-        return np.concatenate(pieces).astype(self.dtype)
+        decoded = self.decode(i, self.source[i])
+        framed = []
+        for ids in decoded if isinstance(decoded, list) else [decoded]:
+            pieces = ([[self.bos_id]] if self.bos_id is not None else []) + [ids] + \
+                ([[self.eos_id]] if self.eos_id is not None else [])
+            framed.append(np.concatenate(pieces).astype(self.dtype))
+        return framed
 
     def window(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """`(tokens, document starts)` of the `n` tokens (fewer at the end of the stream) from
-        start `start`: its record from its offset, then the records after it."""
+        start `start`: its record from its offset (into the record's tokens), then the records after it."""
         r, k = divmod(int(start), OFFSETS)
         pieces, starts, filled = [], [], 0
         while filled < n and r < len(self):
-            doc = self.document(r)
-            doc = doc[k * len(doc) // OFFSETS:] if not pieces else doc
-            if len(doc):
-                starts.append(filled)
-                pieces.append(doc[: n - filled])
-                filled += len(pieces[-1])
+            docs = self.documents(r)
+            skip = k * sum(map(len, docs)) // OFFSETS
+            for doc in docs:
+                doc, skip = doc[skip:], max(skip - len(doc), 0)
+                if len(doc) and filled < n:
+                    starts.append(filled)
+                    pieces.append(doc[: n - filled])
+                    filled += len(pieces[-1])
             r, k = r + 1, 0
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
         return tokens, np.asarray(starts, np.int64)

@@ -2,8 +2,9 @@
 records (JSON Lines, Parquet, Hugging Face `datasets`: `modern_jax.data.records`), split
 deterministically into train / validation and encoded into one token stream each. Token
 shards (`modern_jax.data.shards`), ArrayRecord shards (`modern_jax.data.arrayrecords`) and
-Parquet text (`records.ParquetRecords`, cut and read as ArrayRecord is) are read a window at a
-time as batches ask, never whole; the others are read whole at the start.
+Parquet text and large JSON Lines (`records.ParquetRecords`, `records.JsonlRecords`, cut and read
+as ArrayRecord is: `read_as_records`) are read a window at a time as batches ask, never whole;
+the others are read whole at the start.
 
 A document is a text, token ids, or (`data.format: chat`) a conversation, rendered by the
 chat template into one text whose assistant turns alone are trained (`modern_jax.data.chat`):
@@ -39,7 +40,7 @@ from etils import epath
 from modern_jax.data import chat
 from modern_jax.data.arrayrecords import HEAD_RECORDS, RecordStream, open_records
 from modern_jax.data.config import EXTENSIONS, RECORD_SOURCES, DataConfig, data_files
-from modern_jax.data.records import ParquetRecords, record_documents
+from modern_jax.data.records import JsonlRecords, ParquetRecords, record_documents, record_files
 from modern_jax.data.shards import HEAD_IDS, Shards, open_file, open_shards, read_index, shard_name, text_hint
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
@@ -202,11 +203,23 @@ def _record_text(path, i: int, record: bytes | str) -> str:
                          f"token ids set data.record_format: tokens") from None
 
 
+def read_as_records(cfg: DataConfig) -> bool:
+    """Whether `cfg`'s corpus is read a record at a time as batches ask: ArrayRecord, the text of Parquet,
+    and that of JSON Lines of at least `JsonlRecords.FROM_BLOCKS` blocks, uncompressed (gzip cannot seek:
+    `.jsonl.gz` is read whole)."""
+    source = cfg.resolved_source
+    if source == "jsonl" and cfg.format == "text":
+        files = [file for file, _ in record_files(cfg, "jsonl")]
+        return not any(file.name.endswith(".gz") for file in files) and \
+            JsonlRecords.blocks(files) >= JsonlRecords.FROM_BLOCKS
+    return source == "arrayrecord" or (source == "parquet" and cfg.format == "text")
+
+
 def open_sharded_records(cfg: DataConfig) -> tuple[object, list[int]]:
     """`(source, records per file)` of an ArrayRecord or (text) Parquet corpus: one random-access source
     of its records, of which opening reads the footers alone (`data.max_documents`: the first ones)."""
-    if cfg.resolved_source == "parquet":
-        source = ParquetRecords(cfg)
+    if cfg.resolved_source in ("parquet", "jsonl"):
+        source = (ParquetRecords if cfg.resolved_source == "parquet" else JsonlRecords)(cfg)
         counts = source.counts
     else:
         source, counts = open_records(cfg.path)
@@ -251,7 +264,9 @@ def _record_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int
         tokenizer = load_tokenizer_for_tokens(cfg)
     if tokenizer is None:
         def texts(lo, hi):
-            return (_record_text(cfg.path, i, source[i]) for i in range(lo, hi))
+            for i in range(lo, hi):
+                record = source[i]
+                yield from record if isinstance(record, list) else [_record_text(cfg.path, i, record)]
 
         tokenizer = _made_tokenizer(cfg, lambda: texts(0, cut), lambda: texts(0, n), vocab_size, shared)
 
@@ -269,9 +284,9 @@ def _record_decoder(cfg: DataConfig, tokenizer: Tokenizer, where: str, source=No
     tokens = cfg.record_format == "tokens" and cfg.resolved_source == "arrayrecord"
 
     def decode(i, record):
-        if name is not None:
+        if name is not None:  # text: one (Parquet) or a block's list (JSON Lines)
             try:
-                return tokenizer.encode(record)
+                return [tokenizer.encode(t) for t in record] if isinstance(record, list) else tokenizer.encode(record)
             except ValueError as e:  # a character the tokenizer has no id for
                 raise ValueError(f"{name(i)}: {e}") from None
         if tokens:
@@ -500,7 +515,7 @@ def load_splits(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size:
     source = cfg.resolved_source
     if source == "tokens":
         return _token_file_splits(cfg, tokenizer)
-    if source == "arrayrecord" or (source == "parquet" and cfg.format == "text"):
+    if read_as_records(cfg):
         return _record_splits(cfg, tokenizer, vocab_size, shared)
     docs = read_documents(cfg, source)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, whole=cfg.format == "chat")
@@ -571,7 +586,7 @@ def load_stream(cfg: DataConfig, tokenizer: Tokenizer) -> TokenStream:
     if source == "tokens":
         raise ValueError(f"data.path={str(cfg.path)!r} is a token file: evaluate reads documents (text, records, "
                          "conversations); evaluate a token file as the run's --split")
-    if source == "arrayrecord" or (source == "parquet" and cfg.format == "text"):  # read as its windows ask
+    if read_as_records(cfg):  # read as its windows ask
         records, counts = open_sharded_records(cfg)
         decode = _record_decoder(cfg, tokenizer, _where(cfg, source), records)
         _check_heads(records, counts, decode, _where(cfg, source))

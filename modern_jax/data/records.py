@@ -8,7 +8,8 @@ line or row order), each named by its file and line or row, so the split by name
 deterministic. A record without the field is an error naming the file, the line and the
 fields it has.
 
-- `jsonl`: a `.jsonl` / `.jsonl.gz` file, or a directory of them; one JSON object per line.
+- `jsonl`: a `.jsonl` / `.jsonl.gz` file, or a directory of them; one JSON object per line. A text
+  corpus of 64 MiB or more, uncompressed, is read a block at a time as batches ask (`JsonlRecords`).
 - `parquet`: a `.parquet` file, or a directory of them (pyarrow), a row group at a time; a text
   corpus is read as batches ask through `ParquetRecords` (`corpora.load_splits`), never whole.
 - `hf`: Hugging Face `datasets`: a directory written by `save_to_disk` (a `DatasetDict`'s
@@ -53,10 +54,8 @@ def iter_record_documents(cfg: DataConfig, source: str) -> Iterator[tuple[str, o
     reader = {"jsonl": _jsonl, "parquet": _parquet, "hf": _hf}[source]
     n = 0
     for name, where, value in reader(cfg, field, setting):
-        if not chat and not isinstance(value, str):
-            raise ValueError(f"{where}: field {field!r} (data.{setting}) holds {type(value).__name__} "
-                             f"{str(value)[:60]!r}, not text: point data.{setting} at a text field"
-                             + ("; for conversations set data.format: chat" if isinstance(value, list) else ""))
+        if not chat:
+            _check_text(value, where, field, setting)
         yield name, value
         n += 1
         if cfg.max_documents is not None and n >= cfg.max_documents:
@@ -65,13 +64,35 @@ def iter_record_documents(cfg: DataConfig, source: str) -> Iterator[tuple[str, o
         raise ValueError(f"data.path={str(cfg.path)!r} holds no records")
 
 
+def _check_text(value, where: str, field: str, setting: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} (data.{setting}) holds {type(value).__name__} "
+                         f"{str(value)[:60]!r}, not text: point data.{setting} at a text field"
+                         + ("; for conversations set data.format: chat" if isinstance(value, list) else ""))
+    return value
+
+
+def _json_record(line: str | bytes, where: str, field: str, setting: str) -> dict:
+    """One line of a JSON Lines file: a JSON object with the field."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): each line of a .jsonl file "
+                         "is one JSON object") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object {{...}}, got {type(record).__name__}")
+    if field not in record:
+        raise _missing(where, field, setting, record)
+    return record
+
+
 def _missing(where: str, field: str, setting: str, fields) -> ValueError:
     fields = list(fields)
     return ValueError(f"{where}: no field {field!r} (data.{setting}); the fields are "
                       f"{', '.join(map(repr, fields)) or 'none'}: set data.{setting} to the one to read")
 
 
-def _files(cfg: DataConfig, source: str) -> list[tuple[pathlib.Path, str]]:
+def record_files(cfg: DataConfig, source: str) -> list[tuple[pathlib.Path, str]]:
     """`(file, name)` of a file or of every file of the source's extensions under a directory."""
     from modern_jax.data.shards import expand, is_glob, nothing_at
 
@@ -92,7 +113,7 @@ def _files(cfg: DataConfig, source: str) -> list[tuple[pathlib.Path, str]]:
 
 
 def _jsonl(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> Iterator[Record]:
-    for file, name in _files(cfg, "jsonl"):
+    for file, name in record_files(cfg, "jsonl"):
         opener = gzip.open if file.name.endswith(".gz") else open
         try:
             with opener(file, "rt", encoding="utf-8") as lines:
@@ -100,15 +121,7 @@ def _jsonl(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> It
                     if not line.strip():
                         continue
                     where = f"{file}, line {n}"
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): each line of a "
-                                         ".jsonl file is one JSON object") from None
-                    if not isinstance(record, dict):
-                        raise ValueError(f"{where}: expected a JSON object {{...}}, got {type(record).__name__}")
-                    if field not in record:
-                        raise _missing(where, field, setting, record)
+                    record = _json_record(line, where, field, setting)
                     yield f"{name}, line {n}", where, record if whole else record[field]
         except UnicodeDecodeError as e:
             raise ValueError(f"{file}: not UTF-8 text (byte {e.start}): is it a JSON Lines file?") from None
@@ -131,7 +144,7 @@ def _parquet(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> 
     """Each file a row group at a time (only the field's column, unless `whole`)."""
     import pyarrow.parquet as pq
 
-    for file, name in _files(cfg, "parquet"):
+    for file, name in record_files(cfg, "parquet"):
         with _reading_parquet(file):
             reader = pq.ParquetFile(file)
             names = reader.schema_arrow.names
@@ -156,7 +169,7 @@ class ParquetRecords:
     def __init__(self, cfg: DataConfig):
         import pyarrow.parquet as pq
 
-        self.field, self.files = cfg.text_field, [file for file, _ in _files(cfg, "parquet")]
+        self.field, self.files = cfg.text_field, [file for file, _ in record_files(cfg, "parquet")]
         self.groups, counts, self.counts = [], [], []  # (file, group) of each row group, its rows; rows a file
         for k, file in enumerate(self.files):
             with _reading_parquet(file):
@@ -200,6 +213,85 @@ class ParquetRecords:
                              f"{type(value).__name__} {str(value)[:60]!r}, not text: point data.text_field at a "
                              f"text field")
         return value
+
+
+class JsonlRecords:
+    """The text field of the lines of JSON Lines shards (uncompressed) as one random-access source of
+    records (what `arrayrecords.RecordStream` reads): record `b` of a file is the lines that start in its
+    block `b` of `BLOCK` bytes (a list of texts, often several, none in a block that a long line crosses
+    whole). Opening reads each file's size alone; a record reads its block and the end of its last line.
+    A corpus of fewer than `FROM_BLOCKS` blocks (64 MiB) is read whole instead (`read_as_records`), where
+    its records split by name."""
+
+    BLOCK = 1 << 16
+    FROM_BLOCKS = 1024
+
+    @classmethod
+    def blocks(cls, files) -> int:
+        """The blocks of `files` in all."""
+        return sum(-(-file.stat().st_size // cls.BLOCK) for file in files)
+
+    def __init__(self, cfg: DataConfig):
+        self.field, self.files = cfg.text_field, [file for file, _ in record_files(cfg, "jsonl")]
+        self.counts = []
+        for file in self.files:
+            try:
+                size = file.stat().st_size
+            except OSError as e:
+                raise ValueError(f"{file} cannot be read ({e.strerror or e}): check its permissions") from None
+            self.counts.append(-(-size // self.BLOCK))
+        self.firsts = np.cumsum([0] + self.counts)
+
+    def __len__(self) -> int:
+        return int(self.firsts[-1])
+
+    def where(self, i: int) -> str:
+        k = int(np.searchsorted(self.firsts, i, side="right")) - 1
+        return f"{self.files[k]}, bytes {(i - int(self.firsts[k])) * self.BLOCK}+"
+
+    def __getitem__(self, i: int) -> list[str]:
+        k = int(np.searchsorted(self.firsts, i, side="right")) - 1
+        file, begin = self.files[k], (i - int(self.firsts[k])) * self.BLOCK
+        texts = []
+        try:
+            with open(file, "rb") as f:
+                if begin:  # the line that starts in this block: after the first newline from its last byte before
+                    f.seek(begin - 1)
+                    f.readline()
+                at = f.tell()
+                while at < begin + self.BLOCK:
+                    line = f.readline()
+                    if not line:
+                        break
+                    if line.strip():
+                        texts.append(self._text(line, file, at))
+                    at = f.tell()
+        except OSError as e:
+            raise ValueError(f"{file} cannot be read ({e.strerror or e})") from None
+        return texts
+
+    def _text(self, line: bytes, file: pathlib.Path, at: int) -> str:
+        """The field's text of the line at byte `at`; an error names the line by its number, counted then."""
+        try:
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"not UTF-8 text (byte {at + e.start}): is it a JSON Lines file?") from None
+            return _check_text(_json_record(text, "", self.field, "text_field")[self.field], "", self.field,
+                               "text_field")
+        except ValueError as e:
+            raise ValueError(f"{file}, line {_line_number(file, at)}" + (str(e) if str(e).startswith(":") else
+                                                                          f": {e}")) from None
+
+
+def _line_number(file: pathlib.Path, at: int) -> int:
+    """The number of the line that starts at byte `at` of `file` (its newlines before it, plus one)."""
+    count, done = 1, 0
+    with open(file, "rb") as f:
+        while done < at:
+            chunk = f.read(min(1 << 20, at - done))
+            count, done = count + chunk.count(b"\n"), done + len(chunk)
+    return count
 
 
 @contextlib.contextmanager
