@@ -3,10 +3,12 @@
     uv run python scripts/bench_corpus.py                        # 1e8, 1e9, 1e10 tokens (about 20 GB under /tmp)
     uv run python scripts/bench_corpus.py --sizes 1e6 1e8 --root /tmp/corpus_bench
     uv run python scripts/bench_corpus.py --format arrayrecord --sizes 1e7 1e8 1e9   # ArrayRecord token records
+    uv run python scripts/bench_corpus.py --format jsonl --sizes 1e8 1e9             # JSON Lines (or parquet) text
 
 Makes, under `--root`, a corpus of each size as 64 shards of uint16 ids (a random block
 repeated, documents ending at id 258, the byte tokenizer's `<eos>`; with `--format
-arrayrecord`, ArrayRecord shards of one document of 1,000 ids a record), unless it is there
+arrayrecord`, ArrayRecord shards of one document of 1,000 ids a record; with `jsonl` or `parquet`,
+documents of 1,000 bytes of text, byte-level), unless it is there
 already, and a one-shard corpus of 1e5 ids (the baseline: the model, its optimizer and the
 runtime). After a warm-up run that fills the compilation cache, each corpus is trained on by `modern-jax train` (configs/tiny.yaml, a few steps, a
 small evaluation) in a fresh process; the script prints side by side the process's wall time
@@ -17,6 +19,7 @@ corpus's, and the peak RSS beyond the baseline's.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import shutil
@@ -68,14 +71,40 @@ def make_records(directory: pathlib.Path, n_tokens: int, shards: int) -> None:
     done.write_text("")
 
 
-def train(data: pathlib.Path, out: pathlib.Path, steps: int, records: bool) -> tuple[float, float]:
+def make_text(directory: pathlib.Path, n_tokens: int, shards: int, kind: str) -> None:
+    """`shards` JSON Lines or Parquet files of text documents of about 1,000 bytes (byte-level
+    tokens), `n_tokens` bytes of text in all (Parquet in row groups of 1,000 rows)."""
+    done = directory / ".complete"
+    if done.exists():
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", np.uint8)
+    texts = [letters[rng.integers(0, len(letters), 1000)].tobytes().decode() for _ in range(1024)]
+    per_shard = [n_tokens // 1000 // shards + (i < n_tokens // 1000 % shards) for i in range(shards)]
+    for i, n in enumerate(per_shard):
+        rows = [texts[j % len(texts)] for j in range(max(n, 1))]
+        if kind == "jsonl":
+            with open(directory / f"part-{i:05d}.jsonl", "w") as f:
+                for at in range(0, len(rows), 1024):
+                    f.write("".join(json.dumps({"id": at + j, "text": t}) + "\n" for j, t in enumerate(rows[at:at + 1024])))
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"text": rows}), directory / f"part-{i:05d}.parquet", row_group_size=1000)
+    done.write_text("")
+
+
+def train(data: pathlib.Path, out: pathlib.Path, steps: int, kind: str) -> tuple[float, float]:
     """(wall seconds, peak RSS in GiB) of `modern-jax train` on `data` in a fresh process."""
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "modern_jax.cli", "train", "--config", str(ROOT / "configs/tiny.yaml"),
                "--data", str(data), "--output-dir", str(out), f"train.steps={steps}", "train.eval_every=0",
                "train.final_eval_windows=64", "train.warmup_steps=1", "train.plot=false", "train.samples=0", "train.progress=false",
-               "train.checkpoint_every=0"] + (["data.record_format=tokens"] if records else
-                                               [f"data.doc_separator_id={SEPARATOR}"])
+               "train.checkpoint_every=0"] + {"arrayrecord": ["data.record_format=tokens"],
+                                              "tokens": [f"data.doc_separator_id={SEPARATOR}"]}.get(kind, [])
     start = time.perf_counter()
     child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env={**os.environ, "MODERN_JAX_ALONE": "1"})
@@ -92,11 +121,13 @@ def main() -> None:
     parser.add_argument("--root", type=pathlib.Path, default=pathlib.Path("/tmp/corpus_bench"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--keep", action="store_true", help="keep the corpora (default: removed at the end)")
-    parser.add_argument("--format", choices=("tokens", "arrayrecord"), default="tokens",
-                        help="token files (.bin), or ArrayRecord shards of token records")
+    parser.add_argument("--format", choices=("tokens", "arrayrecord", "jsonl", "parquet"), default="tokens",
+                        help="token files (.bin), ArrayRecord shards of token records, or JSON Lines or Parquet "
+                             "shards of text")
     args = parser.parse_args()
-    records = args.format == "arrayrecord"
-    make = make_records if records else make_corpus
+    make = {"tokens": make_corpus, "arrayrecord": make_records,
+            "jsonl": lambda d, n, k: make_text(d, n, k, "jsonl"),
+            "parquet": lambda d, n, k: make_text(d, n, k, "parquet")}[args.format]
     free = shutil.disk_usage(args.root.parent).free
     need = sum(2 * int(n) for n in args.sizes)
     if need > free:
@@ -108,11 +139,11 @@ def main() -> None:
         began = time.perf_counter()
         make(args.root / f"{args.format}-{int(n):d}", int(n), SHARDS)
         print(f"corpus of {n:.0e} tokens in {SHARDS} shards: ready in {time.perf_counter() - began:.0f} s", flush=True)
-    train(baseline, args.root / "run-warm-up", args.steps, records)  # fills the compilation cache: every run below reads it
-    rows = [("1e5 (1 shard, baseline)", *train(baseline, args.root / "run-baseline", args.steps, records))]
+    train(baseline, args.root / "run-warm-up", args.steps, args.format)  # fills the compilation cache: every run below reads it
+    rows = [("1e5 (1 shard, baseline)", *train(baseline, args.root / "run-baseline", args.steps, args.format))]
     for n in args.sizes:
         rows.append((f"{n:.0e}", *train(args.root / f"{args.format}-{int(n):d}", args.root / f"run-{int(n)}",
-                                        args.steps, records)))
+                                        args.steps, args.format)))
     first_wall, first_rss = rows[1][1], rows[1][2]
     print(f"\n{'tokens':>24} {'wall s':>8} {'x first':>8} {'peak RSS GiB':>13} {'x first':>8} {'beyond baseline GiB':>20}")
     for name, wall, rss in rows:

@@ -305,10 +305,11 @@ def _record_decoder(cfg: DataConfig, tokenizer: Tokenizer, where: str, source=No
 
 
 def _check_heads(source, counts: list[int], decode, where: str) -> None:
-    """The first `HEAD_RECORDS` records of each shard decoded and checked, so that a wrong dtype or
+    """The first `HEAD_RECORDS` records of each shard (a source's `head`, if it has one) decoded and checked,
+    so that a wrong dtype or
     tokenizer fails before any step; a corpus read whole that way must hold some ids."""
     firsts = np.cumsum([0] + counts[:-1])
-    heads = [int(first) + i for first, count in zip(firsts, counts) for i in range(min(count, HEAD_RECORDS))]
+    heads = [int(first) + i for first, count in zip(firsts, counts) for i in range(min(count, getattr(source, "head", HEAD_RECORDS)))]
     raw = sum(len(decode(i, source[i])) for i in heads)
     if len(heads) == len(source):
         check_tokens(len(heads), raw, False, False, where, "give it records with data")

@@ -225,6 +225,7 @@ class JsonlRecords:
 
     BLOCK = 1 << 16
     FROM_BLOCKS = 1024
+    head = 1  # blocks of each shard checked when the corpus opens (a block holds many records)
 
     @classmethod
     def blocks(cls, files) -> int:
