@@ -230,7 +230,9 @@ def test_parquet_shards_are_read_a_row_group_at_a_time(tmp_path, monkeypatch):
     """3 shards of 100 rows in row groups of 16, the text among other columns: opening reads the
     footers and the groups of each shard's 64 head rows alone; training and evaluation windows equal
     those of an ArrayRecord corpus of the same texts (grain's reader, the independent reference), a
-    batch reading only the groups its rows cover; a row that is not text is named by file and row."""
+    batch reading only the groups its rows cover, and so do a saved dataset's; a row that is not text is
+    named by file and row."""
+    import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -259,6 +261,11 @@ def test_parquet_shards_are_read_a_row_group_at_a_time(tmp_path, monkeypatch):
     for key in BATCH_KEYS:
         np.testing.assert_array_equal(batch[key], want[key], err_msg=key)
     assert "SECRET" not in tok.decode(batch["inputs"].ravel()) and len(reads) <= 2 * 8
+    datasets.Dataset.from_dict({"title": ["SECRET"] * 300, "text": texts}).save_to_disk(str(tmp_path / "saved"))
+    _, saved, _ = load_splits(DataConfig(path=str(tmp_path / "saved")))  # a dataset's rows, read one at a time
+    saved_batch = TrainBatches(saved, seq_len=32, batch_size=8, seed=3)[5]
+    for key in BATCH_KEYS:
+        np.testing.assert_array_equal(saved_batch[key], want[key], err_msg=key)
     for got, expected in zip(eval_batches(val, seq_len=16, batch_size=4, max_windows=3),
                              eval_batches(want_val, seq_len=16, batch_size=4, max_windows=3)):
         for key in BATCH_KEYS:
@@ -362,9 +369,7 @@ def test_records_give_the_token_stream_of_the_same_text_in_plain_files_and_only_
         str(tmp_path / "saved_dict"))
 
     _, want_train, want_val = load_splits(DataConfig(path=str(tmp_path / "plain")))
-    cases = [({"path": "docs.jsonl"}, "jsonl"), ({"path": "docs.jsonl.gz"}, "jsonl"), ({"path": "shards"}, "jsonl"),
-             ({"path": "saved"}, "hf"),
-             ({"path": "saved_dict", "hf_split": "notes", "text_field": "body"}, "hf")]
+    cases = [({"path": "docs.jsonl"}, "jsonl"), ({"path": "docs.jsonl.gz"}, "jsonl"), ({"path": "shards"}, "jsonl")]
     for settings, source in cases:
         cfg = DataConfig(**{**settings, "path": str(tmp_path / settings["path"])})
         assert cfg.resolved_source == source, settings
@@ -374,9 +379,11 @@ def test_records_give_the_token_stream_of_the_same_text_in_plain_files_and_only_
             np.testing.assert_array_equal(got.doc_starts, want.doc_starts, err_msg=str(settings))
             assert got.trained is None
         assert "SECRET" not in tok.decode(train.tokens) + tok.decode(val.tokens)
-    # Parquet is read a row group at a time (the test below): its records are the text column's alone
-    _, train, val = load_splits(DataConfig(path=str(tmp_path / "docs.parquet")))
-    assert [train.source[i] for i in range(len(train) + len(val))] == RECORD_TEXTS and len(val) == 1
+    # Parquet and datasets are read a row at a time (the tests below): their records are the text column's alone
+    for settings in ({"path": "docs.parquet"}, {"path": "saved"},
+                     {"path": "saved_dict", "hf_split": "notes", "text_field": "body"}):
+        _, train, val = load_splits(DataConfig(**{**settings, "path": str(tmp_path / settings["path"])}))
+        assert [train.source[i] for i in range(len(train) + len(val))] == RECORD_TEXTS and len(val) == 1, settings
 
 
 def test_a_streamed_dataset_reads_the_first_max_documents(tmp_path):

@@ -2,8 +2,8 @@
 records (JSON Lines, Parquet, Hugging Face `datasets`: `modern_jax.data.records`), split
 deterministically into train / validation and encoded into one token stream each. Token
 shards (`modern_jax.data.shards`), ArrayRecord shards (`modern_jax.data.arrayrecords`) and
-Parquet text and large JSON Lines (`records.ParquetRecords`, `records.JsonlRecords`, cut and read
-as ArrayRecord is: `read_as_records`) are read a window at a time as batches ask, never whole;
+the text of Parquet, of Hugging Face datasets and of large JSON Lines (`records.ParquetRecords`,
+`HfRecords`, `JsonlRecords`, cut and read as ArrayRecord is: `read_as_records`) are read a window at a time as batches ask, never whole;
 the others are read whole at the start.
 
 A document is a text, token ids, or (`data.format: chat`) a conversation, rendered by the
@@ -40,7 +40,7 @@ from etils import epath
 from modern_jax.data import chat
 from modern_jax.data.arrayrecords import HEAD_RECORDS, RecordStream, open_records
 from modern_jax.data.config import EXTENSIONS, RECORD_SOURCES, DataConfig, data_files
-from modern_jax.data.records import JsonlRecords, ParquetRecords, record_documents, record_files
+from modern_jax.data.records import HfRecords, JsonlRecords, ParquetRecords, record_documents, record_files
 from modern_jax.data.shards import HEAD_IDS, Shards, open_file, open_shards, read_index, shard_name, text_hint
 from modern_jax.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
@@ -204,22 +204,22 @@ def _record_text(path, i: int, record: bytes | str) -> str:
 
 
 def read_as_records(cfg: DataConfig) -> bool:
-    """Whether `cfg`'s corpus is read a record at a time as batches ask: ArrayRecord, the text of Parquet,
-    and that of JSON Lines of at least `JsonlRecords.FROM_BLOCKS` blocks, uncompressed (gzip cannot seek:
+    """Whether `cfg`'s corpus is read a record at a time as batches ask: ArrayRecord, the text of Parquet
+    and of a Hugging Face dataset (not streamed), and that of JSON Lines of at least `JsonlRecords.FROM_BLOCKS` blocks, uncompressed (gzip cannot seek:
     `.jsonl.gz` is read whole)."""
     source = cfg.resolved_source
     if source == "jsonl" and cfg.format == "text":
         files = [file for file, _ in record_files(cfg, "jsonl")]
         return not any(file.name.endswith(".gz") for file in files) and \
             JsonlRecords.blocks(files) >= JsonlRecords.FROM_BLOCKS
-    return source == "arrayrecord" or (source == "parquet" and cfg.format == "text")
+    return source == "arrayrecord" or (source in ("parquet", "hf") and cfg.format == "text" and not cfg.streaming)
 
 
 def open_sharded_records(cfg: DataConfig) -> tuple[object, list[int]]:
     """`(source, records per file)` of an ArrayRecord or (text) Parquet corpus: one random-access source
     of its records, of which opening reads the footers alone (`data.max_documents`: the first ones)."""
-    if cfg.resolved_source in ("parquet", "jsonl"):
-        source = (ParquetRecords if cfg.resolved_source == "parquet" else JsonlRecords)(cfg)
+    if cfg.resolved_source in ("parquet", "jsonl", "hf"):
+        source = {"parquet": ParquetRecords, "jsonl": JsonlRecords, "hf": HfRecords}[cfg.resolved_source](cfg)
         counts = source.counts
     else:
         source, counts = open_records(cfg.path)

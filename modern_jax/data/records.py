@@ -16,7 +16,8 @@ fields it has.
   `data.hf_split`), a local data file (read by the `datasets` builder of its extension,
   `HF_BUILDERS`) or a directory of them, or a hub name (`org/name`, when the network or the
   local cache has it; `data.hf_config`, `data.hf_split`), streamed with `data.streaming`.
-  A local path is never looked up on the hub.
+  A local path is never looked up on the hub. A text corpus not streamed is read a row at a time
+  from its memory-mapped Arrow files as batches ask (`HfRecords`).
 
 A file that cannot be read (damaged, truncated, no permission) is named, also when
 `datasets` is the reader (it names the file only in its log, which is kept off stderr).
@@ -313,6 +314,38 @@ def _datasets_log(messages: list[str]):
 
 
 def _hf(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> Iterator[Record]:
+    dataset = hf_dataset(cfg, field, setting, whole)
+    where = f"data.path={str(cfg.path)!r}"
+    for row, record in enumerate(dataset):
+        if field not in record:
+            raise _missing(f"{where}, row {row}", field, setting, record)
+        yield f"{cfg.hf_split}, row {row}", f"{where}, row {row}", dict(record) if whole else record[field]
+
+
+class HfRecords:
+    """The text field of every row of a Hugging Face dataset (its Arrow files, memory-mapped: a saved
+    dataset, local data files or a hub dataset in the local cache; not streamed) as one random-access
+    source of records (what `arrayrecords.RecordStream` reads): opening maps the files, record `i` reads
+    its row's one column."""
+
+    def __init__(self, cfg: DataConfig):
+        self.field, self.path = cfg.text_field, cfg.path
+        self.dataset = hf_dataset(cfg, self.field, "text_field")
+        self.counts = [len(self.dataset)]
+
+    def __len__(self) -> int:
+        return self.counts[0]
+
+    def where(self, i: int) -> str:
+        return f"data.path={str(self.path)!r}, row {i}"
+
+    def __getitem__(self, i: int) -> str:
+        return _check_text(self.dataset[i][self.field], self.where(i), self.field, "text_field")
+
+
+def hf_dataset(cfg: DataConfig, field: str, setting: str, whole: bool = False):
+    """The dataset of `data.source: hf` (`datasets.Dataset`, or an `IterableDataset` with `data.streaming`),
+    checked to have `field` (its other columns dropped unless `whole`); its errors in one line naming it."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -360,7 +393,4 @@ def _hf(cfg: DataConfig, field: str, setting: str, whole: bool = False) -> Itera
         if field not in columns:
             raise _missing(f"{where} (split {cfg.hf_split!r})", field, setting, columns)
         dataset = dataset if whole else dataset.select_columns([field])
-    for row, record in enumerate(dataset):
-        if field not in record:
-            raise _missing(f"{where}, row {row}", field, setting, record)
-        yield f"{cfg.hf_split}, row {row}", f"{where}, row {row}", dict(record) if whole else record[field]
+    return dataset
