@@ -33,14 +33,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARDS, BLOCK, SEPARATOR = 64, 1 << 22, 258
 
 
+def begun(directory: pathlib.Path) -> bool:
+    """False when `directory` holds a corpus made whole before; else True, with it empty and ready."""
+    if (directory / ".complete").exists():
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    return True
+
+
 def make_corpus(directory: pathlib.Path, n_tokens: int, shards: int) -> None:
     """`shards` files of uint16 ids, `n_tokens` in all: a random block (documents of about 1,000
     ids ending at SEPARATOR) written again and again."""
-    done = directory / ".complete"
-    if done.exists():
+    if not begun(directory):
         return
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
     rng = np.random.default_rng(0)
     block = rng.integers(0, 256, BLOCK, dtype=np.uint16)
     block[rng.integers(0, BLOCK, BLOCK // 1000)] = SEPARATOR
@@ -49,18 +55,15 @@ def make_corpus(directory: pathlib.Path, n_tokens: int, shards: int) -> None:
         with open(directory / f"part-{i:05d}.bin", "wb") as f:
             for at in range(0, n, BLOCK):
                 f.write(block[: min(BLOCK, n - at)].tobytes())
-    done.write_text("")
+    (directory / ".complete").write_text("")
 
 
 def make_records(directory: pathlib.Path, n_tokens: int, shards: int) -> None:
     """`shards` ArrayRecord files of records of 1,000 uint16 ids, `n_tokens` in all."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    done = directory / ".complete"
-    if done.exists():
+    if not begun(directory):
         return
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
     records = np.random.default_rng(0).integers(0, 256, (1024, 1000), dtype=np.uint16)
     per_shard = [n_tokens // 1000 // shards + (i < n_tokens // 1000 % shards) for i in range(shards)]
     for i, n in enumerate(per_shard):
@@ -68,17 +71,14 @@ def make_records(directory: pathlib.Path, n_tokens: int, shards: int) -> None:
         for j in range(max(n, 1)):
             writer.write(records[j % len(records)].tobytes())
         writer.close()
-    done.write_text("")
+    (directory / ".complete").write_text("")
 
 
 def make_text(directory: pathlib.Path, n_tokens: int, shards: int, kind: str) -> None:
     """`shards` JSON Lines or Parquet files of text documents of about 1,000 bytes (byte-level
     tokens), `n_tokens` bytes of text in all (Parquet in row groups of 1,000 rows)."""
-    done = directory / ".complete"
-    if done.exists():
+    if not begun(directory):
         return
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
     rng = np.random.default_rng(0)
     letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", np.uint8)
     texts = [letters[rng.integers(0, len(letters), 1000)].tobytes().decode() for _ in range(1024)]
@@ -94,7 +94,7 @@ def make_text(directory: pathlib.Path, n_tokens: int, shards: int, kind: str) ->
             import pyarrow.parquet as pq
 
             pq.write_table(pa.table({"text": rows}), directory / f"part-{i:05d}.parquet", row_group_size=1000)
-    done.write_text("")
+    (directory / ".complete").write_text("")
 
 
 def train(data: pathlib.Path, out: pathlib.Path, steps: int, kind: str) -> tuple[float, float]:
