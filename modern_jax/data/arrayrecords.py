@@ -52,7 +52,7 @@ def open_records(path):
 
 class RecordStream:
     """Records `[lo, hi)` of a random-access source (ArrayRecord's; `records.ParquetRecords`,
-    `records.JsonlRecords`) as a stream of documents (module docstring).
+    `HfRecords`, `JsonlRecords`) as a stream of documents (module docstring).
 
     `decode(i, record) -> ids` turns record `i` (its global number) into the token ids of its
     document, checked against the vocabulary; `bos_id` / `eos_id` are put around each."""

@@ -3,8 +3,8 @@ records (JSON Lines, Parquet, Hugging Face `datasets`: `modern_jax.data.records`
 deterministically into train / validation and encoded into one token stream each. Token
 shards (`modern_jax.data.shards`), ArrayRecord shards (`modern_jax.data.arrayrecords`) and
 the text of Parquet, of Hugging Face datasets and of large JSON Lines (`records.ParquetRecords`,
-`HfRecords`, `JsonlRecords`, cut and read as ArrayRecord is: `read_as_records`) are read a window at a time as batches ask, never whole;
-the others are read whole at the start.
+`HfRecords`, `JsonlRecords`, cut and read as ArrayRecord is: `read_as_records`) are read a window
+at a time as batches ask, never whole; the others are read whole at the start.
 
 A document is a text, token ids, or (`data.format: chat`) a conversation, rendered by the
 chat template into one text whose assistant turns alone are trained (`modern_jax.data.chat`):
@@ -205,19 +205,19 @@ def _record_text(path, i: int, record: bytes | str) -> str:
 
 def read_as_records(cfg: DataConfig) -> bool:
     """Whether `cfg`'s corpus is read a record at a time as batches ask: ArrayRecord, the text of Parquet
-    and of a Hugging Face dataset (not streamed), and that of JSON Lines of at least `JsonlRecords.FROM_BLOCKS` blocks, uncompressed (gzip cannot seek:
-    `.jsonl.gz` is read whole)."""
+    and of a Hugging Face dataset (not streamed), and that of JSON Lines of at least
+    `JsonlRecords.FROM_BLOCKS` blocks, uncompressed (gzip cannot seek: `.jsonl.gz` is read whole)."""
     source = cfg.resolved_source
     if source == "jsonl" and cfg.format == "text":
         files = [file for file, _ in record_files(cfg, "jsonl")]
         return not any(file.name.endswith(".gz") for file in files) and \
-            JsonlRecords.blocks(files) >= JsonlRecords.FROM_BLOCKS
+            sum(JsonlRecords.block_counts(files)) >= JsonlRecords.FROM_BLOCKS
     return source == "arrayrecord" or (source in ("parquet", "hf") and cfg.format == "text" and not cfg.streaming)
 
 
 def open_sharded_records(cfg: DataConfig) -> tuple[object, list[int]]:
-    """`(source, records per file)` of an ArrayRecord or (text) Parquet corpus: one random-access source
-    of its records, of which opening reads the footers alone (`data.max_documents`: the first ones)."""
+    """`(source, records per file)` of a corpus `read_as_records`: one random-access source of its records,
+    of which opening reads the footers or sizes alone (`data.max_documents`: the first ones)."""
     if cfg.resolved_source in ("parquet", "jsonl", "hf"):
         source = {"parquet": ParquetRecords, "jsonl": JsonlRecords, "hf": HfRecords}[cfg.resolved_source](cfg)
         counts = source.counts
@@ -233,7 +233,8 @@ class First:
 
     def __init__(self, source, n: int):
         self.source, self.n = source, n
-        self.where = getattr(source, "where", None)
+        if hasattr(source, "where"):  # records named as the source names them
+            self.where = source.where
 
     def __len__(self) -> int:
         return self.n
@@ -251,9 +252,9 @@ def _first_counts(counts: list[int], n: int) -> list[int]:
 
 def _record_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int | None,
                    shared: pathlib.Path | None) -> tuple[Tokenizer, RecordStream, RecordStream]:
-    """The records of an ArrayRecord or Parquet corpus cut at `1 - val_fraction` into two
-    `RecordStream`s, read as batches ask (`modern_jax.data.arrayrecords`); a tokenizer built from the
-    text (char, BPE) reads it once."""
+    """The records of a corpus `read_as_records` cut at `1 - val_fraction` into two `RecordStream`s, read
+    as batches ask (`modern_jax.data.arrayrecords`); a tokenizer built from the text (char, BPE) reads it
+    once."""
     source, counts = open_sharded_records(cfg)
     n, where = len(source), _where(cfg, cfg.resolved_source)
     if n < 2:
@@ -278,39 +279,37 @@ def _record_splits(cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int
 
 
 def _record_decoder(cfg: DataConfig, tokenizer: Tokenizer, where: str, source=None):
-    """`(i, record) -> ids` of record `i` (named by the source's `where(i)`, if it has one): its token
-    ids, or its text encoded; checked."""
-    name = getattr(source, "where", None)
+    """`(i, record) -> ids` of record `i` (named by the source's `where(i)`, if it has one, else its
+    number): its token ids, or its text encoded (a list of texts, a JSON Lines block: each); checked."""
+    name = getattr(source, "where", lambda i: f"{where} (record-{i})")
     tokens = cfg.record_format == "tokens" and cfg.resolved_source == "arrayrecord"
 
     def decode(i, record):
-        if name is not None:  # text: one (Parquet) or a block's list (JSON Lines)
-            try:
-                return [tokenizer.encode(t) for t in record] if isinstance(record, list) else tokenizer.encode(record)
-            except ValueError as e:  # a character the tokenizer has no id for
-                raise ValueError(f"{name(i)}: {e}") from None
         if tokens:
             if len(record) % np.dtype(cfg.token_dtype).itemsize:
-                raise ValueError(f"{where} (record-{i}): {len(record)} bytes are not a whole number of "
+                raise ValueError(f"{name(i)}: {len(record)} bytes are not a whole number of "
                                  f"data.token_dtype={cfg.token_dtype} ids: set data.token_dtype to the dtype that "
                                  "wrote them")
             ids = np.frombuffer(record, cfg.token_dtype)
-            check_token_ids(ids, tokenizer.vocab_size, f"{where} (record-{i})", cfg, record)
+            check_token_ids(ids, tokenizer.vocab_size, name(i), cfg, record)
             return ids
         try:
+            if isinstance(record, list):
+                return [tokenizer.encode(text) for text in record]
             return tokenizer.encode(_record_text(cfg.path, i, record))
         except ValueError as e:  # a character the tokenizer has no id for
-            raise ValueError(f"{where} (record-{i}): {e}") from None
+            raise ValueError(f"{name(i)}: {e}") from None
     return decode
 
 
 def _check_heads(source, counts: list[int], decode, where: str) -> None:
-    """The first `HEAD_RECORDS` records of each shard (a source's `head`, if it has one) decoded and checked,
-    so that a wrong dtype or
-    tokenizer fails before any step; a corpus read whole that way must hold some ids."""
-    firsts = np.cumsum([0] + counts[:-1])
-    heads = [int(first) + i for first, count in zip(firsts, counts) for i in range(min(count, getattr(source, "head", HEAD_RECORDS)))]
-    raw = sum(len(decode(i, source[i])) for i in heads)
+    """The first `HEAD_RECORDS` records of each shard (a source's `head`, if it has one) decoded and
+    checked, so that a wrong dtype or tokenizer fails before any step; a corpus read whole that way must
+    hold some ids."""
+    firsts, head = np.cumsum([0] + counts[:-1]), getattr(source, "head", HEAD_RECORDS)
+    heads = [int(first) + i for first, count in zip(firsts, counts) for i in range(min(count, head))]
+    decoded = [decode(i, source[i]) for i in heads]
+    raw = sum(sum(map(len, ids)) if isinstance(ids, list) else len(ids) for ids in decoded)
     if len(heads) == len(source):
         check_tokens(len(heads), raw, False, False, where, "give it records with data")
 

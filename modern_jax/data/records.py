@@ -208,12 +208,7 @@ class ParquetRecords:
             self._kept[g] = column  # the most recent last
             while len(self._kept) > self.KEPT:
                 self._kept.pop(next(iter(self._kept)))
-        value = column[i - int(self.firsts[g])]
-        if not isinstance(value, str):
-            raise ValueError(f"{self.where(i)}: field {self.field!r} (data.text_field) holds "
-                             f"{type(value).__name__} {str(value)[:60]!r}, not text: point data.text_field at a "
-                             f"text field")
-        return value
+        return _check_text(column[i - int(self.firsts[g])], self.where(i), self.field, "text_field")
 
 
 class JsonlRecords:
@@ -229,19 +224,19 @@ class JsonlRecords:
     head = 1  # blocks of each shard checked when the corpus opens (a block holds many records)
 
     @classmethod
-    def blocks(cls, files) -> int:
-        """The blocks of `files` in all."""
-        return sum(-(-file.stat().st_size // cls.BLOCK) for file in files)
+    def block_counts(cls, files) -> list[int]:
+        """The blocks of each of `files` (from their sizes)."""
+        counts = []
+        for file in files:
+            try:
+                counts.append(-(-file.stat().st_size // cls.BLOCK))
+            except OSError as e:
+                raise ValueError(f"{file} cannot be read ({e.strerror or e}): check its permissions") from None
+        return counts
 
     def __init__(self, cfg: DataConfig):
         self.field, self.files = cfg.text_field, [file for file, _ in record_files(cfg, "jsonl")]
-        self.counts = []
-        for file in self.files:
-            try:
-                size = file.stat().st_size
-            except OSError as e:
-                raise ValueError(f"{file} cannot be read ({e.strerror or e}): check its permissions") from None
-            self.counts.append(-(-size // self.BLOCK))
+        self.counts = self.block_counts(self.files)
         self.firsts = np.cumsum([0] + self.counts)
 
     def __len__(self) -> int:
