@@ -32,18 +32,17 @@ def is_remote(path) -> bool:
     return "://" in str(path)
 
 
-CHECKPOINT_SCHEMES = ("gs://",)  # object storage Orbax writes checkpoints to (TensorStore's GCS driver)
+CHECKPOINT_SCHEMES = ("gs://", "s3://")  # object storage Orbax writes checkpoints to (TensorStore's GCS and S3 drivers)
 
 
 def check_checkpoint_place(path, what: str) -> None:
-    """Checkpoints (Orbax) lie on a local disk or in `gs://`: another object store is refused
-    naming `what`, the path and the fix."""
+    """Checkpoints (Orbax) lie on a local disk, in `gs://` or in `s3://`: another object store is
+    refused naming `what`, the path and the fix."""
     if is_remote(path) and not str(path).startswith(CHECKPOINT_SCHEMES):
         scheme = str(path).split("://")[0]
         raise ValueError(f"{what}={str(path)!r}: checkpoints are written and read by Orbax, which reaches object "
-                         f"storage through TensorStore's GCS driver alone, so {scheme}:// holds corpora and exports "
-                         f"(prepare, convert --to-hf / --to-peft, harness) but no run or checkpoint: give a gs:// "
-                         f"path, or a local one (the {scheme} bucket mounted there, e.g. by mountpoint-s3)")
+                         f"storage through TensorStore's GCS and S3 drivers alone, so {scheme}:// holds no run or "
+                         f"checkpoint: give a gs:// or s3:// path, or a local one")
 
 
 def as_path(path):

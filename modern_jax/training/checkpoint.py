@@ -34,7 +34,7 @@ alone removes partial saves, checks checksums, seals and sets damaged steps asid
 decides which step a run resumes from (`multihost.distributed`).
 
 Every path may be on object storage (`gs://`, `s3://`; `modern_jax.paths`): Orbax writes
-there directly, and a step not finished there has no commit file instead of a temporary
+there directly (`s3://` through `orbax_s3`), and a step not finished there has no commit file instead of a temporary
 name; its `checksums.json` records sizes alone (the objects carry their own checksums).
 """
 
@@ -59,6 +59,7 @@ from modern_jax.configfile import read_yaml
 from modern_jax.multihost import distributed
 from modern_jax.training.config import RunConfig, TrainConfig
 from modern_jax.training.layout import leading, same_stack
+from modern_jax.training.orbax_s3 import reach_s3
 from modern_jax.training.outputs import step_numbers
 
 CONFIG_FILE = "config.yaml"
@@ -68,6 +69,7 @@ BASE_FILE = "base.json"  # where a fine-tune started: `{"source": path, "files":
 DAMAGED = "damaged_checkpoints"
 CHECKSUMS = "checksums.json"
 ITEMS = ("params", "state", "meta")
+reach_s3()  # Orbax writes and reads s3:// as it does gs://
 MISMATCH = "tree structures do not match"  # Orbax's words for a target of another pytree structure
 
 
