@@ -45,13 +45,15 @@ METRICS = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_reje
 
 
 def pair_batch(tokens_P2W, weights_P2W) -> dict:
-    """Our `[1, 2P, T]` batch of TRL's rows (`weights[t]`: token t + 1 is a completion token)."""
+    """Our `[1, 2P, T]` batch of TRL's rows (`weights[t]`: token t + 1 is a completion token), one
+    sequence to a row (`sequence`: the row)."""
     tokens = tokens_P2W.reshape(-1, tokens_P2W.shape[-1])  # rows: chosen, rejected, chosen, ...
     T = tokens.shape[1] - 1
     valid = np.cumsum(tokens[:, ::-1] != 0, axis=1)[:, ::-1][:, :T] > 0
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "positions": np.broadcast_to(np.arange(T), (len(tokens), T)), "segment_ids": valid,
-             "weights": weights_P2W.reshape(len(tokens), -1)[:, :T]}
+             "weights": weights_P2W.reshape(len(tokens), -1)[:, :T],
+             "sequence": np.broadcast_to(np.arange(len(tokens))[:, None], (len(tokens), T))}
     return {k: np.ascontiguousarray(v)[None].astype(np.float32 if k == "weights" else np.int32)
             for k, v in batch.items()}
 
@@ -100,22 +102,37 @@ def assert_trl_figures(sums: dict, want: dict, loss_key: str = "loss") -> None:
         np.testing.assert_allclose(float(sums[ours]) / pairs, want[theirs], rtol=1e-5, atol=1e-6, err_msg=ours)
 
 
-def test_a_batch_runs_over_the_least_width_that_holds_its_longest_sequence():
-    """TRL's fixed batch (sequences of at most 12 tokens) as rows of train.seq_len=32: the objective
-    places it 16 wide, the least width that holds 12, and gives TRL's loss and rewards (1e-5), as
-    the same batch run 32 wide does."""
+def test_a_batch_is_packed_into_the_fewest_tokens_and_gives_trls_figures():
+    """TRL's fixed batch (6 sequences of 7 to 12 tokens) as rows of train.seq_len=32: the objective
+    packs it 2 rows x 32 (64 tokens; one sequence to a row would take 6 x 16 = 96), several
+    sequences to a row, each its own segment with positions from 0, and gives TRL's loss and
+    rewards (1e-5), as the same batch one sequence to a row 32 wide does."""
     with np.load(FIXTURE / "dpo" / "sigmoid.npz") as z:
         want = dict(z)
     with np.load(FIXTURE / "dpo" / "batch.npz") as z:
         padded = {k: np.pad(z[k], ((0, 0), (0, 0), (0, 33 - z[k].shape[-1]))) for k in ("tokens", "weights")}
-        longest = int((z["tokens"] != 0).sum(-1).max())
+        lengths = (padded["tokens"] != 0).sum(-1).reshape(1, -1)
     item = pair_batch(padded["tokens"], padded["weights"])
     trainer, params = trl_policy(DPOConfig(beta=float(want["beta"])), rows=6, seq_len=32)
-    placed = trainer.objective.place_batch({**item, "width": np.asarray(longest)}, trainer=trainer, params=params,
+    placed = trainer.objective.place_batch({**item, "lengths": lengths}, trainer=trainer, params=params,
                                            rows=None, step=0, key=None)
-    assert longest == 12 and placed["inputs"].shape == (1, 6, 16)
+    assert sorted(lengths[0]) == [7, 8, 9, 10, 11, 12] and placed["inputs"].shape == (1, 2, 32)
+    segments, sequence = np.asarray(placed["segment_ids"][0]), np.asarray(placed["sequence"][0])
+    assert (segments.max(-1) >= 2).any()  # a row holds two sequences
+    for s in range(6):  # each sequence whole, in one segment, its tokens in order from position 0
+        row, cols = np.nonzero((sequence == s) & (segments > 0))
+        assert len(set(row)) == 1 and len(set(segments[row, cols])) == 1 and len(cols) == lengths[0, s] - 1
+        np.testing.assert_array_equal(np.asarray(placed["positions"][0])[row, cols], np.arange(len(cols)))
+        np.testing.assert_array_equal(np.asarray(placed["inputs"][0])[row, cols], item["inputs"][0, s, :len(cols)])
     for batch in (placed, trainer.batches.put(item)):
         assert_trl_figures(jax.device_get(trainer.eval_step(params, batch, None)), want)
+    from modern_jax.training.objectives.dpo import laid_out
+
+    whole = laid_out({k: v for k, v in item.items()}, lengths, trainer.batches, staged=True)  # a pipeline's
+    assert whole["inputs"].shape == (1, 6, 16)  # one sequence to a row, in order, its L - 1 inputs
+    inputs = np.arange(32) < lengths[..., None] - 1
+    for key in ("inputs", "segment_ids", "sequence"):
+        np.testing.assert_array_equal(whole[key], np.where(inputs, item[key], 0)[..., :16], err_msg=key)
 
 
 def step_metrics(cfg, tc, lora, dpo, batch, seed: int = 0):

@@ -53,8 +53,10 @@ letters of the package legend, the pairs in words):
 `batch_of` makes the training batch of some pairs: the `batches.BATCH_KEYS` arrays of
 `[2N, T]`, row 2n the chosen and row 2n + 1 the rejected sequence of pair n, each one document
 (positions from 0, segment 1, padding segment 0), exactly as `pack_windows` lays out a window
-that holds that sequence alone. The iterators' batches also carry `width`, the longest sequence
-of the whole batch (every process's rows), which the DPO objective cuts the rows to (bucketed).
+that holds that sequence alone. The iterators' batches also carry each sequence's `lengths`, by
+which `packed` lays a batch's sequences into fewer rows, several to a row (the DPO objective
+packs each batch into the fewest rows of its width that hold it), `sequence` naming each
+token's sequence.
 """
 
 from __future__ import annotations
@@ -173,16 +175,16 @@ def split_pairs(pairs: PreferencePairs, val_fraction: float) -> tuple[Preference
 
 
 class PairBatches:
-    """Random-access grain source: record `i` is this process's rows of global batch `i`, `[A, R, T]`
-    arrays of `batch_size / 2` pairs (every pair once per epoch, each epoch in its own order:
-    `numpy.random.default_rng([seed, epoch]).permutation`), so a batch is a pure function of
-    `(seed, i)` and a resumed run sees the batches an uninterrupted one sees."""
+    """Random-access grain source: record `i` is global batch `i`, `[A, R, T]` arrays of
+    `batch_size / 2` pairs (every pair once per epoch, each epoch in its own order:
+    `numpy.random.default_rng([seed, epoch]).permutation`) and their sequences' `lengths` `[A, R]`,
+    so a batch is a pure function of `(seed, i)` and a resumed run sees the batches an
+    uninterrupted one sees. Every process holds the whole batch: `packed` lays it into the rows
+    the step takes, of which each process passes its own."""
 
-    def __init__(self, pairs: PreferencePairs, batch_size: int, grad_accum: int = 1, seed: int = 0,
-                 rows: slice | None = None):
+    def __init__(self, pairs: PreferencePairs, batch_size: int, grad_accum: int = 1, seed: int = 0):
         self.pairs, self.seed, self.n = pairs, seed, batch_size // 2
         self.shape = (grad_accum, batch_size // grad_accum)
-        self.rows = slice(None) if rows is None else rows
 
     def __len__(self) -> int:
         return UNBOUNDED
@@ -190,34 +192,64 @@ class PairBatches:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         indices = epoch_order(len(self.pairs), self.seed, int(i) * self.n, self.n)
         batch = batch_of(self.pairs, indices)  # [2n, T]: pairs stay in one micro-batch (A divides n)
-        return {**{k: v.reshape(*self.shape, -1)[:, self.rows] for k, v in batch.items()},
-                "width": np.asarray(self.pairs.lengths[indices].max())}  # of every process's rows
+        return {**{k: v.reshape(*self.shape, -1) for k, v in batch.items()},
+                "lengths": self.pairs.lengths[indices].reshape(self.shape)}
 
 
 def pair_iterator(pairs: PreferencePairs, *, batch_size: int, grad_accum: int = 1, seed: int = 0,
-                  rows: slice | None = None, state: dict | None = None):
-    """A grain iterator of training batches of pairs (this process's `rows`); `state` (from
-    `.get_state()`) resumes it exactly."""
-    return grain_iterator(PairBatches(pairs, batch_size, grad_accum, seed, rows), state)
+                  state: dict | None = None):
+    """A grain iterator of training batches of pairs; `state` (from `.get_state()`) resumes it exactly."""
+    return grain_iterator(PairBatches(pairs, batch_size, grad_accum, seed), state)
 
 
-def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int | None = None,
-                      rows: slice | None = None) -> Batches:
-    """Batches `[1, R, T]` of the pairs in order (`max_pairs` of them spread evenly); the last is
-    filled up with empty pairs (no completion token: `objectives.dpo.preference_sums` counts them out)."""
+def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int | None = None) -> Batches:
+    """Batches `[1, R, T]` of the pairs in order (`max_pairs` of them spread evenly), with their
+    `lengths`; the last is filled up with empty pairs (no token: `objectives.dpo.preference_sums`
+    counts them out)."""
     chosen = spread(np.arange(len(pairs)), max_pairs)
     n = batch_size // 2
-    rows = slice(None) if rows is None else rows
 
     def make():
         for b in range(-(-len(chosen) // n)):
             indices = chosen[b * n:(b + 1) * n]
             batch = batch_of(pairs, indices)
             pad = 2 * n - len(batch["inputs"])
-            batch = {k: np.concatenate([v, np.zeros((pad, v.shape[1]), v.dtype)]) for k, v in batch.items()}
-            yield {**{k: v[rows][None] for k, v in batch.items()}, "width": np.asarray(pairs.lengths[indices].max())}
+            yield {**{k: np.pad(v, ((0, pad), (0, 0)))[None] for k, v in batch.items()},
+                   "lengths": np.pad(pairs.lengths[indices].reshape(-1), (0, pad))[None]}
 
     return Batches(-(-len(chosen) // n), make())
+
+
+def packed(batch: dict, lengths: np.ndarray, rows: int, width: int) -> dict | None:
+    """The sequences of `batch` (`[A, R, T]` arrays, row r of micro-batch a one sequence of
+    `lengths[a, r]` tokens) laid into `rows` rows of `width` tokens, None if they do not fit: with
+    `rows` = R each in its own row, else longest first, each into the first row with room (a sequence of L tokens takes its L - 1 inputs, the
+    last token being a target only), each its own segment with positions from 0, as `pack_windows`
+    packs documents. `sequence` holds each token's row in `batch` (the sequence it belongs to:
+    chosen 2n, rejected 2n + 1), 0 on padding (no weight)."""
+    A, R = lengths.shape
+    slots = np.maximum(lengths - 1, 0)
+    out = {k: np.zeros((A, rows, width), v.dtype) for k, v in batch.items()}
+    out["sequence"] = np.zeros((A, rows, width), np.int32)
+    for a in range(A):
+        fill, count = np.zeros(rows, np.int64), np.zeros(rows, np.int32)
+        for r in np.argsort(-slots[a], kind="stable"):
+            n = int(slots[a, r])
+            if n == 0:  # an empty pair's (padding)
+                continue
+            room = [r] if rows == R else np.flatnonzero(fill + n <= width)
+            if not len(room) or fill[room[0]] + n > width:
+                return None
+            row = room[0]
+            at = slice(fill[row], fill[row] + n)
+            for key in ("inputs", "targets", "weights"):
+                out[key][a, row, at] = batch[key][a, r, :n]
+            count[row] += 1
+            out["positions"][a, row, at] = np.arange(n)
+            out["segment_ids"][a, row, at] = count[row]
+            out["sequence"][a, row, at] = r
+            fill[row] += n
+    return out
 
 
 # ----- records -------------------------------------------------------------------

@@ -130,12 +130,10 @@ def token_logps(model, batch: dict, *, chunk: int = 8192, temperature: float = 1
     return z_target_BT - lse_BT, entropy_BT, jax.lax.stop_gradient(max_abs)
 
 
-def sequence_logps(model, batch: dict, *, chunk: int = 8192, dropout_rng=None, diagnostics: bool = False) -> tuple:
-    """`(logps[B], count[B], max |logit|)`: each row's summed log-probability of its weighted
-    targets (a completion's tokens), and how many there are."""
-    logps_BT, _, max_abs = token_logps(model, batch, chunk=chunk, dropout_rng=dropout_rng, diagnostics=diagnostics)
-    w_BT = batch["weights"].astype(jnp.float32)
-    return jnp.sum(w_BT * logps_BT, axis=-1), jnp.sum(w_BT, axis=-1), max_abs
+def per_sequence(x_BT, sequence_BT, S: int):
+    """`[S]`: the sums of `x` over each sequence's tokens, sequence s being the tokens whose
+    `sequence` is s (a packed batch's rows hold several; a sequence no token names sums to 0)."""
+    return jax.ops.segment_sum(x_BT.reshape(-1), sequence_BT.reshape(-1), num_segments=S)
 
 
 @jax.named_scope("loss")

@@ -1,7 +1,7 @@
 """Preference tuning (the `dpo:` section): DPO and its variants, TRL's losses and metrics.
 
-Each batch holds pairs, chosen and rejected in alternate rows (B = 2 pairs), only the
-completions' tokens weighted (`data.preference`). A pair's margin is `delta = (log pi(chosen)
+Each batch holds pairs, chosen and rejected as alternate sequences (S = 2 pairs), packed several
+to a row where they fit (`data.preference.packed`), only the completions' tokens weighted. A pair's margin is `delta = (log pi(chosen)
 - log ref(chosen)) - (log pi(rejected) - log ref(rejected))`, log-probabilities summed over
 the completion's tokens:
 - sigmoid: `-(1 - s) log sigmoid(beta delta) - s log sigmoid(-beta delta)` (DPO; with
@@ -20,11 +20,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from modern_jax.configfile import fail
 from modern_jax.data.corpora import build_tokenizer
-from modern_jax.data.preference import pair_eval_batches, pair_iterator, read_pairs, split_pairs
-from modern_jax.training.loss import sequence_logps
+from modern_jax.data.preference import packed, pair_eval_batches, pair_iterator, read_pairs, split_pairs
+from modern_jax.training.loss import per_sequence, token_logps
 from modern_jax.training.metrics import Shown
 from modern_jax.training.objectives import base
 
@@ -65,20 +66,20 @@ class DPOConfig(base.Config):
                              f"pair is two: make it even")
 
 
-def real_pairs(count_B):
-    """`[pairs]` 1.0 for each pair (rows 2p, 2p + 1) whose completions both have a weighted token, 0.0
-    for padding, from each row's count of them."""
-    return jnp.all(count_B.reshape(-1, 2) > 0, axis=-1).astype(jnp.float32)
+def real_pairs(count_S):
+    """`[pairs]` 1.0 for each pair (sequences 2p, 2p + 1) whose completions both have a weighted
+    token, 0.0 for padding, from each sequence's count of them."""
+    return jnp.all(count_S.reshape(-1, 2) > 0, axis=-1).astype(jnp.float32)
 
 
-def preference_sums(logps_B, ref_B, count_B, *, beta: float, loss_type: str, label_smoothing: float = 0.0) -> dict:
-    """Sums over the pairs of a batch whose rows alternate chosen, rejected (B = 2 pairs), with
+def preference_sums(logps_S, ref_S, count_S, *, beta: float, loss_type: str, label_smoothing: float = 0.0) -> dict:
+    """Sums over the pairs of a batch whose sequences alternate chosen, rejected (S = 2 pairs), with
     TRL's metrics: the DPO or IPO loss, the rewards `beta (log pi - log ref)` of the chosen and
     rejected, how often the chosen's is higher, their margin, the policy's log-probabilities,
     and `pairs` (a pair with an empty completion, padding, counts 0)."""
     # [pairs, 2] (pairs have no letter): each pair's chosen and rejected rows side by side
-    pi, ref, n = (x.reshape(-1, 2) for x in (logps_B, jax.lax.stop_gradient(ref_B), count_B))
-    real = real_pairs(count_B)  # [pairs], as are `loss` and `delta`
+    pi, ref, n = (x.reshape(-1, 2) for x in (logps_S, jax.lax.stop_gradient(ref_S), count_S))
+    real = real_pairs(count_S)  # [pairs], as are `loss` and `delta`
     ratio = pi - ref
     if loss_type == "ipo":
         avg = ratio / jnp.maximum(n, 1.0)
@@ -95,6 +96,31 @@ def preference_sums(logps_B, ref_B, count_B, *, beta: float, loss_type: str, lab
             "rewards/margins": total(rewards[:, 0] - rewards[:, 1]),
             "logps/chosen": total(jax.lax.stop_gradient(pi[:, 0])),
             "logps/rejected": total(jax.lax.stop_gradient(pi[:, 1])), "pairs": jnp.sum(real)}
+
+
+def laid_out(batch: dict, lengths, placement, *, staged: bool = False) -> dict:
+    """The sequences of `batch` (`[A, R, T]`, one to a row, of `lengths` `[A, R]` tokens) packed
+    (`preference.packed`) into the rows x width of fewest tokens: widths from the placement's
+    (`BatchPlacement.widths`: a step compiles once per rows x width) and row counts likewise (powers
+    of two and 1.5 times them, below R, that split over the data shards; and R). TRL pads each batch to its longest sequence; here short sequences
+    also share a row. A pipeline (`staged`) keeps one sequence to a row: its microbatches split the
+    rows, and a pair must stay in one."""
+    R = lengths.shape[1]
+    slots = np.maximum(lengths - 1, 0)  # a sequence's inputs (its last token is a target only)
+    longest, most = max(int(slots.max()), 1), int(slots.sum(-1).max())  # of one micro-batch
+    counts = [R] if staged else sorted({n for k in range(R.bit_length()) for n in (1 << k, 3 << k >> 1)
+                                        if n < R and n % placement.shards == 0} | {R})
+    best, laid = None, None
+    for count in counts:
+        for width in placement.widths():
+            if width < longest or count * width < most:
+                continue
+            if best is not None and count * width >= best:
+                break
+            if (fits := packed(batch, lengths, count, width)) is not None:
+                best, laid = count * width, fits
+                break
+    return laid
 
 
 def shown(config: DPOConfig) -> Shown:
@@ -118,6 +144,7 @@ class DPO(base.Objective):
     def __init__(self, config: DPOConfig, train):
         super().__init__(config, train)
         self.display = shown(config)
+        self.sequences = max(train.batch_size // train.grad_accum, train.eval_batch_size)  # the most a micro-batch holds
 
     def read(self, run, tokenizer, shared):
         if tokenizer is None:
@@ -134,31 +161,42 @@ class DPO(base.Objective):
 
     def train_batches(self, split, *, rows, data, state):
         tc = self.train
-        return pair_iterator(split, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seed=tc.seed, rows=rows,
-                             state=state)
+        return pair_iterator(split, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seed=tc.seed, state=state)
 
     def eval_batches(self, split, *, max_windows, rows):
-        return pair_eval_batches(split, batch_size=self.train.eval_batch_size, max_pairs=max_windows, rows=rows)
+        return pair_eval_batches(split, batch_size=self.train.eval_batch_size, max_pairs=max_windows)
 
     def place_batch(self, item, *, trainer, params, rows, step, key):
-        """The rows cut to the least of the placement's widths that holds the batch's longest
-        sequence (`width`, of every process's rows, so all agree): the passes run over real tokens,
-        as TRL pads each batch to its longest, compiled once per width."""
-        width = trainer.batches.width(int(item["width"]))
-        return trainer.batches.put({k: v[..., :width] for k, v in item.items() if k != "width"}, rows)
+        """The batch's sequences packed into the fewest tokens (`laid_out`), each process passing
+        its own rows of them."""
+        lengths, batch = item["lengths"], {k: v for k, v in item.items() if k != "lengths"}
+        laid = laid_out(batch, lengths, trainer.batches, staged=trainer.programs.stages > 1)
+        count, width = laid["inputs"].shape[1:]
+        mine, _ = trainer.batches.local_slices(count, width)
+        return trainer.batches.put({k: v[:, mine] for k, v in laid.items()}, count)
+
+    def fields(self):
+        return {**super().fields(), "sequence": jnp.int32}
+
+    def per_sequence(self, x_BT, batch):
+        """`[S]`: `x` summed over each sequence's tokens (`batch["sequence"]`)."""
+        return per_sequence(x_BT, batch["sequence"], self.sequences)
 
     def prepare(self, reference, batch, *, chunk):
-        return sequence_logps(reference, batch, chunk=chunk)[0]  # the reference's log-probabilities
+        """The reference's log-probability of each weighted target, by token (row-shaped, so a
+        pipeline's microbatches split it as they split the rows)."""
+        return batch["weights"] * token_logps(reference, batch, chunk=chunk)[0]
 
     def sums(self, model, batch, prepared, *, chunk, dropout_rng, diagnostics):
-        logps_B, count_B, max_abs = sequence_logps(model, batch, chunk=chunk, dropout_rng=dropout_rng,
-                                                   diagnostics=diagnostics)
+        logps_BT, _, max_abs = token_logps(model, batch, chunk=chunk, dropout_rng=dropout_rng, diagnostics=diagnostics)
+        w_BT = batch["weights"].astype(jnp.float32)
+        logps_S, ref_S, count_S = (self.per_sequence(x, batch) for x in (w_BT * logps_BT, prepared, w_BT))
         c = self.config
-        return {**preference_sums(logps_B, prepared, count_B, beta=c.beta, loss_type=c.loss_type,
+        return {**preference_sums(logps_S, ref_S, count_S, beta=c.beta, loss_type=c.loss_type,
                                   label_smoothing=c.label_smoothing), "max_abs_logit": max_abs}
 
     def denominator(self, batch):
-        return jnp.maximum(jnp.sum(real_pairs(jnp.sum(batch["weights"], -1).reshape(-1))), 1.0)
+        return jnp.maximum(jnp.sum(real_pairs(self.per_sequence(batch["weights"], batch))), 1.0)
 
     def loss(self, sums, denominator):
         return sums["dpo_loss"] / denominator
