@@ -263,6 +263,33 @@ def test_a_lora_grpo_run_starts_at_kl_0_compiles_its_rollouts_once_and_resumes_e
     assert {s["step"] for s in samples} == {1, 3} and {"prompt", "completion", "exact_answer"} <= set(samples[0])
 
 
+def test_an_overlapped_run_resumed_from_a_checkpoint_logs_what_the_uninterrupted_one_logs(tmp_path, monkeypatch):
+    """grpo.overlap over 4 steps, a checkpoint at 2: the batches of steps 2 and 4 are sampled while
+    steps 1 and 3 train, that of step 3 after step 2, from the weights its checkpoint saves; so
+    stopped at 2 and resumed, the run logs every figure the uninterrupted one logs."""
+    from modern_jax.training import loop
+    from modern_jax.training.trainer import Trainer
+
+    monkeypatch.chdir(ROOT)
+    trained, begun = [], []  # steps run; (the step a batch is for, the steps run when it was begun)
+    step, begin = Trainer.train_step, loop._Session.begin
+    monkeypatch.setattr(Trainer, "train_step", lambda self, *a: trained.append(1) or step(self, *a))
+    monkeypatch.setattr(loop._Session, "begin", lambda self, batch, rows, k: begun.append((k + 1, len(trained)))
+                        or begin(self, batch, rows, k))
+    overrides = ("grpo.beta=0.04", "grpo.overlap=true", "train.steps=4", "train.checkpoint_every=2")
+    run, init = grpo_run(tmp_path, "whole", *overrides)
+    whole = loop.train(run, init=init)
+    assert begun[:4] == [(1, 0), (2, 0), (3, 2), (4, 2)], begun  # 2 and 4 ahead; 3 after the checkpoint
+    run, init = grpo_run(tmp_path, "parts", *overrides)
+    part = loop.train(run, init=init, stop_after=2)
+    rest = loop.train(dataclasses.replace(run, train=dataclasses.replace(run.train, resume=True)), init=init)
+    resumed = part.history + rest.history
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(whole.history, resumed):
+        for key in ("loss", "reward", "kl", "entropy", "grad_norm", "completions/mean_length"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-6, atol=1e-9, err_msg=f"step {a['step']} {key}")
+
+
 def step_trainer(*args, **kwargs):
     from modern_jax.training.trainer import trainer_for
 

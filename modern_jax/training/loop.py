@@ -538,10 +538,13 @@ def _steps(s: _Session, book: _Logbook, stop_after, stop: StopSignal) -> tuple[i
     rows = tc.batch_size // tc.grad_accum
     step, next_batch = s.start, s.next_batch
     every = s.trainer.objective.steps_per_batch  # a run stops and saves only between batches that serve several steps
+    saves = lambda k: bool(tc.checkpoint_every) and k % tc.checkpoint_every == 0  # noqa: E731  (after step k)
     asked = False  # a stop signal came
     while step < tc.steps:
         batch, next_batch, begun = next_batch, None, None
-        if s.trainer.objective.ahead and step + 1 < tc.steps:  # the next batch, from the weights this step starts with
+        # the next batch, from the weights this step starts with; not across a checkpoint, whose next
+        # batch is sampled from the weights it saves, as a run resumed from it samples its first
+        if s.trainer.objective.ahead and step + 1 < tc.steps and not saves(step + 1):
             s.data_state = s.iterator.get_state()  # what a stop after this step saves: the begun batch comes again
             begun = s.begin(next(s.iterator), rows, step + 1)
         s.state, metrics = s.trainer.train_step(s.state, batch)
@@ -562,7 +565,7 @@ def _steps(s: _Session, book: _Logbook, stop_after, stop: StopSignal) -> tuple[i
         if stopping:
             _stop(s, book, step, stop, stop_after)
             return step, True
-        if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+        if saves(step):
             s.save(step, book.message)
     return step, False
 
