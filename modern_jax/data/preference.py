@@ -223,10 +223,11 @@ def pair_eval_batches(pairs: PreferencePairs, *, batch_size: int, max_pairs: int
 def packed(batch: dict, lengths: np.ndarray, rows: int, width: int) -> dict | None:
     """The sequences of `batch` (`[A, R, T]` arrays, row r of micro-batch a one sequence of
     `lengths[a, r]` tokens) laid into `rows` rows of `width` tokens, None if they do not fit: with
-    `rows` = R each in its own row, else longest first, each into the first row with room (a sequence of L tokens takes its L - 1 inputs, the
-    last token being a target only), each its own segment with positions from 0, as `pack_windows`
-    packs documents. `sequence` holds each token's row in `batch` (the sequence it belongs to:
-    chosen 2n, rejected 2n + 1), 0 on padding (no weight)."""
+    `rows` = R each in its own row, else longest first, each into the first row with room (a
+    sequence of L tokens takes its L - 1 inputs, the last token being a target only), each its own
+    segment with positions from 0, as `pack_windows` packs documents. `sequence` holds each
+    token's row in `batch` (the sequence it belongs to: chosen 2n, rejected 2n + 1), 0 on padding
+    (no weight)."""
     A, R = lengths.shape
     slots = np.maximum(lengths - 1, 0)
     out = {k: np.zeros((A, rows, width), v.dtype) for k, v in batch.items()}

@@ -34,8 +34,9 @@ alone removes partial saves, checks checksums, seals and sets damaged steps asid
 decides which step a run resumes from (`multihost.distributed`).
 
 Every path may be on object storage (`gs://`, `s3://`; `modern_jax.paths`): Orbax writes
-there directly (`s3://` through `orbax_s3`), and a step not finished there has no commit file instead of a temporary
-name; its `checksums.json` records sizes alone (the objects carry their own checksums).
+there directly (`s3://` through `orbax_s3`), and a step not finished there has no commit file
+instead of a temporary name; its `checksums.json` records sizes alone (the objects carry their
+own checksums).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Preference tuning (the `dpo:` section): DPO and its variants, TRL's losses and metrics.
 
 Each batch holds pairs, chosen and rejected as alternate sequences (S = 2 pairs), packed several
-to a row where they fit (`data.preference.packed`), only the completions' tokens weighted. A pair's margin is `delta = (log pi(chosen)
-- log ref(chosen)) - (log pi(rejected) - log ref(rejected))`, log-probabilities summed over
-the completion's tokens:
+to a row where they fit (`laid_out`), only the completions' tokens weighted. A pair's margin is
+`delta = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))`,
+log-probabilities summed over the completion's tokens:
 - sigmoid: `-(1 - s) log sigmoid(beta delta) - s log sigmoid(-beta delta)` (DPO; with
   `label_smoothing` s > 0, the conservative cDPO of noisy labels);
 - ipo: `(delta' - 1 / (2 beta))^2`, delta' with each log-probability averaged over its
@@ -101,10 +101,11 @@ def preference_sums(logps_S, ref_S, count_S, *, beta: float, loss_type: str, lab
 def laid_out(batch: dict, lengths, placement, *, staged: bool = False) -> dict:
     """The sequences of `batch` (`[A, R, T]`, one to a row, of `lengths` `[A, R]` tokens) packed
     (`preference.packed`) into the rows x width of fewest tokens: widths from the placement's
-    (`BatchPlacement.widths`: a step compiles once per rows x width) and row counts likewise (powers
-    of two and 1.5 times them, below R, that split over the data shards; and R). TRL pads each batch to its longest sequence; here short sequences
-    also share a row. A pipeline (`staged`) keeps one sequence to a row: its microbatches split the
-    rows, and a pair must stay in one."""
+    (`BatchPlacement.widths`: a step compiles once per rows x width) and row counts likewise
+    (powers of two and 1.5 times them, below R, that split over the data shards; and R). TRL pads
+    each batch to its longest sequence; here short sequences also share a row. A pipeline
+    (`staged`) keeps one sequence to a row: its microbatches split the rows, and a pair must stay
+    in one."""
     R = lengths.shape[1]
     slots = np.maximum(lengths - 1, 0)  # a sequence's inputs (its last token is a target only)
     longest, most = max(int(slots.max()), 1), int(slots.sum(-1).max())  # of one micro-batch
@@ -144,7 +145,7 @@ class DPO(base.Objective):
     def __init__(self, config: DPOConfig, train):
         super().__init__(config, train)
         self.display = shown(config)
-        self.sequences = max(train.batch_size // train.grad_accum, train.eval_batch_size)  # the most a micro-batch holds
+        self.sequences = max(train.batch_size // train.grad_accum, train.eval_batch_size)  # most in a micro-batch
 
     def read(self, run, tokenizer, shared):
         if tokenizer is None:
@@ -170,6 +171,9 @@ class DPO(base.Objective):
         """The batch's sequences packed into the fewest tokens (`laid_out`), each process passing
         its own rows of them."""
         lengths, batch = item["lengths"], {k: v for k, v in item.items() if k != "lengths"}
+        if lengths.shape[1] > self.sequences:  # `per_sequence` would drop the ones beyond
+            raise ValueError(f"a DPO batch of {lengths.shape[1]} sequences, beyond the {self.sequences} this "
+                             f"objective was made for (train.batch_size / grad_accum, eval_batch_size)")
         laid = laid_out(batch, lengths, trainer.batches, staged=trainer.programs.stages > 1)
         count, width = laid["inputs"].shape[1:]
         mine, _ = trainer.batches.local_slices(count, width)
