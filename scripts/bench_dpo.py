@@ -60,7 +60,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     batches = [pairs_batch(rng, args.sequences, args.max_length, args.min_length, args.max_length, 1024)
                for _ in range(args.steps)]
-    layouts = {"packed": lambda b, n: laid_out(b, n, trainer.batches),
+    layouts = {"packed": lambda b, n: laid_out(b, n, trainer.batches, trainer.programs.data_shards),
                "one to a row": lambda b, n: {k: v[..., :trainer.batches.width(int(n.max()) - 1)] for k, v in b.items()}}
     state = trainer.states.init(0)
     figures = {}

@@ -128,7 +128,7 @@ def test_a_batch_is_packed_into_the_fewest_tokens_and_gives_trls_figures():
         assert_trl_figures(jax.device_get(trainer.eval_step(params, batch, None)), want)
     from modern_jax.training.objectives.dpo import laid_out
 
-    whole = laid_out({k: v for k, v in item.items()}, lengths, trainer.batches, staged=True)  # a pipeline's
+    whole = laid_out(item, lengths, trainer.batches, 1, staged=True)  # a pipeline's
     assert whole["inputs"].shape == (1, 6, 16)  # one sequence to a row, in order, its L - 1 inputs
     inputs = np.arange(32) < lengths[..., None] - 1
     for key in ("inputs", "segment_ids", "sequence"):

@@ -55,7 +55,6 @@ class BatchPlacement:
         layout_order(train_cfg.seq_len, self.context, context_layout)  # its errors name the fields
         self.cfg, self.context_layout = train_cfg, context_layout
         self.sharding = batch_sharding(mesh, rules)
-        self.shards = split_size("activation_batch", mesh, rules)  # the row blocks a batch splits into
 
     def abstract(self, eval_shape: tuple[int, int] | None = None, fields: dict | None = None) -> dict:
         """ShapeDtypeStructs (with shardings) of one step's batch: `[grad_accum, rows, seq_len]` each;

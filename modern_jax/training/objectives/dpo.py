@@ -98,11 +98,11 @@ def preference_sums(logps_S, ref_S, count_S, *, beta: float, loss_type: str, lab
             "logps/rejected": total(jax.lax.stop_gradient(pi[:, 1])), "pairs": jnp.sum(real)}
 
 
-def laid_out(batch: dict, lengths, placement, *, staged: bool = False) -> dict:
+def laid_out(batch: dict, lengths, placement, shards: int, *, staged: bool = False) -> dict:
     """The sequences of `batch` (`[A, R, T]`, one to a row, of `lengths` `[A, R]` tokens) packed
     (`preference.packed`) into the rows x width of fewest tokens: widths from the placement's
     (`BatchPlacement.widths`: a step compiles once per rows x width) and row counts likewise
-    (powers of two and 1.5 times them, below R, that split over the data shards; and R). TRL pads
+    (powers of two and 1.5 times them, below R, that split over the `shards` data shards; and R). TRL pads
     each batch to its longest sequence; here short sequences also share a row. A pipeline
     (`staged`) keeps one sequence to a row: its microbatches split the rows, and a pair must stay
     in one."""
@@ -110,7 +110,7 @@ def laid_out(batch: dict, lengths, placement, *, staged: bool = False) -> dict:
     slots = np.maximum(lengths - 1, 0)  # a sequence's inputs (its last token is a target only)
     longest, most = max(int(slots.max()), 1), int(slots.sum(-1).max())  # of one micro-batch
     counts = [R] if staged else sorted({n for k in range(R.bit_length()) for n in (1 << k, 3 << k >> 1)
-                                        if n < R and n % placement.shards == 0} | {R})
+                                        if n < R and n % shards == 0} | {R})
     best, laid = None, None
     for count in counts:
         for width in placement.widths():
@@ -174,7 +174,8 @@ class DPO(base.Objective):
         if lengths.shape[1] > self.sequences:  # `per_sequence` would drop the ones beyond
             raise ValueError(f"a DPO batch of {lengths.shape[1]} sequences, beyond the {self.sequences} this "
                              f"objective was made for (train.batch_size / grad_accum, eval_batch_size)")
-        laid = laid_out(batch, lengths, trainer.batches, staged=trainer.programs.stages > 1)
+        laid = laid_out(batch, lengths, trainer.batches, trainer.programs.data_shards,
+                        staged=trainer.programs.stages > 1)
         count, width = laid["inputs"].shape[1:]
         mine, _ = trainer.batches.local_slices(count, width)
         return trainer.batches.put({k: v[:, mine] for k, v in laid.items()}, count)
